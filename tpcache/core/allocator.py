@@ -1,0 +1,124 @@
+"""Page allocators whose decisions depend only on the sequence of calls.
+
+Every rank runs the same calls in the same order, so every rank hands out the same page numbers:
+that is what lets a page number name the same KV on all TP shards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages; the caller evicts or refuses."""
+
+
+class PageAllocator:
+    """Pages ``0 .. num_pages-1``: freed pages are reused LIFO, then never-used pages in order.
+
+    Invariants: owned + free + never-used == num_pages; a page is either free or owned, never both.
+    LIFO reuse keeps recently freed (cache-warm) pages in use; never-used pages are handed out
+    lazily, so a huge (unbounded) pool costs nothing until it is used.
+    """
+
+    def __init__(self, num_pages: int, name: str = "device") -> None:
+        if num_pages < 0:
+            raise ValueError(f"{name} pool size must be >= 0, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        self._free: list[int] = []
+        self._fresh = 0  # pages >= _fresh were never handed out
+        self._owned = bytearray()
+
+    @property
+    def available(self) -> int:
+        return len(self._free) + self.num_pages - self._fresh
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - self.available
+
+    def alloc(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError("cannot allocate a negative number of pages")
+        if n > len(self._free) + self.num_pages - self._fresh:
+            raise OutOfPages(f"{self.name} pool: need {n} pages, {self.available} free")
+        reuse = min(n, len(self._free))
+        pages = [self._free.pop() for _ in range(reuse)]
+        if n > reuse:
+            start = self._fresh
+            self._fresh += n - reuse
+            self._owned.extend(bytes(self._fresh - len(self._owned)))
+            pages.extend(range(start, self._fresh))
+        for p in pages:
+            self._owned[p] = 1
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if not self.is_owned(p):
+                raise ValueError(f"{self.name} pool: page {p} freed but not allocated")
+            self._owned[p] = 0
+            self._free.append(p)
+
+    def is_owned(self, page: int) -> bool:
+        return 0 <= page < len(self._owned) and bool(self._owned[page])
+
+    def _check_pool(self, pool: list[int]) -> None:
+        owned = sum(self._owned)
+        if owned + len(pool) + self.num_pages - self._fresh != self.num_pages:
+            raise AssertionError(f"{self.name} pool: {owned} owned + {len(pool)} free != {self.num_pages}")
+        if len(set(pool)) != len(pool) or any(self.is_owned(p) or p >= self._fresh for p in pool):
+            raise AssertionError(f"{self.name} pool: a page is both free and owned, or free twice")
+
+    def check(self) -> None:
+        self._check_pool(self._free)
+
+
+class HostAllocator(PageAllocator):
+    """Host slots with a lazily merged free list (reference seed 001).
+
+    ``free`` only appends to a release queue, O(1) and safe from a completion thread; the queue is
+    merged into the free list under the lock only when an allocation needs more than the free list
+    holds. Released slots count as available but are never handed out until merged, so a slot is
+    never handed out twice. Merging in release order keeps the result a function of the calls.
+    """
+
+    def __init__(self, num_pages: int, name: str = "host") -> None:
+        super().__init__(num_pages, name)
+        self._released: deque[int] = deque()
+        self._lock = threading.Lock()
+        self.merges = 0
+
+    @property
+    def available(self) -> int:
+        return len(self._free) + len(self._released) + self.num_pages - self._fresh
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - self.available
+
+    def alloc(self, n: int) -> list[int]:
+        with self._lock:
+            if n > len(self._free) + self.num_pages - self._fresh and self._released:
+                self._merge_locked()
+            return super().alloc(n)
+
+    def free(self, pages: list[int]) -> None:
+        with self._lock:
+            for p in pages:
+                if not self.is_owned(p):
+                    raise ValueError(f"{self.name} pool: slot {p} freed but not allocated")
+                self._owned[p] = 0
+                self._released.append(p)
+
+    def _merge_locked(self) -> None:
+        # Append in reverse so the oldest released slot is handed out first.
+        self._free[:0] = reversed(self._released)
+        self._released.clear()
+        self.merges += 1
+
+    def check(self) -> None:
+        with self._lock:
+            self._check_pool(self._free + list(self._released))

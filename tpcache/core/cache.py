@@ -1,0 +1,665 @@
+"""CacheCore: the deterministic state machine of one cache rank.
+
+Sans-IO: inputs are sequenced operations (``lock``, ``alloc``, ``insert``, ``load``, ``release``,
+...) and agreed completions (``complete``); outputs are replies and ``Transfer`` effects the shell
+must carry out. The same inputs give the same state, page numbers, effects and digest on every
+rank. Nothing here reads a clock, spawns a thread or talks to a socket.
+
+Invariants (checked by ``invariants.check``):
+- a node resident on a tier has its parent resident on that tier (ancestor-closed);
+- every device page / host slot is owned by exactly one of: the free list, a tree node, a lease;
+- ``node.device_pins`` == leases pinning it + in-flight ops reading it (same for host);
+- ``evictable_device_pages`` counts device-VALID nodes with no pins; ``protected_device_pages``
+  counts device-resident nodes with pins;
+- a page is readable only in its final state (device/host VALID, storage DURABLE).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from tpcache.core.allocator import HostAllocator, PageAllocator
+from tpcache.core.config import CacheConfig
+from tpcache.core.digest import Digest, mix, mix_ids
+from tpcache.core.eviction import make_policy
+from tpcache.core.hashing import TokenIds, as_token_bytes
+from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
+from tpcache.core.tree import Node, RadixTree
+
+_LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
+
+
+class OpKind(IntEnum):
+    """The completion queues; each is applied in issue order."""
+
+    BACKUP = 0  # device -> host
+    LOAD = 1  # host -> device
+    STORAGE_WRITE = 2  # host -> storage
+    STORAGE_READ = 3  # storage -> host (prefetch)
+
+
+@dataclass
+class Transfer:
+    """An effect: a copy the shell must start. ``acked`` is filled from the agreed completion."""
+
+    op_id: int
+    kind: OpKind
+    nodes: list[Node]
+    device_pages: list[int]
+    host_slots: list[int]
+    page_hashes: list[int]
+    lease_id: int = -1
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass
+class Lease:
+    """Everything one request holds. Released only when no copy into its pages is in flight."""
+
+    lease_id: int
+    device_nodes: list[Node] = field(default_factory=list)  # pinned on device, one pin each
+    host_nodes: list[Node] = field(default_factory=list)  # pinned on host, one pin each
+    pages: list[int] = field(default_factory=list)  # device pages allocated to it, not in the tree
+    ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
+    releasing: bool = False
+    record: int = 0
+
+
+@dataclass
+class MatchResult:
+    """What a lookup found; ``device_pages`` then ``host_pages`` form one contiguous prefix."""
+
+    device_pages: int = 0
+    host_pages: int = 0
+    device_page_ids: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # every full page of the query
+    nodes: list[Node] = field(default_factory=list)  # device then host prefix nodes
+
+
+@dataclass
+class Stats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    inserted_pages: int = 0
+    duplicate_pages: int = 0
+    device_evicted_pages: int = 0
+    host_evicted_pages: int = 0
+    backups_issued_pages: int = 0
+    backups_done_pages: int = 0
+    backup_rejected_host_full: int = 0
+    loads_issued_pages: int = 0
+    loads_done_pages: int = 0
+    failed_copy_pages: int = 0
+
+
+class CacheClosed(RuntimeError):
+    """The cache failed closed; it serves misses and refuses writes until an agreed flush."""
+
+
+class UnknownLease(KeyError):
+    pass
+
+
+class CacheCore:
+    def __init__(self, config: CacheConfig) -> None:
+        config.validate()
+        self.config = config
+        self.page_size = config.page_size
+        self.policy = make_policy(config.eviction_policy)
+        self.tree = RadixTree(config.page_size, config.namespace)
+        self.device = PageAllocator(config.device_pages, "device")
+        self.host = HostAllocator(config.host_pages, "host")
+        self.digest = Digest()
+        self.clock = 0
+        self.retention_cap_tokens = config.retention_cap_tokens
+        self.evictable_device_pages = 0
+        self.protected_device_pages = 0
+        self.leases: dict[int, Lease] = {}
+        self.inflight: dict[OpKind, deque[Transfer]] = {k: deque() for k in OpKind}
+        self.effects: list[Transfer] = []
+        self.stats = Stats()
+        self.closed_reason: str | None = None
+        self._next_lease = 1
+        self._next_op = 1
+        self._device_heap: list[tuple[tuple[int, ...], int]] = []
+        self._host_heap: list[tuple[tuple[int, ...], int]] = []
+
+    # ------------------------------------------------------------------ queries (pure)
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_reason is not None
+
+    @property
+    def evictable_device_tokens(self) -> int:
+        return self.evictable_device_pages * self.page_size
+
+    @property
+    def protected_device_tokens(self) -> int:
+        return self.protected_device_pages * self.page_size
+
+    def match(self, tokens: TokenIds) -> MatchResult:
+        """The longest cached prefix: device-VALID pages, then host-VALID pages. Pure."""
+        walk = self.tree.walk(as_token_bytes(tokens))
+        result = MatchResult(page_hashes=walk.hashes)
+        if self.closed:
+            return result
+        i = 0
+        nodes = walk.nodes
+        while i < len(nodes) and nodes[i].device_state == DeviceState.VALID:
+            result.device_page_ids.append(nodes[i].device_page)
+            i += 1
+        result.device_pages = i
+        while i < len(nodes) and nodes[i].host_state == HostState.VALID and not nodes[i].on_device:
+            i += 1
+        result.host_pages = i - result.device_pages
+        result.nodes = nodes[:i]
+        return result
+
+    def take_effects(self) -> list[Transfer]:
+        """Copies issued since the last call, in issue order (raft's Ready)."""
+        out, self.effects = self.effects, []
+        return out
+
+    def lease(self, lease_id: int) -> Lease:
+        try:
+            return self.leases[lease_id]
+        except KeyError:
+            raise UnknownLease(f"no lease {lease_id}") from None
+
+    # ------------------------------------------------------------------ sequenced operations
+
+    def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
+        """Match, stamp the matched path, pin it (device prefix on device, host tail on host)."""
+        self._tick()
+        result = self.match(tokens)
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(result.page_hashes) * self.page_size
+        self.stats.device_hit_tokens += result.device_pages * self.page_size
+        self.stats.host_hit_tokens += result.host_pages * self.page_size
+        lease = self._new_lease()
+        self._stamp(result.nodes, hit=True)
+        for node in result.nodes[: result.device_pages]:
+            self._pin_device(node, +1)
+            lease.device_nodes.append(node)
+        for node in result.nodes[result.device_pages :]:
+            self._pin_host(node, +1)
+            lease.host_nodes.append(node)
+        self._account_lease(lease)
+        if self.config.write_policy == "write_through_selective":
+            self._backup_path([n for n in result.nodes if n.hits >= self.config.write_through_threshold])
+        return lease.lease_id, result
+
+    def alloc(self, lease_id: int, n: int) -> list[int]:
+        """Give the lease ``n`` device pages, evicting unpinned pages as needed."""
+        self._refuse_if_closed()
+        self._tick()
+        lease = self.lease(lease_id)
+        if lease.releasing:
+            raise ValueError(f"lease {lease_id} is being released")
+        pages = self._alloc_device(n)
+        self._unaccount_lease(lease)
+        lease.pages.extend(pages)
+        self._account_lease(lease)
+        return pages
+
+    def insert(self, lease_id: int, tokens: TokenIds, pages: list[int]) -> tuple[int, int]:
+        """Adopt the KV the engine wrote into ``pages`` for the full pages of ``tokens``.
+
+        ``pages[i]`` holds page i of the tokens; it is either the cached node's own page or a page
+        of this lease. Pages already cached are duplicates and go back to the lease. New nodes are
+        pinned by the lease until it is released. Returns (inserted pages, duplicate pages).
+        """
+        self._refuse_if_closed()
+        self._tick()
+        lease = self.lease(lease_id)
+        walk = self.tree.walk(as_token_bytes(tokens))
+        if len(pages) < len(walk.hashes):
+            raise ValueError(f"insert needs a device page for each of {len(walk.hashes)} full pages")
+        owned = set(lease.pages)
+        inserted: list[Node] = []
+        duplicates = 0
+        parent = self.tree.root
+        self._unaccount_lease(lease)
+        for i, h in enumerate(walk.hashes):
+            page = pages[i]
+            node = walk.nodes[i] if i < len(walk.nodes) else None
+            if node is not None and node.on_device:
+                if page != node.device_page:
+                    if page not in owned:
+                        raise ValueError(f"page {page} is neither cached here nor held by lease {lease_id}")
+                    duplicates += 1
+            else:
+                if page not in owned:
+                    raise ValueError(f"page {page} is not held by lease {lease_id}")
+                owned.discard(page)
+                lease.pages.remove(page)
+                if node is None:
+                    node = self.tree.add_child(parent, walk.pages[i], h, self.clock)
+                else:
+                    self._unaccount(node)
+                self._set_device(node, DeviceState.VALID, page)
+                node.last_access = self.clock
+                self._account(node)
+                self._pin_device(node, +1)
+                lease.device_nodes.append(node)
+                inserted.append(node)
+            parent = node
+        self._account_lease(lease)
+        self._stamp(walk.nodes[: len(walk.hashes)] + inserted, hit=False)
+        self.stats.inserted_pages += len(inserted)
+        self.stats.duplicate_pages += duplicates
+        if self.config.write_policy == "write_through":
+            self._backup_path(inserted)
+        return len(inserted), duplicates
+
+    def load(self, lease_id: int) -> list[int]:
+        """Start loading the lease's host-pinned pages back to device. Returns the device prefix pages.
+
+        The loaded nodes become device-VALID only when the load is agreed complete in a round.
+        """
+        self._refuse_if_closed()
+        self._tick()
+        lease = self.lease(lease_id)
+        todo = [n for n in lease.host_nodes if n.host_state == HostState.VALID and not n.on_device]
+        if todo:
+            pages = self._alloc_device(len(todo))
+            self._unaccount_lease(lease)
+            for node, page in zip(todo, pages, strict=True):
+                self._unaccount(node)
+                self._set_device(node, DeviceState.LOADING, page)
+                node.device_pins += 1  # the lease's pin: a loading page is never evicted
+                node.host_pins += 1  # the op's read of the host slot
+                self._account(node)
+                lease.device_nodes.append(node)
+            op = self._issue(OpKind.LOAD, todo, lease_id)
+            lease.ops.append(op.op_id)
+            self._account_lease(lease)
+            self.stats.loads_issued_pages += len(todo)
+        return [n.device_page for n in lease.device_nodes]
+
+    def release(self, lease_id: int) -> bool:
+        """Release (finish or abort) a lease. Returns True when released now.
+
+        If copies into the lease's pages are still in flight the lease is parked and released by
+        the commit that completes its last copy (reference seed 004: never free what a copy writes).
+        """
+        self._tick()
+        lease = self.lease(lease_id)
+        self._unaccount_lease(lease)
+        lease.releasing = True
+        self._account_lease(lease)
+        if lease.ops:
+            return False
+        self._finish_release(lease)
+        return True
+
+    def set_retention_cap(self, tokens: int) -> None:
+        if tokens < -1:
+            raise ValueError("retention cap must be -1 (unlimited), 0 (none) or a token count")
+        self._tick()
+        self.retention_cap_tokens = tokens
+        self.enforce_retention()
+
+    def enforce_retention(self) -> int:
+        """Evict until evictable device tokens <= the cap (reference seed 000). Returns pages freed."""
+        cap = self.retention_cap_tokens
+        if cap < 0 or self.evictable_device_tokens <= cap:
+            return 0
+        excess = self.evictable_device_tokens - cap
+        return self.evict_device(-(-excess // self.page_size))
+
+    def evict_device(self, n: int) -> int:
+        """Free up to ``n`` device pages, least valuable first. Returns the pages freed now.
+
+        Under write_back a page with no host copy is backed up first and freed by a later
+        eviction, once its copy is agreed complete.
+        """
+        freed = 0
+        write_back = self.config.write_policy == "write_back"
+        backups: list[Node] = []
+        while freed < n:
+            node = self._pop_candidate(self._device_heap, self._device_candidate)
+            if node is None:
+                break
+            if write_back and not node.on_host and self.host.num_pages:
+                backups.append(node)
+                self._unaccount(node)
+                node.device_pins += 1  # hold it out of the heap while we look further
+                self._account(node)
+                continue
+            self._drop_device(node)
+            freed += 1
+        for node in backups:
+            self._unaccount(node)
+            node.device_pins -= 1
+            self._account(node)
+        if backups:
+            self._backup_path(backups)
+        self.stats.device_evicted_pages += freed
+        return freed
+
+    def evict_host(self, n: int) -> int:
+        freed = 0
+        while freed < n:
+            node = self._pop_candidate(self._host_heap, self._host_candidate)
+            if node is None:
+                break
+            self._unaccount(node)
+            self.host.free([node.host_slot])
+            self._set_host(node, HostState.NONE, -1)
+            self._account(node)
+            self._maybe_remove(node)
+            freed += 1
+        self.stats.host_evicted_pages += freed
+        return freed
+
+    # ------------------------------------------------------------------ agreed completions
+
+    def head(self, kind: OpKind, n: int) -> list[Transfer]:
+        q = self.inflight[kind]
+        return [q[i] for i in range(min(n, len(q)))]
+
+    def complete(self, kind: OpKind, acked_pages: int | None = None) -> Transfer:
+        """Apply the agreed completion of the head op of ``kind``.
+
+        ``acked_pages`` is the agreed number of leading pages that succeeded on every rank (None:
+        all of them). Pages past it are treated as failed: their target copy is dropped.
+        """
+        op = self.inflight[kind].popleft()
+        ok = op.num_pages if acked_pages is None else max(0, min(acked_pages, op.num_pages))
+        self.stats.failed_copy_pages += op.num_pages - ok
+        lease = self.leases.get(op.lease_id)
+        for i, node in enumerate(op.nodes):
+            self._unaccount(node)
+            if kind == OpKind.BACKUP:
+                node.device_pins -= 1
+                if i < ok:
+                    self._set_host(node, HostState.VALID, node.host_slot)
+                else:
+                    self.host.free([node.host_slot])
+                    self._set_host(node, HostState.NONE, -1)
+            elif kind == OpKind.LOAD:
+                node.host_pins -= 1
+                if i < ok:
+                    self._set_device(node, DeviceState.VALID, node.device_page)
+                else:
+                    self.device.free([node.device_page])
+                    self._set_device(node, DeviceState.NONE, -1)
+            self._account(node)
+        if kind == OpKind.BACKUP:
+            self.stats.backups_done_pages += ok
+        elif kind == OpKind.LOAD:
+            self.stats.loads_done_pages += ok
+            if ok < op.num_pages and lease is not None:
+                self._drop_failed_loads(lease, op.nodes[ok:])
+        for node in reversed(op.nodes):
+            self._maybe_remove(node)
+        if lease is not None:
+            self._unaccount_lease(lease)
+            lease.ops.remove(op.op_id)
+            self._account_lease(lease)
+            if lease.releasing and not lease.ops:
+                self._finish_release(lease)
+        return op
+
+    # ------------------------------------------------------------------ whole-cache transitions
+
+    def close(self, reason: str) -> None:
+        """Fail closed: serve misses and refuse writes. Only an agreed flush reopens."""
+        if self.closed_reason is None:
+            self.closed_reason = reason
+
+    def reset(self) -> None:
+        """Drop all state (an agreed flush); in-flight copies must have been drained by the shell."""
+        self.__init__(self.config)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ internals
+
+    def _tick(self) -> None:
+        self.clock += 1
+
+    def _refuse_if_closed(self) -> None:
+        if self.closed_reason is not None:
+            raise CacheClosed(f"cache is closed: {self.closed_reason}")
+
+    def _new_lease(self) -> Lease:
+        lease = Lease(self._next_lease)
+        self._next_lease += 1
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def _finish_release(self, lease: Lease) -> None:
+        self._unaccount_lease(lease)
+        for node in lease.device_nodes:
+            self._pin_device(node, -1)
+        for node in lease.host_nodes:
+            self._pin_host(node, -1)
+        self.device.free(lease.pages)
+        del self.leases[lease.lease_id]
+        for node in lease.device_nodes + lease.host_nodes:
+            if node.parent is not None:
+                self._maybe_remove(node)
+
+    def _drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
+        dropped = {n.node_id for n in nodes}
+        keep = [n for n in lease.device_nodes if n.node_id not in dropped]
+        for node in nodes:
+            self._pin_device(node, -1)
+        self._unaccount_lease(lease)
+        lease.device_nodes = keep
+        self._account_lease(lease)
+
+    def _stamp(self, nodes: list[Node], hit: bool) -> None:
+        for node in nodes:
+            self._unaccount(node)
+            node.last_access = self.clock
+            if hit:
+                node.hits += 1
+            self._account(node)
+
+    def _alloc_device(self, n: int) -> list[int]:
+        short = n - self.device.available
+        if short > 0:
+            self.evict_device(short)
+        return self.device.alloc(n)
+
+    def _alloc_host(self, n: int) -> list[int] | None:
+        short = n - self.host.available
+        if short > 0:
+            self.evict_host(short)
+        if self.host.available < n:
+            return None
+        return self.host.alloc(n)
+
+    def _backup_path(self, nodes: list[Node]) -> None:
+        """Back up device-VALID nodes that have no host copy, ancestors first (host stays closed)."""
+        todo: list[Node] = []
+        seen: set[int] = set()
+        for node in nodes:
+            chain = []
+            cur: Node | None = node
+            while cur is not None and cur.parent is not None and not cur.on_host and cur.node_id not in seen:
+                chain.append(cur)
+                seen.add(cur.node_id)
+                cur = cur.parent
+            todo.extend(reversed(chain))
+        todo = [n for n in todo if n.device_state == DeviceState.VALID]
+        if not todo:
+            return
+        slots = self._alloc_host(len(todo))
+        if slots is None:
+            self.stats.backup_rejected_host_full += len(todo)
+            return
+        for node, slot in zip(todo, slots, strict=True):
+            self._unaccount(node)
+            self._set_host(node, HostState.WRITING, slot)
+            node.device_pins += 1  # the op reads the device page: it stays until the ack
+            self._account(node)
+        self._issue(OpKind.BACKUP, todo, -1)
+        self.stats.backups_issued_pages += len(todo)
+
+    def _issue(self, kind: OpKind, nodes: list[Node], lease_id: int) -> Transfer:
+        op = Transfer(
+            op_id=self._next_op,
+            kind=kind,
+            nodes=list(nodes),
+            device_pages=[n.device_page for n in nodes],
+            host_slots=[n.host_slot for n in nodes],
+            page_hashes=[n.hash for n in nodes],
+            lease_id=lease_id,
+        )
+        self._next_op += 1
+        self.inflight[kind].append(op)
+        self.effects.append(op)
+        return op
+
+    def _drop_device(self, node: Node) -> None:
+        self._unaccount(node)
+        self.device.free([node.device_page])
+        self._set_device(node, DeviceState.NONE, -1)
+        self._account(node)
+        self._maybe_remove(node)
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            self._push(parent)
+
+    def _maybe_remove(self, node: Node) -> None:
+        """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
+        while (
+            node.parent is not None
+            and node.parent is not node
+            and not node.children
+            and not node.resident
+            and node.device_pins == 0
+            and node.host_pins == 0
+        ):
+            parent = node.parent
+            self._unaccount(node)
+            self.tree.remove_leaf(node)
+            if parent.parent is None:
+                return
+            self._push(parent)
+            node = parent
+
+    def _set_device(self, node: Node, state: DeviceState, page: int) -> None:
+        check_transition(DeviceState, node.device_state, state)
+        node.device_state = state
+        node.device_page = page
+
+    def _set_host(self, node: Node, state: HostState, slot: int) -> None:
+        check_transition(HostState, node.host_state, state)
+        node.host_state = state
+        node.host_slot = slot
+
+    def set_storage(self, node: Node, state: StorageState) -> None:
+        self._unaccount(node)
+        check_transition(StorageState, node.storage_state, state)
+        node.storage_state = state
+        self._account(node)
+
+    def _pin_device(self, node: Node, delta: int) -> None:
+        self._unaccount(node)
+        node.device_pins += delta
+        self._account(node)
+
+    def _pin_host(self, node: Node, delta: int) -> None:
+        self._unaccount(node)
+        node.host_pins += delta
+        self._account(node)
+
+    # A node's derived contributions (digest record, counters, heap entries) are removed before
+    # any change to it and added back after: one place keeps them equal to what they summarize.
+
+    def _unaccount(self, node: Node) -> None:
+        self.digest.remove(node.record)
+        node.record = 0
+        if node.device_state == DeviceState.VALID and node.device_pins == 0:
+            self.evictable_device_pages -= 1
+        elif node.on_device and node.device_pins > 0:
+            self.protected_device_pages -= 1
+
+    def _account(self, node: Node) -> None:
+        node.record = mix(
+            node.hash,
+            node.device_state,
+            node.device_page,
+            node.host_state,
+            node.host_slot,
+            node.storage_state,
+            (node.device_pins << 32) | node.host_pins,
+            node.last_access,
+        )
+        self.digest.add(node.record)
+        if node.device_state == DeviceState.VALID and node.device_pins == 0:
+            self.evictable_device_pages += 1
+        elif node.on_device and node.device_pins > 0:
+            self.protected_device_pages += 1
+        self._push(node)
+
+    def _unaccount_lease(self, lease: Lease) -> None:
+        self.digest.remove(lease.record)
+        lease.record = 0
+
+    def _account_lease(self, lease: Lease) -> None:
+        lease.record = mix(
+            _LEASE_TAG,
+            lease.lease_id,
+            mix_ids([n.node_id for n in lease.device_nodes]),
+            mix_ids([n.node_id for n in lease.host_nodes]),
+            mix_ids(lease.pages),
+            mix_ids(lease.ops),
+            int(lease.releasing),
+        )
+        self.digest.add(lease.record)
+
+    def _push(self, node: Node) -> None:
+        if len(self._device_heap) + len(self._host_heap) > 4 * len(self.tree.nodes) + 64:
+            self._rebuild_heaps()
+        if self._device_candidate(node):
+            heapq.heappush(self._device_heap, (self.policy.key(node), node.node_id))
+        if self._host_candidate(node):
+            heapq.heappush(self._host_heap, (self.policy.key(node), node.node_id))
+
+    def _rebuild_heaps(self) -> None:
+        """Drop stale entries. Iterates nodes in insertion order, so every rank rebuilds alike."""
+        nodes = list(self.tree.nodes.values())
+        self._device_heap = [(self.policy.key(n), n.node_id) for n in nodes if self._device_candidate(n)]
+        self._host_heap = [(self.policy.key(n), n.node_id) for n in nodes if self._host_candidate(n)]
+        heapq.heapify(self._device_heap)
+        heapq.heapify(self._host_heap)
+
+    @staticmethod
+    def _device_candidate(node: Node) -> bool:
+        if node.device_state != DeviceState.VALID or node.device_pins or node.parent is None:
+            return False
+        return not any(c.on_device for c in node.children.values())
+
+    @staticmethod
+    def _host_candidate(node: Node) -> bool:
+        if node.host_state != HostState.VALID or node.host_pins or node.parent is None:
+            return False
+        return not any(c.on_host for c in node.children.values())
+
+    def _pop_candidate(
+        self, heap: list[tuple[tuple[int, ...], int]], is_candidate: Callable[[Node], bool]
+    ) -> Node | None:
+        """Pop the best live candidate; stale heap entries (changed key, gone, pinned) are skipped."""
+        while heap:
+            key, node_id = heapq.heappop(heap)
+            node = self.tree.nodes.get(node_id)
+            if node is not None and is_candidate(node) and self.policy.key(node) == key:
+                return node
+        return None
+
+    def heap_sizes(self) -> tuple[int, int]:
+        return len(self._device_heap), len(self._host_heap)

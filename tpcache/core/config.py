@@ -1,0 +1,36 @@
+"""Configuration of the core: what every rank must hold identically."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+WRITE_POLICIES = ("none", "write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes are in pages of ``page_size`` tokens. ``host_pages == 0`` disables the host tier."""
+
+    page_size: int = 16
+    device_pages: int = 1024
+    host_pages: int = 0
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2  # hits before write_through_selective backs a page up
+    retention_cap_tokens: int = -1  # evictable device tokens kept when idle; -1 unlimited, 0 none
+    eviction_policy: str = "lru"
+    namespace: str = ""
+
+    def validate(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.device_pages < 0 or self.host_pages < 0:
+            raise ValueError("pool sizes must be >= 0")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {self.write_policy!r}; choose one of {WRITE_POLICIES}")
+        if self.write_through_threshold < 1:
+            raise ValueError("write_through_threshold must be >= 1")
+        if self.retention_cap_tokens < -1:
+            raise ValueError("retention_cap_tokens must be -1 (unlimited), 0 (none) or a token count")
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -1,0 +1,45 @@
+"""An incrementally maintained 62-bit digest of the cache state.
+
+The digest is the sum (mod 2**62) of one mixed value per page record, so adding, removing or
+changing a page costs O(1): subtract its old record, add its new one. The sum is independent of
+the order records were added, which is what makes it equal on ranks that reach the same state by
+the same operations. 62 bits keep ``x`` and ``-x`` inside int64 for the round vector.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+DIGEST_BITS = 62
+DIGEST_MASK = (1 << DIGEST_BITS) - 1
+_RECORD = struct.Struct("<QqqqqqqQ")
+
+
+def mix(*fields: int) -> int:
+    """A 62-bit mix of up to eight int64/uint64 fields (unused fields are zero)."""
+    padded = list(fields) + [0] * (8 - len(fields))
+    return xxhash.xxh3_64_intdigest(_RECORD.pack(*padded)) & DIGEST_MASK
+
+
+def mix_ids(ids: list[int], seed: int = 0) -> int:
+    """An order-sensitive 62-bit digest of a list of ids (completion queues, plans)."""
+    h = xxhash.xxh3_64(seed=seed)
+    h.update(struct.pack(f"<{len(ids)}q", *ids))
+    return h.intdigest() & DIGEST_MASK
+
+
+class Digest:
+    """Running sum of record mixes."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, record: int) -> None:
+        self.value = (self.value + record) & DIGEST_MASK
+
+    def remove(self, record: int) -> None:
+        self.value = (self.value - record) & DIGEST_MASK

@@ -1,0 +1,112 @@
+"""Invariant checks, cheap enough to run after every operation in tests.
+
+Each check recomputes from scratch what the cache maintains incrementally and compares.
+"""
+
+from __future__ import annotations
+
+from tpcache.core.cache import CacheCore, OpKind
+from tpcache.core.digest import Digest
+from tpcache.core.tiers import DeviceState, HostState
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+def check(core: CacheCore) -> None:
+    def fail(msg: str) -> None:
+        raise InvariantViolation(msg)
+
+    core.device.check()
+    core.host.check()
+    device_owner: dict[int, str] = {}
+    host_owner: dict[int, str] = {}
+    dev_pins: dict[int, int] = {}
+    host_pins: dict[int, int] = {}
+
+    def own(table: dict[int, str], page: int, who: str) -> None:
+        if page in table:
+            fail(f"page/slot {page} owned twice: by {table[page]} and {who}")
+        table[page] = who
+
+    for lease in core.leases.values():
+        if lease.releasing and not lease.ops:
+            fail(f"lease {lease.lease_id} is releasing with nothing in flight: leaked")
+        for p in lease.pages:
+            own(device_owner, p, f"lease {lease.lease_id}")
+        for n in lease.device_nodes:
+            dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
+        for n in lease.host_nodes:
+            host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
+        for op_id in lease.ops:
+            if not any(op.op_id == op_id for q in core.inflight.values() for op in q):
+                fail(f"lease {lease.lease_id} waits for op {op_id}, which is not in flight")
+    for kind, queue in core.inflight.items():
+        for op in queue:
+            for n in op.nodes:
+                if n.parent is None:
+                    fail(f"op {op.op_id} references a removed node {n.node_id}")
+                if kind == OpKind.BACKUP:
+                    dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
+                    if n.host_state != HostState.WRITING:
+                        fail(f"backup op {op.op_id}: node {n.node_id} host state {n.host_state.name}")
+                elif kind == OpKind.LOAD:
+                    host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
+                    if n.device_state != DeviceState.LOADING:
+                        fail(f"load op {op.op_id}: node {n.node_id} device state {n.device_state.name}")
+
+    digest = Digest()
+    evictable = protected = 0
+    for node in core.tree.nodes.values():
+        if node.parent is None:
+            continue
+        digest.add(node.record)
+        if node.parent.children.get(node.hash) is not node:
+            fail(f"node {node.node_id} is not its parent's child")
+        parent_root = node.parent.parent is None
+        if node.on_device:
+            own(device_owner, node.device_page, f"node {node.node_id}")
+            if not parent_root and not node.parent.on_device:
+                fail(f"node {node.node_id} on device but its parent is not (ancestor-closed)")
+        elif node.device_page != -1:
+            fail(f"node {node.node_id} has a device page without device state")
+        if node.on_host:
+            own(host_owner, node.host_slot, f"node {node.node_id}")
+            if not parent_root and not node.parent.on_host:
+                fail(f"node {node.node_id} on host but its parent is not (ancestor-closed)")
+        elif node.host_slot != -1:
+            fail(f"node {node.node_id} has a host slot without host state")
+        if node.device_pins < 0 or node.host_pins < 0:
+            fail(f"node {node.node_id} has negative pins")
+        if node.device_pins != dev_pins.get(node.node_id, 0):
+            fail(
+                f"node {node.node_id}: {node.device_pins} device pins, holders account for "
+                f"{dev_pins.get(node.node_id, 0)}"
+            )
+        if node.host_pins != host_pins.get(node.node_id, 0):
+            fail(
+                f"node {node.node_id}: {node.host_pins} host pins, holders account for "
+                f"{host_pins.get(node.node_id, 0)}"
+            )
+        if not node.resident and not node.children and not node.device_pins and not node.host_pins:
+            fail(f"node {node.node_id} holds nothing and should have been removed")
+        if node.device_state == DeviceState.VALID and node.device_pins == 0:
+            evictable += 1
+        elif node.on_device and node.device_pins > 0:
+            protected += 1
+    for lease in core.leases.values():
+        digest.add(lease.record)
+    for page in device_owner:
+        if not core.device.is_owned(page):
+            fail(f"device page {page} is in use but marked free")
+    if len(device_owner) != core.device.used:
+        fail(f"device pool: {core.device.used} pages used, {len(device_owner)} accounted for (leak)")
+    if len(host_owner) != core.host.used:
+        fail(f"host pool: {core.host.used} slots used, {len(host_owner)} accounted for (leak)")
+    if evictable != core.evictable_device_pages:
+        fail(f"evictable counter {core.evictable_device_pages} != {evictable}")
+    if protected != core.protected_device_pages:
+        fail(f"protected counter {core.protected_device_pages} != {protected}")
+    if digest.value != core.digest.value:
+        fail("incremental digest differs from the recomputed digest")

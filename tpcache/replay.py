@@ -1,0 +1,100 @@
+"""Replay a request stream through one CacheCore, as a single rank with a synchronous shell.
+
+For each request in order: lock (match + pin), load host hits back, allocate device pages for the
+rest, insert its full pages, release. In-flight copies complete at once (one rank agrees with
+itself), so the result is the cache's decisions alone, comparable with any simulator of the same
+semantics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+from tpcache.core import CacheConfig, CacheCore, OpKind, OutOfPages
+from tpcache.workload.trace import Request, request_tokens
+
+
+@dataclass
+class ReplayResult:
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    pages: int = 0
+    refused_pages: int = 0  # pages not cached because every device page was pinned
+    seconds: float = 0.0
+    digest: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def pages_per_s(self) -> float:
+        return self.pages / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        d: dict[str, float | int] = asdict(self)
+        d["hit_rate"] = round(self.hit_rate, 6)
+        d["pages_per_s"] = round(self.pages_per_s, 1)
+        d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+def drain(core: CacheCore) -> None:
+    """Complete every in-flight copy (a one-rank round agrees with itself)."""
+    core.take_effects()
+    for kind in OpKind:
+        while core.inflight[kind]:
+            core.complete(kind)
+    core.enforce_retention()
+
+
+def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # noqa: ANN001
+    page_size = core.page_size
+    lease, match = core.lock(tokens)
+    full = len(match.page_hashes)
+    device_ids = list(match.device_page_ids)
+    if match.host_pages:
+        device_ids = core.load(lease)
+        drain(core)
+    hit = match.device_pages + match.host_pages
+    result.requests += 1
+    result.input_tokens += len(tokens)
+    result.hit_tokens += hit * page_size
+    result.device_hit_tokens += match.device_pages * page_size
+    result.host_hit_tokens += match.host_pages * page_size
+    result.pages += full
+    try:
+        fresh = core.alloc(lease, full - len(device_ids))
+        core.insert(lease, tokens, device_ids + fresh)
+    except OutOfPages:
+        result.refused_pages += full - len(device_ids)
+    core.release(lease)
+    drain(core)
+
+
+def replay(
+    requests: Iterable[Request],
+    config: CacheConfig,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[ReplayResult, CacheCore]:
+    core = CacheCore(config)
+    result = ReplayResult()
+    start = time.perf_counter()
+    for req in requests:
+        replay_request(core, request_tokens(req), result)
+        if progress is not None:
+            progress(1)
+    result.seconds = time.perf_counter() - start
+    result.digest = core.digest.value
+    return result, core
+
+
+def config_for_tokens(device_tokens: int | None, page_size: int, **kw: object) -> CacheConfig:
+    """A config whose device pool holds ``device_tokens`` (None: effectively unbounded)."""
+    pages = (1 << 40) // page_size if device_tokens is None else device_tokens // page_size
+    return CacheConfig(page_size=page_size, device_pages=min(pages, 1 << 26), **kw)  # type: ignore[arg-type]
