@@ -1,0 +1,91 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tpcache.replay import config_for_tokens, replay
+from tpcache.workload import SyntheticWorkload, load_trace, request_tokens
+from tpcache.workload.trace import Request, TraceError
+
+# Computed by an independent simulator (device tier only, LRU, page size 512) on the Mooncake
+# conversation trace; see ../shared/data/mooncake/README.md.
+REFERENCE = [(1_000_000, 0.0559), (3_000_000, 0.1437), (10_000_000, 0.2976), (None, 0.3734)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device_tokens,expected", REFERENCE)
+def test_mooncake_hit_rate_matches_independent_simulator(trace_path, device_tokens, expected):
+    result, core = replay(load_trace(trace_path), config_for_tokens(device_tokens, 512, write_policy="none"))
+    assert result.requests == 12031
+    assert result.pages == 288_500
+    assert abs(result.hit_rate - expected) <= 0.002, result.to_dict()
+    if device_tokens is not None:
+        assert core.device.used * 512 <= device_tokens
+
+
+def test_replay_is_deterministic_and_hits_grow_with_capacity():
+    reqs = list(SyntheticWorkload(seed=3, conversations=60).requests())
+    small, _ = replay(reqs, config_for_tokens(16 * 512, 512, write_policy="none"))
+    again, _ = replay(reqs, config_for_tokens(16 * 512, 512, write_policy="none"))
+    big, _ = replay(reqs, config_for_tokens(None, 512, write_policy="none"))
+    assert (small.hit_tokens, small.digest) == (again.hit_tokens, again.digest)
+    assert 0 < small.hit_tokens < big.hit_tokens < big.input_tokens
+
+
+def test_host_tier_turns_device_misses_into_host_hits():
+    reqs = list(SyntheticWorkload(seed=5, conversations=80).requests())
+    dev_only, _ = replay(reqs, config_for_tokens(32 * 512, 512, write_policy="none"))
+    cfg = config_for_tokens(32 * 512, 512, host_pages=256, write_policy="write_through")
+    tiered, core = replay(reqs, cfg)
+    assert tiered.host_hit_tokens > 0
+    assert tiered.hit_tokens > dev_only.hit_tokens
+
+
+def test_synthetic_workload_shares_prefixes_and_is_seeded():
+    a = list(SyntheticWorkload(seed=1, conversations=20).requests())
+    b = list(SyntheticWorkload(seed=1, conversations=20).requests())
+    c = list(SyntheticWorkload(seed=2, conversations=20).requests())
+    assert a == b and a != c
+    firsts = {r.hash_ids[0] for r in a}
+    assert len(firsts) < len(a)  # system prompts are shared
+    for r in a:
+        assert len(r.hash_ids) == -(-r.input_length // 512)
+
+
+def test_trace_tokens_follow_hash_ids():
+    r1 = Request(input_length=1024, hash_ids=(5, 6))
+    r2 = Request(input_length=700, hash_ids=(5, 9))
+    t1, t2 = request_tokens(r1), request_tokens(r2)
+    assert len(t2) == 700
+    assert t1[:512] == t2[:512] and t1[512:700] != t2[512:700]
+
+
+def test_bad_trace_lines_are_reported_with_their_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"input_length": 600, "hash_ids": [1, 2]}\n{"input_length": 2000, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=":2:"):
+        list(load_trace(p))
+
+
+def test_replay_script_prints_json():
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "replay.py"),
+            "--conversations",
+            "30",
+            "--device-tokens",
+            "8192",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    d = json.loads(out.stdout)
+    for key in ("requests", "input_tokens", "hit_tokens", "hit_rate", "pages_per_s"):
+        assert key in d
+    assert d["hit_rate"] == pytest.approx(d["hit_tokens"] / d["input_tokens"], abs=1e-6)

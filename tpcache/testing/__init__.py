@@ -1,0 +1,1 @@
+"""Test support shipped with the package: random operation streams and a fake shell."""

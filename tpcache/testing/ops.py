@@ -1,0 +1,71 @@
+"""Random client operations against a CacheCore, as plain tuples (printable, replayable).
+
+``apply(core, op, leases)`` applies one op the way a client would; refusals a real client would
+get (out of pages, closed cache, lease already gone) are part of the behaviour, not errors.
+"""
+
+from __future__ import annotations
+
+import random
+
+from tpcache.core import CacheClosed, CacheCore, OutOfPages, UnknownLease
+
+Op = tuple
+
+
+def tokens_for(pages: tuple[int, ...], page_size: int, tail: int) -> list[int]:
+    out = []
+    for depth, v in enumerate(pages):
+        out += [v * 1000 + depth * 10 + i for i in range(page_size)]
+    return out + [7] * tail
+
+
+def random_op(rng: random.Random, page_size: int, alphabet: int = 4, max_pages: int = 6) -> Op:
+    r = rng.random()
+    if r < 0.35:
+        n = rng.randint(1, max_pages)
+        return ("lock", tuple(rng.randrange(alphabet) for _ in range(n)), rng.randrange(page_size))
+    if r < 0.60:
+        return ("insert", rng.randrange(8))
+    if r < 0.70:
+        return ("load", rng.randrange(8))
+    if r < 0.90:
+        return ("release", rng.randrange(8))
+    if r < 0.95:
+        return ("evict", rng.randint(1, 4))
+    return ("cap", rng.choice([-1, 0, page_size, 4 * page_size]))
+
+
+def apply(core: CacheCore, op: Op, leases: list[tuple[int, list[int]]]) -> None:
+    """Apply ``op``; ``leases`` holds the open (lease id, tokens) pairs, in opening order."""
+    kind = op[0]
+    try:
+        if kind == "lock":
+            tokens = tokens_for(op[1], core.page_size, op[2])
+            lease_id, _ = core.lock(tokens)
+            leases.append((lease_id, tokens))
+        elif kind in ("insert", "load", "release") and leases:
+            lease_id, tokens = leases[op[1] % len(leases)]
+            if kind == "insert":
+                match = core.match(tokens)
+                lease = core.lease(lease_id)
+                held = {n.node_id for n in lease.device_nodes}
+                prefix = []
+                for node in match.nodes[: match.device_pages]:
+                    if node.node_id not in held:
+                        break  # only pages this lease pins are safe from the allocation below
+                    prefix.append(node.device_page)
+                need = len(match.page_hashes) - len(prefix)
+                fresh = core.alloc(lease_id, need)
+                core.insert(lease_id, tokens, prefix + fresh)
+            elif kind == "load":
+                core.load(lease_id)
+            else:
+                core.release(lease_id)
+                leases.remove((lease_id, tokens))
+        elif kind == "evict":
+            core.evict_device(op[1])
+        elif kind == "cap":
+            core.set_retention_cap(op[1])
+    except (OutOfPages, CacheClosed, UnknownLease):
+        pass
