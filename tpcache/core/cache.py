@@ -40,6 +40,7 @@ class OpKind(IntEnum):
     LOAD = 1  # host -> device
     STORAGE_WRITE = 2  # host -> storage
     STORAGE_READ = 3  # storage -> host (prefetch)
+    STORAGE_QUERY = 4  # which pages storage holds (prefetch lookup)
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Stats:
     loads_issued_pages: int = 0
     loads_done_pages: int = 0
     failed_copy_pages: int = 0
+    storage_write_issued_pages: int = 0
+    storage_written_pages: int = 0
+    mirrors_released_pages: int = 0
 
 
 class CacheClosed(RuntimeError):
@@ -115,6 +119,7 @@ class CacheCore:
         self.config = config
         self.page_size = config.page_size
         self.policy = make_policy(config.eviction_policy)
+        self._inclusive_host = config.write_policy in ("write_through", "write_through_selective")
         self.tree = RadixTree(config.page_size, config.namespace)
         self.device = PageAllocator(config.device_pages, "device")
         self.host = HostAllocator(config.host_pages, "host")
@@ -128,6 +133,8 @@ class CacheCore:
         self.effects: list[Transfer] = []
         self.stats = Stats()
         self.closed_reason: str | None = None
+        self.host_deficit = 0  # host slots wanted but not found since the last round
+        self.flush_requested = False
         self._next_lease = 1
         self._next_op = 1
         self._device_heap: list[tuple[tuple[int, ...], int]] = []
@@ -233,6 +240,10 @@ class CacheCore:
         for i, h in enumerate(walk.hashes):
             page = pages[i]
             node = walk.nodes[i] if i < len(walk.nodes) else None
+            if node is not None and node.device_state == DeviceState.LOADING:
+                # Nothing is inserted below a page still loading: if its load fails, the page is
+                # dropped, and a device child under it would break ancestor closure.
+                break
             if node is not None and node.on_device:
                 if page != node.device_page:
                     if page not in owned:
@@ -302,6 +313,13 @@ class CacheCore:
             return False
         self._finish_release(lease)
         return True
+
+    def request_flush(self) -> None:
+        """Ask for an agreed flush: the cache closes now and resets in the round where every rank
+        has drained its in-flight copies."""
+        self._tick()
+        self.flush_requested = True
+        self.close("flush requested")
 
     def set_retention_cap(self, tokens: int) -> None:
         if tokens < -1:
@@ -395,9 +413,17 @@ class CacheCore:
                 else:
                     self.device.free([node.device_page])
                     self._set_device(node, DeviceState.NONE, -1)
+            elif kind == OpKind.STORAGE_WRITE:
+                node.host_pins -= 1
+                self._set_storage(node, StorageState.DURABLE if i < ok else StorageState.NONE)
             self._account(node)
         if kind == OpKind.BACKUP:
             self.stats.backups_done_pages += ok
+            if self.config.storage:
+                self._store(op.nodes[:ok])
+            self._follow_up_backups(op.nodes[:ok], skip={n.node_id for n in op.nodes[ok:]})
+        elif kind == OpKind.STORAGE_WRITE:
+            self.stats.storage_written_pages += ok
         elif kind == OpKind.LOAD:
             self.stats.loads_done_pages += ok
             if ok < op.num_pages and lease is not None:
@@ -482,23 +508,42 @@ class CacheCore:
         return self.host.alloc(n)
 
     def _backup_path(self, nodes: list[Node]) -> None:
-        """Back up device-VALID nodes that have no host copy, ancestors first (host stays closed)."""
+        """Back up device-VALID nodes that have no host copy, ancestors first (host stays closed).
+
+        A chain whose nearest host ancestor is still being written waits: if that write failed,
+        a child copy would sit under a parent with no host copy. It is picked up when the
+        parent's backup lands (``_follow_up_backups``).
+        """
         todo: list[Node] = []
+        anchors: list[Node] = []  # host-resident parents the chains hang from
         seen: set[int] = set()
         for node in nodes:
             chain = []
             cur: Node | None = node
             while cur is not None and cur.parent is not None and not cur.on_host and cur.node_id not in seen:
                 chain.append(cur)
-                seen.add(cur.node_id)
                 cur = cur.parent
-            todo.extend(reversed(chain))
-        todo = [n for n in todo if n.device_state == DeviceState.VALID]
+            if cur is not None and cur.host_state == HostState.WRITING:
+                continue
+            if cur is not None and cur.parent is not None and cur.on_host:
+                anchors.append(cur)
+            chain.reverse()
+            for i, n in enumerate(chain):
+                if n.device_state != DeviceState.VALID:
+                    chain = chain[:i]
+                    break
+            seen.update(n.node_id for n in chain)
+            todo.extend(chain)
         if not todo:
             return
+        for anchor in anchors:  # host eviction below must not take a chain's parent
+            self._pin_host(anchor, +1)
         slots = self._alloc_host(len(todo))
+        for anchor in anchors:
+            self._pin_host(anchor, -1)
         if slots is None:
             self.stats.backup_rejected_host_full += len(todo)
+            self.host_deficit += len(todo)
             return
         for node, slot in zip(todo, slots, strict=True):
             self._unaccount(node)
@@ -507,6 +552,58 @@ class CacheCore:
             self._account(node)
         self._issue(OpKind.BACKUP, todo, -1)
         self.stats.backups_issued_pages += len(todo)
+
+    def _follow_up_backups(self, landed: list[Node], skip: set[int]) -> None:
+        """Back up device pages inserted under these nodes while their own backup was in flight."""
+        policy = self.config.write_policy
+        if policy not in ("write_through", "write_through_selective"):
+            return
+        todo: list[Node] = []
+        stack = [c for n in landed for c in n.children.values()]
+        while stack:
+            node = stack.pop()
+            if node.on_host or node.device_state != DeviceState.VALID or node.node_id in skip:
+                continue
+            if policy == "write_through" or node.hits >= self.config.write_through_threshold:
+                todo.append(node)
+            stack.extend(node.children.values())
+        todo.sort(key=lambda n: (n.depth, n.node_id))  # parents first; ids keep it deterministic
+        self._backup_path(todo)
+
+    def _store(self, nodes: list[Node]) -> None:
+        """Write host-VALID pages to storage; durable only once every rank acked (agreed)."""
+        todo = [n for n in nodes if n.host_state == HostState.VALID and n.storage_state == StorageState.NONE]
+        if not todo:
+            return
+        for node in todo:
+            self._unaccount(node)
+            self._set_storage(node, StorageState.WRITING)
+            node.host_pins += 1  # the op reads the host slot
+            self._account(node)
+        self._issue(OpKind.STORAGE_WRITE, todo, -1)
+        self.stats.storage_write_issued_pages += len(todo)
+
+    def release_mirror(self, node: Node) -> bool:
+        """Drop a redundant host copy: the page is on device and durable in storage."""
+        if not self.is_releasable_mirror(node):
+            return False
+        self._unaccount(node)
+        self.host.free([node.host_slot])
+        self._set_host(node, HostState.NONE, -1)
+        self._account(node)
+        self.stats.mirrors_released_pages += 1
+        return True
+
+    @staticmethod
+    def is_releasable_mirror(node: Node) -> bool:
+        return (
+            node.parent is not None
+            and node.host_state == HostState.VALID
+            and node.host_pins == 0
+            and node.device_state == DeviceState.VALID
+            and node.storage_state == StorageState.DURABLE
+            and not any(c.on_host for c in node.children.values())
+        )
 
     def _issue(self, kind: OpKind, nodes: list[Node], lease_id: int) -> Transfer:
         op = Transfer(
@@ -561,11 +658,9 @@ class CacheCore:
         node.host_state = state
         node.host_slot = slot
 
-    def set_storage(self, node: Node, state: StorageState) -> None:
-        self._unaccount(node)
+    def _set_storage(self, node: Node, state: StorageState) -> None:
         check_transition(StorageState, node.storage_state, state)
         node.storage_state = state
-        self._account(node)
 
     def _pin_device(self, node: Node, delta: int) -> None:
         self._unaccount(node)
@@ -644,9 +739,13 @@ class CacheCore:
             return False
         return not any(c.on_device for c in node.children.values())
 
-    @staticmethod
-    def _host_candidate(node: Node) -> bool:
+    def _host_candidate(self, node: Node) -> bool:
+        """Host leaves not in use. Under write-through the host tier includes the device tier
+        (device eviction is then free), so a device page's host mirror is not a candidate: it
+        goes only by an agreed mirror-release plan, once the page is durable in storage."""
         if node.host_state != HostState.VALID or node.host_pins or node.parent is None:
+            return False
+        if self._inclusive_host and node.on_device:
             return False
         return not any(c.on_host for c in node.children.values())
 

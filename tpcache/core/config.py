@@ -19,6 +19,9 @@ class CacheConfig:
     retention_cap_tokens: int = -1  # evictable device tokens kept when idle; -1 unlimited, 0 none
     eviction_policy: str = "lru"
     namespace: str = ""
+    storage: bool = False  # back host pages up to the storage tier (L3)
+    mirror_release: bool = True  # release durable host mirrors of device pages under host pressure
+    plan_mismatch_limit: int = 3  # consecutive plan mismatches before a plan feature switches off
 
     def validate(self) -> None:
         if self.page_size <= 0:
@@ -29,6 +32,8 @@ class CacheConfig:
             raise ValueError(f"unknown write policy {self.write_policy!r}; choose one of {WRITE_POLICIES}")
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
+        if self.plan_mismatch_limit < 1:
+            raise ValueError("plan_mismatch_limit must be >= 1")
         if self.retention_cap_tokens < -1:
             raise ValueError("retention_cap_tokens must be -1 (unlimited), 0 (none) or a token count")
 

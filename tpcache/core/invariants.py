@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tpcache.core.cache import CacheCore, OpKind
 from tpcache.core.digest import Digest
-from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.tiers import DeviceState, HostState, StorageState
 
 
 class InvariantViolation(AssertionError):
@@ -55,6 +55,10 @@ def check(core: CacheCore) -> None:
                     host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
                     if n.device_state != DeviceState.LOADING:
                         fail(f"load op {op.op_id}: node {n.node_id} device state {n.device_state.name}")
+                elif kind == OpKind.STORAGE_WRITE:
+                    host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
+                    if n.storage_state != StorageState.WRITING or n.host_state != HostState.VALID:
+                        fail(f"storage write op {op.op_id}: node {n.node_id} is {n!r}")
 
     digest = Digest()
     evictable = protected = 0
@@ -86,8 +90,7 @@ def check(core: CacheCore) -> None:
             )
         if node.host_pins != host_pins.get(node.node_id, 0):
             fail(
-                f"node {node.node_id}: {node.host_pins} host pins, holders account for "
-                f"{host_pins.get(node.node_id, 0)}"
+                f"node {node.node_id}: {node.host_pins} host pins, holders account for {host_pins.get(node.node_id, 0)}"
             )
         if not node.resident and not node.children and not node.device_pins and not node.host_pins:
             fail(f"node {node.node_id} holds nothing and should have been removed")

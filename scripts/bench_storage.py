@@ -1,0 +1,239 @@
+"""Benchmark: FileBackend batched put/get throughput against raw file I/O in the same directory.
+
+For each page size (64 KiB, 1 MiB) and each repeat, in a fresh subdirectory of ``--dir``:
+
+- floor put: the same bytes written sequentially to one file with ``os.write`` in page-sized
+  writes and one ``fsync`` per batch (the durability the backend gives with ``fsync="batch"``);
+- floor get: that file read back sequentially in page-sized reads after ``fsync`` +
+  ``POSIX_FADV_DONTNEED`` (cold: from the device, not the page cache);
+- backend put: ``FileBackend.put`` in batches of ``--batch-mib``;
+- backend get: after the same cache drop on every segment file, ``FileBackend.get`` of the same
+  batches into preallocated buffers (every page verified by checksum).
+
+The best of ``--repeats`` is kept for each of the four numbers (the device here is shared and
+noisy). Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps",
+"ratio", ...}], ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
+
+Usage: ``python scripts/bench_storage.py --json [--dir D] [--total-mib 256]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tpcache.io.storage.file import FileBackend  # noqa: E402
+from tpcache.io.storage.keys import StorageKey  # noqa: E402
+
+PAGE_SIZES = (64 << 10, 1 << 20)
+
+
+def drop_cache(path: Path) -> None:
+    """Write back and evict ``path`` from the page cache so the next read hits the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def drop_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*.seg")):
+        drop_cache(p)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def raw_write(path: Path, batch: memoryview, page: int, batches: int) -> float:
+    def run() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(batches):
+                for off in range(0, len(batch), page):
+                    os.write(fd, batch[off : off + page])
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return timed(run)
+
+
+def raw_read(path: Path, out: memoryview, page: int) -> float:
+    drop_cache(path)
+
+    def run() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            views = [out[off : off + page] for off in range(0, len(out), page)]
+            while True:
+                n = 0
+                for v in views:
+                    got = os.readv(fd, [v])
+                    n += got
+                    if got < page:
+                        break
+                if n < len(out):
+                    return
+        finally:
+            os.close(fd)
+
+    return timed(run)
+
+
+def backend_put_get(root: Path, batch: memoryview, out: memoryview, page: int, batches: int) -> tuple[float, float]:
+    per_batch = len(batch) // page
+    keys = [[StorageKey("bench", 1, 0, 1, b * per_batch + i) for i in range(per_batch)] for b in range(batches)]
+    pages = [batch[off : off + page] for off in range(0, len(batch), page)]
+    outs = [out[off : off + page] for off in range(0, len(out), page)]
+    total = len(batch) * batches
+    backend = FileBackend(root, capacity_bytes=2 * total + (256 << 20), fsync="batch")
+    try:
+
+        def put_all() -> None:
+            for ks in keys:
+                if not all(backend.put(ks, pages)):
+                    raise RuntimeError(f"put failed: {backend.stats()}")
+
+        t_put = timed(put_all)
+        drop_tree(root)
+
+        def get_all() -> None:
+            for ks in keys:
+                if not all(backend.get(ks, outs)):
+                    raise RuntimeError(f"get missed: {backend.stats()}")
+
+        t_get = timed(get_all)
+        if bytes(outs[-1]) != bytes(pages[-1]):
+            raise RuntimeError("get returned the wrong bytes")
+    finally:
+        backend.close()
+    return t_put, t_get
+
+
+def file_per_page(root: Path, batch: memoryview, page: int, fsync: str) -> float:
+    """The rejected layout: temp file + rename per page, fsync per page or per batch."""
+    root.mkdir()
+
+    def run() -> None:
+        fds = []
+        for i, off in enumerate(range(0, len(batch), page)):
+            tmp = root / f".{i}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, batch[off : off + page])
+            if fsync == "page":
+                os.fsync(fd)
+            fds.append((fd, tmp, root / f"{i}"))
+        for fd, tmp, final in fds:
+            if fsync == "batch":
+                os.fsync(fd)
+            os.close(fd)
+            os.rename(tmp, final)
+        dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(dfd)
+        os.close(dfd)
+
+    return timed(run)
+
+
+def run_repeat(
+    work: Path, batch: memoryview, out: memoryview, page: int, batches: int, *, floor_first: bool
+) -> dict[str, float]:
+    """Seconds for floor_put, floor_get, put and get of one repeat in ``work``."""
+    times: dict[str, float] = {}
+
+    def floor() -> None:
+        raw = work / "raw.bin"
+        times["floor_put"] = raw_write(raw, batch, page, batches)
+        times["floor_get"] = raw_read(raw, out, page)
+        raw.unlink()
+
+    def backend() -> None:
+        times["put"], times["get"] = backend_put_get(work / "backend", batch, out, page, batches)
+        shutil.rmtree(work / "backend")
+
+    # Alternate which side runs first, and let the deletes (online discard on some filesystems)
+    # finish before the next timed phase, so neither side pays for the other's cleanup.
+    for phase in (floor, backend) if floor_first else (backend, floor):
+        phase()
+        os.sync()
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
+    ap.add_argument("--dir", default=None, help="directory to measure in (default: system temp dir)")
+    ap.add_argument("--total-mib", type=int, default=256, help="bytes written and read per case")
+    ap.add_argument("--batch-mib", type=int, default=16, help="bytes per put/get call")
+    ap.add_argument("--repeats", type=int, default=4, help="keep the best of this many runs")
+    ap.add_argument("--layouts", action="store_true", help="also time the one-file-per-page layout")
+    args = ap.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="tpcache-bench-storage-", dir=args.dir))
+    batch_bytes = args.batch_mib << 20
+    batches = max(1, (args.total_mib << 20) // batch_bytes)
+    total = batch_bytes * batches
+    batch = memoryview(bytearray(os.urandom(batch_bytes)))
+    out = memoryview(bytearray(batch_bytes))
+    cases = []
+    layouts = []
+    try:
+        for page in PAGE_SIZES:
+            best = {"put": 0.0, "get": 0.0, "floor_put": 0.0, "floor_get": 0.0}
+            for rep in range(args.repeats):
+                work = base / f"{page}-{rep}"
+                work.mkdir()
+                times = run_repeat(work, batch, out, page, batches, floor_first=rep % 2 == 0)
+                for name, t in times.items():
+                    best[name] = max(best[name], total / t / 1e9)
+                shutil.rmtree(work)
+            for op in ("put", "get"):
+                cases.append(
+                    {
+                        "op": op,
+                        "page_bytes": page,
+                        "gbps": round(best[op], 3),
+                        "floor_gbps": round(best[f"floor_{op}"], 3),
+                        "ratio": round(best[op] / best[f"floor_{op}"], 3),
+                        "batch_pages": batch_bytes // page,
+                        "total_bytes": total,
+                        "fsync": "batch",
+                    }
+                )
+        if args.layouts:
+            page = 64 << 10
+            for mode in ("page", "batch"):
+                t = file_per_page(base / f"perfile-{mode}", batch, page, mode)
+                layouts.append(
+                    {
+                        "layout": f"file_per_page_fsync_{mode}",
+                        "page_bytes": page,
+                        "gbps": round(batch_bytes / t / 1e9, 3),
+                        "pages_per_s": round(batch_bytes // page / t),
+                    }
+                )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    result: dict[str, object] = {"cases": cases, "repeats": args.repeats, "dir": str(base.parent)}
+    if layouts:
+        result["layouts"] = layouts
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

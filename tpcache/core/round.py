@@ -1,0 +1,210 @@
+"""The round: prepare a fixed-shape vector of local facts, commit only what every rank agrees on.
+
+Per step every rank calls ``prepare`` (local observations -> vector), the caller runs exactly one
+MIN all-reduce, then every rank calls ``commit`` with the reduced vector. Commit mutates the core
+only through agreed values, so ranks that were equal stay equal, whatever finished first where.
+
+Fail-closed levels:
+- a plan whose (count, tokens, digest) differs across ranks is skipped; after
+  ``plan_mismatch_limit`` mismatches in a row its feature switches off;
+- a layout, sequence, state digest, queue or health disagreement closes the cache: matches miss,
+  writes are refused, in-flight copies still drain; an agreed flush reopens it;
+- a collective timeout closes it on the survivors (``fail``), reported by the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from tpcache.core.cache import CacheCore, OpKind, Transfer
+from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
+from tpcache.core.plans import MirrorRelease, Plan, PlanFeature
+
+log = logging.getLogger("tpcache.round")
+
+QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=False))
+
+
+@dataclass(frozen=True)
+class QueueObservation:
+    """What this rank saw of one completion queue, reading from its head in issue order."""
+
+    done: int = 0  # ops finished at the head
+    clean: int = 0  # of those, leading ops that succeeded on every page
+    head_acked: int = 0  # leading pages the head op got through (its partial success)
+
+
+class LocalView(Protocol):
+    """The shell's side of the round: local facts no other rank can see."""
+
+    def observe(self, kind: OpKind, pending: Sequence[Transfer]) -> QueueObservation: ...
+
+    def health(self) -> int: ...
+
+    def drained(self) -> bool: ...
+
+
+@dataclass
+class RoundReport:
+    round: int
+    completed: list[Transfer] = field(default_factory=list)
+    plan_executed: str | None = None
+    plan_skipped: str | None = None
+    mismatches: list[str] = field(default_factory=list)
+    closed_reason: str | None = None
+    flushed: bool = False
+
+
+class Round:
+    def __init__(self, core: CacheCore, features: Sequence[PlanFeature] | None = None) -> None:
+        self.core = core
+        self.layout = RoundLayout.default()
+        self.number = 0
+        self.features: list[PlanFeature] = (
+            list(features) if features is not None else [MirrorRelease()] if core.config.mirror_release else []
+        )
+        self.pending_plan: Plan | None = None  # prepared last commit, checked this round
+        self.plan_mismatches: dict[str, int] = {f.name: 0 for f in self.features}
+        self.disabled: set[str] = set()
+        self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
+        self._prepared: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ prepare
+
+    def state_digest(self) -> int:
+        c = self.core
+        return (c.digest.value + mix(c.clock, c._next_op, c._next_lease, int(c.flush_requested))) & DIGEST_MASK
+
+    def prepare(self, seq: int, view: LocalView) -> list[int]:
+        """This rank's vector for the round. Pure with respect to the core."""
+        if self._prepared is not None:
+            raise RuntimeError("prepare called twice without commit: one collective per round")
+        values: dict[str, int] = {
+            "layout": LAYOUT_VERSION,
+            "round": self.number,
+            "seq": seq,
+            "state_digest": self.state_digest(),
+            "health": view.health(),
+            "drained": int(view.drained()),
+            "host_deficit": self.core.host_deficit,
+        }
+        for kind, q in QUEUE_OF.items():
+            pending = self.core.inflight[kind]
+            obs = view.observe(kind, pending) if pending else QueueObservation()
+            if not 0 <= obs.clean <= obs.done <= len(pending):
+                raise ValueError(f"{q}: observation {obs} does not fit {len(pending)} ops in flight")
+            values[f"{q}.queue_digest"] = mix_ids([op.op_id for op in pending])
+            values[f"{q}.done"] = obs.done
+            values[f"{q}.clean"] = obs.clean
+            values[f"{q}.head_acked"] = obs.head_acked if obs.done else 0
+        plan = self.pending_plan
+        values["plan_count"] = plan.count if plan else 0
+        values["plan_tokens"] = plan.tokens if plan else 0
+        values["plan_digest"] = plan.digest if plan else 0
+        self._prepared = values
+        return self.layout.pack(values)
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(self, reduced: Sequence[int]) -> RoundReport:
+        if self._prepared is None:
+            raise RuntimeError("commit without prepare")
+        self._prepared = None
+        agreement = self.layout.unpack(reduced)
+        report = RoundReport(round=self.number)
+        self.number += 1
+        core = self.core
+
+        self._check_header(agreement, report)
+        for kind, q in QUEUE_OF.items():
+            self._apply_queue(kind, q, agreement, report)
+        self._apply_plan(agreement, report)
+        if core.flush_requested and agreement.lo["drained"] == 1:
+            # Every rank has no copy physically in flight, so dropping all state frees nothing a
+            # copy still writes, whatever each rank's (possibly diverged) queues say.
+            self._flush(report)
+        core.host_deficit = 0
+        if not core.closed:
+            self.pending_plan = self._prepare_plan(agreement)
+            core.enforce_retention()
+        report.closed_reason = core.closed_reason
+        return report
+
+    def fail(self, reason: str) -> None:
+        """The collective failed (timeout, dead rank): close without mutating anything else."""
+        self._prepared = None
+        self.core.close(reason)
+        log.error("cache closed: %s", reason)
+
+    def _mismatch(self, name: str, report: RoundReport) -> None:
+        report.mismatches.append(name)
+        self.mismatch_counts[name] = self.mismatch_counts.get(name, 0) + 1
+
+    def _check_header(self, a: Agreement, report: RoundReport) -> None:
+        for name in ("layout", "round", "seq", "state_digest"):
+            if not a.agreed(name):
+                self._mismatch(name, report)
+                self._close(f"{name} differs across ranks (min {a.lo[name]}, max {a.hi[name]})", report)
+        if a.hi["health"] != 0 or not a.agreed("health"):
+            self._mismatch("health", report)
+            self._close(f"a rank reported unhealthy (health bits up to {a.hi['health']:#x})", report)
+
+    def _close(self, reason: str, report: RoundReport) -> None:
+        if not self.core.closed:
+            log.error("round %d: cache closed: %s", report.round, reason)
+        self.core.close(reason)
+
+    def _apply_queue(self, kind: OpKind, q: str, a: Agreement, report: RoundReport) -> None:
+        if not a.agreed(f"{q}.queue_digest"):
+            # Ranks disagree on what is in flight: nothing on this queue can be applied safely.
+            self._mismatch(f"{q}.queue_digest", report)
+            self._close(f"{q} queues differ across ranks", report)
+            return
+        done, clean = a.lo[f"{q}.done"], a.lo[f"{q}.clean"]
+        for _ in range(min(done, clean)):
+            report.completed.append(self.core.complete(kind))
+        if clean < done and clean == 0:
+            # The head op fell short on some rank: keep only the pages every rank got through.
+            report.completed.append(self.core.complete(kind, a.lo[f"{q}.head_acked"]))
+
+    def _apply_plan(self, a: Agreement, report: RoundReport) -> None:
+        plan, self.pending_plan = self.pending_plan, None
+        fields = ("plan_count", "plan_tokens", "plan_digest")
+        if a.disagreeing(fields):
+            name = plan.feature if plan else "plan"
+            report.plan_skipped = name
+            self._mismatch("plan", report)
+            self.plan_mismatches[name] = self.plan_mismatches.get(name, 0) + 1
+            if self.plan_mismatches[name] >= self.core.config.plan_mismatch_limit and name not in self.disabled:
+                self.disabled.add(name)
+                log.error(
+                    "%s switched off after %d plan mismatches in a row; falling back to conservative behaviour",
+                    name,
+                    self.plan_mismatches[name],
+                )
+            return
+        if plan is None or self.core.closed:
+            return
+        self.plan_mismatches[plan.feature] = 0
+        feature = next(f for f in self.features if f.name == plan.feature)
+        feature.execute(self.core, plan)
+        report.plan_executed = plan.feature
+
+    def _prepare_plan(self, a: Agreement) -> Plan | None:
+        for feature in self.features:
+            if feature.name in self.disabled:
+                continue
+            plan = feature.prepare(self.core, a)
+            if plan is not None:
+                return plan
+        return None
+
+    def _flush(self, report: RoundReport) -> None:
+        self.core.reset()
+        self.pending_plan = None
+        report.flushed = True
+        log.warning("round %d: agreed flush: every rank reset; cache open", report.round)

@@ -1,0 +1,55 @@
+"""Zero-copy byte views of page buffers: bytes-likes and contiguous CPU torch tensors.
+
+Invariant: a returned view aliases the caller's memory (no copy); the caller keeps the object
+alive and unchanged for as long as the view is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Union
+
+try:  # torch is optional for this module: storage also serves torch-free callers.
+    import torch
+except ImportError:  # pragma: no cover - torch is a project dependency
+    torch = None  # type: ignore[assignment]
+
+PageBuffer = Union[bytes, bytearray, memoryview, "torch.Tensor"]
+
+
+class StorageBufferError(TypeError):
+    """A page buffer cannot be used: wrong type, not contiguous, not on the CPU, read-only."""
+
+
+def _tensor_view(t: Any, writable: bool) -> memoryview:
+    if t.device.type != "cpu":
+        raise StorageBufferError(f"storage needs CPU tensors, got one on {t.device}")
+    if not t.is_contiguous():
+        raise StorageBufferError("storage needs contiguous tensors (call .contiguous() first)")
+    if writable and t.requires_grad:
+        raise StorageBufferError("cannot read storage into a tensor that requires grad")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    # numpy is not a dependency; a ctypes array over data_ptr() is the same zero-copy alias.
+    arr = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    return memoryview(arr).cast("B")
+
+
+def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
+    """A flat unsigned-byte view of ``buf`` without copying."""
+    if torch is not None and isinstance(buf, torch.Tensor):
+        return _tensor_view(buf, writable)
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise StorageBufferError(
+            f"page buffer must be bytes-like or a CPU torch.Tensor, got {type(buf).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise StorageBufferError("page buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise StorageBufferError("output buffer is read-only")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

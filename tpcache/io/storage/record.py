@@ -1,0 +1,97 @@
+"""The on-disk record: fixed header, key echo, payload.
+
+Layout (little-endian)::
+
+    magic        4s  b"TPC1" live, b"TPCX" dead (evicted/deleted, flipped in place)
+    version      u16 RECORD_VERSION
+    key_len      u16 bytes of the encoded key that follow the header
+    flags        u32 reserved, 0
+    seq          u64 per-directory-owner write sequence (newest record of a key wins)
+    payload_len  u64
+    payload_xxh  u64 xxh3_64 of the payload
+    header_xxh   u64 xxh3_64 of header[4:36] + key bytes
+
+Invariants: the header checksum covers every field but the magic, so a dead mark is a single
+aligned 4-byte write that leaves the record skippable; a record is trusted only when magic,
+version, header checksum, key echo and payload checksum all match.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC_LIVE = b"TPC1"
+MAGIC_DEAD = b"TPCX"
+RECORD_VERSION = 1
+HEADER = struct.Struct("<4sHHIQQQQ")
+HEADER_SIZE = HEADER.size  # 44
+_CHECKED = slice(4, HEADER_SIZE - 8)
+MAX_KEY_BYTES = 1024
+
+
+class RecordError(ValueError):
+    """A header that is not a valid record header (reason in ``.reason``: corrupt or foreign)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    live: bool
+    key_len: int
+    seq: int
+    payload_len: int
+    payload_xxh: int
+
+    @property
+    def record_len(self) -> int:
+        return HEADER_SIZE + self.key_len + self.payload_len
+
+
+def payload_checksum(payload: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(key: bytes, seq: int, payload_len: int, payload_xxh: int) -> bytes:
+    """Header bytes followed by the key echo."""
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"encoded key is {len(key)} bytes, the limit is {MAX_KEY_BYTES}")
+    head = HEADER.pack(MAGIC_LIVE, RECORD_VERSION, len(key), 0, seq, payload_len, payload_xxh, 0)
+    hxh = xxhash.xxh3_64_intdigest(head[_CHECKED] + key)
+    return head[: HEADER_SIZE - 8] + struct.pack("<Q", hxh) + key
+
+
+def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:
+    """Parse and check ``raw`` = header + key echo bytes (at least ``HEADER_SIZE``).
+
+    ``key`` is the expected key echo, or None to accept any (index rebuild). Raises
+    :class:`RecordError` with reason ``corrupt`` or ``foreign``; ``short`` is the caller's to
+    detect (it knows the file length).
+    """
+    raw = bytes(raw)
+    if len(raw) < HEADER_SIZE:
+        raise RecordError("short", "record header is truncated")
+    magic, version, key_len, _flags, seq, payload_len, payload_xxh, header_xxh = HEADER.unpack_from(raw)
+    if magic not in (MAGIC_LIVE, MAGIC_DEAD):
+        raise RecordError("corrupt", f"bad record magic {magic!r}")
+    if version != RECORD_VERSION:
+        raise RecordError("foreign", f"record format version {version}, expected {RECORD_VERSION}")
+    if key_len > MAX_KEY_BYTES:
+        raise RecordError("corrupt", f"record key length {key_len} exceeds {MAX_KEY_BYTES}")
+    if len(raw) < HEADER_SIZE + key_len:
+        raise RecordError("short", "record key echo is truncated")
+    echo = raw[HEADER_SIZE : HEADER_SIZE + key_len]
+    if xxhash.xxh3_64_intdigest(raw[_CHECKED] + echo) != header_xxh:
+        raise RecordError("corrupt", "record header checksum mismatch")
+    if key is not None and echo != key:
+        raise RecordError("foreign", "record belongs to another key")
+    return RecordHeader(magic == MAGIC_LIVE, key_len, seq, payload_len, payload_xxh)
+
+
+def read_key_echo(raw: bytes | memoryview, header: RecordHeader) -> bytes:
+    return bytes(raw[HEADER_SIZE : HEADER_SIZE + header.key_len])
