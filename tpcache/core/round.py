@@ -15,7 +15,7 @@ Fail-closed levels:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,6 +36,20 @@ class QueueObservation:
     done: int = 0  # ops finished at the head
     clean: int = 0  # of those, leading ops that succeeded on every page
     head_acked: int = 0  # leading pages the head op got through (its partial success)
+
+
+def observe_head(results: Mapping[int, int], pending: Sequence[Transfer]) -> QueueObservation:
+    """Count finished ops from the head of a queue; ``results`` maps op id -> pages that landed."""
+    done = clean = 0
+    for op in pending:
+        landed = results.get(op.op_id)
+        if landed is None:
+            break
+        done += 1
+        if clean == done - 1 and landed == op.num_pages:
+            clean += 1
+    head = results.get(pending[0].op_id, 0) if pending else 0
+    return QueueObservation(done, clean, head or 0)
 
 
 class LocalView(Protocol):

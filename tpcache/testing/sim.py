@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tpcache.core import CacheConfig, CacheCore, OpKind, Transfer, check
-from tpcache.core.round import QueueObservation, Round
+from tpcache.core.round import QueueObservation, Round, observe_head
 from tpcache.core.tiers import DeviceState, StorageState
 from tpcache.dist.collective import CollectiveError
 from tpcache.dist.sim import SimGroup
@@ -90,16 +90,7 @@ class FakeShell:
             self.results[op_id] = landed
 
     def observe(self, kind: OpKind, pending: Sequence[Transfer]) -> QueueObservation:
-        done = clean = 0
-        for op in pending:
-            landed = self.results.get(op.op_id)
-            if landed is None:
-                break
-            done += 1
-            if clean == done - 1 and landed == op.num_pages:
-                clean += 1
-        head = self.results.get(pending[0].op_id, 0) if pending else 0
-        return QueueObservation(done, clean, head)
+        return observe_head(self.results, pending)
 
     def health(self) -> int:
         return 0

@@ -1,0 +1,37 @@
+# make demo: set up and run the main job. make test: set up and run the tests.
+PY ?= python3
+VENV ?= .venv
+# CPU machines get the CPU wheel. A GPU user brings their own: `make setup TORCH_SPEC=` skips the
+# torch install when the venv (e.g. created with --system-site-packages) already imports torch.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_WORKERS ?= 2
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if ! $(BIN)/python -c "import torch" 2>/dev/null && [ -n "$(TORCH_SPEC)" ]; then \
+		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/python -m launcher demo
+
+test: setup
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --timeout 600
+
+lint: setup
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+bench: setup
+	$(BIN)/python scripts/replay.py --trace ../shared/data/mooncake/conversation_trace.jsonl --device-tokens 3000000 --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
