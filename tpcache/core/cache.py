@@ -27,6 +27,7 @@ from tpcache.core.config import CacheConfig
 from tpcache.core.digest import Digest, mix, mix_ids
 from tpcache.core.eviction import make_policy
 from tpcache.core.hashing import TokenIds, as_token_bytes
+from tpcache.core.prefetch import Prefetcher, PrefetchState
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
 from tpcache.core.tree import Node, RadixTree
 
@@ -57,7 +58,7 @@ class Transfer:
 
     @property
     def num_pages(self) -> int:
-        return len(self.nodes)
+        return len(self.page_hashes)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Lease:
     pages: list[int] = field(default_factory=list)  # device pages allocated to it, not in the tree
     ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
     releasing: bool = False
+    prefetch: PrefetchState | None = None
     record: int = 0
 
 
@@ -103,6 +105,9 @@ class Stats:
     storage_write_issued_pages: int = 0
     storage_written_pages: int = 0
     mirrors_released_pages: int = 0
+    prefetch_hit_pages: int = 0
+    prefetch_read_pages: int = 0
+    prefetch_stale_completions: int = 0
 
 
 class CacheClosed(RuntimeError):
@@ -137,6 +142,7 @@ class CacheCore:
         self.flush_requested = False
         self._next_lease = 1
         self._next_op = 1
+        self.prefetcher = Prefetcher(self)
         self._device_heap: list[tuple[tuple[int, ...], int]] = []
         self._host_heap: list[tuple[tuple[int, ...], int]] = []
 
@@ -298,6 +304,38 @@ class CacheCore:
             self.stats.loads_issued_pages += len(todo)
         return [n.device_page for n in lease.device_nodes]
 
+    def prefetch(self, lease_id: int, tokens: TokenIds) -> bool:
+        """Look up the lease's continuation in storage and read the agreed hit into host slots.
+
+        Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
+        self._refuse_if_closed()
+        self._tick()
+        lease = self.lease(lease_id)
+        if not self.config.storage or lease.releasing:
+            return False
+        self._unaccount_lease(lease)
+        started = self.prefetcher.start(lease, as_token_bytes(tokens))
+        self._account_lease(lease)
+        return started
+
+    def prefetch_status(self, lease_id: int) -> tuple[str, int]:
+        """(status, pages landed in host) of the lease's prefetch. Pure."""
+        state = self.lease(lease_id).prefetch
+        return ("none", 0) if state is None else (state.status, state.ready_pages)
+
+    def admissible(self, lease_id: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
+        """Whether the lease's request may be admitted under the prefetch stop policy. Pure."""
+        return self.prefetcher.admissible(self.lease(lease_id), policy, timeout_rounds)
+
+    def tick(self) -> None:
+        """Once per round's commit: prefetch pacing and deferrals (agreed, so every rank alike)."""
+        for lease in list(self.leases.values()):
+            if lease.prefetch is not None and lease.prefetch.status != "done":
+                self._unaccount_lease(lease)
+                self.prefetcher.tick_one(lease)
+                if lease.lease_id in self.leases:
+                    self._account_lease(lease)
+
     def release(self, lease_id: int) -> bool:
         """Release (finish or abort) a lease. Returns True when released now.
 
@@ -397,7 +435,13 @@ class CacheCore:
         ok = op.num_pages if acked_pages is None else max(0, min(acked_pages, op.num_pages))
         self.stats.failed_copy_pages += op.num_pages - ok
         lease = self.leases.get(op.lease_id)
-        for i, node in enumerate(op.nodes):
+        if lease is not None:
+            self._unaccount_lease(lease)
+        if kind == OpKind.STORAGE_QUERY:
+            self.prefetcher.on_query(op, ok)
+        elif kind == OpKind.STORAGE_READ:
+            self.prefetcher.on_read(op, ok)
+        for i, node in enumerate(op.nodes if kind < OpKind.STORAGE_READ else ()):
             self._unaccount(node)
             if kind == OpKind.BACKUP:
                 node.device_pins -= 1
@@ -431,7 +475,6 @@ class CacheCore:
         for node in reversed(op.nodes):
             self._maybe_remove(node)
         if lease is not None:
-            self._unaccount_lease(lease)
             lease.ops.remove(op.op_id)
             self._account_lease(lease)
             if lease.releasing and not lease.ops:
@@ -476,14 +519,27 @@ class CacheCore:
             if node.parent is not None:
                 self._maybe_remove(node)
 
+    # Lease helpers for the prefetcher; the caller holds the lease unaccounted.
+
+    def _lease_waits_for(self, lease: Lease, op_id: int) -> None:
+        lease.ops.append(op_id)
+
+    def _pin_lease_host(self, lease: Lease, nodes: list[Node]) -> None:
+        for node in nodes:
+            self._pin_host(node, +1)
+            lease.host_nodes.append(node)
+
+    def _unpin_lease_host(self, lease: Lease, nodes: list[Node]) -> None:
+        for node in nodes:
+            self._pin_host(node, -1)
+            lease.host_nodes.remove(node)
+
     def _drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
         dropped = {n.node_id for n in nodes}
         keep = [n for n in lease.device_nodes if n.node_id not in dropped]
         for node in nodes:
             self._pin_device(node, -1)
-        self._unaccount_lease(lease)
-        lease.device_nodes = keep
-        self._account_lease(lease)
+        lease.device_nodes = keep  # the caller holds the lease unaccounted
 
     def _stamp(self, nodes: list[Node], hit: bool) -> None:
         for node in nodes:
@@ -605,14 +661,14 @@ class CacheCore:
             and not any(c.on_host for c in node.children.values())
         )
 
-    def _issue(self, kind: OpKind, nodes: list[Node], lease_id: int) -> Transfer:
+    def _issue(self, kind: OpKind, nodes: list[Node], lease_id: int, page_hashes: list[int] | None = None) -> Transfer:
         op = Transfer(
             op_id=self._next_op,
             kind=kind,
             nodes=list(nodes),
             device_pages=[n.device_page for n in nodes],
             host_slots=[n.host_slot for n in nodes],
-            page_hashes=[n.hash for n in nodes],
+            page_hashes=[n.hash for n in nodes] if page_hashes is None else list(page_hashes),
             lease_id=lease_id,
         )
         self._next_op += 1
@@ -714,8 +770,13 @@ class CacheCore:
             mix_ids(lease.pages),
             mix_ids(lease.ops),
             int(lease.releasing),
+            0 if lease.prefetch is None else mix_ids(self._prefetch_fields(lease.prefetch)),
         )
         self.digest.add(lease.record)
+
+    @staticmethod
+    def _prefetch_fields(p: PrefetchState) -> list[int]:
+        return [p.code(), p.attempts, p.op_id, p.hit_pages, p.ready_pages, p.rounds, p.deferrals, p.start]
 
     def _push(self, node: Node) -> None:
         if len(self._device_heap) + len(self._host_heap) > 4 * len(self.tree.nodes) + 64:

@@ -55,6 +55,9 @@ def check(core: CacheCore) -> None:
                     host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
                     if n.device_state != DeviceState.LOADING:
                         fail(f"load op {op.op_id}: node {n.node_id} device state {n.device_state.name}")
+                elif kind == OpKind.STORAGE_READ:
+                    if n.host_state != HostState.WRITING:
+                        fail(f"storage read op {op.op_id}: node {n.node_id} is {n!r}")
                 elif kind == OpKind.STORAGE_WRITE:
                     host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
                     if n.storage_state != StorageState.WRITING or n.host_state != HostState.VALID:

@@ -143,6 +143,7 @@ class Round:
             self._flush(report)
         core.host_deficit = 0
         if not core.closed:
+            core.tick()
             self.pending_plan = self._prepare_plan(agreement)
             core.enforce_retention()
         report.closed_reason = core.closed_reason

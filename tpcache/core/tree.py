@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tpcache.core.hashing import iter_pages, namespace_seed, page_hash, root_hash
-from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.tiers import DeviceState, HostState, StorageState  # noqa: F401
 
 
 class Node:
@@ -67,7 +67,9 @@ class Node:
 
     @property
     def resident(self) -> bool:
-        return self.on_device or self.on_host or self.storage_state != StorageState.NONE
+        """Holds a readable-or-filling copy on device or host. Storage state alone does not keep a
+        node: durability is tracked for pages the tree holds, so the tracking is bounded by it."""
+        return self.on_device or self.on_host
 
     def path(self) -> list[Node]:
         """Nodes from the first page down to this one (the root excluded)."""

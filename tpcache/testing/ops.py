@@ -27,8 +27,10 @@ def random_op(rng: random.Random, page_size: int, alphabet: int = 4, max_pages: 
         return ("lock", tuple(rng.randrange(alphabet) for _ in range(n)), rng.randrange(page_size))
     if r < 0.60:
         return ("insert", rng.randrange(8))
-    if r < 0.70:
+    if r < 0.64:
         return ("load", rng.randrange(8))
+    if r < 0.72:
+        return ("prefetch", rng.randrange(8))
     if r < 0.90:
         return ("release", rng.randrange(8))
     if r < 0.95:
@@ -44,7 +46,7 @@ def apply(core: CacheCore, op: Op, leases: list[tuple[int, list[int]]]) -> None:
             tokens = tokens_for(op[1], core.page_size, op[2])
             lease_id, _ = core.lock(tokens)
             leases.append((lease_id, tokens))
-        elif kind in ("insert", "load", "release") and leases:
+        elif kind in ("insert", "load", "release", "prefetch") and leases:
             lease_id, tokens = leases[op[1] % len(leases)]
             if kind == "insert":
                 match = core.match(tokens)
@@ -60,11 +62,14 @@ def apply(core: CacheCore, op: Op, leases: list[tuple[int, list[int]]]) -> None:
                 core.insert(lease_id, tokens, prefix + fresh)
             elif kind == "load":
                 core.load(lease_id)
+            elif kind == "prefetch":
+                core.prefetch(lease_id, tokens)
             else:
                 core.release(lease_id)
                 leases.remove((lease_id, tokens))
         elif kind == "evict":
             core.evict_device(op[1])
+            core.evict_host(op[1])
         elif kind == "cap":
             core.set_retention_cap(op[1])
     except (OutOfPages, CacheClosed, UnknownLease):

@@ -79,6 +79,11 @@ class FakeShell:
             landed = op.num_pages
             if self.rng.random() < self.faults.partial_ack:
                 landed = self.rng.randrange(op.num_pages)
+            if op.kind in (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ):
+                present = 0  # storage answers for the leading pages this rank holds
+                while present < op.num_pages and op.page_hashes[present] in self.storage:
+                    present += 1
+                landed = min(landed, present)
             for i in range(op.num_pages):
                 ok = i < landed
                 if op.kind == OpKind.BACKUP:
@@ -87,6 +92,8 @@ class FakeShell:
                     self.device[op.device_pages[i]] = self.host.get(op.host_slots[i], GARBAGE) if ok else GARBAGE
                 elif op.kind == OpKind.STORAGE_WRITE and ok:
                     self.storage[op.page_hashes[i]] = self.host.get(op.host_slots[i], GARBAGE)
+                elif op.kind == OpKind.STORAGE_READ:
+                    self.host[op.host_slots[i]] = self.storage[op.page_hashes[i]] if ok else GARBAGE
             self.results[op_id] = landed
 
     def observe(self, kind: OpKind, pending: Sequence[Transfer]) -> QueueObservation:
