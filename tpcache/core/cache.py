@@ -98,7 +98,8 @@ class Stats:
     host_evicted_pages: int = 0
     backups_issued_pages: int = 0
     backups_done_pages: int = 0
-    backup_rejected_host_full: int = 0
+    backup_deferred_host_full: int = 0  # page-rounds a backup waited for a host slot
+    backup_rejected_host_full: int = 0  # pages evicted from device before a host slot came free
     loads_issued_pages: int = 0
     loads_done_pages: int = 0
     failed_copy_pages: int = 0
@@ -124,7 +125,7 @@ class CacheCore:
         self.config = config
         self.page_size = config.page_size
         self.policy = make_policy(config.eviction_policy)
-        self._inclusive_host = config.write_policy in ("write_through", "write_through_selective")
+        self._write_back = config.write_policy == "write_back" and config.host_pages > 0
         self.tree = RadixTree(config.page_size, config.namespace)
         self.device = PageAllocator(config.device_pages, "device")
         self.host = HostAllocator(config.host_pages, "host")
@@ -138,7 +139,9 @@ class CacheCore:
         self.effects: list[Transfer] = []
         self.stats = Stats()
         self.closed_reason: str | None = None
-        self.host_deficit = 0  # host slots wanted but not found since the last round
+        # Pages waiting for a host slot to be backed up, oldest first. Retried every round; the
+        # agreed minimum of its length is the host deficit a mirror-release plan works off.
+        self.backup_backlog: dict[int, Node] = {}
         self.flush_requested = False
         self._next_lease = 1
         self._next_op = 1
@@ -327,8 +330,16 @@ class CacheCore:
         """Whether the lease's request may be admitted under the prefetch stop policy. Pure."""
         return self.prefetcher.admissible(self.lease(lease_id), policy, timeout_rounds)
 
+    @property
+    def host_deficit(self) -> int:
+        return len(self.backup_backlog)
+
     def tick(self) -> None:
-        """Once per round's commit: prefetch pacing and deferrals (agreed, so every rank alike)."""
+        """Once per round's commit: retry waiting backups, pace prefetches (agreed, every rank alike)."""
+        if self.backup_backlog:
+            waiting = [n for n in self.backup_backlog.values() if n.device_state == DeviceState.VALID and not n.on_host]
+            self.backup_backlog.clear()
+            self._backup_path(waiting)
         for lease in list(self.leases.values()):
             if lease.prefetch is not None and lease.prefetch.status != "done":
                 self._unaccount_lease(lease)
@@ -378,31 +389,45 @@ class CacheCore:
         """Free up to ``n`` device pages, least valuable first. Returns the pages freed now.
 
         Under write_back a page with no host copy is backed up first and freed by a later
-        eviction, once its copy is agreed complete.
+        eviction, once its copy is agreed complete. The ancestors that would become candidates
+        right after it go in the same backup, so a chain drains in one round trip, not one per page.
         """
         freed = 0
-        write_back = self.config.write_policy == "write_back"
         backups: list[Node] = []
-        while freed < n:
+        while freed + len(backups) < n:
             node = self._pop_candidate(self._device_heap, self._device_candidate)
             if node is None:
                 break
-            if write_back and not node.on_host and self.host.num_pages:
-                backups.append(node)
-                self._unaccount(node)
-                node.device_pins += 1  # hold it out of the heap while we look further
-                self._account(node)
+            if self._write_back and not node.on_host:
+                chain = [node]
+                cur = node.parent
+                while freed + len(backups) + len(chain) < n and self._next_in_line(cur, chain[-1]):
+                    chain.append(cur)
+                    cur = cur.parent
+                for x in chain:
+                    self._pin_device(x, +1)  # hold it out of the heap while we look further
+                backups.extend(chain)
                 continue
             self._drop_device(node)
             freed += 1
         for node in backups:
-            self._unaccount(node)
-            node.device_pins -= 1
-            self._account(node)
+            self._pin_device(node, -1)
         if backups:
             self._backup_path(backups)
         self.stats.device_evicted_pages += freed
         return freed
+
+    @staticmethod
+    def _next_in_line(node: Node | None, child: Node) -> bool:
+        """Whether ``node`` becomes a write-back eviction candidate once ``child`` leaves device."""
+        return (
+            node is not None
+            and node.parent is not None
+            and node.device_state == DeviceState.VALID
+            and not node.device_pins
+            and not node.on_host
+            and all(c is child or not c.on_device for c in node.children.values())
+        )
 
     def evict_host(self, n: int) -> int:
         freed = 0
@@ -465,7 +490,6 @@ class CacheCore:
             self.stats.backups_done_pages += ok
             if self.config.storage:
                 self._store(op.nodes[:ok])
-            self._follow_up_backups(op.nodes[:ok], skip={n.node_id for n in op.nodes[ok:]})
         elif kind == OpKind.STORAGE_WRITE:
             self.stats.storage_written_pages += ok
         elif kind == OpKind.LOAD:
@@ -529,6 +553,27 @@ class CacheCore:
             self._pin_host(node, +1)
             lease.host_nodes.append(node)
 
+    def _pin_lease_anchor(self, lease: Lease, node: Node) -> tuple[str, Node] | None:
+        """Pin the node a fetch hangs from on the tier it is readable on."""
+        if node.parent is None:
+            return None
+        if node.host_state == HostState.VALID:
+            self._pin_lease_host(lease, [node])
+            return ("host", node)
+        self._pin_device(node, +1)
+        lease.device_nodes.append(node)
+        return ("device", node)
+
+    def _unpin_lease_anchor(self, lease: Lease, anchor: tuple[str, Node] | None) -> None:
+        if anchor is None:
+            return
+        tier, node = anchor
+        if tier == "host":
+            self._unpin_lease_host(lease, [node])
+        else:
+            self._pin_device(node, -1)
+            lease.device_nodes.remove(node)
+
     def _unpin_lease_host(self, lease: Lease, nodes: list[Node]) -> None:
         for node in nodes:
             self._pin_host(node, -1)
@@ -555,6 +600,13 @@ class CacheCore:
             self.evict_device(short)
         return self.device.alloc(n)
 
+    def _alloc_host_upto(self, n: int) -> list[int]:
+        """As many of ``n`` host slots as eviction can make free."""
+        short = n - self.host.available
+        if short > 0:
+            self.evict_host(short)
+        return self.host.alloc(min(n, self.host.available))
+
     def _alloc_host(self, n: int) -> list[int] | None:
         short = n - self.host.available
         if short > 0:
@@ -564,42 +616,28 @@ class CacheCore:
         return self.host.alloc(n)
 
     def _backup_path(self, nodes: list[Node]) -> None:
-        """Back up device-VALID nodes that have no host copy, ancestors first (host stays closed).
+        """Back up device-VALID pages that have no host copy, in the order given.
 
-        A chain whose nearest host ancestor is still being written waits: if that write failed,
-        a child copy would sit under a parent with no host copy. It is picked up when the
-        parent's backup lands (``_follow_up_backups``).
+        Tiers are closed cumulatively (a host copy needs its parent on device or host), and every
+        page backed up is on device, so each page can go on its own: no chain of ancestors, and
+        no wait on a parent's copy in flight. Pages that find no host slot wait in the backlog.
         """
         todo: list[Node] = []
-        anchors: list[Node] = []  # host-resident parents the chains hang from
         seen: set[int] = set()
         for node in nodes:
-            chain = []
-            cur: Node | None = node
-            while cur is not None and cur.parent is not None and not cur.on_host and cur.node_id not in seen:
-                chain.append(cur)
-                cur = cur.parent
-            if cur is not None and cur.host_state == HostState.WRITING:
+            if node.node_id in seen or node.parent is None or node.on_host or node.device_state != DeviceState.VALID:
                 continue
-            if cur is not None and cur.parent is not None and cur.on_host:
-                anchors.append(cur)
-            chain.reverse()
-            for i, n in enumerate(chain):
-                if n.device_state != DeviceState.VALID:
-                    chain = chain[:i]
-                    break
-            seen.update(n.node_id for n in chain)
-            todo.extend(chain)
+            seen.add(node.node_id)
+            todo.append(node)
         if not todo:
             return
-        for anchor in anchors:  # host eviction below must not take a chain's parent
-            self._pin_host(anchor, +1)
-        slots = self._alloc_host(len(todo))
-        for anchor in anchors:
-            self._pin_host(anchor, -1)
-        if slots is None:
-            self.stats.backup_rejected_host_full += len(todo)
-            self.host_deficit += len(todo)
+        slots = self._alloc_host_upto(len(todo))
+        for node in todo[len(slots) :]:
+            if node.node_id not in self.backup_backlog:
+                self.backup_backlog[node.node_id] = node
+            self.stats.backup_deferred_host_full += 1
+        todo = todo[: len(slots)]
+        if not todo:
             return
         for node, slot in zip(todo, slots, strict=True):
             self._unaccount(node)
@@ -608,23 +646,6 @@ class CacheCore:
             self._account(node)
         self._issue(OpKind.BACKUP, todo, -1)
         self.stats.backups_issued_pages += len(todo)
-
-    def _follow_up_backups(self, landed: list[Node], skip: set[int]) -> None:
-        """Back up device pages inserted under these nodes while their own backup was in flight."""
-        policy = self.config.write_policy
-        if policy not in ("write_through", "write_through_selective"):
-            return
-        todo: list[Node] = []
-        stack = [c for n in landed for c in n.children.values()]
-        while stack:
-            node = stack.pop()
-            if node.on_host or node.device_state != DeviceState.VALID or node.node_id in skip:
-                continue
-            if policy == "write_through" or node.hits >= self.config.write_through_threshold:
-                todo.append(node)
-            stack.extend(node.children.values())
-        todo.sort(key=lambda n: (n.depth, n.node_id))  # parents first; ids keep it deterministic
-        self._backup_path(todo)
 
     def _store(self, nodes: list[Node]) -> None:
         """Write host-VALID pages to storage; durable only once every rank acked (agreed)."""
@@ -652,13 +673,13 @@ class CacheCore:
 
     @staticmethod
     def is_releasable_mirror(node: Node) -> bool:
+        """A host copy of a page that is also on device and durable in storage: redundant."""
         return (
             node.parent is not None
             and node.host_state == HostState.VALID
             and node.host_pins == 0
             and node.device_state == DeviceState.VALID
             and node.storage_state == StorageState.DURABLE
-            and not any(c.on_host for c in node.children.values())
         )
 
     def _issue(self, kind: OpKind, nodes: list[Node], lease_id: int, page_hashes: list[int] | None = None) -> Transfer:
@@ -677,6 +698,8 @@ class CacheCore:
         return op
 
     def _drop_device(self, node: Node) -> None:
+        if self.backup_backlog.pop(node.node_id, None) is not None:
+            self.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier
         self._unaccount(node)
         self.device.free([node.device_page])
         self._set_device(node, DeviceState.NONE, -1)
@@ -698,6 +721,7 @@ class CacheCore:
         ):
             parent = node.parent
             self._unaccount(node)
+            self.backup_backlog.pop(node.node_id, None)
             self.tree.remove_leaf(node)
             if parent.parent is None:
                 return
@@ -756,6 +780,9 @@ class CacheCore:
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages += 1
         self._push(node)
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            self._push(parent)  # a child's tiers decide whether its parent is an eviction candidate
 
     def _unaccount_lease(self, lease: Lease) -> None:
         self.digest.remove(lease.record)
@@ -794,19 +821,21 @@ class CacheCore:
         heapq.heapify(self._device_heap)
         heapq.heapify(self._host_heap)
 
-    @staticmethod
-    def _device_candidate(node: Node) -> bool:
+    def _device_candidate(self, node: Node) -> bool:
+        """Device leaves not in use. A page with no host copy whose children live on host is kept
+        (dropping it would orphan them), unless write_back will back it up instead."""
         if node.device_state != DeviceState.VALID or node.device_pins or node.parent is None:
             return False
-        return not any(c.on_device for c in node.children.values())
+        keep_for_host_children = not node.on_host and not self._write_back
+        return not any(c.on_device or (keep_for_host_children and c.on_host) for c in node.children.values())
 
-    def _host_candidate(self, node: Node) -> bool:
-        """Host leaves not in use. Under write-through the host tier includes the device tier
-        (device eviction is then free), so a device page's host mirror is not a candidate: it
-        goes only by an agreed mirror-release plan, once the page is durable in storage."""
-        if node.host_state != HostState.VALID or node.host_pins or node.parent is None:
-            return False
-        if self._inclusive_host and node.on_device:
+    @staticmethod
+    def _host_candidate(node: Node) -> bool:
+        """Host leaves not in use and not on device. A device page's host copy makes its device
+        eviction free (write-through) or is the copy a write-back eviction waits for, so it is not
+        evicted from host: it goes only when its device copy goes, or by an agreed mirror-release
+        plan once the page is durable in storage."""
+        if node.host_state != HostState.VALID or node.host_pins or node.parent is None or node.on_device:
             return False
         return not any(c.on_host for c in node.children.values())
 

@@ -80,8 +80,8 @@ def check(core: CacheCore) -> None:
             fail(f"node {node.node_id} has a device page without device state")
         if node.on_host:
             own(host_owner, node.host_slot, f"node {node.node_id}")
-            if not parent_root and not node.parent.on_host:
-                fail(f"node {node.node_id} on host but its parent is not (ancestor-closed)")
+            if not parent_root and not (node.parent.on_host or node.parent.on_device):
+                fail(f"node {node.node_id} on host but its parent is on neither device nor host (ancestor-closed)")
         elif node.host_slot != -1:
             fail(f"node {node.node_id} has a host slot without host state")
         if node.device_pins < 0 or node.host_pins < 0:

@@ -135,8 +135,8 @@ class Prefetcher:
 
     def _continuation(self, lease: Lease) -> tuple[Node, int, list[int], list[bytes]] | None:
         """The node the fetch hangs from, the index of the first missing page, and every page's
-        hash and tokens. None when the continuation's parent has no host copy (host must stay
-        ancestor-closed) or nothing is missing."""
+        hash and tokens. None when nothing is missing or the parent is not readable on device or
+        host (the new host pages would hang from nothing)."""
         core = self.core
         state = lease.prefetch
         assert state is not None
@@ -147,7 +147,7 @@ class Prefetcher:
         if k == len(walk.hashes):
             return None
         parent = walk.nodes[k - 1] if k else core.tree.root
-        if parent.parent is not None and parent.host_state != HostState.VALID:
+        if parent.parent is not None and parent.host_state != HostState.VALID and not parent.device_valid:
             return None
         return parent, k, walk.hashes, walk.pages
 
@@ -184,10 +184,10 @@ class Prefetcher:
             return
         parent, k, hashes, pages = found
         n = end - k
-        core._pin_lease_host(lease, [parent] if parent.parent is not None else [])
+        anchor = core._pin_lease_anchor(lease, parent)
         slots = core._alloc_host(n)
         if slots is None:
-            core._unpin_lease_host(lease, [parent] if parent.parent is not None else [])
+            core._unpin_lease_anchor(lease, anchor)
             if state.deferrals >= core.config.prefetch_max_deferrals:
                 state.status = "done"  # proceed with what the device holds
             else:

@@ -91,7 +91,8 @@ class Round:
 
     def state_digest(self) -> int:
         c = self.core
-        return (c.digest.value + mix(c.clock, c._next_op, c._next_lease, int(c.flush_requested))) & DIGEST_MASK
+        extra = mix(c.clock, c._next_op, c._next_lease, int(c.flush_requested), mix_ids(list(c.backup_backlog)))
+        return (c.digest.value + extra) & DIGEST_MASK
 
     def prepare(self, seq: int, view: LocalView) -> list[int]:
         """This rank's vector for the round. Pure with respect to the core."""
@@ -141,7 +142,6 @@ class Round:
             # Every rank has no copy physically in flight, so dropping all state frees nothing a
             # copy still writes, whatever each rank's (possibly diverged) queues say.
             self._flush(report)
-        core.host_deficit = 0
         if not core.closed:
             core.tick()
             self.pending_plan = self._prepare_plan(agreement)

@@ -62,6 +62,10 @@ class Node:
         return self.device_state != DeviceState.NONE
 
     @property
+    def device_valid(self) -> bool:
+        return self.device_state == DeviceState.VALID
+
+    @property
     def on_host(self) -> bool:
         return self.host_state != HostState.NONE
 

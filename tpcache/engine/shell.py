@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from protocol.round_vector import HEALTH_STORAGE_ERROR, HEALTH_TRANSFER_ERROR
+from protocol.round_vector import HEALTH_TRANSFER_ERROR
 from tpcache.core.cache import OpKind, Transfer
 from tpcache.core.round import QueueObservation, observe_head
 from tpcache.io.kv_pool import HostPool
@@ -41,6 +41,7 @@ class Shell:
         self.handles: dict[int, LoadHandle] = {}
         self.in_engine: set[int] = set()  # op ids queued in the transfer engine, until retired
         self.health_bits = 0
+        self.storage_errors = 0
         self.submitted = {kind: 0 for kind in OpKind}
 
     def submit(self, effects: Sequence[Transfer]) -> None:
@@ -54,7 +55,11 @@ class Shell:
                 self._start(op)
             except Exception as exc:  # a copy that cannot start failed on this rank: report it
                 log.error("could not start %s op %d: %s", op.kind.name, op.op_id, exc)
-                self.health_bits |= HEALTH_STORAGE_ERROR if op.kind >= OpKind.STORAGE_WRITE else HEALTH_TRANSFER_ERROR
+                if op.kind in (OpKind.BACKUP, OpKind.LOAD):
+                    # The core named pages the pools refuse: a bug, not an I/O fault. Close.
+                    self.health_bits |= HEALTH_TRANSFER_ERROR
+                else:
+                    self.storage_errors += 1  # storage trouble is a miss or a failed write, agreed as such
                 self.results[op.op_id] = 0
                 self.sizes.pop(op.op_id, None)
 

@@ -34,7 +34,7 @@ def layout_version(layout: KVLayout) -> int:
     """A stable id of the page byte format: storage never reads pages written in another layout."""
     fields = (KV_FORMAT_VERSION, layout.num_layers, layout.heads_per_rank, layout.head_dim, layout.dtype)
     desc = "/".join(str(f) for f in (*fields, layout.page_size))
-    return xxhash.xxh32_intdigest(desc.encode())
+    return xxhash.xxh32_intdigest(desc.encode()) & 0x7FFFFFFF
 
 
 @dataclass
@@ -56,7 +56,9 @@ class TPCache:
         storage: StorageBackend | None = None,
         round_timeout_s: float = 30.0,
         transfer_threads: int | None = 1,
+        transfer_delay: Any = None,
     ) -> None:
+        """``transfer_delay``: test hook passed to the TransferEngine (seconds, or op id -> seconds)."""
         if storage is not None and not config.storage:
             config = CacheConfig(**{**config.to_dict(), "storage": True})
         if config.storage and storage is None:
@@ -84,12 +86,13 @@ class TPCache:
                     f"device pool has {self.device_pool.num_pages} pages, config needs {config.device_pages}"
                 )
             self.host_pool = HostPool(kv_layout, max(config.host_pages, 1), host_layout)
-            transfer = TransferEngine(self.device_pool, self.host_pool, threads=transfer_threads)
+            transfer = TransferEngine(self.device_pool, self.host_pool, threads=transfer_threads, delay=transfer_delay)
             if storage is not None:
                 worker = StorageWorker(storage)
                 key_of = storage_key_factory(config.namespace, layout_version(kv_layout), self.rank, self.world_size)
         elif storage is not None:
             raise ValueError("the storage tier needs a KV layout (pages have bytes to store)")
+        self.storage = storage  # owned: closed with the cache
         self.shell = Shell(transfer, self.host_pool, worker, key_of)
 
     # ------------------------------------------------------------------ sequenced operations
@@ -112,6 +115,14 @@ class TPCache:
         pages = self._sequenced(self.core.load, lease)
         handle = next((h for op_id, h in self.shell.handles.items() if op_id >= before), None)
         return LoadResult(pages, handle)
+
+    def prefetch(self, lease: int, tokens: TokenIds) -> bool:
+        """Look the lease's continuation up in storage and read the agreed hit to host (seed 003)."""
+        return self._sequenced(self.core.prefetch, lease, tokens)
+
+    def admissible(self, lease: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
+        """Whether to admit the lease's request now under the prefetch stop policy (pure, agreed state)."""
+        return self.core.admissible(lease, policy, timeout_rounds)
 
     def release(self, lease: int) -> bool:
         """Finish or abort a request. Parked until copies into its pages land (seed 004)."""
@@ -199,4 +210,6 @@ class TPCache:
 
     def close(self) -> None:
         self.shell.close()
+        if self.storage is not None:
+            self.storage.close()
         self.collective.close()

@@ -37,19 +37,14 @@ class SyntheticWorkload:
             next_id += n
             return ids
 
-        prompts = [
-            new_ids(max(1, self.system_prompt_tokens // TRACE_BLOCK_TOKENS))
-            for _ in range(self.system_prompts)
-        ]
+        prompts = [new_ids(max(1, self.system_prompt_tokens // TRACE_BLOCK_TOKENS)) for _ in range(self.system_prompts)]
         active: list[dict] = []
         started = 0
         while active or started < self.conversations:
             while len(active) < self.concurrent and started < self.conversations:
                 prompt = prompts[min(int(rng.paretovariate(1.2)) - 1, self.system_prompts - 1)]
                 turns = max(1, round(rng.expovariate(1 / self.mean_turns)))
-                active.append(
-                    {"ids": list(prompt), "tokens": len(prompt) * TRACE_BLOCK_TOKENS, "turns": turns}
-                )
+                active.append({"ids": list(prompt), "tokens": len(prompt) * TRACE_BLOCK_TOKENS, "turns": turns})
                 started += 1
             conv = active[rng.randrange(len(active))]
             user = self._lognormal(rng, self.user_tokens_median)

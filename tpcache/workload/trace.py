@@ -49,8 +49,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> Iterator[Request]:
             needed = -(-req.input_length // TRACE_BLOCK_TOKENS)
             if req.input_length < 0 or len(req.hash_ids) < needed:
                 raise TraceError(
-                    f"{path}:{lineno}: input_length {req.input_length} needs {needed} hash ids, "
-                    f"got {len(req.hash_ids)}"
+                    f"{path}:{lineno}: input_length {req.input_length} needs {needed} hash ids, got {len(req.hash_ids)}"
                 )
             yield req
 

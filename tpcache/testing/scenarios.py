@@ -1,0 +1,136 @@
+"""Scenarios for real rank processes (see ``group.run_group``).
+
+Every rank draws the same operation stream from the shared seed (what rank 0's sequencing gives
+the service), while its copies finish with rank-local jitter. Each rank writes KV bytes that are a
+function of (page, rank), like a real TP shard, and checks the bytes behind every hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from typing import Any
+
+import torch
+
+from tpcache.core import CacheClosed, CacheConfig, OutOfPages, UnknownLease
+from tpcache.dist.collective import Collective
+from tpcache.engine import TPCache
+from tpcache.io.kv_pool import KVLayout
+from tpcache.testing.group import rank_rng, scenario
+from tpcache.testing.ops import random_op, tokens_for
+
+PAGE = 4
+LAYOUT = KVLayout(num_layers=2, heads_per_rank=1, head_dim=8, dtype="float32", page_size=PAGE)
+
+
+def shard_bytes(page_hash: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((page_hash ^ (rank * 0x9E3779B97F4A7C15)) & 0x7FFFFFFFFFFFFFFF)
+    return torch.randint(0, 256, (LAYOUT.page_bytes,), dtype=torch.uint8, generator=g)
+
+
+def engine_apply(tp: TPCache, op: tuple, leases: list[tuple[int, list[int]]]) -> None:
+    """One client operation through the engine API, the way an engine's scheduler would."""
+    kind = op[0]
+    try:
+        if kind == "lock":
+            toks = tokens_for(op[1], PAGE, op[2])
+            lease, _ = tp.lock(toks)
+            leases.append((lease, toks))
+        elif kind in ("insert", "load", "release", "prefetch") and leases:
+            lease, toks = leases[op[1] % len(leases)]
+            if kind == "insert":
+                m = tp.match(toks)
+                held = {n.node_id for n in tp.core.lease(lease).device_nodes}
+                prefix = []
+                for node in m.nodes[: m.device_pages]:
+                    if node.node_id not in held:
+                        break
+                    prefix.append(node.device_page)
+                fresh = tp.alloc(lease, len(m.page_hashes) - len(prefix))
+                for page, h in zip(fresh, m.page_hashes[len(prefix) :], strict=True):
+                    tp.device_pool.write_page(page, shard_bytes(h, tp.rank))
+                tp.insert(lease, toks, prefix + fresh)
+            elif kind == "load":
+                tp.load(lease)
+            elif kind == "prefetch":
+                tp.prefetch(lease, toks)
+            else:
+                tp.release(lease)
+                leases.remove((lease, toks))
+        elif kind == "cap":
+            tp.set_retention_cap(op[1])
+    except (OutOfPages, CacheClosed, UnknownLease):
+        pass
+
+
+def check_hit_bytes(tp: TPCache, toks: list[int]) -> tuple[int, int, list[int]]:
+    m = tp.match(toks)
+    for page, h in zip(m.device_page_ids, m.page_hashes, strict=False):
+        if not torch.equal(tp.device_pool.read_page(page), shard_bytes(h, tp.rank)):
+            raise AssertionError(f"rank {tp.rank}: device page {page} is a hit but holds other bytes")
+    for node in m.nodes[m.device_pages :]:
+        if not torch.equal(tp.host_pool.read_page(node.host_slot), shard_bytes(node.hash, tp.rank)):
+            raise AssertionError(f"rank {tp.rank}: host slot {node.host_slot} is a hit but holds other bytes")
+    return m.device_pages, m.host_pages, list(m.device_page_ids)
+
+
+@scenario
+def random_workload(
+    rank: int,
+    world: int,
+    collective: Collective,
+    seed: int = 0,
+    steps: int = 60,
+    jitter_s: float = 0.002,
+    diverge_at: int | None = None,
+    die_at: int | None = None,
+    round_timeout_s: float = 30.0,
+    exit_hard: bool = False,
+) -> dict[str, Any]:
+    config = CacheConfig(page_size=PAGE, device_pages=24, host_pages=24, write_policy="write_through")
+    jitter = rank_rng(seed, rank)
+    tp = TPCache(
+        config,
+        collective,
+        kv_layout=LAYOUT,
+        round_timeout_s=round_timeout_s,
+        transfer_delay=lambda op_id: jitter.random() * jitter_s,
+    )
+    rng = random.Random(seed)
+    leases: list[tuple[int, list[int]]] = []
+    probes = []
+    closed_at = None
+    try:
+        for step in range(steps):
+            for _ in range(rng.randint(0, 3)):
+                engine_apply(tp, random_op(rng, PAGE), leases)
+            if diverge_at == step and rank == world - 1:
+                tp.core.clock += 1  # a silent local difference
+            if die_at == step and rank == world - 1:
+                os._exit(3)  # a crash: no goodbye, no cleanup
+            tp.step()
+            if tp.core.closed and closed_at is None:
+                closed_at = step
+            probe = tokens_for(tuple(rng.randrange(4) for _ in range(rng.randint(1, 6))), PAGE, 0)
+            probes.append(check_hit_bytes(tp, probe))
+        for lease, _ in leases:
+            with contextlib.suppress(UnknownLease):
+                tp.release(lease)
+        tp.drain()
+        stats = tp.stats()
+        return {
+            "digest": tp.core.digest.value,
+            "closed": tp.core.closed_reason,
+            "closed_at": closed_at,
+            "probes": probes,
+            "rounds": tp.round.number,
+            "calls": collective.calls,
+            "transport": collective.name,
+            "loads": stats["loads_done_pages"],
+            "backups": stats["backups_done_pages"],
+            "leases": stats["leases"],
+        }
+    finally:
+        tp.shell.close()
