@@ -44,6 +44,11 @@ class RoundVectorError(ValueError):
 class RoundLayout:
     fields: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        if len(set(self.fields)) != len(self.fields):
+            raise RoundVectorError("round layout has a field twice")
+        object.__setattr__(self, "_index", {name: i for i, name in enumerate(self.fields)})
+
     @classmethod
     def default(cls, queues: Sequence[str] = QUEUES) -> RoundLayout:
         per_queue = tuple(f"{q}.{f}" for q in queues for f in QUEUE_FIELDS)
@@ -56,38 +61,61 @@ class RoundLayout:
 
     def index(self, name: str) -> int:
         try:
-            return self.fields.index(name)
-        except ValueError:
+            return self._index[name]  # type: ignore[attr-defined]
+        except KeyError:
             raise RoundVectorError(f"no field {name!r} in the round layout") from None
 
     def pack(self, values: Mapping[str, int]) -> list[int]:
         """``[x0, -x0, x1, -x1, ...]`` in layout order. Every field must be given."""
         missing = [f for f in self.fields if f not in values]
-        extra = [k for k in values if k not in self.fields]
+        extra = [k for k in values if k not in self._index]  # type: ignore[attr-defined]
         if missing or extra:
             raise RoundVectorError(f"round vector fields: missing {missing}, unknown {extra}")
-        out: list[int] = []
-        for name in self.fields:
-            x = int(values[name])
-            if not -INT64_MAX <= x <= INT64_MAX:
-                raise RoundVectorError(f"field {name} = {x} does not fit the round vector's int64")
-            out += (x, -x)
+        return self.pack_values([int(values[name]) for name in self.fields])
+
+    def pack_values(self, values: Sequence[int]) -> list[int]:
+        """Like ``pack``, from the values in layout order (the round's hot path)."""
+        if len(values) != len(self.fields):
+            raise RoundVectorError(f"round vector needs {len(self.fields)} values, got {len(values)}")
+        if values and (max(values) > INT64_MAX or min(values) < -INT64_MAX):
+            bad = next(i for i, x in enumerate(values) if not -INT64_MAX <= x <= INT64_MAX)
+            raise RoundVectorError(f"field {self.fields[bad]} = {values[bad]} does not fit the round vector's int64")
+        out = [0] * (2 * len(values))
+        out[0::2] = values
+        out[1::2] = [-x for x in values]
         return out
 
     def unpack(self, reduced: Sequence[int]) -> Agreement:
         if len(reduced) != self.length:
             raise RoundVectorError(f"round vector has {len(reduced)} elements, layout needs {self.length}")
-        lo = {name: int(reduced[2 * i]) for i, name in enumerate(self.fields)}
-        hi = {name: -int(reduced[2 * i + 1]) for i, name in enumerate(self.fields)}
-        return Agreement(lo, hi)
+        index = self._index  # type: ignore[attr-defined]
+        return Agreement(_Fields(index, list(reduced[0::2])), _Fields(index, [-x for x in reduced[1::2]]))
+
+
+class _Fields:
+    """Per-field values, read by name."""
+
+    __slots__ = ("_index", "_values")
+
+    def __init__(self, index: dict[str, int], values: list[int]) -> None:
+        self._index = index
+        self._values = values
+
+    def __getitem__(self, name: str) -> int:
+        return self._values[self._index[name]]
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """Per field, the minimum and maximum over all ranks."""
+    """Per field, the minimum (``lo``) and maximum (``hi``) over all ranks."""
 
-    lo: dict[str, int]
-    hi: dict[str, int]
+    lo: _Fields
+    hi: _Fields
+
+    @property
+    def unanimous(self) -> bool:
+        """Every field agreed (the common case: one list comparison)."""
+        return self.lo._values == self.hi._values
 
     def agreed(self, name: str) -> bool:
         return self.lo[name] == self.hi[name]

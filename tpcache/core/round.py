@@ -26,7 +26,8 @@ from tpcache.core.plans import MirrorRelease, Plan, PlanFeature
 
 log = logging.getLogger("tpcache.round")
 
-QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=False))
+QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=True))
+_EMPTY_QUEUE = mix_ids([])
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Round:
         self.plan_mismatches: dict[str, int] = {f.name: 0 for f in self.features}
         self.disabled: set[str] = set()
         self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
-        self._prepared: dict[str, int] | None = None
+        self._prepared = False
 
     # ------------------------------------------------------------------ prepare
 
@@ -96,48 +97,43 @@ class Round:
 
     def prepare(self, seq: int, view: LocalView) -> list[int]:
         """This rank's vector for the round. Pure with respect to the core."""
-        if self._prepared is not None:
+        if self._prepared:
             raise RuntimeError("prepare called twice without commit: one collective per round")
-        values: dict[str, int] = {
-            "layout": LAYOUT_VERSION,
-            "round": self.number,
-            "seq": seq,
-            "state_digest": self.state_digest(),
-            "health": view.health(),
-            "drained": int(view.drained()),
-            "host_deficit": self.core.host_deficit,
-        }
-        for kind, q in QUEUE_OF.items():
-            pending = self.core.inflight[kind]
-            obs = view.observe(kind, pending) if pending else QueueObservation()
+        core = self.core
+        values = [LAYOUT_VERSION, self.number, seq, self.state_digest(), view.health(), int(view.drained())]
+        for kind in QUEUE_OF:  # per queue, in layout order
+            pending = core.inflight[kind]
+            if not pending:
+                values += (_EMPTY_QUEUE, 0, 0, 0)
+                continue
+            obs = view.observe(kind, pending)
             if not 0 <= obs.clean <= obs.done <= len(pending):
-                raise ValueError(f"{q}: observation {obs} does not fit {len(pending)} ops in flight")
-            values[f"{q}.queue_digest"] = mix_ids([op.op_id for op in pending])
-            values[f"{q}.done"] = obs.done
-            values[f"{q}.clean"] = obs.clean
-            values[f"{q}.head_acked"] = obs.head_acked if obs.done else 0
+                raise ValueError(f"{QUEUE_OF[kind]}: observation {obs} does not fit {len(pending)} ops in flight")
+            values += (mix_ids([op.op_id for op in pending]), obs.done, obs.clean, obs.head_acked if obs.done else 0)
         plan = self.pending_plan
-        values["plan_count"] = plan.count if plan else 0
-        values["plan_tokens"] = plan.tokens if plan else 0
-        values["plan_digest"] = plan.digest if plan else 0
-        self._prepared = values
-        return self.layout.pack(values)
+        values += (core.host_deficit, plan.count, plan.tokens, plan.digest) if plan else (core.host_deficit, 0, 0, 0)
+        self._prepared = True
+        return self.layout.pack_values(values)
 
     # ------------------------------------------------------------------ commit
 
     def commit(self, reduced: Sequence[int]) -> RoundReport:
-        if self._prepared is None:
+        if not self._prepared:
             raise RuntimeError("commit without prepare")
-        self._prepared = None
+        self._prepared = False
         agreement = self.layout.unpack(reduced)
         report = RoundReport(round=self.number)
         self.number += 1
         core = self.core
 
-        self._check_header(agreement, report)
+        unanimous = agreement.unanimous and agreement.lo["health"] == 0
+        if not unanimous:
+            self._check_header(agreement, report)
         for kind, q in QUEUE_OF.items():
-            self._apply_queue(kind, q, agreement, report)
-        self._apply_plan(agreement, report)
+            if core.inflight[kind] or not unanimous:
+                self._apply_queue(kind, q, agreement, report)
+        if self.pending_plan is not None or not unanimous:
+            self._apply_plan(agreement, report)
         if core.flush_requested and agreement.lo["drained"] == 1:
             # Every rank has no copy physically in flight, so dropping all state frees nothing a
             # copy still writes, whatever each rank's (possibly diverged) queues say.
@@ -151,7 +147,7 @@ class Round:
 
     def fail(self, reason: str) -> None:
         """The collective failed (timeout, dead rank): close without mutating anything else."""
-        self._prepared = None
+        self._prepared = False
         self.core.close(reason)
         log.error("cache closed: %s", reason)
 
