@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tpcache.core import CacheClosed, CacheConfig, OutOfPages, UnknownLease
+from tpcache.core.hashing import as_token_bytes
 from tpcache.dist.collective import Collective
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
@@ -134,3 +135,59 @@ def random_workload(
         }
     finally:
         tp.shell.close()
+
+
+@scenario
+def storage_restart(
+    rank: int, world: int, collective: Collective, storage_dir: str, phase: str, lose_on_rank: int | None = None
+) -> dict[str, Any]:
+    """Phase "write": cache two paths and make them durable, then a third that never reaches
+    storage. Phase "read" (a new group on the same directory): prefetch all three; optionally one
+    rank first loses a page of the first path."""
+    from tpcache.engine import layout_version
+    from tpcache.io.storage import FileBackend, StorageKey
+
+    config = CacheConfig(page_size=PAGE, device_pages=32, host_pages=32, write_policy="write_through", storage=True)
+    backend = FileBackend(storage_dir, capacity_bytes=1 << 26, shard=(rank, world))
+    tp = TPCache(config, collective, kv_layout=LAYOUT, storage=backend, round_timeout_s=30.0)
+    paths = [(1, 2, 3), (1, 2, 4), (5, 6, 7)]
+    try:
+        if phase == "write":
+            for path in paths[:2]:
+                toks = tokens_for(path, PAGE, 0)
+                lease, m = tp.lock(toks)
+                have = m.device_page_ids
+                fresh = tp.alloc(lease, len(m.page_hashes) - len(have))
+                for page, h in zip(fresh, m.page_hashes[len(have) :], strict=True):
+                    tp.device_pool.write_page(page, shard_bytes(h, rank))
+                tp.insert(lease, toks, have + fresh)
+                tp.release(lease)
+                tp.step()
+            tp.drain()
+            # The third path reaches device only: the process "dies" before any backup lands.
+            toks = tokens_for(paths[2], PAGE, 0)
+            lease, m = tp.lock(toks)
+            fresh = tp.alloc(lease, len(m.page_hashes))
+            for page, h in zip(fresh, m.page_hashes, strict=True):
+                tp.device_pool.write_page(page, shard_bytes(h, rank))
+            return {"durable": tp.core.stats.storage_written_pages}
+        if lose_on_rank == rank:
+            hashes = tp.core.tree.walk(as_token_bytes(tokens_for(paths[0], PAGE, 0))).hashes
+            key = StorageKey(config.namespace, layout_version(LAYOUT), rank, world, hashes[1])
+            backend.delete([key])  # this rank lost page 1 of the first path
+        ready = []
+        for path in paths:
+            toks = tokens_for(path, PAGE, 0)
+            lease, _ = tp.lock(toks)
+            tp.prefetch(lease, toks)
+            for _ in range(20_000):
+                if tp.core.prefetch_status(lease)[0] == "done":
+                    break
+                tp.step()
+            ready.append(tp.core.prefetch_status(lease)[1])
+            check_hit_bytes(tp, toks)  # every host hit holds this rank's bytes for that page
+            tp.release(lease)
+            tp.step()
+        return {"ready": ready, "digest": tp.core.digest.value}
+    finally:
+        tp.close()
