@@ -1,0 +1,151 @@
+"""The copy back-ends of the transfer engine: CPU (synchronous torch ops on a worker thread) and CUDA.
+
+A mover executes one op on the thread that calls it and reports per-layer progress through
+`on_layer(layer, cuda_event_or_None)`. The engine owns ordering, completion and failure handling;
+movers only copy. The CPU mover sees the pools as page tables (`row_copy`), the CUDA mover as row
+tables (`PagedKV.rows`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from tpcache.io.kv_pool import DevicePool, HostPool
+from tpcache.io.row_copy import CopyPlan, PageTables, Stage
+
+LayerDone = Callable[[int, "torch.cuda.Event | None"], None]
+BeforeLayer = Callable[[int], None]
+
+
+class CpuMover:
+    """Both pools on the CPU: copies run synchronously on the calling (worker) thread.
+
+    Copies go through page tables (`row_copy.page_table`): a backup copies whole-page slabs, a load
+    copies the slabs of layer 0 of every page, then layer 1, ... with the same plan.
+    """
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+        self.dev = device_pool
+        self.host = host_pool
+        self._to_host = PageTables.of(device_pool, host_pool)
+        to_device = PageTables.of(host_pool, device_pool)
+        self._to_device_layers = [to_device.layer(i) for i in range(device_pool.layout.num_layers)]
+        self._local = threading.local()  # one staging buffer per copying thread, reused across ops
+
+    def _stage(self) -> Stage:
+        stage = getattr(self._local, "stage", None)
+        if stage is None:
+            stage = self._local.stage = Stage(self.dev.device)
+        return stage
+
+    def submit_marker(self) -> None:
+        """CPU copies need no stream ordering: the caller's writes are already done."""
+        return None
+
+    def backup(self, device_pages: torch.Tensor, host_slots: torch.Tensor, before: BeforeLayer, after: None) -> None:
+        """Copy whole pages device -> host."""
+        before(-1)
+        CopyPlan.build(device_pages, host_slots, self._to_host.slab_bytes).run(self._to_host, self._stage())
+
+    def load(
+        self,
+        host_slots: torch.Tensor,
+        device_pages: torch.Tensor,
+        before: BeforeLayer,
+        on_layer: LayerDone,
+        after: None,
+    ) -> None:
+        """Copy pages host -> device layer by layer: layer i of every page, then layer i + 1."""
+        plan = CopyPlan.build(host_slots, device_pages, self._to_device_layers[0].slab_bytes)
+        stage = self._stage()
+        for layer, tables in enumerate(self._to_device_layers):
+            before(layer)
+            plan.run(tables, stage)
+            on_layer(layer, None)
+
+
+class CudaMover:
+    """Device pool on a GPU, host pool pinned: one stream per direction, an event per loaded layer.
+
+    Only exercised by the gpu-marked tests (GPU machines); the CPU copy planner does not apply here.
+
+    Backups gather the pages on the GPU (on the d2h stream, after the caller's stream reached the
+    submit point), copy them to a pinned staging buffer, then scatter into the host slots on the CPU.
+    Loads gather each layer into pinned staging on the CPU, copy it to the GPU and scatter it there,
+    recording one event per layer so a forward pass can wait for layer i only.
+    """
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+        if not host_pool.pinned:
+            raise ValueError("a GPU transfer engine needs a pinned host pool (HostPool(pin_memory=True))")
+        self.dev = device_pool
+        self.host = host_pool
+        self.device = device_pool.device
+        self.d2h_stream = torch.cuda.Stream(device=self.device)
+        self.h2d_stream = torch.cuda.Stream(device=self.device)
+
+    def submit_marker(self) -> torch.cuda.Event:
+        """An event on the caller's current stream: the KV written so far is what a backup copies."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def backup(
+        self,
+        device_pages: torch.Tensor,
+        host_slots: torch.Tensor,
+        before: BeforeLayer,
+        after: torch.cuda.Event | None,
+    ) -> None:
+        before(-1)
+        src = self.dev.row_ids(device_pages)
+        dst = self.host.row_ids(host_slots)
+        if src.numel() == 0:
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+            if after is not None:
+                self.d2h_stream.wait_event(after)
+            gathered = torch.index_select(self.dev.rows, 0, src.to(self.device))
+            pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            pinned.copy_(gathered, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h_stream)
+        done.synchronize()
+        self.host.rows.index_copy_(0, dst, pinned)
+
+    def load(
+        self,
+        host_slots: torch.Tensor,
+        device_pages: torch.Tensor,
+        before: BeforeLayer,
+        on_layer: LayerDone,
+        after: torch.cuda.Event | None,
+    ) -> None:
+        src0 = self.host.row_ids(host_slots, 0)
+        if src0.numel() == 0:
+            for layer in range(self.dev.layout.num_layers):
+                on_layer(layer, None)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
+            if after is not None:  # earlier kernels may still read the pages being overwritten
+                self.h2d_stream.wait_event(after)
+            dst0 = self.dev.row_ids(device_pages, 0).to(self.device)
+            for layer in range(self.dev.layout.num_layers):
+                before(layer)
+                shape = (src0.numel(), self.host.rows.shape[1])
+                pinned = torch.empty(shape, dtype=self.host.rows.dtype, pin_memory=True)
+                torch.index_select(self.host.rows, 0, src0 + layer * self.host.layer_row_stride, out=pinned)
+                # the caching host allocator keeps `pinned` alive until this async copy has run
+                staged = pinned.to(self.device, non_blocking=True)
+                self.dev.rows.index_copy_(0, dst0 + layer * self.dev.layer_row_stride, staged)
+                event = torch.cuda.Event()
+                event.record(self.h2d_stream)
+                on_layer(layer, event)
+
+    def synchronize(self) -> None:
+        """Wait for everything enqueued on both copy streams."""
+        self.d2h_stream.synchronize()
+        self.h2d_stream.synchronize()
