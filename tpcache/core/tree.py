@@ -11,10 +11,15 @@ Tier data (device page, host slot, storage state, pins) lives on the node; the c
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
-from tpcache.core.hashing import iter_pages, namespace_seed, page_hash, root_hash
+import xxhash
+
+from tpcache.core.hashing import namespace_seed, root_hash
 from tpcache.core.tiers import DeviceState, HostState, StorageState  # noqa: F401
+
+_U64 = struct.Struct("<Q")
 
 
 class Node:
@@ -115,18 +120,24 @@ class RadixTree:
         self._next_id = 1
 
     def walk(self, token_bytes: bytes) -> Walk:
-        """Hash every full page and follow the longest existing path. Pure."""
+        """Hash every full page and follow the longest existing path. Pure.
+
+        The hot path of every lookup: the hash chain is inlined (``hashing.page_hash``)."""
         walk = Walk()
+        hashes, pages, nodes = walk.hashes, walk.pages, walk.nodes
+        step = self.page_size * 4
+        seed, pack, digest = self.seed, _U64.pack, xxhash.xxh3_64_intdigest
         node: Node | None = self.root
         h = self.root.hash
-        for page in iter_pages(token_bytes, self.page_size):
-            h = page_hash(h, page, self.seed)
-            walk.hashes.append(h)
-            walk.pages.append(page)
+        for start in range(0, len(token_bytes) - step + 1, step):
+            page = token_bytes[start : start + step]
+            h = digest(pack(h) + page, seed)
+            hashes.append(h)
+            pages.append(page)
             if node is not None:
                 child = node.children.get(h)
                 if child is not None and child.tokens == page:
-                    walk.nodes.append(child)
+                    nodes.append(child)
                     node = child
                 else:
                     node = None  # keep hashing the rest: callers need every page's hash

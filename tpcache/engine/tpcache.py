@@ -161,7 +161,10 @@ class TPCache:
         report = self.round.commit(reduced)
         self.shell.retire(report.completed)
         if report.flushed:
+            # Every rank starts over together: requests are counted afresh, so ranks whose counts
+            # had diverged (the usual reason for a flush) agree again.
             self.shell.reset()
+            self.seq = 0
         self.shell.submit(self.core.take_effects())
         self.round_seconds.append(time.perf_counter() - start)
         del self.round_seconds[:-4096]

@@ -1,0 +1,66 @@
+"""tpcache launcher.
+
+    torchrun --nproc-per-node N -m launcher serve [options]   one rank per process (torchrun env)
+    python -m launcher local --nproc N [options]              N ranks on this host, no torchrun
+    python -m launcher demo [--trace PATH] [--nproc 2] [--json]   the main job, end to end
+
+Every option can also come from the environment (TPCACHE_<NAME>) or a --config TOML/JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from launcher.demo import DEMO_DEFAULTS, print_result, run_demo
+from launcher.local import run_local
+from launcher.options import add_service_options, config_from_args
+from tpcache.service.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,local,demo}")
+    serve = sub.add_parser("serve", help="run one rank (under torchrun, or with RANK/WORLD_SIZE/MASTER_* set)")
+    add_service_options(serve)
+    local = sub.add_parser("local", help="run N ranks on this host without torchrun (gloo on CPU)")
+    local.add_argument("--nproc", type=int, default=2, help="number of rank processes [default 2]")
+    add_service_options(local)
+    demo = sub.add_parser("demo", help="start a local service, replay a workload through it, print a summary")
+    demo.add_argument("--trace", metavar="PATH", help="Mooncake-format trace (JSON lines); default: built-in workload")
+    demo.add_argument("--nproc", type=int, default=2, help="number of rank processes [default 2]")
+    demo.add_argument("--conversations", type=int, default=100, help="built-in workload size [default 100]")
+    demo.add_argument("--requests", type=int, default=None, help="replay at most this many requests")
+    demo.add_argument("--seed", type=int, default=0, help="built-in workload seed [default 0]")
+    demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_service_options(demo, DEMO_DEFAULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args, DEMO_DEFAULTS if args.command == "demo" else None)
+    except ConfigError as exc:
+        print(f"tpcache: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from tpcache.service.process import serve
+
+        code = serve(config)
+        # Everything the rank owns is closed by now; skip the interpreter's slow torch teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if args.command == "local":
+        return run_local(config, args.nproc)
+    summary = run_demo(config, args.nproc, args.trace, args.conversations, args.requests, args.seed)
+    print_result(summary, args.json)
+    return 0 if summary["digests_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Real rank processes on gloo over 127.0.0.1: shm and torch transports agree with the MIN computed
+locally, count calls exactly, fail with CollectiveTimeout (never hang) when a rank stops, and leave
+nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("dist_worker.py")
+SHM_DIR = "/dev/shm"
+
+pytestmark = pytest.mark.multiprocess
+
+
+def launch(scenario: str, world: int, args: dict[str, Any], timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Run ``world`` ranks of ``scenario``; return per rank {returncode, report (or None), stderr}.
+
+    The rendezvous store lives in this process on a kernel-chosen port, so parallel tests never race
+    for a port.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env["PYTHONWARNINGS"] = "ignore"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), scenario, str(rank), str(world), str(store.port), json.dumps(args)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout_s)
+            lines = out.strip().splitlines()
+            report = json.loads(lines[-1]) if lines else None
+            results.append({"returncode": proc.returncode, "report": report, "stderr": err[-3000:]})
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def segment_files_of(pids: set[int]) -> list[str]:
+    """Segments in /dev/shm created by any of ``pids`` (names carry the creator pid)."""
+    found = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith("tpcache-round-"):
+            pid = name.split("-")[2]
+            if pid.isdigit() and int(pid) in pids:
+                found.append(name)
+    return found
+
+
+def reports(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for rank, res in enumerate(results):
+        assert res["returncode"] == 0 and res["report"] is not None, f"rank {rank} failed:\n{res['stderr']}"
+    return [res["report"] for res in results]
+
+
+@pytest.mark.parametrize(
+    ("world", "rounds", "shm_only_rounds"),
+    [(1, 20, 0), (2, 60, 0), (3, 40, 0), (4, 20, 500), (8, 10, 40)],
+    ids=["w1", "w2", "w3", "w4-oversubscribed-500", "w8"],
+)
+def test_shm_and_torch_agree_with_the_min(world: int, rounds: int, shm_only_rounds: int) -> None:
+    args = {"seed": 1000 + world, "capacity": 64, "rounds": rounds, "shm_only_rounds": shm_only_rounds}
+    args["checks"] = world == 2
+    args["jitter_ms"] = 3 if world == 3 else 0  # late arrivals: waiters also sleep on the futex
+    out = reports(launch("compare", world, args))
+    extra = 1 if args["checks"] else 0  # the "still works" round after the local checks
+    for rank, rep in enumerate(out):
+        assert rep["rank"] == rank
+        assert (rep["shm_name"], rep["torch_name"]) == ("shm", "gloo")
+        assert rep["wrong"] == {"shm": 0, "torch": 0}
+        assert rep["calls"] == {"shm": rounds + shm_only_rounds + extra, "torch": rounds + extra}
+        assert rep["segment_linked_after_setup"] is False  # unlinked once every rank mapped it
+        assert rep["closed_raises"] is True
+        if args["checks"]:
+            for transport in ("shm", "gloo"):
+                assert rep["checks"][transport] == {
+                    "too_long": "ValueError",
+                    "overflow": "ValueError",
+                    "underflow": "ValueError",
+                    "float": "ValueError",
+                    "str": "ValueError",
+                    "worker_thread": "WrongThreadError",
+                    "calls_unchanged": True,
+                    "still_works": True,
+                }
+    assert len({rep["segment"] for rep in out}) == 1
+    assert segment_files_of({rep["pid"] for rep in out}) == []
+
+
+@pytest.mark.parametrize("mode", ["sleep", "kill"])
+def test_survivors_time_out_naming_the_missing_rank(mode: str) -> None:
+    timeout = 1.5
+    args = {
+        "transports": ["shm", "torch"],  # in turn, in the same processes
+        "victim": 2,
+        "mode": mode,
+        "timeout": timeout,
+        "rounds_before": 3,
+        "sleep_s": 2 * timeout + 1.5,  # asleep through both survivors' timeouts
+    }
+    results = launch("stall", 3, args, timeout_s=60)
+    if mode == "kill":
+        assert results[2]["returncode"] == -9
+    survivors = reports(results[:2])
+    for rep in survivors:
+        for transport in ("shm", "gloo"):
+            outcome = rep[transport]
+            assert outcome["error"] == "CollectiveTimeout", outcome
+            assert outcome["elapsed_s"] < timeout + 1.0  # never a hang beyond the timeout
+            assert outcome["after"] == "CollectiveClosed"  # the collective is broken for good
+        assert rep["shm"]["missing"] == [2]
+        assert "rank(s) [2]" in rep["shm"]["message"]
+        assert rep["gloo"]["missing"] == []
+        assert "does not report which ranks" in rep["gloo"]["message"]
+        if mode == "kill":
+            assert rep["shm"]["elapsed_s"] < timeout  # the dead pid is noticed before the timeout
+    assert segment_files_of({rep["pid"] for rep in survivors}) == []
+
+
+def test_torn_record_is_never_used() -> None:
+    out = reports(launch("torn", 2, {"timeout": 1.0}))
+    assert out[0]["error"] == "CollectiveTimeout"
+    assert out[0]["missing"] == [1]
+    assert "result" not in out[0]
+
+
+def test_auto_falls_back_to_torch_on_every_rank_when_shm_is_unusable(tmp_path: Path) -> None:
+    out = reports(launch("fallback", 2, {"missing_dir": str(tmp_path / "absent")}))
+    for rank, rep in enumerate(out):
+        assert rep["auto"] == "gloo"
+        assert rep["result"] == [0, -1]
+        assert rep["forced"] == "ShmUnavailable"
+        assert any("shared memory unavailable" in m for m in rep["log"])
+        assert any(m.startswith(f"round transport: gloo (rank {rank} of 2)") for m in rep["log"])
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+def test_nccl_and_shm_agree_with_the_min() -> None:
+    if cuda_devices() < 1:
+        pytest.skip("needs a CUDA device")
+    world = min(2, cuda_devices())
+    args = {"seed": 7, "capacity": 64, "rounds": 40, "shm_only_rounds": 0, "checks": True, "backend": "nccl"}
+    for rep in reports(launch("compare", world, args)):
+        assert (rep["shm_name"], rep["torch_name"]) == ("shm", "nccl")
+        assert rep["wrong"] == {"shm": 0, "torch": 0}
+        assert rep["calls"] == {"shm": 41, "torch": 41}
+        assert rep["checks"]["nccl"]["still_works"] is True
+
+
+@pytest.mark.gpu
+def test_nccl_survivor_times_out_without_hanging() -> None:
+    if cuda_devices() < 2:
+        pytest.skip("needs two CUDA devices")
+    args = {
+        "transports": ["torch"],
+        "victim": 1,
+        "mode": "sleep",
+        "timeout": 1.5,
+        "rounds_before": 3,
+        "sleep_s": 3.0,
+        "backend": "nccl",
+    }
+    outcome = reports(launch("stall", 2, args, timeout_s=90))[0]["nccl"]
+    assert outcome["error"] == "CollectiveTimeout"
+    assert outcome["elapsed_s"] < 2.5
+    assert outcome["after"] == "CollectiveClosed"

@@ -1,0 +1,112 @@
+"""The launcher: its options, configuration sources, torchrun, the demo and the embedded example."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.__main__ import build_parser
+from launcher.local import free_port
+from tests.service.checks import cache_round_trip
+from tests.service.harness import REPO, pid_alive, repo_env, running_service
+from tpcache.service.config import ConfigError, ServiceConfig, build_config, env_name
+
+
+def test_help_explains_every_option() -> None:
+    for command in ("serve", "local", "demo"):
+        parser = build_parser()
+        sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+        text = sub.format_help()
+        for f in dataclasses.fields(ServiceConfig):
+            assert env_name(f.name) in text, (command, f.name)
+    assert build_parser().parse_args(["demo", "--trace", "t.jsonl"]).trace == "t.jsonl"
+
+
+def test_config_sources_and_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text("[tpcache]\npage-size = 32\nhost_pages = 100\ndevice_pages = 10\n")
+    env = {"TPCACHE_HOST_PAGES": "200", "TPCACHE_MIRROR_RELEASE": "false"}
+    from tpcache.service.config import load_file
+
+    config = build_config(cli={"device_pages": 20}, env=env, file_values=load_file(toml))
+    assert (config.page_size, config.host_pages, config.device_pages, config.mirror_release) == (32, 200, 20, False)
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"round_timeout_s": 5}))
+    assert build_config(env={}, file_values=load_file(js)).round_timeout_s == 5.0
+    with pytest.raises(ConfigError, match="page_size"):
+        build_config(env={"TPCACHE_PAGE_SIZE": "many"})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        build_config(env={}, file_values={"pagesize": 3})
+    with pytest.raises(ConfigError, match="write policy"):
+        build_config(env={}, cli={"write_policy": "sometimes"})
+
+
+@pytest.mark.multiprocess
+def test_torchrun_serve(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    port = str(free_port())
+    command += [
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        port,
+        "-m",
+        "launcher",
+        "serve",
+        "--page-size",
+        "4",
+        "--log-level",
+        "INFO",
+    ]
+    with running_service(tmp_path, command=command) as service:
+        cache_round_trip(service)
+        pids = service.pids
+        service.stop()  # torchrun itself exits 1 on a death signal; its workers must stop cleanly
+        log = service.log()
+        assert log.count("signal 15: stopping") == 2 and "SIGKILL" not in log, log
+        assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.multiprocess
+def test_demo_runs_end_to_end() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "launcher", "demo", "--conversations", "12", "--json"],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["digests_equal"] is True and len(set(summary["digests"])) == 1
+    assert summary["requests"] > 0 and 0 < summary["hit_rate"] < 1
+    assert summary["rounds"] > 0 and summary["round_latency_us_p50"] > 0
+    assert summary["exit_codes"] == [0, 0] and summary["health"] == "open"
+
+
+@pytest.mark.multiprocess
+def test_embedded_example_under_torchrun() -> None:
+    port = str(free_port())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    run = subprocess.run(
+        [*command, "examples/embedded_torchrun.py", "--requests", "30"],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    hits = re.findall(r"rank \d: \d+ requests, hit tokens (device \d+ host \d+) of \d+", run.stdout)
+    assert len(hits) == 2, run.stdout
+    assert "digests across 2 ranks: equal" in run.stdout
+    assert hits[0] == hits[1] and hits[0] != "device 0 host 0"

@@ -1,0 +1,77 @@
+"""Failures of ranks and of the internal channel: fail closed with a clear reason, never hang;
+signals on any rank stop every rank cleanly, leaving nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import protocol as p
+from tests.service.checks import fresh_tokens
+from tests.service.harness import pid_alive, running_service, wait_for
+
+pytestmark = pytest.mark.multiprocess
+
+FAST = ("--page-size", "4", "--device-pages", "64", "--host-pages", "64")
+
+
+def shm_files_of(pids: list[int]) -> list[str]:
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return [n for n in names if n.startswith("tpcache") and any(f"-{pid}-" in n for pid in pids)]
+
+
+def insert(c: object, tokens: list[int]) -> None:
+    lk = c.lock(tokens)  # type: ignore[attr-defined]
+    pages = c.alloc(lk.lease, len(tokens) // 4).device_page_ids  # type: ignore[attr-defined]
+    c.insert(tokens, pages, lease=lk.lease)  # type: ignore[attr-defined]
+    c.release(lk.lease)  # type: ignore[attr-defined]
+
+
+def test_dead_rank_closes_the_cache_with_a_reason(tmp_path: Path) -> None:
+    args = (*FAST, "--round-timeout", "2", "--heartbeat", "0.2")
+    with running_service(tmp_path, *args) as service, service.client(timeout_s=20) as c:
+        tokens = fresh_tokens(16)
+        insert(c, tokens)
+        assert c.match(tokens).hit_tokens == 16
+        os.kill(service.pids[1], signal.SIGKILL)
+        health = wait_for(lambda: (h := c.health()).state == "closed" and h, timeout_s=20)
+        assert health, "the survivors did not fail closed"
+        assert "collective failed" in health.reason, health.reason
+        assert pid_alive(service.pids[0])
+        # A closed cache serves misses and refuses writes; it never reports a hit.
+        assert c.match(tokens).hit_tokens == 0
+        lk = c.lock(tokens)
+        assert lk.hit_tokens == 0
+        with pytest.raises(p.CacheClosed):
+            c.alloc(lk.lease, 1)
+    assert not pid_alive(service.pids[0])
+
+
+def test_a_rank_that_misses_a_batch_fails_the_group_closed(tmp_path: Path) -> None:
+    # Batch 0 is the first lock; rank 1 drops batch 1 (the second lock) as if it never arrived.
+    env = {"TPCACHE_FAULT_DROP_BATCH": "1"}
+    with running_service(tmp_path, *FAST, "--heartbeat", "60", env=env) as service, service.client() as c:
+        c.lock(fresh_tokens(8))
+        c.lock(fresh_tokens(8))
+        health = c.health()
+        assert health.state == "closed"
+        assert "seq differs" in health.reason, health.reason
+        stats = c.stats().values  # every rank still answers
+        assert stats["rank1.closed"] == 1 and stats["rank0.closed"] == 1
+        assert all(pid_alive(pid) for pid in service.pids)
+
+
+@pytest.mark.parametrize(("rank", "signum"), [(1, signal.SIGTERM), (0, signal.SIGINT)])
+def test_a_signal_on_any_rank_stops_every_rank_cleanly(tmp_path: Path, rank: int, signum: int) -> None:
+    with running_service(tmp_path, *FAST) as service:
+        with service.client() as c:
+            insert(c, fresh_tokens(8))
+        pids = service.pids
+        os.kill(pids[rank], signum)
+        assert service.proc.wait(30) == 0, service.log()
+        assert not any(pid_alive(pid) for pid in pids)
+        assert shm_files_of(pids) == []
+        assert "Traceback" not in service.log(), service.log()

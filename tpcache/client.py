@@ -1,0 +1,235 @@
+"""The client library: typed calls to a tpcache service over ZMQ (DEALER to the leader's ROUTER).
+
+``Client`` is synchronous and not thread-safe (one per thread). Every method returns the op's
+typed result (``protocol.messages``) or raises the protocol's typed error (``NoSpace``,
+``CacheClosed``, ``NotFound``, ...); no reply within ``timeout_s`` raises ``RequestTimeout`` and
+the late reply, if it ever comes, is dropped. Requests can be pipelined with ``submit`` and
+``wait``. ``AsyncClient`` is the asyncio variant. Needs only pyzmq, msgpack and ``protocol``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+import protocol as p
+
+
+def _open_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.DEFAULT_LIMITS.max_message_bytes + 1024)
+    sock.connect(endpoint)
+    return sock
+
+
+class _Ops:
+    """The typed op methods, shared by the sync and async clients through ``call``."""
+
+    def call(self, body: p.Body, timeout_s: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def hello(self, token: str | None = None, client: str = "") -> Any:
+        return self.call(p.HelloRequest(token=token, client=client))
+
+    def match(self, tokens: Iterable[int], namespace: str = "") -> Any:
+        return self.call(p.MatchRequest(tokens=tokens, namespace=namespace))
+
+    def lock(self, tokens: Iterable[int], namespace: str = "") -> Any:
+        return self.call(p.LockRequest(tokens=tokens, namespace=namespace))
+
+    def alloc(self, lease: int, num_pages: int) -> Any:
+        return self.call(p.AllocRequest(lease=lease, num_pages=num_pages))
+
+    def insert(self, tokens: Iterable[int], device_page_ids: Iterable[int], lease: int, namespace: str = "") -> Any:
+        return self.call(
+            p.InsertRequest(tokens=tokens, device_page_ids=device_page_ids, lease=lease, namespace=namespace)
+        )
+
+    def load(self, lease: int) -> Any:
+        return self.call(p.LoadRequest(lease=lease))
+
+    def release(self, lease: int) -> Any:
+        return self.call(p.ReleaseRequest(lease=lease))
+
+    def abort(self, lease: int) -> Any:
+        return self.call(p.AbortRequest(lease=lease))
+
+    def step(self) -> Any:
+        return self.call(p.StepRequest())
+
+    def flush(self) -> Any:
+        return self.call(p.FlushRequest())
+
+    def stats(self) -> Any:
+        return self.call(p.StatsRequest())
+
+    def health(self) -> Any:
+        return self.call(p.HealthRequest())
+
+    def set_config(self, **settings: Any) -> Any:
+        return self.call(p.SetConfigRequest(**settings))
+
+    def register_buffers(self, descriptors: Iterable[Mapping[str, Any]]) -> Any:
+        return self.call(p.RegisterBuffersRequest(descriptors=tuple(descriptors)))
+
+    def put_pages(self, page_ids: Iterable[int], data: bytes, lease: int | None = None) -> Any:
+        return self.call(p.PutPagesRequest(page_ids=page_ids, data=data, lease=lease))
+
+    def get_pages(self, page_ids: Iterable[int]) -> Any:
+        return self.call(p.GetPagesRequest(page_ids=page_ids))
+
+
+class Client(_Ops):
+    """A synchronous connection to a tpcache service.
+
+    ``token`` is the shared secret (servers started with one refuse every op until hello sends
+    it). The constructor sends hello and keeps the result in ``info`` (page size, world size)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        *,
+        name: str = "",
+        hello: bool = True,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._sock = _open_socket(self._ctx, endpoint)
+        self._conn = p.ClientConnection()
+        self._done: dict[int, p.Response] = {}
+        self.info: p.HelloResult | None = None
+        if hello:
+            try:
+                self.info = self.hello(token=token, client=name)
+            except BaseException:
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------ pipelining
+
+    def submit(self, body: p.Body) -> int:
+        """Send a request without waiting; returns its id for ``wait``."""
+        request_id, frame = self._conn.send(body)
+        self._sock.send(frame, copy=len(frame) < 65536)
+        return request_id
+
+    def wait(self, request_id: int, timeout_s: float | None = None) -> Any:
+        """The result of a submitted request (or its typed error)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while request_id not in self._done:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                if request_id in self._done:
+                    break
+                self._conn.forget(request_id)
+                raise p.RequestTimeout(f"no reply from {self.endpoint} within {timeout:g} s", request_id=request_id)
+            self._read_available()
+        return self._done.pop(request_id).unwrap()
+
+    def _read_available(self) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            response = self._conn.receive(frame)
+            if response is None:
+                continue  # a late reply to a request we gave up on
+            if response.id is None:  # the server could not read one of our frames
+                raise response.error.exception() if response.error else p.InternalError("bad reply")
+            self._done[response.id] = response
+
+    def call(self, body: p.Body, timeout_s: float | None = None) -> Any:
+        return self.wait(self.submit(body), timeout_s)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Ops):
+    """The asyncio variant: ``await client.match(tokens)``; many calls may be in flight at once.
+    Create with ``await AsyncClient.connect(endpoint, token=...)``."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0, context: zmq.asyncio.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = _open_socket(self._ctx, endpoint)
+        self._conn = p.ClientConnection()
+        self._futures: dict[int, asyncio.Future[p.Response]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.info: p.HelloResult | None = None
+
+    @classmethod
+    async def connect(
+        cls, endpoint: str, token: str | None = None, timeout_s: float = 10.0, name: str = ""
+    ) -> AsyncClient:
+        client = cls(endpoint, timeout_s)
+        try:
+            client.info = await client.hello(token=token, client=name)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                response = self._conn.receive(frame)
+            except p.ProtocolError:
+                continue
+            if response is None or response.id is None:
+                continue
+            future = self._futures.pop(response.id, None)
+            if future is not None and not future.done():
+                future.set_result(response)
+
+    async def call(self, body: p.Body, timeout_s: float | None = None) -> Any:  # type: ignore[override]
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        request_id, frame = self._conn.send(body)
+        future: asyncio.Future[p.Response] = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        await self._sock.send(frame)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            response = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            self._futures.pop(request_id, None)
+            self._conn.forget(request_id)
+            raise p.RequestTimeout(
+                f"no reply from {self.endpoint} within {timeout:g} s", request_id=request_id
+            ) from None
+        return response.unwrap()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        self._sock.close(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

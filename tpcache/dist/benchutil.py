@@ -1,0 +1,142 @@
+"""Measurement helpers for round-transport benchmarks (used by scripts/bench_transport.py and
+scripts/bench_round.py): per-call latency sampling, percentiles, and the floor, a raw TCP exchange of
+the same bytes between the ranks over loopback (every rank sends its vector to rank 0, which replies
+with the elementwise MIN).
+
+All functions that talk to other ranks are collective calls: every rank of the group calls them in the
+same order.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tpcache.dist.collective import Collective
+from tpcache.dist.exchange import all_gather_json
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``samples`` by nearest rank; ``ValueError`` when empty."""
+    if not samples:
+        raise ValueError("no samples")
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarize_us(samples: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / mean of per-call durations in seconds, reported in microseconds."""
+    return {
+        "p50_us": round(percentile(samples, 0.5) * 1e6, 2),
+        "p99_us": round(percentile(samples, 0.99) * 1e6, 2),
+        "mean_us": round(sum(samples) / len(samples) * 1e6, 2),
+    }
+
+
+def time_calls(fn: Callable[[], object], rounds: int) -> list[float]:
+    """Duration in seconds of each of ``rounds`` consecutive calls of ``fn``."""
+    out = []
+    clock = time.perf_counter
+    for _ in range(rounds):
+        start = clock()
+        fn()
+        out.append(clock() - start)
+    return out
+
+
+def allreduce_fn(collective: Collective, vector: Sequence[int], timeout_s: float = 30.0) -> Callable[[], object]:
+    """A zero-argument call of one round on ``collective`` (for ``time_calls``)."""
+    values = array("q", vector)
+    return lambda: collective.allreduce_min(values, timeout_s)
+
+
+class TcpFloor:
+    """Raw loopback TCP exchange of a MIN round, the floor a same-host transport is measured against.
+
+    Setup is a collective call on ``group``: rank 0 listens on 127.0.0.1, the others connect.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._peers: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        port = 0
+        if self.rank == 0:
+            self._listener = socket.create_server(("127.0.0.1", 0), backlog=self.world_size)
+            port = self._listener.getsockname()[1]
+        port = all_gather_json(port, group)[0]
+        if self.rank == 0:
+            assert self._listener is not None
+            by_rank: dict[int, socket.socket] = {}
+            for _ in range(self.world_size - 1):
+                conn, _ = self._listener.accept()
+                peer_rank = struct.unpack("<q", _recv_exact(conn, 8))[0]
+                by_rank[peer_rank] = conn
+            self._peers = [by_rank[r] for r in sorted(by_rank)]
+        else:
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(struct.pack("<q", self.rank))
+            self._peers = [conn]
+        for conn in self._peers:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def exchange(self, vector: Sequence[int]) -> list[int]:
+        """One MIN round over TCP; every rank gets the result."""
+        values = array("q", vector)
+        size = 8 * len(values)
+        if self.rank != 0:
+            conn = self._peers[0]
+            conn.sendall(values)
+            return array("q", _recv_exact(conn, size)).tolist()
+        result = values
+        received = [array("q", _recv_exact(conn, size)) for conn in self._peers]
+        if received:
+            result = array("q", map(min, values, *received))
+        for conn in self._peers:
+            conn.sendall(result)
+        return result.tolist()
+
+    def close(self) -> None:
+        for conn in self._peers:
+            conn.close()
+        if self._listener is not None:
+            self._listener.close()
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the floor connection")
+        got += n
+    return bytes(buf)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, blocks: int, warmup: int) -> dict[str, list[float]]:
+    """Time each function ``rounds`` times, in ``blocks`` alternating blocks (so load drift from other
+    processes hits all of them alike), after ``warmup`` untimed calls each. A collective call: every
+    rank must pass the same names in the same order.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per_block = max(1, rounds // blocks)
+    done = 0
+    while done < rounds:
+        n = min(per_block, rounds - done)
+        for name, fn in fns.items():
+            samples[name].extend(time_calls(fn, n))
+        done += n
+    return samples
