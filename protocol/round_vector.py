@@ -8,7 +8,7 @@ collective always has one shape. Values must lie in ``[-(2**63 - 1), 2**63 - 1]`
 
 Field order (version 1)::
 
-    header:   layout, round, seq, state_digest, health, drained
+    header:   layout, round, seq, state_digest, health, drained, flush
     per queue q in QUEUES:
               q.queue_digest   digest of the ids of every op in flight on q (must agree)
               q.done           ops finished at the head of q, in issue order
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 LAYOUT_VERSION = 1
 INT64_MAX = (1 << 63) - 1
 QUEUES = ("backup", "load", "storage_write", "storage_read", "storage_query")
-HEADER = ("layout", "round", "seq", "state_digest", "health", "drained")
+HEADER = ("layout", "round", "seq", "state_digest", "health", "drained", "flush")
 QUEUE_FIELDS = ("queue_digest", "done", "clean", "head_acked")
 TAIL = ("host_deficit", "plan_count", "plan_tokens", "plan_digest")
 

@@ -189,7 +189,7 @@ def test_restarted_cache_gets_storage_hits_for_durable_pages_only(tmp_path):
     try:
         lease, m = second.lock(tokens(1, 2, 3, 4))
         assert m.device_pages + m.host_pages == 0
-        assert second.core.prefetch(lease, tokens(1, 2, 3, 4))
+        assert second.prefetch(lease)
         for _ in range(4000):  # rounds until the agreed lookup and read land (bounded, not timed)
             second.step()
             if second.core.prefetch_status(lease)[0] == "done":

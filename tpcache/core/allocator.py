@@ -62,6 +62,19 @@ class PageAllocator:
             self._owned[p] = 0
             self._free.append(p)
 
+    def take(self, pages: list[int]) -> None:
+        """Mark these particular pages owned (on a fresh allocator: pages a holder keeps across a reset)."""
+        for p in pages:
+            if not 0 <= p < self.num_pages or self.is_owned(p):
+                raise ValueError(f"{self.name} pool: page {p} cannot be taken")
+            if p >= self._fresh:
+                self._free.extend(range(self._fresh, p))  # the never-used pages below it become free
+                self._fresh = p + 1
+                self._owned.extend(bytes(self._fresh - len(self._owned)))
+            else:
+                self._free.remove(p)
+            self._owned[p] = 1
+
     def is_owned(self, page: int) -> bool:
         return 0 <= page < len(self._owned) and bool(self._owned[page])
 

@@ -22,14 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from tpcache.core.allocator import HostAllocator, PageAllocator
+from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import Digest, mix, mix_ids
 from tpcache.core.eviction import make_policy
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.prefetch import Prefetcher, PrefetchState
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import Node, RadixTree
+from tpcache.core.tree import Node, RadixTree, Walk
 
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
 
@@ -55,6 +55,7 @@ class Transfer:
     host_slots: list[int]
     page_hashes: list[int]
     lease_id: int = -1
+    pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
 
     @property
     def num_pages(self) -> int:
@@ -66,6 +67,7 @@ class Lease:
     """Everything one request holds. Released only when no copy into its pages is in flight."""
 
     lease_id: int
+    tokens: bytes = b""  # what the request locked: load and prefetch work along this path
     device_nodes: list[Node] = field(default_factory=list)  # pinned on device, one pin each
     host_nodes: list[Node] = field(default_factory=list)  # pinned on host, one pin each
     pages: list[int] = field(default_factory=list)  # device pages allocated to it, not in the tree
@@ -79,11 +81,21 @@ class Lease:
 class MatchResult:
     """What a lookup found; ``device_pages`` then ``host_pages`` form one contiguous prefix."""
 
+    walk: Walk
     device_pages: int = 0
     host_pages: int = 0
     device_page_ids: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)  # every full page of the query
     nodes: list[Node] = field(default_factory=list)  # device then host prefix nodes
+
+    @property
+    def num_pages(self) -> int:
+        """Full pages in the query (a partial last page is never cached)."""
+        return self.walk.num_pages
+
+    @property
+    def page_hashes(self) -> list[int]:
+        """The chain hash of every full page of the query (computed on first use)."""
+        return self.walk.hashes
 
 
 @dataclass
@@ -137,6 +149,7 @@ class CacheCore:
         self.leases: dict[int, Lease] = {}
         self.inflight: dict[OpKind, deque[Transfer]] = {k: deque() for k in OpKind}
         self.effects: list[Transfer] = []
+        self.op_waiters: dict[int, list[int]] = {}  # op id -> leases that wait for it
         self.stats = Stats()
         self.closed_reason: str | None = None
         # Pages waiting for a host slot to be backed up, oldest first. Retried every round; the
@@ -166,19 +179,22 @@ class CacheCore:
     def match(self, tokens: TokenIds) -> MatchResult:
         """The longest cached prefix: device-VALID pages, then host-VALID pages. Pure."""
         walk = self.tree.walk(as_token_bytes(tokens))
-        result = MatchResult(page_hashes=walk.hashes)
+        result = MatchResult(walk)
         if self.closed:
             return result
-        i = 0
         nodes = walk.nodes
-        while i < len(nodes) and nodes[i].device_state == DeviceState.VALID:
-            result.device_page_ids.append(nodes[i].device_page)
-            i += 1
-        result.device_pages = i
-        while i < len(nodes) and nodes[i].host_state == HostState.VALID and not nodes[i].on_device:
+        ids = result.device_page_ids
+        valid = DeviceState.VALID
+        for node in nodes:  # the lookup's hot path: one pass, no per-node calls
+            if node.device_state != valid:
+                break
+            ids.append(node.device_page)
+        i = result.device_pages = len(ids)
+        n = len(nodes)
+        while i < n and nodes[i].host_state == HostState.VALID and nodes[i].device_state == DeviceState.NONE:
             i += 1
         result.host_pages = i - result.device_pages
-        result.nodes = nodes[:i]
+        result.nodes = nodes if i == n else nodes[:i]
         return result
 
     def take_effects(self) -> list[Transfer]:
@@ -192,17 +208,25 @@ class CacheCore:
         except KeyError:
             raise UnknownLease(f"no lease {lease_id}") from None
 
+    def _live_lease(self, lease_id: int) -> Lease:
+        lease = self.lease(lease_id)
+        if lease.releasing:
+            raise ValueError(f"lease {lease_id} is being released")
+        return lease
+
     # ------------------------------------------------------------------ sequenced operations
 
     def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
         """Match, stamp the matched path, pin it (device prefix on device, host tail on host)."""
         self._tick()
-        result = self.match(tokens)
+        token_bytes = as_token_bytes(tokens)
+        result = self.match(token_bytes)
         self.stats.lookups += 1
-        self.stats.lookup_tokens += len(result.page_hashes) * self.page_size
+        self.stats.lookup_tokens += result.num_pages * self.page_size
         self.stats.device_hit_tokens += result.device_pages * self.page_size
         self.stats.host_hit_tokens += result.host_pages * self.page_size
         lease = self._new_lease()
+        lease.tokens = token_bytes
         self._stamp(result.nodes, hit=True)
         for node in result.nodes[: result.device_pages]:
             self._pin_device(node, +1)
@@ -218,10 +242,8 @@ class CacheCore:
     def alloc(self, lease_id: int, n: int) -> list[int]:
         """Give the lease ``n`` device pages, evicting unpinned pages as needed."""
         self._refuse_if_closed()
+        lease = self._live_lease(lease_id)
         self._tick()
-        lease = self.lease(lease_id)
-        if lease.releasing:
-            raise ValueError(f"lease {lease_id} is being released")
         pages = self._alloc_device(n)
         self._unaccount_lease(lease)
         lease.pages.extend(pages)
@@ -236,46 +258,57 @@ class CacheCore:
         pinned by the lease until it is released. Returns (inserted pages, duplicate pages).
         """
         self._refuse_if_closed()
-        self._tick()
-        lease = self.lease(lease_id)
+        lease = self._live_lease(lease_id)
         walk = self.tree.walk(as_token_bytes(tokens))
-        if len(pages) < len(walk.hashes):
-            raise ValueError(f"insert needs a device page for each of {len(walk.hashes)} full pages")
+        if len(pages) < walk.num_pages:
+            raise ValueError(f"insert needs a device page for each of {walk.num_pages} full pages")
+        # Validate everything before mutating anything: a refused insert changes nothing.
         owned = set(lease.pages)
-        inserted: list[Node] = []
+        plan: list[tuple[int, Node | None, int]] = []  # (page index, existing node, page) to adopt
         duplicates = 0
-        parent = self.tree.root
-        self._unaccount_lease(lease)
-        for i, h in enumerate(walk.hashes):
-            page = pages[i]
+        for i in range(walk.num_pages):
             node = walk.nodes[i] if i < len(walk.nodes) else None
             if node is not None and node.device_state == DeviceState.LOADING:
                 # Nothing is inserted below a page still loading: if its load fails, the page is
                 # dropped, and a device child under it would break ancestor closure.
                 break
+            page = pages[i]
             if node is not None and node.on_device:
                 if page != node.device_page:
                     if page not in owned:
                         raise ValueError(f"page {page} is neither cached here nor held by lease {lease_id}")
                     duplicates += 1
+                continue
+            if page not in owned:
+                raise ValueError(f"page {page} is not held by lease {lease_id}")
+            owned.discard(page)
+            plan.append((i, node, page))
+        self._tick()
+        hashes = walk.hashes if plan else []
+        pinned = {n.node_id for n in lease.device_nodes}
+        inserted: list[Node] = []
+        self._unaccount_lease(lease)
+        path = list(walk.nodes)
+        for i, node, page in plan:
+            lease.pages.remove(page)
+            if node is None:
+                parent = path[i - 1] if i else self.tree.root
+                node = self.tree.add_child(parent, walk.pages[i], hashes[i], self.clock)
+                path.append(node)
             else:
-                if page not in owned:
-                    raise ValueError(f"page {page} is not held by lease {lease_id}")
-                owned.discard(page)
-                lease.pages.remove(page)
-                if node is None:
-                    node = self.tree.add_child(parent, walk.pages[i], h, self.clock)
-                else:
-                    self._unaccount(node)
-                self._set_device(node, DeviceState.VALID, page)
-                node.last_access = self.clock
-                self._account(node)
+                self._unaccount(node)
+            self._set_device(node, DeviceState.VALID, page)
+            node.last_access = self.clock
+            self._account(node)
+            inserted.append(node)
+        # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
+        for node in path:
+            if node.on_device and node.node_id not in pinned:
                 self._pin_device(node, +1)
                 lease.device_nodes.append(node)
-                inserted.append(node)
-            parent = node
+                pinned.add(node.node_id)
         self._account_lease(lease)
-        self._stamp(walk.nodes[: len(walk.hashes)] + inserted, hit=False)
+        self._stamp(path, hit=False)
         self.stats.inserted_pages += len(inserted)
         self.stats.duplicate_pages += duplicates
         if self.config.write_policy == "write_through":
@@ -283,41 +316,63 @@ class CacheCore:
         return len(inserted), duplicates
 
     def load(self, lease_id: int) -> list[int]:
-        """Start loading the lease's host-pinned pages back to device. Returns the device prefix pages.
+        """Start loading the host pages along the lease's path back to device. Returns the device
+        pages of the path's prefix, loading ones included, in page order.
 
-        The loaded nodes become device-VALID only when the load is agreed complete in a round.
+        A page another request is already loading is shared: the lease pins it and waits for that
+        load, and nothing below it is loaded here (if that load fails, a child loaded under it would
+        hang from nothing). Loaded nodes become device-VALID only when agreed complete in a round.
         """
         self._refuse_if_closed()
+        lease = self._live_lease(lease_id)
         self._tick()
-        lease = self.lease(lease_id)
-        todo = [n for n in lease.host_nodes if n.host_state == HostState.VALID and not n.on_device]
-        if todo:
-            pages = self._alloc_device(len(todo))
-            self._unaccount_lease(lease)
-            for node, page in zip(todo, pages, strict=True):
-                self._unaccount(node)
-                self._set_device(node, DeviceState.LOADING, page)
-                node.device_pins += 1  # the lease's pin: a loading page is never evicted
-                node.host_pins += 1  # the op's read of the host slot
-                self._account(node)
+        pinned = {n.node_id for n in lease.device_nodes}
+        prefix: list[Node] = []
+        todo: list[Node] = []
+        shared_load = False
+        for node in self.tree.walk(lease.tokens).nodes:
+            if node.on_device and not todo:
+                prefix.append(node)
+                shared_load = shared_load or node.device_state == DeviceState.LOADING
+            elif not shared_load and node.host_state == HostState.VALID and node.device_state == DeviceState.NONE:
+                todo.append(node)
+            else:
+                break
+        pages = self._alloc_device(len(todo)) if todo else []
+        self._unaccount_lease(lease)
+        for node in prefix:
+            if node.node_id not in pinned:
+                self._pin_device(node, +1)
                 lease.device_nodes.append(node)
+            if node.device_state == DeviceState.LOADING:
+                for op in self.inflight[OpKind.LOAD]:
+                    if node in op.nodes and op.op_id not in lease.ops:
+                        self._lease_waits_for(lease, op.op_id)
+        for node, page in zip(todo, pages, strict=True):
+            self._unaccount(node)
+            self._set_device(node, DeviceState.LOADING, page)
+            node.device_pins += 1  # the lease's pin: a loading page is never evicted
+            node.host_pins += 1  # the op's read of the host slot
+            self._account(node)
+            lease.device_nodes.append(node)
+        if todo:
             op = self._issue(OpKind.LOAD, todo, lease_id)
-            lease.ops.append(op.op_id)
-            self._account_lease(lease)
+            self._lease_waits_for(lease, op.op_id)
             self.stats.loads_issued_pages += len(todo)
-        return [n.device_page for n in lease.device_nodes]
+        self._account_lease(lease)
+        return [n.device_page for n in prefix + todo]
 
-    def prefetch(self, lease_id: int, tokens: TokenIds) -> bool:
-        """Look up the lease's continuation in storage and read the agreed hit into host slots.
+    def prefetch(self, lease_id: int) -> bool:
+        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host.
 
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
         self._refuse_if_closed()
+        lease = self._live_lease(lease_id)
         self._tick()
-        lease = self.lease(lease_id)
-        if not self.config.storage or lease.releasing:
+        if not self.config.storage:
             return False
         self._unaccount_lease(lease)
-        started = self.prefetcher.start(lease, as_token_bytes(tokens))
+        started = self.prefetcher.start(lease, lease.tokens)
         self._account_lease(lease)
         return started
 
@@ -380,10 +435,15 @@ class CacheCore:
     def enforce_retention(self) -> int:
         """Evict until evictable device tokens <= the cap (reference seed 000). Returns pages freed."""
         cap = self.retention_cap_tokens
-        if cap < 0 or self.evictable_device_tokens <= cap:
-            return 0
-        excess = self.evictable_device_tokens - cap
-        return self.evict_device(-(-excess // self.page_size))
+        freed = 0
+        while cap >= 0 and self.evictable_device_tokens > cap:
+            before = self.evictable_device_tokens
+            # Under write_back an eviction may start a backup instead (which protects the page), so
+            # go again until the count is under the cap or nothing more can move.
+            freed += self.evict_device(-(-(before - cap) // self.page_size))
+            if self.evictable_device_tokens >= before:
+                break
+        return freed
 
     def evict_device(self, n: int) -> int:
         """Free up to ``n`` device pages, least valuable first. Returns the pages freed now.
@@ -414,6 +474,10 @@ class CacheCore:
             self._pin_device(node, -1)
         if backups:
             self._backup_path(backups)
+            for node in backups:  # no host slot for its copy: evict it anyway, it is only a cache
+                if node.node_id in self.backup_backlog and self._device_candidate(node):
+                    self._drop_device(node)
+                    freed += 1
         self.stats.device_evicted_pages += freed
         return freed
 
@@ -459,8 +523,8 @@ class CacheCore:
         op = self.inflight[kind].popleft()
         ok = op.num_pages if acked_pages is None else max(0, min(acked_pages, op.num_pages))
         self.stats.failed_copy_pages += op.num_pages - ok
-        lease = self.leases.get(op.lease_id)
-        if lease is not None:
+        waiters = [self.leases[lid] for lid in self.op_waiters.pop(op.op_id, ()) if lid in self.leases]
+        for lease in waiters:
             self._unaccount_lease(lease)
         if kind == OpKind.STORAGE_QUERY:
             self.prefetcher.on_query(op, ok)
@@ -469,7 +533,6 @@ class CacheCore:
         for i, node in enumerate(op.nodes if kind < OpKind.STORAGE_READ else ()):
             self._unaccount(node)
             if kind == OpKind.BACKUP:
-                node.device_pins -= 1
                 if i < ok:
                     self._set_host(node, HostState.VALID, node.host_slot)
                 else:
@@ -486,19 +549,21 @@ class CacheCore:
                 node.host_pins -= 1
                 self._set_storage(node, StorageState.DURABLE if i < ok else StorageState.NONE)
             self._account(node)
+        for node in op.pinned:  # the path a backup protected, released with its ack (seed 000)
+            self._pin_device(node, -1)
         if kind == OpKind.BACKUP:
             self.stats.backups_done_pages += ok
-            if self.config.storage:
+            if self.config.storage and not self.closed:
                 self._store(op.nodes[:ok])
         elif kind == OpKind.STORAGE_WRITE:
             self.stats.storage_written_pages += ok
         elif kind == OpKind.LOAD:
             self.stats.loads_done_pages += ok
-            if ok < op.num_pages and lease is not None:
+            for lease in waiters:  # every request sharing a failed load lets go of its pages
                 self._drop_failed_loads(lease, op.nodes[ok:])
         for node in reversed(op.nodes):
             self._maybe_remove(node)
-        if lease is not None:
+        for lease in waiters:
             lease.ops.remove(op.op_id)
             self._account_lease(lease)
             if lease.releasing and not lease.ops:
@@ -513,8 +578,23 @@ class CacheCore:
             self.closed_reason = reason
 
     def reset(self) -> None:
-        """Drop all state (an agreed flush); in-flight copies must have been drained by the shell."""
+        """Drop the cached state (an agreed flush, once every rank has no copy in flight).
+
+        What outlives it: lease and op ids keep counting (a stale id never names a new lease), the
+        runtime retention cap, and every live lease with the pages it allocated, since the engine
+        may still be writing KV into them; those pages are freed by the lease's own release.
+        """
+        next_lease, next_op, cap = self._next_lease, self._next_op, self.retention_cap_tokens
+        held = [
+            (lease.lease_id, lease.tokens, list(lease.pages)) for lease in self.leases.values() if not lease.releasing
+        ]
         self.__init__(self.config)  # type: ignore[misc]
+        self._next_lease, self._next_op, self.retention_cap_tokens = next_lease, next_op, cap
+        for lease_id, tokens, pages in held:
+            self.device.take(pages)
+            lease = Lease(lease_id, tokens=tokens, pages=pages)
+            self.leases[lease_id] = lease
+            self._account_lease(lease)
 
     # ------------------------------------------------------------------ internals
 
@@ -547,32 +627,37 @@ class CacheCore:
 
     def _lease_waits_for(self, lease: Lease, op_id: int) -> None:
         lease.ops.append(op_id)
+        self.op_waiters.setdefault(op_id, []).append(lease.lease_id)
 
     def _pin_lease_host(self, lease: Lease, nodes: list[Node]) -> None:
         for node in nodes:
             self._pin_host(node, +1)
             lease.host_nodes.append(node)
 
-    def _pin_lease_anchor(self, lease: Lease, node: Node) -> tuple[str, Node] | None:
-        """Pin the node a fetch hangs from on the tier it is readable on."""
+    def _pin_lease_anchor(self, lease: Lease, node: Node) -> list[tuple[str, Node]]:
+        """Pin, for the lease, the node a fetch hangs from on the tier it is readable on (on
+        device: with its path). Returns what was pinned here, for ``_unpin_lease_anchor``."""
         if node.parent is None:
-            return None
+            return []
         if node.host_state == HostState.VALID:
+            if node in lease.host_nodes:
+                return []
             self._pin_lease_host(lease, [node])
-            return ("host", node)
-        self._pin_device(node, +1)
-        lease.device_nodes.append(node)
-        return ("device", node)
+            return [("host", node)]
+        pinned = {n.node_id for n in lease.device_nodes}
+        added = [n for n in self._path_union([node]) if n.node_id not in pinned]
+        for n in added:
+            self._pin_device(n, +1)
+            lease.device_nodes.append(n)
+        return [("device", n) for n in added]
 
-    def _unpin_lease_anchor(self, lease: Lease, anchor: tuple[str, Node] | None) -> None:
-        if anchor is None:
-            return
-        tier, node = anchor
-        if tier == "host":
-            self._unpin_lease_host(lease, [node])
-        else:
-            self._pin_device(node, -1)
-            lease.device_nodes.remove(node)
+    def _unpin_lease_anchor(self, lease: Lease, pins: list[tuple[str, Node]]) -> None:
+        for tier, node in pins:
+            if tier == "host":
+                self._unpin_lease_host(lease, [node])
+            else:
+                self._pin_device(node, -1)
+                lease.device_nodes.remove(node)
 
     def _unpin_lease_host(self, lease: Lease, nodes: list[Node]) -> None:
         for node in nodes:
@@ -581,10 +666,10 @@ class CacheCore:
 
     def _drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
         dropped = {n.node_id for n in nodes}
-        keep = [n for n in lease.device_nodes if n.node_id not in dropped]
-        for node in nodes:
-            self._pin_device(node, -1)
-        lease.device_nodes = keep  # the caller holds the lease unaccounted
+        for node in lease.device_nodes:
+            if node.node_id in dropped:
+                self._pin_device(node, -1)
+        lease.device_nodes = [n for n in lease.device_nodes if n.node_id not in dropped]  # caller: unaccounted
 
     def _stamp(self, nodes: list[Node], hit: bool) -> None:
         for node in nodes:
@@ -595,10 +680,28 @@ class CacheCore:
             self._account(node)
 
     def _alloc_device(self, n: int) -> list[int]:
+        if n > self.device.available + self.evictable_device_pages:
+            # Refuse before evicting: a request that cannot fit must not empty the cache first.
+            raise OutOfPages(
+                f"device pool: need {n} pages, {self.device.available} free and {self.evictable_device_pages} evictable"
+            )
         short = n - self.device.available
         if short > 0:
             self.evict_device(short)
         return self.device.alloc(n)
+
+    @staticmethod
+    def _path_union(nodes: list[Node]) -> list[Node]:
+        """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""
+        seen: set[int] = set()
+        out: list[Node] = []
+        for node in nodes:
+            cur: Node | None = node
+            while cur is not None and cur.parent is not None and cur.node_id not in seen:
+                seen.add(cur.node_id)
+                out.append(cur)
+                cur = cur.parent
+        return out
 
     def _alloc_host_upto(self, n: int) -> list[int]:
         """As many of ``n`` host slots as eviction can make free."""
@@ -622,6 +725,8 @@ class CacheCore:
         page backed up is on device, so each page can go on its own: no chain of ancestors, and
         no wait on a parent's copy in flight. Pages that find no host slot wait in the backlog.
         """
+        if self.closed:
+            return  # a closed cache starts no copies: it does not trust its own state
         todo: list[Node] = []
         seen: set[int] = set()
         for node in nodes:
@@ -642,13 +747,14 @@ class CacheCore:
         for node, slot in zip(todo, slots, strict=True):
             self._unaccount(node)
             self._set_host(node, HostState.WRITING, slot)
-            node.device_pins += 1  # the op reads the device page: it stays until the ack
             self._account(node)
         self._issue(OpKind.BACKUP, todo, -1)
         self.stats.backups_issued_pages += len(todo)
 
     def _store(self, nodes: list[Node]) -> None:
         """Write host-VALID pages to storage; durable only once every rank acked (agreed)."""
+        if self.closed:
+            return
         todo = [n for n in nodes if n.host_state == HostState.VALID and n.storage_state == StorageState.NONE]
         if not todo:
             return
@@ -680,6 +786,8 @@ class CacheCore:
             and node.host_pins == 0
             and node.device_state == DeviceState.VALID
             and node.storage_state == StorageState.DURABLE
+            # a child only on host needs this page's device copy kept (it would become unevictable)
+            and not any(c.on_host and not c.on_device for c in node.children.values())
         )
 
     def _issue(self, kind: OpKind, nodes: list[Node], lease_id: int, page_hashes: list[int] | None = None) -> Transfer:
@@ -693,11 +801,19 @@ class CacheCore:
             lease_id=lease_id,
         )
         self._next_op += 1
+        if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):
+            # A copy in flight protects the device pages along its pages' paths until its ack: they
+            # stay, and count as protected rather than evictable meanwhile (reference seed 000).
+            op.pinned = [n for n in self._path_union(op.nodes) if n.on_device]
+            for node in op.pinned:
+                self._pin_device(node, +1)
         self.inflight[kind].append(op)
         self.effects.append(op)
         return op
 
     def _drop_device(self, node: Node) -> None:
+        if not node.on_host:
+            self._drop_host_subtree(node)
         if self.backup_backlog.pop(node.node_id, None) is not None:
             self.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier
         self._unaccount(node)
@@ -822,12 +938,42 @@ class CacheCore:
         heapq.heapify(self._host_heap)
 
     def _device_candidate(self, node: Node) -> bool:
-        """Device leaves not in use. A page with no host copy whose children live on host is kept
-        (dropping it would orphan them), unless write_back will back it up instead."""
+        """Device leaves not in use. A page with no host copy whose children live only on host
+        goes only if those host copies can go with it (they would hang from nothing)."""
         if node.device_state != DeviceState.VALID or node.device_pins or node.parent is None:
             return False
-        keep_for_host_children = not node.on_host and not self._write_back
-        return not any(c.on_device or (keep_for_host_children and c.on_host) for c in node.children.values())
+        host_children = False
+        for child in node.children.values():
+            if child.on_device:
+                return False
+            host_children = host_children or child.on_host
+        return not host_children or node.on_host or self._host_subtree_droppable(node)
+
+    @staticmethod
+    def _host_subtree_droppable(node: Node) -> bool:
+        stack = [c for c in node.children.values() if c.on_host]
+        while stack:
+            child = stack.pop()
+            if child.host_state != HostState.VALID or child.host_pins or child.on_device:
+                return False
+            stack.extend(c for c in child.children.values() if c.on_host)
+        return True
+
+    def _drop_host_subtree(self, node: Node) -> None:
+        """Drop the host-only pages below a page that leaves device with no host copy, leaves first."""
+        order: list[Node] = []
+        stack = [c for c in node.children.values() if c.on_host]
+        while stack:
+            child = stack.pop()
+            order.append(child)
+            stack.extend(c for c in child.children.values() if c.on_host)
+        for child in reversed(order):
+            self._unaccount(child)
+            self.host.free([child.host_slot])
+            self._set_host(child, HostState.NONE, -1)
+            self._account(child)
+            self._maybe_remove(child)
+            self.stats.host_evicted_pages += 1
 
     @staticmethod
     def _host_candidate(node: Node) -> bool:

@@ -43,3 +43,8 @@ class Digest:
 
     def remove(self, record: int) -> None:
         self.value = (self.value - record) & DIGEST_MASK
+
+
+def mix_text(text: str) -> int:
+    """A 62-bit digest of a text (configurations, layouts)."""
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8")) & DIGEST_MASK

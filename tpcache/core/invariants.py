@@ -33,6 +33,16 @@ def check(core: CacheCore) -> None:
     for lease in core.leases.values():
         if lease.releasing and not lease.ops:
             fail(f"lease {lease.lease_id} is releasing with nothing in flight: leaked")
+        ids = [n.node_id for n in lease.device_nodes]
+        if len(set(ids)) != len(ids):
+            fail(f"lease {lease.lease_id} pins a node twice on device")
+        pinned = set(ids)
+        for n in lease.device_nodes:  # a lease pins whole paths: no pinned page has an unpinned ancestor
+            if n.parent is not None and n.parent.parent is not None and n.parent.node_id not in pinned:
+                fail(f"lease {lease.lease_id} pins node {n.node_id} but not its parent {n.parent.node_id}")
+        for op_id in lease.ops:
+            if lease.lease_id not in core.op_waiters.get(op_id, ()):
+                fail(f"lease {lease.lease_id} waits for op {op_id} but is not registered as its waiter")
         for p in lease.pages:
             own(device_owner, p, f"lease {lease.lease_id}")
         for n in lease.device_nodes:
@@ -44,11 +54,12 @@ def check(core: CacheCore) -> None:
                 fail(f"lease {lease.lease_id} waits for op {op_id}, which is not in flight")
     for kind, queue in core.inflight.items():
         for op in queue:
+            for n in op.pinned:
+                dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
             for n in op.nodes:
                 if n.parent is None:
                     fail(f"op {op.op_id} references a removed node {n.node_id}")
                 if kind == OpKind.BACKUP:
-                    dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
                     if n.host_state != HostState.WRITING:
                         fail(f"backup op {op.op_id}: node {n.node_id} host state {n.host_state.name}")
                 elif kind == OpKind.LOAD:
@@ -69,7 +80,7 @@ def check(core: CacheCore) -> None:
         if node.parent is None:
             continue
         digest.add(node.record)
-        if node.parent.children.get(node.hash) is not node:
+        if node.parent.children.get(node.tokens) is not node:
             fail(f"node {node.node_id} is not its parent's child")
         parent_root = node.parent.parent is None
         if node.on_device:

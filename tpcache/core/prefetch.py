@@ -41,6 +41,7 @@ class PrefetchState:
     retry_at: int = 0
     start: int = 0  # page index the current attempt's hit starts at
     nodes: list[Node] = field(default_factory=list)
+    anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
 
     def code(self) -> int:
         return ("querying", "deferred", "reading", "retry_wait", "done").index(self.status)
@@ -64,8 +65,8 @@ class Prefetcher:
         if policy not in STOP_POLICIES:
             raise ValueError(f"unknown prefetch stop policy {policy!r}; choose one of {STOP_POLICIES}")
         state = lease.prefetch
-        if state is None or state.status == "done" or policy == "best_effort":
-            return True
+        if state is None or state.status == "done" or policy == "best_effort" or self.core.closed:
+            return True  # a closed cache serves misses: nothing is worth waiting for
         return policy == "timeout" and state.rounds >= timeout_rounds
 
     # ------------------------------------------------------------------ agreed completions
@@ -73,8 +74,9 @@ class Prefetcher:
     def on_query(self, op: Transfer, hit: int) -> None:
         lease = self.core.leases.get(op.lease_id)
         state = lease.prefetch if lease is not None else None
-        if state is None or op.op_id != state.op_id or lease.releasing:
-            self.core.stats.prefetch_stale_completions += 1
+        if state is None or op.op_id != state.op_id or lease.releasing or self.core.closed:
+            if not self.core.closed:
+                self.core.stats.prefetch_stale_completions += 1
             if state is not None and op.op_id == state.op_id:
                 state.status = "done"
             return
@@ -100,6 +102,9 @@ class Prefetcher:
         failed = op.nodes[landed:]
         if lease is not None:
             core._unpin_lease_host(lease, failed)
+            if lease.prefetch is not None and lease.prefetch.op_id == op.op_id:
+                core._unpin_lease_anchor(lease, lease.prefetch.anchor)  # the new pages hold their parent now
+                lease.prefetch.anchor = []
         for node in reversed(failed):
             core._maybe_remove(node)
         core.stats.prefetch_read_pages += landed
@@ -109,7 +114,7 @@ class Prefetcher:
             return
         state.ready_pages += landed
         state.nodes = []
-        if landed == op.num_pages or lease.releasing:
+        if landed == op.num_pages or lease.releasing or core.closed:
             state.status = "done"
         elif state.attempts < core.config.prefetch_max_attempts:
             state.status = "retry_wait"
@@ -144,7 +149,7 @@ class Prefetcher:
         k = 0
         while k < len(walk.nodes) and (walk.nodes[k].on_device or walk.nodes[k].on_host):
             k += 1
-        if k == len(walk.hashes):
+        if k == walk.num_pages:
             return None
         parent = walk.nodes[k - 1] if k else core.tree.root
         if parent.parent is not None and parent.host_state != HostState.VALID and not parent.device_valid:
@@ -205,4 +210,5 @@ class Prefetcher:
         core._lease_waits_for(lease, op.op_id)
         state.op_id = op.op_id
         state.nodes = nodes
+        state.anchor = anchor
         state.status = "reading"

@@ -14,14 +14,15 @@ Fail-closed levels:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from protocol.round_vector import HEALTH_TRANSFER_ERROR, LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
 from tpcache.core.cache import CacheCore, OpKind, Transfer
-from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
+from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
 from tpcache.core.plans import MirrorRelease, Plan, PlanFeature
 
 log = logging.getLogger("tpcache.round")
@@ -78,12 +79,15 @@ class Round:
     def __init__(self, core: CacheCore, features: Sequence[PlanFeature] | None = None) -> None:
         self.core = core
         self.layout = RoundLayout.default()
+        # Ranks must run one layout and one configuration: a digest of both is the layout field.
+        self.layout_digest = mix_text(json.dumps([LAYOUT_VERSION, self.layout.fields, core.config.to_dict()]))
         self.number = 0
         self.features: list[PlanFeature] = (
             list(features) if features is not None else [MirrorRelease()] if core.config.mirror_release else []
         )
         self.pending_plan: Plan | None = None  # prepared last commit, checked this round
-        self.plan_mismatches: dict[str, int] = {f.name: 0 for f in self.features}
+        self.plan_mismatches = 0  # consecutive rounds whose plans disagreed
+        self.plans_disabled = False
         self.disabled: set[str] = set()
         self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
         self._prepared = False
@@ -92,7 +96,8 @@ class Round:
 
     def state_digest(self) -> int:
         c = self.core
-        extra = mix(c.clock, c._next_op, c._next_lease, int(c.flush_requested), mix_ids(list(c.backup_backlog)))
+        backlog = mix_ids(list(c.backup_backlog))
+        extra = mix(c.clock, c._next_op, c._next_lease, int(c.flush_requested), backlog, c.retention_cap_tokens)
         return (c.digest.value + extra) & DIGEST_MASK
 
     def prepare(self, seq: int, view: LocalView) -> list[int]:
@@ -100,7 +105,15 @@ class Round:
         if self._prepared:
             raise RuntimeError("prepare called twice without commit: one collective per round")
         core = self.core
-        values = [LAYOUT_VERSION, self.number, seq, self.state_digest(), view.health(), int(view.drained())]
+        values = [
+            self.layout_digest,
+            self.number,
+            seq,
+            self.state_digest(),
+            view.health(),
+            int(view.drained()),
+            int(core.flush_requested),
+        ]
         for kind in QUEUE_OF:  # per queue, in layout order
             pending = core.inflight[kind]
             if not pending:
@@ -113,6 +126,16 @@ class Round:
         plan = self.pending_plan
         values += (core.host_deficit, plan.count, plan.tokens, plan.digest) if plan else (core.host_deficit, 0, 0, 0)
         self._prepared = True
+        return self.layout.pack_values(values)
+
+    def poison_vector(self, seq: int) -> list[int]:
+        """A vector that says "this rank is unhealthy", for a rank that could not prepare one."""
+        self._prepared = True
+        values = [0] * len(self.layout.fields)
+        values[self.layout.index("layout")] = self.layout_digest
+        values[self.layout.index("round")] = self.number
+        values[self.layout.index("seq")] = seq
+        values[self.layout.index("health")] = HEALTH_TRANSFER_ERROR
         return self.layout.pack_values(values)
 
     # ------------------------------------------------------------------ commit
@@ -134,9 +157,9 @@ class Round:
                 self._apply_queue(kind, q, agreement, report)
         if self.pending_plan is not None or not unanimous:
             self._apply_plan(agreement, report)
-        if core.flush_requested and agreement.lo["drained"] == 1:
-            # Every rank has no copy physically in flight, so dropping all state frees nothing a
-            # copy still writes, whatever each rank's (possibly diverged) queues say.
+        if agreement.lo["flush"] == 1 and agreement.lo["drained"] == 1:
+            # Every rank asked for the flush and has no copy physically in flight, so dropping all
+            # state frees nothing a copy still writes, whatever each rank's (diverged) queues say.
             self._flush(report)
         if not core.closed:
             core.tick()
@@ -156,7 +179,7 @@ class Round:
         self.mismatch_counts[name] = self.mismatch_counts.get(name, 0) + 1
 
     def _check_header(self, a: Agreement, report: RoundReport) -> None:
-        for name in ("layout", "round", "seq", "state_digest"):
+        for name in ("layout", "round", "seq", "state_digest", "flush"):
             if not a.agreed(name):
                 self._mismatch(name, report)
                 self._close(f"{name} differs across ranks (min {a.lo[name]}, max {a.hi[name]})", report)
@@ -184,23 +207,24 @@ class Round:
 
     def _apply_plan(self, a: Agreement, report: RoundReport) -> None:
         plan, self.pending_plan = self.pending_plan, None
-        fields = ("plan_count", "plan_tokens", "plan_digest")
-        if a.disagreeing(fields):
-            name = plan.feature if plan else "plan"
-            report.plan_skipped = name
+        if a.disagreeing(("plan_count", "plan_tokens", "plan_digest")):
+            # Counted the same way on every rank (one counter, whatever each rank prepared), so
+            # every rank switches the plan features off in the same round.
+            report.plan_skipped = plan.feature if plan else "plan"
             self._mismatch("plan", report)
-            self.plan_mismatches[name] = self.plan_mismatches.get(name, 0) + 1
-            if self.plan_mismatches[name] >= self.core.config.plan_mismatch_limit and name not in self.disabled:
-                self.disabled.add(name)
+            self.plan_mismatches += 1
+            if self.plan_mismatches >= self.core.config.plan_mismatch_limit and not self.plans_disabled:
+                self.plans_disabled = True
+                self.disabled.update(f.name for f in self.features)
                 log.error(
-                    "%s switched off after %d plan mismatches in a row; falling back to conservative behaviour",
-                    name,
-                    self.plan_mismatches[name],
+                    "plans (%s) switched off after %d mismatches in a row; falling back to conservative behaviour",
+                    ", ".join(sorted(self.disabled)),
+                    self.plan_mismatches,
                 )
             return
         if plan is None or self.core.closed:
             return
-        self.plan_mismatches[plan.feature] = 0
+        self.plan_mismatches = 0
         feature = next(f for f in self.features if f.name == plan.feature)
         feature.execute(self.core, plan)
         report.plan_executed = plan.feature

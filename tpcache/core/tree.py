@@ -2,8 +2,9 @@
 
 Every edge is exactly one page of ``page_size`` token ids, so a divergence always falls on a node
 boundary: inserts never split a node and no in-flight copy ever sees its node change shape.
-Children are found by the page's chain hash and confirmed by comparing the page's tokens, so a
-64-bit hash collision is a miss, never a wrong hit.
+Children are found by the page's exact tokens (a dict keyed by bytes), so a lookup never depends
+on a hash being collision-free and a hit costs no hashing; each node also carries its page's
+chain hash, the page's identity for digests and storage keys.
 
 Tier data (device page, host slot, storage state, pins) lives on the node; the cache
 (``cache.py``) owns every change to it.
@@ -12,7 +13,6 @@ Tier data (device page, host slot, storage state, pins) lives on the node; the c
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 
 import xxhash
 
@@ -46,7 +46,7 @@ class Node:
     def __init__(self, node_id: int, parent: Node | None, tokens: bytes, hash_: int, clock: int) -> None:
         self.node_id = node_id
         self.parent = parent
-        self.children: dict[int, Node] = {}
+        self.children: dict[bytes, Node] = {}  # keyed by the child page's tokens
         self.tokens = tokens
         self.hash = hash_
         self.depth = 0 if parent is None else parent.depth + 1
@@ -97,13 +97,37 @@ class Node:
         )
 
 
-@dataclass
 class Walk:
-    """The result of following a token sequence down the tree (pure, nothing is stamped)."""
+    """The result of following a token sequence down the tree (pure, nothing is stamped).
 
-    nodes: list[Node] = field(default_factory=list)  # matched nodes, first page first
-    hashes: list[int] = field(default_factory=list)  # chain hash of every full page of the input
-    pages: list[bytes] = field(default_factory=list)  # tokens of every full page of the input
+    Matched pages are found by their tokens, so a hit costs no hashing; the hash chain of the
+    pages past the match is computed only when asked for (``hashes``)."""
+
+    __slots__ = ("nodes", "pages", "_seed", "_root_hash", "_hashes")
+
+    def __init__(self, seed: int, root_hash: int) -> None:
+        self.nodes: list[Node] = []  # matched nodes, first page first
+        self.pages: list[bytes] = []  # tokens of every full page of the input
+        self._seed = seed
+        self._root_hash = root_hash
+        self._hashes: list[int] | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    @property
+    def hashes(self) -> list[int]:
+        """The chain hash of every full page of the input."""
+        if self._hashes is None:
+            hashes = [n.hash for n in self.nodes]
+            h = hashes[-1] if hashes else self._root_hash
+            seed, pack, digest = self._seed, _U64.pack, xxhash.xxh3_64_intdigest
+            for page in self.pages[len(hashes) :]:
+                h = digest(pack(h) + page, seed)  # hashing.page_hash, inlined: the lookup's hot path
+                hashes.append(h)
+            self._hashes = hashes
+        return self._hashes
 
 
 class RadixTree:
@@ -120,50 +144,35 @@ class RadixTree:
         self._next_id = 1
 
     def walk(self, token_bytes: bytes) -> Walk:
-        """Hash every full page and follow the longest existing path. Pure.
-
-        The hot path of every lookup: the hash chain is inlined (``hashing.page_hash``)."""
-        walk = Walk()
-        hashes, pages, nodes = walk.hashes, walk.pages, walk.nodes
+        """Follow the longest existing path of full pages. Pure."""
+        walk = Walk(self.seed, self.root.hash)
+        pages, nodes = walk.pages, walk.nodes
         step = self.page_size * 4
-        seed, pack, digest = self.seed, _U64.pack, xxhash.xxh3_64_intdigest
         node: Node | None = self.root
-        h = self.root.hash
         for start in range(0, len(token_bytes) - step + 1, step):
             page = token_bytes[start : start + step]
-            h = digest(pack(h) + page, seed)
-            hashes.append(h)
             pages.append(page)
             if node is not None:
-                child = node.children.get(h)
-                if child is not None and child.tokens == page:
-                    nodes.append(child)
-                    node = child
-                else:
-                    node = None  # keep hashing the rest: callers need every page's hash
+                node = node.children.get(page)
+                if node is not None:
+                    nodes.append(node)
         return walk
 
     def add_child(self, parent: Node, tokens: bytes, hash_: int, clock: int) -> Node:
-        existing = parent.children.get(hash_)
-        if existing is not None:
-            # Same chain hash, different tokens: a 64-bit collision. Refuse rather than alias.
-            raise HashCollision(f"page hash {hash_:016x} collides under node {parent.node_id}")
+        if tokens in parent.children:
+            raise ValueError(f"node {parent.node_id} already has a child for this page")
         node = Node(self._next_id, parent, tokens, hash_, clock)
         self._next_id += 1
-        parent.children[hash_] = node
+        parent.children[tokens] = node
         self.nodes[node.node_id] = node
         return node
 
     def remove_leaf(self, node: Node) -> None:
         if node.children or node.parent is None:
             raise ValueError(f"node {node.node_id} is not a removable leaf")
-        del node.parent.children[node.hash]
+        del node.parent.children[node.tokens]
         del self.nodes[node.node_id]
         node.parent = None
 
     def __len__(self) -> int:
         return len(self.nodes) - 1
-
-
-class HashCollision(RuntimeError):
-    """Two different pages hashed to the same chain hash under one parent."""

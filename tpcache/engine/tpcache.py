@@ -16,6 +16,7 @@ from typing import Any
 
 import xxhash
 
+from protocol.round_vector import HEALTH_TRANSFER_ERROR
 from tpcache.core import CacheConfig, CacheCore, MatchResult
 from tpcache.core.hashing import TokenIds
 from tpcache.core.round import Round, RoundReport
@@ -116,9 +117,13 @@ class TPCache:
         handle = next((h for op_id, h in self.shell.handles.items() if op_id >= before), None)
         return LoadResult(pages, handle)
 
-    def prefetch(self, lease: int, tokens: TokenIds) -> bool:
-        """Look the lease's continuation up in storage and read the agreed hit to host (seed 003)."""
-        return self._sequenced(self.core.prefetch, lease, tokens)
+    def prefetch(self, lease: int) -> bool:
+        """Look the continuation of the lease's tokens up in storage; read the agreed hit to host
+        (seed 003). Follow with ``prefetch_status``/``admissible``, then ``load``."""
+        return self._sequenced(self.core.prefetch, lease)
+
+    def prefetch_status(self, lease: int) -> tuple[str, int]:
+        return self.core.prefetch_status(lease)
 
     def admissible(self, lease: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
         """Whether to admit the lease's request now under the prefetch stop policy (pure, agreed state)."""
@@ -148,17 +153,31 @@ class TPCache:
     # ------------------------------------------------------------------ the round
 
     def step(self) -> RoundReport:
-        """One round: poll local completions, prepare, one all-reduce, commit."""
+        """One round: poll local completions, prepare, one all-reduce, commit.
+
+        The collective is issued whatever happens locally: a rank that fails to prepare sends a
+        vector that reports itself unhealthy, so its peers close with it instead of waiting."""
         start = time.perf_counter()
-        self.shell.poll()
-        vector = self.round.prepare(self.seq, self.shell)
+        try:
+            self.shell.poll()
+            vector = self.round.prepare(self.seq, self.shell)
+        except Exception as exc:  # noqa: BLE001 - any local failure must still reach the round
+            log.exception("round %d: preparing failed on rank %d", self.round.number, self.rank)
+            self.core.close(f"rank {self.rank} could not prepare round {self.round.number}: {exc}")
+            vector = self.round.poison_vector(self.seq)
         try:
             reduced = self.collective.allreduce_min(vector, self.round_timeout_s)
         except CollectiveError as exc:
             number = self.round.number
             self.round.fail(f"round {number}: the collective failed: {exc}")
             return RoundReport(round=number, closed_reason=self.core.closed_reason)
-        report = self.round.commit(reduced)
+        try:
+            report = self.round.commit(reduced)
+        except Exception as exc:  # noqa: BLE001 - a commit that breaks midway must not serve again
+            log.exception("round %d: commit failed on rank %d", self.round.number, self.rank)
+            self.core.close(f"rank {self.rank} failed to commit: {exc}")
+            self.shell.health_bits |= HEALTH_TRANSFER_ERROR  # the next round closes every rank
+            return RoundReport(round=self.round.number, closed_reason=self.core.closed_reason)
         self.shell.retire(report.completed)
         if report.flushed:
             # Every rank starts over together: requests are counted afresh, so ranks whose counts

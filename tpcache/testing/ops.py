@@ -7,8 +7,13 @@ get (out of pages, closed cache, lease already gone) are part of the behaviour, 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tpcache.core import CacheClosed, CacheCore, OutOfPages, UnknownLease
+
+if TYPE_CHECKING:
+    from tpcache.engine import TPCache
 
 Op = tuple
 
@@ -38,39 +43,48 @@ def random_op(rng: random.Random, page_size: int, alphabet: int = 4, max_pages: 
     return ("cap", rng.choice([-1, 0, page_size, 4 * page_size]))
 
 
-def apply(core: CacheCore, op: Op, leases: list[tuple[int, list[int]]]) -> None:
-    """Apply ``op``; ``leases`` holds the open (lease id, tokens) pairs, in opening order."""
+def apply(
+    target: CacheCore | TPCache,
+    op: Op,
+    leases: list[tuple[int, list[int]]],
+    write_kv: Callable[[int, int], None] | None = None,
+) -> None:
+    """Apply ``op`` to a CacheCore or a TPCache (same operation names); ``leases`` holds the open
+    (lease id, tokens) pairs in opening order. ``write_kv(page, page_hash)`` plays the engine's
+    forward pass: it fills each freshly allocated page before insert."""
+    core = target if isinstance(target, CacheCore) else target.core
     kind = op[0]
     try:
         if kind == "lock":
             tokens = tokens_for(op[1], core.page_size, op[2])
-            lease_id, _ = core.lock(tokens)
+            lease_id, _ = target.lock(tokens)
             leases.append((lease_id, tokens))
         elif kind in ("insert", "load", "release", "prefetch") and leases:
             lease_id, tokens = leases[op[1] % len(leases)]
             if kind == "insert":
-                match = core.match(tokens)
-                lease = core.lease(lease_id)
-                held = {n.node_id for n in lease.device_nodes}
+                match = target.match(tokens)
+                held = {n.node_id for n in core.lease(lease_id).device_nodes}
                 prefix = []
                 for node in match.nodes[: match.device_pages]:
                     if node.node_id not in held:
                         break  # only pages this lease pins are safe from the allocation below
                     prefix.append(node.device_page)
-                need = len(match.page_hashes) - len(prefix)
-                fresh = core.alloc(lease_id, need)
-                core.insert(lease_id, tokens, prefix + fresh)
+                fresh = target.alloc(lease_id, len(match.page_hashes) - len(prefix))
+                if write_kv is not None:
+                    for page, page_hash in zip(fresh, match.page_hashes[len(prefix) :], strict=True):
+                        write_kv(page, page_hash)
+                target.insert(lease_id, tokens, prefix + fresh)
             elif kind == "load":
-                core.load(lease_id)
+                target.load(lease_id)
             elif kind == "prefetch":
-                core.prefetch(lease_id, tokens)
+                target.prefetch(lease_id)
             else:
-                core.release(lease_id)
+                target.release(lease_id)
                 leases.remove((lease_id, tokens))
-        elif kind == "evict":
+        elif kind == "evict" and target is core:  # not a sequenced engine operation
             core.evict_device(op[1])
             core.evict_host(op[1])
         elif kind == "cap":
-            core.set_retention_cap(op[1])
+            target.set_retention_cap(op[1])
     except (OutOfPages, CacheClosed, UnknownLease):
         pass

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from tpcache.core import CacheClosed, CacheConfig, OutOfPages, UnknownLease
+from tpcache.core import CacheConfig, UnknownLease
 from tpcache.core.hashing import as_token_bytes
 from tpcache.dist.collective import Collective
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.testing.group import rank_rng, scenario
-from tpcache.testing.ops import random_op, tokens_for
+from tpcache.testing.ops import apply, random_op, tokens_for
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, heads_per_rank=1, head_dim=8, dtype="float32", page_size=PAGE)
@@ -29,41 +29,6 @@ LAYOUT = KVLayout(num_layers=2, heads_per_rank=1, head_dim=8, dtype="float32", p
 def shard_bytes(page_hash: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed((page_hash ^ (rank * 0x9E3779B97F4A7C15)) & 0x7FFFFFFFFFFFFFFF)
     return torch.randint(0, 256, (LAYOUT.page_bytes,), dtype=torch.uint8, generator=g)
-
-
-def engine_apply(tp: TPCache, op: tuple, leases: list[tuple[int, list[int]]]) -> None:
-    """One client operation through the engine API, the way an engine's scheduler would."""
-    kind = op[0]
-    try:
-        if kind == "lock":
-            toks = tokens_for(op[1], PAGE, op[2])
-            lease, _ = tp.lock(toks)
-            leases.append((lease, toks))
-        elif kind in ("insert", "load", "release", "prefetch") and leases:
-            lease, toks = leases[op[1] % len(leases)]
-            if kind == "insert":
-                m = tp.match(toks)
-                held = {n.node_id for n in tp.core.lease(lease).device_nodes}
-                prefix = []
-                for node in m.nodes[: m.device_pages]:
-                    if node.node_id not in held:
-                        break
-                    prefix.append(node.device_page)
-                fresh = tp.alloc(lease, len(m.page_hashes) - len(prefix))
-                for page, h in zip(fresh, m.page_hashes[len(prefix) :], strict=True):
-                    tp.device_pool.write_page(page, shard_bytes(h, tp.rank))
-                tp.insert(lease, toks, prefix + fresh)
-            elif kind == "load":
-                tp.load(lease)
-            elif kind == "prefetch":
-                tp.prefetch(lease, toks)
-            else:
-                tp.release(lease)
-                leases.remove((lease, toks))
-        elif kind == "cap":
-            tp.set_retention_cap(op[1])
-    except (OutOfPages, CacheClosed, UnknownLease):
-        pass
 
 
 def check_hit_bytes(tp: TPCache, toks: list[int]) -> tuple[int, int, list[int]]:
@@ -102,11 +67,15 @@ def random_workload(
     rng = random.Random(seed)
     leases: list[tuple[int, list[int]]] = []
     probes = []
+
+    def write_kv(page: int, page_hash: int) -> None:
+        tp.device_pool.write_page(page, shard_bytes(page_hash, rank))
+
     closed_at = None
     try:
         for step in range(steps):
             for _ in range(rng.randint(0, 3)):
-                engine_apply(tp, random_op(rng, PAGE), leases)
+                apply(tp, random_op(rng, PAGE), leases, write_kv)
             if diverge_at == step and rank == world - 1:
                 tp.core.clock += 1  # a silent local difference
             if die_at == step and rank == world - 1:
@@ -179,7 +148,7 @@ def storage_restart(
         for path in paths:
             toks = tokens_for(path, PAGE, 0)
             lease, _ = tp.lock(toks)
-            tp.prefetch(lease, toks)
+            tp.prefetch(lease)
             for _ in range(20_000):
                 if tp.core.prefetch_status(lease)[0] == "done":
                     break

@@ -133,6 +133,7 @@ class SimCluster:
         self.now = 0
         self.seq = 0
         self.closed_at: int | None = None
+        self.after_commit = False  # the retention cap is checked only right after a commit
         self.log: list[str] = []
 
     @property
@@ -141,6 +142,7 @@ class SimCluster:
 
     def apply_ops(self, ops: Sequence[tuple]) -> None:
         """Sequenced client ops: every live rank applies the same ops in the same order."""
+        self.after_commit = False
         for op in ops:
             self.seq += 1
             for rank in self.live:
@@ -149,13 +151,15 @@ class SimCluster:
                 if before is not None:
                     # The engine computed the KV of every page insert adopted: it is written now.
                     for node in rank.core.tree.nodes.values():
-                        if node.device_state == DeviceState.VALID and node.node_id not in before:
+                        key = (node.node_id, node.device_page)
+                        if node.device_state == DeviceState.VALID and key not in before:
                             rank.shell.write_device(node.device_page, node.hash)
                 rank.shell.submit(rank.core.take_effects(), self.now)
 
     @staticmethod
-    def _device_valid(rank: SimRank) -> set[int]:
-        return {n.node_id for n in rank.core.tree.nodes.values() if n.device_state == DeviceState.VALID}
+    def _device_valid(rank: SimRank) -> set[tuple[int, int]]:
+        nodes = rank.core.tree.nodes.values()
+        return {(n.node_id, n.device_page) for n in nodes if n.device_state == DeviceState.VALID}
 
     def round(self) -> None:
         self.now += 1
@@ -173,6 +177,7 @@ class SimCluster:
             report = rank.round.commit(reduced)
             rank.shell.retire(report.completed)
             rank.shell.submit(rank.core.take_effects(), self.now)
+        self.after_commit = True
 
     def _inject(self) -> None:
         f, victim = self.faults, self.ranks[-1]
@@ -199,6 +204,10 @@ class SimCluster:
             raise SimFailure(f"round {self.now}: some ranks closed, some open: {closed}")
         if not closed[0] and len({r.core.digest.value for r in live}) != 1:
             raise SimFailure(f"round {self.now}: open ranks with different digests")
+        for rank in live:  # reference seed 000: the cap holds after every commit
+            cap = rank.core.retention_cap_tokens
+            if not rank.core.closed and 0 <= cap < rank.core.evictable_device_tokens and self.after_commit:
+                raise SimFailure(f"round {self.now}: {rank.core.evictable_device_tokens} evictable tokens, cap {cap}")
         for tokens in probes:
             answers = []
             for r, rank in enumerate(live):
@@ -261,7 +270,6 @@ def run_schedule(seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3
                 sim.seq += 1
                 for rank in sim.live:
                     rank.core.request_flush()
-                    rank.leases.clear()
             else:
                 sim.apply_ops([op])
         was_closed = sim.live[0].core.closed
