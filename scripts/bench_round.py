@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import sys
 from typing import Any
@@ -112,24 +111,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on one line")
     args = parser.parse_args()
 
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     opts = {k: getattr(args, k) for k in ("rounds", "transport", "blocks", "warmup")}
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=rank_main, args=(r, args.world_size, store.port, opts, results))
-        for r in range(args.world_size)
-    ]
-    for p in procs:
-        p.start()
-    report = results.get(timeout=900)
-    for p in procs:
-        p.join(timeout=60)
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"rank processes failed with exit codes {failed}")
+    from tpcache.dist.benchutil import run_ranks
+
+    report = run_ranks(rank_main, args.world_size, opts)
     print(json.dumps(report, indent=None if args.json else 2))
 
 

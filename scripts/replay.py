@@ -24,12 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", help="Mooncake-format JSONL trace; omit for the built-in workload")
     ap.add_argument("--limit", type=int, help="replay only the first N requests")
     ap.add_argument("--device-tokens", type=int, help="device tier capacity in tokens (omit: unbounded)")
-    ap.add_argument(
-        "--host-tokens", type=int, default=0, help="host tier capacity in tokens (0: no host tier)"
-    )
-    ap.add_argument(
-        "--page-size", type=int, default=512, help="tokens per page (default 512, the trace's block)"
-    )
+    ap.add_argument("--host-tokens", type=int, default=0, help="host tier capacity in tokens (0: no host tier)")
+    ap.add_argument("--page-size", type=int, default=512, help="tokens per page (default 512, the trace's block)")
     ap.add_argument("--policy", default="lru", choices=sorted(POLICIES), help="eviction policy")
     ap.add_argument("--seed", type=int, default=0, help="seed of the built-in workload")
     ap.add_argument("--conversations", type=int, default=400, help="conversations in the built-in workload")

@@ -140,3 +140,25 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, blocks: int, 
             samples[name].extend(time_calls(fn, n))
         done += n
     return samples
+
+
+def run_ranks(target: Callable[..., None], world: int, opts: dict[str, Any], timeout_s: float = 900.0) -> Any:
+    """Spawn ``world`` rank processes ``target(rank, world, store_port, opts, results)`` around one
+    TCPStore on 127.0.0.1 and return the first report a rank puts on ``results`` (rank 0's)."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, store.port, opts, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    report = results.get(timeout=timeout_s)
+    for p in procs:
+        p.join(timeout=60)
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"rank processes failed with exit codes {failed}")
+    return report
