@@ -16,165 +16,47 @@ Invariants (checked by ``invariants.check``):
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import IntEnum
 
-from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
+from tpcache.core.allocator import OutOfPages
 from tpcache.core.config import CacheConfig
-from tpcache.core.digest import Digest, mix, mix_ids
-from tpcache.core.eviction import make_policy
 from tpcache.core.hashing import TokenIds, as_token_bytes
-from tpcache.core.prefetch import Prefetcher, PrefetchState
-from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import Node, RadixTree, Walk
+from tpcache.core.ledger import Ledger
+from tpcache.core.prefetch import Prefetcher
+from tpcache.core.records import (
+    CacheClosed,
+    Lease,
+    MatchResult,
+    OpKind,
+    Stats,
+    Transfer,
+    UnknownLease,
+)
+from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.tree import Node
 
-_LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
-
-
-class OpKind(IntEnum):
-    """The completion queues; each is applied in issue order."""
-
-    BACKUP = 0  # device -> host
-    LOAD = 1  # host -> device
-    STORAGE_WRITE = 2  # host -> storage
-    STORAGE_READ = 3  # storage -> host (prefetch)
-    STORAGE_QUERY = 4  # which pages storage holds (prefetch lookup)
-
-
-@dataclass
-class Transfer:
-    """An effect: a copy the shell must start. ``acked`` is filled from the agreed completion."""
-
-    op_id: int
-    kind: OpKind
-    nodes: list[Node]
-    device_pages: list[int]
-    host_slots: list[int]
-    page_hashes: list[int]
-    lease_id: int = -1
-    pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.page_hashes)
+__all__ = ["CacheClosed", "CacheCore", "Lease", "MatchResult", "OpKind", "Stats", "Transfer", "UnknownLease"]
 
 
-@dataclass
-class Lease:
-    """Everything one request holds. Released only when no copy into its pages is in flight."""
-
-    lease_id: int
-    tokens: bytes = b""  # what the request locked: load and prefetch work along this path
-    device_nodes: list[Node] = field(default_factory=list)  # pinned on device, one pin each
-    host_nodes: list[Node] = field(default_factory=list)  # pinned on host, one pin each
-    pages: list[int] = field(default_factory=list)  # device pages allocated to it, not in the tree
-    ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
-    releasing: bool = False
-    prefetch: PrefetchState | None = None
-    record: int = 0
-
-
-@dataclass
-class MatchResult:
-    """What a lookup found; ``device_pages`` then ``host_pages`` form one contiguous prefix."""
-
-    walk: Walk
-    device_pages: int = 0
-    host_pages: int = 0
-    device_page_ids: list[int] = field(default_factory=list)
-    nodes: list[Node] = field(default_factory=list)  # device then host prefix nodes
-
-    @property
-    def num_pages(self) -> int:
-        """Full pages in the query (a partial last page is never cached)."""
-        return self.walk.num_pages
-
-    @property
-    def page_hashes(self) -> list[int]:
-        """The chain hash of every full page of the query (computed on first use)."""
-        return self.walk.hashes
-
-
-@dataclass
-class Stats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    inserted_pages: int = 0
-    duplicate_pages: int = 0
-    device_evicted_pages: int = 0
-    host_evicted_pages: int = 0
-    backups_issued_pages: int = 0
-    backups_done_pages: int = 0
-    backup_deferred_host_full: int = 0  # page-rounds a backup waited for a host slot
-    backup_rejected_host_full: int = 0  # pages evicted from device before a host slot came free
-    loads_issued_pages: int = 0
-    loads_done_pages: int = 0
-    failed_copy_pages: int = 0
-    storage_write_issued_pages: int = 0
-    storage_written_pages: int = 0
-    mirrors_released_pages: int = 0
-    prefetch_hit_pages: int = 0
-    prefetch_read_pages: int = 0
-    prefetch_stale_completions: int = 0
-
-
-class CacheClosed(RuntimeError):
-    """The cache failed closed; it serves misses and refuses writes until an agreed flush."""
-
-
-class UnknownLease(KeyError):
-    pass
-
-
-class CacheCore:
+class CacheCore(Ledger):
     def __init__(self, config: CacheConfig) -> None:
-        config.validate()
-        self.config = config
-        self.page_size = config.page_size
-        self.policy = make_policy(config.eviction_policy)
-        self._write_back = config.write_policy == "write_back" and config.host_pages > 0
-        self.tree = RadixTree(config.page_size, config.namespace)
-        self.device = PageAllocator(config.device_pages, "device")
-        self.host = HostAllocator(config.host_pages, "host")
-        self.digest = Digest()
-        self.clock = 0
+        super().__init__(config)
         self.retention_cap_tokens = config.retention_cap_tokens
-        self.evictable_device_pages = 0
-        self.protected_device_pages = 0
         self.leases: dict[int, Lease] = {}
         self.inflight: dict[OpKind, deque[Transfer]] = {k: deque() for k in OpKind}
         self.effects: list[Transfer] = []
         self.op_waiters: dict[int, list[int]] = {}  # op id -> leases that wait for it
-        self.stats = Stats()
         self.closed_reason: str | None = None
-        # Pages waiting for a host slot to be backed up, oldest first. Retried every round; the
-        # agreed minimum of its length is the host deficit a mirror-release plan works off.
-        self.backup_backlog: dict[int, Node] = {}
         self.flush_requested = False
         self._next_lease = 1
         self._next_op = 1
         self.prefetcher = Prefetcher(self)
-        self._device_heap: list[tuple[tuple[int, ...], int]] = []
-        self._host_heap: list[tuple[tuple[int, ...], int]] = []
 
     # ------------------------------------------------------------------ queries (pure)
 
     @property
     def closed(self) -> bool:
         return self.closed_reason is not None
-
-    @property
-    def evictable_device_tokens(self) -> int:
-        return self.evictable_device_pages * self.page_size
-
-    @property
-    def protected_device_tokens(self) -> int:
-        return self.protected_device_pages * self.page_size
 
     def match(self, tokens: TokenIds) -> MatchResult:
         """The longest cached prefix: device-VALID pages, then host-VALID pages. Pure."""
@@ -671,14 +553,6 @@ class CacheCore:
                 self._pin_device(node, -1)
         lease.device_nodes = [n for n in lease.device_nodes if n.node_id not in dropped]  # caller: unaccounted
 
-    def _stamp(self, nodes: list[Node], hit: bool) -> None:
-        for node in nodes:
-            self._unaccount(node)
-            node.last_access = self.clock
-            if hit:
-                node.hits += 1
-            self._account(node)
-
     def _alloc_device(self, n: int) -> list[int]:
         if n > self.device.available + self.evictable_device_pages:
             # Refuse before evicting: a request that cannot fit must not empty the cache first.
@@ -689,19 +563,6 @@ class CacheCore:
         if short > 0:
             self.evict_device(short)
         return self.device.alloc(n)
-
-    @staticmethod
-    def _path_union(nodes: list[Node]) -> list[Node]:
-        """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""
-        seen: set[int] = set()
-        out: list[Node] = []
-        for node in nodes:
-            cur: Node | None = node
-            while cur is not None and cur.parent is not None and cur.node_id not in seen:
-                seen.add(cur.node_id)
-                out.append(cur)
-                cur = cur.parent
-        return out
 
     def _alloc_host_upto(self, n: int) -> list[int]:
         """As many of ``n`` host slots as eviction can make free."""
@@ -810,191 +671,3 @@ class CacheCore:
         self.inflight[kind].append(op)
         self.effects.append(op)
         return op
-
-    def _drop_device(self, node: Node) -> None:
-        if not node.on_host:
-            self._drop_host_subtree(node)
-        if self.backup_backlog.pop(node.node_id, None) is not None:
-            self.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier
-        self._unaccount(node)
-        self.device.free([node.device_page])
-        self._set_device(node, DeviceState.NONE, -1)
-        self._account(node)
-        self._maybe_remove(node)
-        parent = node.parent
-        if parent is not None and parent.parent is not None:
-            self._push(parent)
-
-    def _maybe_remove(self, node: Node) -> None:
-        """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
-        while (
-            node.parent is not None
-            and node.parent is not node
-            and not node.children
-            and not node.resident
-            and node.device_pins == 0
-            and node.host_pins == 0
-        ):
-            parent = node.parent
-            self._unaccount(node)
-            self.backup_backlog.pop(node.node_id, None)
-            self.tree.remove_leaf(node)
-            if parent.parent is None:
-                return
-            self._push(parent)
-            node = parent
-
-    def _set_device(self, node: Node, state: DeviceState, page: int) -> None:
-        check_transition(DeviceState, node.device_state, state)
-        node.device_state = state
-        node.device_page = page
-
-    def _set_host(self, node: Node, state: HostState, slot: int) -> None:
-        check_transition(HostState, node.host_state, state)
-        node.host_state = state
-        node.host_slot = slot
-
-    def _set_storage(self, node: Node, state: StorageState) -> None:
-        check_transition(StorageState, node.storage_state, state)
-        node.storage_state = state
-
-    def _pin_device(self, node: Node, delta: int) -> None:
-        self._unaccount(node)
-        node.device_pins += delta
-        self._account(node)
-
-    def _pin_host(self, node: Node, delta: int) -> None:
-        self._unaccount(node)
-        node.host_pins += delta
-        self._account(node)
-
-    # A node's derived contributions (digest record, counters, heap entries) are removed before
-    # any change to it and added back after: one place keeps them equal to what they summarize.
-
-    def _unaccount(self, node: Node) -> None:
-        self.digest.remove(node.record)
-        node.record = 0
-        if node.device_state == DeviceState.VALID and node.device_pins == 0:
-            self.evictable_device_pages -= 1
-        elif node.on_device and node.device_pins > 0:
-            self.protected_device_pages -= 1
-
-    def _account(self, node: Node) -> None:
-        node.record = mix(
-            node.hash,
-            node.device_state,
-            node.device_page,
-            node.host_state,
-            node.host_slot,
-            node.storage_state,
-            (node.device_pins << 32) | node.host_pins,
-            node.last_access,
-        )
-        self.digest.add(node.record)
-        if node.device_state == DeviceState.VALID and node.device_pins == 0:
-            self.evictable_device_pages += 1
-        elif node.on_device and node.device_pins > 0:
-            self.protected_device_pages += 1
-        self._push(node)
-        parent = node.parent
-        if parent is not None and parent.parent is not None:
-            self._push(parent)  # a child's tiers decide whether its parent is an eviction candidate
-
-    def _unaccount_lease(self, lease: Lease) -> None:
-        self.digest.remove(lease.record)
-        lease.record = 0
-
-    def _account_lease(self, lease: Lease) -> None:
-        lease.record = mix(
-            _LEASE_TAG,
-            lease.lease_id,
-            mix_ids([n.node_id for n in lease.device_nodes]),
-            mix_ids([n.node_id for n in lease.host_nodes]),
-            mix_ids(lease.pages),
-            mix_ids(lease.ops),
-            int(lease.releasing),
-            0 if lease.prefetch is None else mix_ids(self._prefetch_fields(lease.prefetch)),
-        )
-        self.digest.add(lease.record)
-
-    @staticmethod
-    def _prefetch_fields(p: PrefetchState) -> list[int]:
-        return [p.code(), p.attempts, p.op_id, p.hit_pages, p.ready_pages, p.rounds, p.deferrals, p.start]
-
-    def _push(self, node: Node) -> None:
-        if len(self._device_heap) + len(self._host_heap) > 4 * len(self.tree.nodes) + 64:
-            self._rebuild_heaps()
-        if self._device_candidate(node):
-            heapq.heappush(self._device_heap, (self.policy.key(node), node.node_id))
-        if self._host_candidate(node):
-            heapq.heappush(self._host_heap, (self.policy.key(node), node.node_id))
-
-    def _rebuild_heaps(self) -> None:
-        """Drop stale entries. Iterates nodes in insertion order, so every rank rebuilds alike."""
-        nodes = list(self.tree.nodes.values())
-        self._device_heap = [(self.policy.key(n), n.node_id) for n in nodes if self._device_candidate(n)]
-        self._host_heap = [(self.policy.key(n), n.node_id) for n in nodes if self._host_candidate(n)]
-        heapq.heapify(self._device_heap)
-        heapq.heapify(self._host_heap)
-
-    def _device_candidate(self, node: Node) -> bool:
-        """Device leaves not in use. A page with no host copy whose children live only on host
-        goes only if those host copies can go with it (they would hang from nothing)."""
-        if node.device_state != DeviceState.VALID or node.device_pins or node.parent is None:
-            return False
-        host_children = False
-        for child in node.children.values():
-            if child.on_device:
-                return False
-            host_children = host_children or child.on_host
-        return not host_children or node.on_host or self._host_subtree_droppable(node)
-
-    @staticmethod
-    def _host_subtree_droppable(node: Node) -> bool:
-        stack = [c for c in node.children.values() if c.on_host]
-        while stack:
-            child = stack.pop()
-            if child.host_state != HostState.VALID or child.host_pins or child.on_device:
-                return False
-            stack.extend(c for c in child.children.values() if c.on_host)
-        return True
-
-    def _drop_host_subtree(self, node: Node) -> None:
-        """Drop the host-only pages below a page that leaves device with no host copy, leaves first."""
-        order: list[Node] = []
-        stack = [c for c in node.children.values() if c.on_host]
-        while stack:
-            child = stack.pop()
-            order.append(child)
-            stack.extend(c for c in child.children.values() if c.on_host)
-        for child in reversed(order):
-            self._unaccount(child)
-            self.host.free([child.host_slot])
-            self._set_host(child, HostState.NONE, -1)
-            self._account(child)
-            self._maybe_remove(child)
-            self.stats.host_evicted_pages += 1
-
-    @staticmethod
-    def _host_candidate(node: Node) -> bool:
-        """Host leaves not in use and not on device. A device page's host copy makes its device
-        eviction free (write-through) or is the copy a write-back eviction waits for, so it is not
-        evicted from host: it goes only when its device copy goes, or by an agreed mirror-release
-        plan once the page is durable in storage."""
-        if node.host_state != HostState.VALID or node.host_pins or node.parent is None or node.on_device:
-            return False
-        return not any(c.on_host for c in node.children.values())
-
-    def _pop_candidate(
-        self, heap: list[tuple[tuple[int, ...], int]], is_candidate: Callable[[Node], bool]
-    ) -> Node | None:
-        """Pop the best live candidate; stale heap entries (changed key, gone, pinned) are skipped."""
-        while heap:
-            key, node_id = heapq.heappop(heap)
-            node = self.tree.nodes.get(node_id)
-            if node is not None and is_candidate(node) and self.policy.key(node) == key:
-                return node
-        return None
-
-    def heap_sizes(self) -> tuple[int, int]:
-        return len(self._device_heap), len(self._host_heap)

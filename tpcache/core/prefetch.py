@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tpcache.core.records import OpKind
 from tpcache.core.tiers import HostState, StorageState
 
 if TYPE_CHECKING:
-    from tpcache.core.cache import CacheCore, Lease, Transfer
+    from tpcache.core.cache import CacheCore
+    from tpcache.core.records import Lease, Transfer
     from tpcache.core.tree import Node
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -157,8 +159,6 @@ class Prefetcher:
         return parent, k, walk.hashes, walk.pages
 
     def _query(self, lease: Lease) -> bool:
-        from tpcache.core.cache import OpKind
-
         core = self.core
         state = lease.prefetch
         assert state is not None
@@ -177,8 +177,6 @@ class Prefetcher:
         return True
 
     def _read(self, lease: Lease) -> None:
-        from tpcache.core.cache import OpKind
-
         core = self.core
         state = lease.prefetch
         assert state is not None
