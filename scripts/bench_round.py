@@ -49,7 +49,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
             n = counter[name] = counter[name] + 1
             tokens = [(n * 977 + i) % 50_000 for i in range(64)]
             lease, m = tp.lock(tokens)
-            fresh = tp.alloc(lease, len(m.page_hashes) - m.device_pages)
+            fresh = tp.alloc(lease, m.num_pages - m.device_pages)
             tp.insert(lease, tokens, m.device_page_ids + fresh)
             tp.release(lease)
 

@@ -56,7 +56,7 @@ def drain(core: CacheCore) -> None:
 def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # noqa: ANN001
     page_size = core.page_size
     lease, match = core.lock(tokens)
-    full = len(match.page_hashes)
+    full = match.num_pages
     device_ids = list(match.device_page_ids)
     if match.host_pages:
         device_ids = core.load(lease)

@@ -69,7 +69,7 @@ def apply(
                     if node.node_id not in held:
                         break  # only pages this lease pins are safe from the allocation below
                     prefix.append(node.device_page)
-                fresh = target.alloc(lease_id, len(match.page_hashes) - len(prefix))
+                fresh = target.alloc(lease_id, match.num_pages - len(prefix))
                 if write_kv is not None:
                     for page, page_hash in zip(fresh, match.page_hashes[len(prefix) :], strict=True):
                         write_kv(page, page_hash)

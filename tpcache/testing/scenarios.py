@@ -126,7 +126,7 @@ def storage_restart(
                 toks = tokens_for(path, PAGE, 0)
                 lease, m = tp.lock(toks)
                 have = m.device_page_ids
-                fresh = tp.alloc(lease, len(m.page_hashes) - len(have))
+                fresh = tp.alloc(lease, m.num_pages - len(have))
                 for page, h in zip(fresh, m.page_hashes[len(have) :], strict=True):
                     tp.device_pool.write_page(page, shard_bytes(h, rank))
                 tp.insert(lease, toks, have + fresh)
@@ -136,7 +136,7 @@ def storage_restart(
             # The third path reaches device only: the process "dies" before any backup lands.
             toks = tokens_for(paths[2], PAGE, 0)
             lease, m = tp.lock(toks)
-            fresh = tp.alloc(lease, len(m.page_hashes))
+            fresh = tp.alloc(lease, m.num_pages)
             for page, h in zip(fresh, m.page_hashes, strict=True):
                 tp.device_pool.write_page(page, shard_bytes(h, rank))
             return {"durable": tp.core.stats.storage_written_pages}
