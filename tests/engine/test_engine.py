@@ -204,3 +204,28 @@ def test_restarted_cache_gets_storage_hits_for_durable_pages_only(tmp_path):
         second.release(lease)
     finally:
         second.close()
+
+
+def test_a_rank_that_cannot_prepare_still_joins_the_round_and_everyone_closes():
+    group = SimGroup(2)
+    config = CacheConfig(page_size=PAGE, device_pages=8, write_policy="none")
+    ranks = [TPCache(config, group.collective(r), round_timeout_s=5.0) for r in range(2)]
+
+    def broken_poll() -> None:
+        raise RuntimeError("transfer engine lost its worker")
+
+    ranks[1].shell.poll = broken_poll
+    reports: list = [None, None]
+
+    def run(r: int) -> None:
+        reports[r] = ranks[r].step()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert group.calls == [1, 1]  # the failing rank still issued its one collective
+    assert all(tp.core.closed for tp in ranks)
+    assert "could not prepare" in ranks[1].core.closed_reason
+    assert "unhealthy" in ranks[0].core.closed_reason

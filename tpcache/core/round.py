@@ -179,13 +179,14 @@ class Round:
         self.mismatch_counts[name] = self.mismatch_counts.get(name, 0) + 1
 
     def _check_header(self, a: Agreement, report: RoundReport) -> None:
+        # Health first: a rank that could not take part says so, and that is the reason to report.
+        if a.hi["health"] != 0 or not a.agreed("health"):
+            self._mismatch("health", report)
+            self._close(f"a rank reported unhealthy (health bits up to {a.hi['health']:#x})", report)
         for name in ("layout", "round", "seq", "state_digest", "flush"):
             if not a.agreed(name):
                 self._mismatch(name, report)
                 self._close(f"{name} differs across ranks (min {a.lo[name]}, max {a.hi[name]})", report)
-        if a.hi["health"] != 0 or not a.agreed("health"):
-            self._mismatch("health", report)
-            self._close(f"a rank reported unhealthy (health bits up to {a.hi['health']:#x})", report)
 
     def _close(self, reason: str, report: RoundReport) -> None:
         if not self.core.closed:
