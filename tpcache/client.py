@@ -123,6 +123,14 @@ class Client(_Ops):
         self._sock.send(frame, copy=len(frame) < 65536)
         return request_id
 
+    def submit_many(self, bodies: Iterable[p.Body]) -> list[int]:
+        """Encode every request, then send them back to back (a burst the service can batch into
+        one round); returns their ids for ``wait``."""
+        encoded = [self._conn.send(body) for body in bodies]
+        for _, frame in encoded:
+            self._sock.send(frame, copy=len(frame) < 65536)
+        return [request_id for request_id, _ in encoded]
+
     def wait(self, request_id: int, timeout_s: float | None = None) -> Any:
         """The result of a submitted request (or its typed error)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s

@@ -83,8 +83,8 @@ def test_pipelined_requests_share_rounds(service: Service) -> None:
     with service.client() as c:
         tokens = fresh_tokens(4096)
         before = c.stats().values["rounds"]
-        # Sent back to back; the leader, busy with the first, finds the rest waiting together.
-        ids = [c.submit(p.MatchRequest(tokens=tokens)) for _ in range(n)]
+        # Sent in one burst; the leader, busy with the first, finds the rest waiting together.
+        ids = c.submit_many(p.MatchRequest(tokens=tokens) for _ in range(n))
         results = [c.wait(i) for i in ids]
         after = c.stats().values["rounds"]
     assert all(r.hit_tokens == 0 for r in results)

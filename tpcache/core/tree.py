@@ -41,6 +41,7 @@ class Node:
         "created_at",
         "hits",
         "record",
+        "run",
     )
 
     def __init__(self, node_id: int, parent: Node | None, tokens: bytes, hash_: int, clock: int) -> None:
@@ -61,6 +62,7 @@ class Node:
         self.created_at = clock
         self.hits = 0
         self.record = 0  # this node's current contribution to the state digest
+        self.run: tuple[bytes, list[Node], int] | None = None  # cache of the chain below (tree._run)
 
     @property
     def on_device(self) -> bool:
@@ -100,21 +102,28 @@ class Node:
 class Walk:
     """The result of following a token sequence down the tree (pure, nothing is stamped).
 
-    Matched pages are found by their tokens, so a hit costs no hashing; the hash chain of the
-    pages past the match is computed only when asked for (``hashes``)."""
+    Matched pages are found by their tokens, so a hit costs no hashing; page slices and the hash
+    chain of the pages past the match are computed only when asked for."""
 
-    __slots__ = ("nodes", "pages", "_seed", "_root_hash", "_hashes")
+    __slots__ = ("nodes", "num_pages", "_tokens", "_step", "_seed", "_root_hash", "_pages", "_hashes")
 
-    def __init__(self, seed: int, root_hash: int) -> None:
+    def __init__(self, token_bytes: bytes, step: int, seed: int, root_hash: int) -> None:
         self.nodes: list[Node] = []  # matched nodes, first page first
-        self.pages: list[bytes] = []  # tokens of every full page of the input
+        self.num_pages = len(token_bytes) // step  # full pages of the input
+        self._tokens = token_bytes
+        self._step = step
         self._seed = seed
         self._root_hash = root_hash
+        self._pages: list[bytes] | None = None
         self._hashes: list[int] | None = None
 
     @property
-    def num_pages(self) -> int:
-        return len(self.pages)
+    def pages(self) -> list[bytes]:
+        """The tokens of every full page of the input."""
+        if self._pages is None:
+            t, step = self._tokens, self._step
+            self._pages = [t[i : i + step] for i in range(0, self.num_pages * step, step)]
+        return self._pages
 
     @property
     def hashes(self) -> list[int]:
@@ -123,8 +132,9 @@ class Walk:
             hashes = [n.hash for n in self.nodes]
             h = hashes[-1] if hashes else self._root_hash
             seed, pack, digest = self._seed, _U64.pack, xxhash.xxh3_64_intdigest
-            for page in self.pages[len(hashes) :]:
-                h = digest(pack(h) + page, seed)  # hashing.page_hash, inlined: the lookup's hot path
+            t, step = self._tokens, self._step
+            for start in range(len(hashes) * step, self.num_pages * step, step):
+                h = digest(pack(h) + t[start : start + step], seed)  # hashing.page_hash, inlined
                 hashes.append(h)
             self._hashes = hashes
         return self._hashes
@@ -144,19 +154,70 @@ class RadixTree:
         self._next_id = 1
 
     def walk(self, token_bytes: bytes) -> Walk:
-        """Follow the longest existing path of full pages. Pure."""
-        walk = Walk(self.seed, self.root.hash)
-        pages, nodes = walk.pages, walk.nodes
+        """Follow the longest existing path of full pages. Pure (it may fill the run caches).
+
+        Along a chain of single-child nodes the walk compares the whole chain's tokens at once
+        (one memcmp) instead of looking pages up one by one; see ``_run``."""
         step = self.page_size * 4
-        node: Node | None = self.root
-        for start in range(0, len(token_bytes) - step + 1, step):
-            page = token_bytes[start : start + step]
-            pages.append(page)
-            if node is not None:
-                node = node.children.get(page)
-                if node is not None:
-                    nodes.append(node)
+        walk = Walk(token_bytes, step, self.seed, self.root.hash)
+        nodes = walk.nodes
+        end = walk.num_pages * step
+        pos = 0
+        node = self.root
+        while pos < end:
+            if len(node.children) == 1:
+                data, chain, first = node.run or self._run(node)
+                offset = first * step
+                count = min(len(chain) - first, (end - pos) // step)
+                if token_bytes.startswith(data[offset : offset + count * step], pos):
+                    nodes.extend(chain[first : first + count])
+                    pos += count * step
+                    node = chain[first + count - 1]
+                    continue
+                # The pages diverge inside the chain: every node on it has one child, so the
+                # match ends at the last page that agrees.
+                for child in chain[first : first + count]:
+                    if not token_bytes.startswith(child.tokens, pos):
+                        return walk
+                    nodes.append(child)
+                    pos += step
+                return walk  # pragma: no cover - the whole-chain compare would have matched
+            child = node.children.get(token_bytes[pos : pos + step])
+            if child is None:
+                break
+            nodes.append(child)
+            pos += step
+            node = child
         return walk
+
+    def _run(self, node: Node) -> tuple[bytes, list[Node], int]:
+        """Build the run cache of the single-child chain below ``node``.
+
+        ``node.run = (tokens of c1..ck, [c1..ck], 0)`` where c1 is node's only child and each next
+        node is its predecessor's only child; every chain node ci except the last gets the same
+        lists with its own start. Invariant: a run never spans a node with two or more children;
+        ``_invalidate`` keeps it so when a child is added or removed. A run shorter than the chain
+        (the chain grew at its end) is still correct: the walk goes on from its last node.
+        """
+        chain: list[Node] = []
+        cur = node
+        while len(cur.children) == 1:
+            (cur,) = cur.children.values()
+            chain.append(cur)
+        data = b"".join(c.tokens for c in chain)
+        node.run = (data, chain, 0)
+        for i, c in enumerate(chain[:-1]):
+            c.run = (data, chain, i + 1)
+        return node.run
+
+    @staticmethod
+    def _invalidate(node: Node) -> None:
+        """Drop the runs through ``node`` (it gained a second child or lost its only one): its own
+        and those of the single-child ancestors above it (all or none of them have one)."""
+        cur: Node | None = node
+        while cur is not None and cur.run is not None:
+            cur.run = None
+            cur = cur.parent
 
     def add_child(self, parent: Node, tokens: bytes, hash_: int, clock: int) -> Node:
         if tokens in parent.children:
@@ -165,14 +226,19 @@ class RadixTree:
         self._next_id += 1
         parent.children[tokens] = node
         self.nodes[node.node_id] = node
+        if len(parent.children) == 2:
+            self._invalidate(parent)
         return node
 
     def remove_leaf(self, node: Node) -> None:
         if node.children or node.parent is None:
             raise ValueError(f"node {node.node_id} is not a removable leaf")
-        del node.parent.children[node.tokens]
+        parent = node.parent
+        del parent.children[node.tokens]
         del self.nodes[node.node_id]
         node.parent = None
+        if not parent.children:
+            self._invalidate(parent)
 
     def __len__(self) -> int:
         return len(self.nodes) - 1

@@ -1,0 +1,76 @@
+"""The page walk with run caches gives exactly what a page-by-page walk gives, under any mutations."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpcache.core.hashing import as_token_bytes, hash_chain
+from tpcache.core.tree import RadixTree
+
+PAGE = 2
+
+
+def reference_walk(tree: RadixTree, token_bytes: bytes) -> list[int]:
+    step, node, out = PAGE * 4, tree.root, []
+    for start in range(0, len(token_bytes) - step + 1, step):
+        node = node.children.get(token_bytes[start : start + step])
+        if node is None:
+            break
+        out.append(node.node_id)
+    return out
+
+
+def path_tokens(path: tuple[int, ...], tail: int = 0) -> bytes:
+    return as_token_bytes([v for v in path for _ in range(PAGE)] + [9] * tail)
+
+
+def add_path(tree: RadixTree, path: tuple[int, ...]) -> None:
+    token_bytes = path_tokens(path)
+    walk = tree.walk(token_bytes)
+    parent = walk.nodes[-1] if walk.nodes else tree.root
+    hashes = walk.hashes
+    for i in range(len(walk.nodes), walk.num_pages):
+        parent = tree.add_child(parent, walk.pages[i], hashes[i], 0)
+
+
+def remove_leaves(tree: RadixTree, pick: int) -> None:
+    leaves = [n for n in tree.nodes.values() if n.parent is not None and not n.children]
+    if leaves:
+        tree.remove_leaf(leaves[pick % len(leaves)])
+
+
+paths = st.lists(st.integers(0, 2), min_size=1, max_size=8).map(tuple)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), paths),
+        st.tuples(st.just("rm"), st.integers(0, 50)),
+        st.tuples(st.just("walk"), paths, st.integers(0, PAGE - 1)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops)
+def test_run_cached_walk_equals_page_by_page_walk(stream):
+    tree = RadixTree(PAGE)
+    for op in stream:
+        if op[0] == "add":
+            add_path(tree, op[1])
+        elif op[0] == "rm":
+            remove_leaves(tree, op[1])
+        else:
+            token_bytes = path_tokens(op[1], op[2])
+            walk = tree.walk(token_bytes)
+            assert [n.node_id for n in walk.nodes] == reference_walk(tree, token_bytes)
+            assert walk.num_pages == len(op[1])
+            assert walk.hashes == hash_chain(token_bytes, PAGE, "")
+            assert walk.pages == [token_bytes[i * PAGE * 4 : (i + 1) * PAGE * 4] for i in range(len(op[1]))]
+
+
+def test_a_branch_inside_a_cached_run_is_found():
+    tree = RadixTree(PAGE)
+    add_path(tree, (1, 1, 1, 1))
+    assert len(tree.walk(path_tokens((1, 1, 1, 1))).nodes) == 4  # builds the run
+    add_path(tree, (1, 1, 2))  # a second child in the middle of the run
+    assert len(tree.walk(path_tokens((1, 1, 2))).nodes) == 3
+    assert len(tree.walk(path_tokens((1, 1, 1, 1))).nodes) == 4
