@@ -65,12 +65,16 @@ class CacheCore(Ledger):
         if self.closed:
             return result
         nodes = walk.nodes
-        ids = result.device_page_ids
         valid = DeviceState.VALID
-        for node in nodes:  # the lookup's hot path: one pass, no per-node calls
-            if node.device_state != valid:
-                break
-            ids.append(node.device_page)
+        if nodes and nodes[-1].device_state == valid:
+            # A device-VALID page has only VALID ancestors (invariants.check), so the whole path hits.
+            ids = result.device_page_ids = [node.device_page for node in nodes]
+        else:
+            ids = result.device_page_ids
+            for node in nodes:
+                if node.device_state != valid:
+                    break
+                ids.append(node.device_page)
         i = result.device_pages = len(ids)
         n = len(nodes)
         while i < n and nodes[i].host_state == HostState.VALID and nodes[i].device_state == DeviceState.NONE:

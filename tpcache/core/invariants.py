@@ -83,6 +83,8 @@ def check(core: CacheCore) -> None:
         if node.parent.children.get(node.tokens) is not node:
             fail(f"node {node.node_id} is not its parent's child")
         parent_root = node.parent.parent is None
+        if node.device_state == DeviceState.VALID and not parent_root and node.parent.device_state != DeviceState.VALID:
+            fail(f"node {node.node_id} is device-VALID under a parent that is not (match relies on it)")
         if node.on_device:
             own(device_owner, node.device_page, f"node {node.node_id}")
             if not parent_root and not node.parent.on_device:
