@@ -163,7 +163,7 @@ class Leader:
         self.peers[identity] = conn
         try:
             self._authorize(identity, request)
-            if sum(len(c.pending) for c in self.peers.values()) > MAX_TOTAL_PENDING:
+            if sum(c.num_pending for c in self.peers.values()) > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
             if request.op == "hello":
                 self._reply(Item(envelope, request, outcome=self.h.hello()))
@@ -368,7 +368,7 @@ class Leader:
         except p.ProtocolError as exc:  # the result itself is too large to send
             frame = p.encode_response(p.error_response(rid, exc))
             label = "too_large"
-        if conn is not None and not conn.pending:
+        if conn is not None and not conn.num_pending:
             del self.peers[identity]  # nothing in flight: the per-peer state is not needed
         self._send(item.envelope, frame, item.request.op, label)
 
