@@ -13,6 +13,16 @@ import torch
 import torch.distributed as dist
 
 
+def require_group(capacity: int) -> None:
+    """The checks every torch-backed transport makes before touching the group."""
+    from tpcache.dist.collective import CollectiveError
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CollectiveError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+
+
 def group_backend(group: Any, device: torch.device | None) -> str:
     """The backend that will carry tensors on ``device`` ('gloo', 'nccl', ...) in ``group``."""
     backend = str(dist.get_backend(group))

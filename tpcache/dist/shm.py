@@ -54,7 +54,7 @@ from tpcache.dist.collective import (
     CollectiveTimeout,
     elementwise_min,
 )
-from tpcache.dist.exchange import all_gather_json, group_backend, group_device
+from tpcache.dist.exchange import all_gather_json, group_backend, group_device, require_group
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tpcache-round-"
@@ -208,12 +208,7 @@ class ShmCollective(Collective):
         max_sleep_s: float = 1e-3,
         allow_any_thread: bool = False,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise CollectiveError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group first"
-            )
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        require_group(capacity)
         super().__init__(
             dist.get_rank(group),
             dist.get_world_size(group),

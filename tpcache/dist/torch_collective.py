@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tpcache.dist.collective import DEFAULT_CAPACITY, Collective, CollectiveError, CollectiveTimeout
-from tpcache.dist.exchange import group_backend, group_device
+from tpcache.dist.exchange import group_backend, group_device, require_group
 
 _HEADER = 2  # (n, -n)
 
@@ -40,12 +40,7 @@ class TorchCollective(Collective):
         capacity: int = DEFAULT_CAPACITY,
         allow_any_thread: bool = False,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise CollectiveError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group first"
-            )
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        require_group(capacity)
         dev = group_device(group, device)
         backend = group_backend(group, dev)
         if backend == "nccl" and dev.type != "cuda":
