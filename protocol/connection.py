@@ -34,11 +34,6 @@ class ClientConnection:
     def pending(self) -> frozenset[int]:
         return frozenset(self._pending)
 
-    @property
-    def num_pending(self) -> int:
-        """How many requests are in flight (no copy of the set: checked once per request)."""
-        return len(self._pending)
-
     def send(self, body: Body) -> tuple[int, bytes]:
         """A new request id and the frame to send. Raises MessageTooLarge if it does not fit."""
         while self._next_id in self._pending or self._next_id in self._abandoned:

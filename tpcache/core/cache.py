@@ -396,10 +396,6 @@ class CacheCore(Ledger):
 
     # ------------------------------------------------------------------ agreed completions
 
-    def head(self, kind: OpKind, n: int) -> list[Transfer]:
-        q = self.inflight[kind]
-        return [q[i] for i in range(min(n, len(q)))]
-
     def complete(self, kind: OpKind, acked_pages: int | None = None) -> Transfer:
         """Apply the agreed completion of the head op of ``kind``.
 

@@ -104,11 +104,8 @@ class Ledger:
         self._unaccount(node)
         self.device.free([node.device_page])
         self._set_device(node, DeviceState.NONE, -1)
-        self._account(node)
+        self._account(node)  # re-offers the parent to the heaps too
         self._maybe_remove(node)
-        parent = node.parent
-        if parent is not None and parent.parent is not None:
-            self._push(parent)
 
     def _maybe_remove(self, node: Node) -> None:
         """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
@@ -256,6 +253,3 @@ class Ledger:
             if node is not None and is_candidate(node) and self.policy.key(node) == key:
                 return node
         return None
-
-    def heap_sizes(self) -> tuple[int, int]:
-        return len(self._device_heap), len(self._host_heap)

@@ -225,6 +225,7 @@ class TPCache:
             protected_device_tokens=core.protected_device_tokens,
             retention_cap_tokens=core.retention_cap_tokens,
             leases=len(core.leases),
+            storage_start_errors=self.shell.storage_errors,
             closed=int(core.closed),
             mismatches=dict(self.round.mismatch_counts),
         )
