@@ -2,6 +2,7 @@ import pytest
 
 from tpcache.core import CacheClosed, CacheConfig, CacheCore, OpKind, OutOfPages, check
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.replay import drain as replay_drain
 
 P = 4  # page size
 
@@ -26,12 +27,8 @@ def put(core: CacheCore, tokens: list[int]) -> int:
 
 
 def drain(core: CacheCore) -> None:
-    """What a round's commit does on one rank: apply every completion, then enforce the cap."""
-    core.take_effects()
-    for kind in OpKind:
-        while core.inflight[kind]:
-            core.complete(kind)
-    core.enforce_retention()
+    """What a round's commit does on one rank (apply every completion, enforce the cap), checked."""
+    replay_drain(core)
     check(core)
 
 
