@@ -229,3 +229,24 @@ def test_a_rank_that_cannot_prepare_still_joins_the_round_and_everyone_closes():
     assert all(tp.core.closed for tp in ranks)
     assert "could not prepare" in ranks[1].core.closed_reason
     assert "unhealthy" in ranks[0].core.closed_reason
+
+
+def test_a_request_sharing_another_requests_load_gets_its_handle():
+    tp = make(CacheConfig(page_size=PAGE, device_pages=8, host_pages=16, write_policy="write_through"))
+    try:
+        request(tp, tokens(1, 2))
+        tp.drain()
+        tp.core.evict_device(2)
+        a, _ = tp.lock(tokens(1, 2))
+        b, _ = tp.lock(tokens(1, 2))
+        first = tp.load(a)
+        second = tp.load(b)  # starts nothing: the pages are already loading for a
+        assert second.device_pages == first.device_pages
+        assert second.handles == first.handles and second.handles
+        second.wait_layer(LAYOUT.num_layers - 1, timeout=10)
+        tp.drain()
+        assert check_hits(tp, tokens(1, 2)) == 2
+        for lease in (a, b):
+            tp.release(lease)
+    finally:
+        tp.close()

@@ -41,7 +41,17 @@ def layout_version(layout: KVLayout) -> int:
 @dataclass
 class LoadResult:
     device_pages: list[int]  # the lease's device prefix, loading pages included
-    handle: LoadHandle | None  # per-layer readiness of this load (None: nothing to load here)
+    handles: list[LoadHandle]  # every load its pages wait for: its own, and others' it shares
+
+    @property
+    def handle(self) -> LoadHandle | None:
+        """The latest load the prefix waits for (None when nothing is loading)."""
+        return self.handles[-1] if self.handles else None
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Block until ``layer`` of every page of the prefix has landed (a forward pass's layer i)."""
+        for handle in self.handles:
+            handle.wait_layer(layer, timeout)
 
 
 class TPCache:
@@ -112,10 +122,9 @@ class TPCache:
 
     def load(self, lease: int) -> LoadResult:
         """Start loading the lease's host hits to device; wait per layer on ``handle``."""
-        before = self.core._next_op
         pages = self._sequenced(self.core.load, lease)
-        handle = next((h for op_id, h in self.shell.handles.items() if op_id >= before), None)
-        return LoadResult(pages, handle)
+        handles = self.shell.handles
+        return LoadResult(pages, [handles[op] for op in self.core.lease(lease).ops if op in handles])
 
     def prefetch(self, lease: int) -> bool:
         """Look the continuation of the lease's tokens up in storage; read the agreed hit to host
