@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tpcache.io import native  # noqa: E402
 from tpcache.io.kv_pool import HOST_LAYOUTS, DevicePool, HostPool, KVLayout  # noqa: E402
 from tpcache.io.transfer import TransferEngine  # noqa: E402
 
@@ -37,13 +38,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_pair(op: Callable[[], None], floor: Callable[[], None], device: torch.device, repeats: int):
+class CacheFlush:
+    """Writes a scratch buffer twice the size of a large L3 so that every timed copy starts from
+    memory, not from what the previous copy left in the cache (ops here move about one L3's worth)."""
+
+    def __init__(self, nbytes: int = 128 << 20) -> None:
+        self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.scratch.fill_(1)
+
+
+def _best_pair(
+    op: Callable[[], None], floor: Callable[[], None], device: torch.device, repeats: int, flush: Callable[[], None]
+):
     """Best times of `op` and `floor`, measured alternately so both see the same machine load."""
     best = [float("inf"), float("inf")]
     for fn in (op, floor):  # warm-up: page faults, allocator caches, thread start
         fn()
     for _ in range(repeats):
         for i, fn in enumerate((op, floor)):
+            flush()
             _sync(device)
             start = time.perf_counter()
             fn()
@@ -53,17 +68,19 @@ def _best_pair(op: Callable[[], None], floor: Callable[[], None], device: torch.
 
 
 def _op(submit: Callable, ids: Iterator[int], src: list[int], dst: list[int]) -> None:
-    if not submit(next(ids), src, dst).wait().ok:
-        raise RuntimeError("transfer failed")
+    done = submit(next(ids), src, dst).wait()
+    if not done.ok:
+        raise RuntimeError(f"transfer failed: {done.error}")
 
 
-def run(moved_bytes: int, repeats: int, seed: int, threads: int | None) -> dict[str, object]:
+def run(moved_bytes: int, repeats: int, seed: int, threads: int | None, use_native: bool | None) -> dict[str, object]:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if threads is None:
         # a CPU rank shares the host's cores with its peers; one thread per rank is the realistic case
         threads = torch.get_num_threads() if device.type == "cuda" else 1
     torch.set_num_threads(threads)
     rng = random.Random(seed)
+    flush = CacheFlush() if device.type == "cpu" else (lambda: None)
     cases: list[dict[str, object]] = []
     for tokens in PAGE_TOKENS:
         layout = KVLayout(LAYERS, HEADS, HEAD_DIM, torch.bfloat16, tokens)
@@ -83,13 +100,13 @@ def run(moved_bytes: int, repeats: int, seed: int, threads: int | None) -> dict[
             host = HostPool(layout, pool_pages, host_layout)
             dev_pages = rng.sample(range(pool_pages), pages)
             host_slots = rng.sample(range(pool_pages), pages)
-            with TransferEngine(dev, host) as engine:
+            with TransferEngine(dev, host, use_native=use_native) as engine:
                 ids = itertools.count(1)
                 backup = partial(_op, engine.submit_backup, ids, dev_pages, host_slots)
                 load = partial(_op, engine.submit_load, ids, host_slots, dev_pages)
                 timed = {
-                    "d2h": _best_pair(backup, floors["d2h"], device, repeats),
-                    "h2d": _best_pair(load, floors["h2d"], device, repeats),
+                    "d2h": _best_pair(backup, floors["d2h"], device, repeats, flush),
+                    "h2d": _best_pair(load, floors["h2d"], device, repeats, flush),
                 }
             for direction in ("d2h", "h2d"):
                 gbps = nbytes / timed[direction][0] / 1e9
@@ -112,8 +129,13 @@ def run(moved_bytes: int, repeats: int, seed: int, threads: int | None) -> dict[
         "layers": LAYERS,
         "moved_bytes": moved_bytes,
         "torch_threads": torch.get_num_threads(),
+        "copier": "cuda" if device.type == "cuda" else ("native" if native_copier(use_native) else "torch"),
         "cases": cases,
     }
+
+
+def native_copier(use_native: bool | None) -> bool:
+    return native.AVAILABLE if use_native is None else use_native
 
 
 def median_of_runs(results: list[dict[str, object]]) -> dict[str, object]:
@@ -136,14 +158,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
     parser.add_argument("--runs", type=int, default=1, help="whole measurements; report each case's median")
+    parser.add_argument(
+        "--copier",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="CPU copy path: the native row copy, the torch planner, or auto (native where it was built)",
+    )
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    result = median_of_runs([run(args.mib << 20, args.repeats, args.seed, args.threads) for _ in range(args.runs)])
+    use_native = {"auto": None, "native": True, "torch": False}[args.copier]
+    runs = [run(args.mib << 20, args.repeats, args.seed, args.threads, use_native) for _ in range(args.runs)]
+    result = median_of_runs(runs)
     if args.json:
         print(json.dumps(result))
         return
-    print(f"device {result['device']}, {result['layers']} layers, {args.mib} MiB per op")
+    print(f"device {result['device']} ({result['copier']} copies), {result['layers']} layers, {args.mib} MiB per op")
     print(f"{'dir':4} {'layout':12} {'page':>8} {'GB/s':>8} {'floor':>8} {'ratio':>6}")
     for case in result["cases"]:  # type: ignore[union-attr]
         print(

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tpcache.io import row_copy
+from tpcache.io import native, row_copy
 from tpcache.io.errors import (
     EngineClosedError,
     OpIdError,
@@ -75,12 +75,26 @@ def gate_hook(
     return hook
 
 
-@pytest.fixture(params=["default", "pairs", "staged", "staged_runs", "tiny_stage"])
+def use_copier(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native modes need the extension (built at install wherever a C compiler is); torch modes turn it off."""
+    if mode.startswith("native"):
+        if not native.AVAILABLE:
+            pytest.skip("the native row copy was not built")
+        if mode == "native_stream":  # streaming stores even for tiny ops: odd heads and tails included
+            monkeypatch.setattr(native, "STREAM_BYTES", 0)
+    else:
+        monkeypatch.setattr(native, "AVAILABLE", False)
+
+
+@pytest.fixture(params=["native", "native_stream", "pairs", "staged", "staged_runs", "tiny_stage"])
 def plan_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run round trips through every copy path: pair copies, staging, slice/gather runs, tiny stage chunks."""
+    """Run round trips through every copy path: the native row copy (plain and streaming stores) and the
+    torch planner's pair copies, staging, slice/gather runs and tiny stage chunks."""
     huge = 1 << 40
+    use_copier(request.param, monkeypatch)
     settings = {
-        "default": {},
+        "native": {},
+        "native_stream": {},
         "pairs": {"PAIR_COPY_BYTES": 1},  # every single is a copy_; runs of 2 are slices/gathers
         "staged": {"PAIR_COPY_BYTES": huge, "RUN_BYTES": huge},  # everything through the stage
         "staged_runs": {"PAIR_COPY_BYTES": huge, "RUN_BYTES": 1},  # runs of 2 as slices/gathers, rest staged
@@ -327,9 +341,10 @@ def test_page_table_rows_are_layer_kv_blocks(host_layout: str) -> None:
                 assert torch.equal(table[page, 2 * layer + 1].view(torch.uint8), v)
 
 
-@pytest.mark.parametrize("mode", ["pairs", "staged"])
+@pytest.mark.parametrize("mode", ["native_stream", "pairs", "staged"])
 def test_round_trip_with_a_misaligned_engine_buffer(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """An engine's KV tensor may start at any element: the copy dtypes fall back to what tiles it."""
+    use_copier(mode, monkeypatch)
     monkeypatch.setattr(row_copy, "PAIR_COPY_BYTES", 1 if mode == "pairs" else 1 << 40)
     pages = 6
     numel = pages * LAYOUT.page_bytes // 2

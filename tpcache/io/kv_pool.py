@@ -12,7 +12,9 @@ that mapping, so a copy plan computed for layer 0 serves every layer by adding a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -239,6 +241,27 @@ class PagedKV:
         self.page_tensor(page).copy_(raw.view(self.layout.dtype).view(self.layout.page_shape))
 
 
+_HUGE_PAGE = 2 << 20
+
+
+def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor for a pool: anonymous memory, 2 MiB aligned and advised for transparent
+    huge pages where the OS offers them. A pool is large, long-lived and read at scattered rows; with
+    4 KiB pages nearly every row copied costs a TLB miss (the kernel zero-fills on first touch, so
+    this also costs nothing up front)."""
+    nbytes = dtype.itemsize
+    for dim in shape:
+        nbytes *= dim
+    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` until the tensor is freed
+    start = -raw.data_ptr() % _HUGE_PAGE
+    with contextlib.suppress(OSError):  # huge pages off or unsupported: 4 KiB pages are still correct
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -255,7 +278,8 @@ class DevicePool(PagedKV):
         _positive_int("num_pages", num_pages)
         dev = _default_device() if device is None else torch.device(device)
         shape = (layout.num_layers, 2, num_pages, *layout.token_shape)
-        super().__init__(layout, torch.zeros(shape, dtype=layout.dtype, device=dev), num_pages, False)
+        kv = cpu_zeros(shape, layout.dtype) if dev.type == "cpu" else torch.zeros(shape, dtype=layout.dtype, device=dev)
+        super().__init__(layout, kv, num_pages, False)
 
     @classmethod
     def from_tensor(cls, layout: KVLayout, tensor: torch.Tensor) -> DevicePool:
@@ -310,7 +334,7 @@ class HostPool(PagedKV):
             shape = (num_slots, layout.num_layers, 2, *layout.token_shape)
         else:
             shape = (layout.num_layers, 2, num_slots, *layout.token_shape)
-        tensor = torch.zeros(shape, dtype=layout.dtype, pin_memory=pinned)
+        tensor = torch.zeros(shape, dtype=layout.dtype, pin_memory=True) if pinned else cpu_zeros(shape, layout.dtype)
         super().__init__(layout, tensor, num_slots, page_first)
         self.host_layout: HostLayout = host_layout
         self.pinned = pinned

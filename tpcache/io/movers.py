@@ -2,7 +2,8 @@
 
 A mover executes one op on the thread that calls it and reports per-layer progress through
 `on_layer(layer, cuda_event_or_None)`. The engine owns ordering, completion and failure handling;
-movers only copy. The CPU mover sees the pools as page tables (`row_copy`), the CUDA mover as row
+movers only copy. The CPU mover copies rows by byte offset with the native row copy (`native`), or
+through torch page tables (`row_copy`) where that was not built; the CUDA mover sees the pools as row
 tables (`PagedKV.rows`).
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from tpcache.io import native
 from tpcache.io.kv_pool import DevicePool, HostPool
 from tpcache.io.row_copy import CopyPlan, PageTables, Stage
 
@@ -23,13 +25,17 @@ BeforeLayer = Callable[[int], None]
 class CpuMover:
     """Both pools on the CPU: copies run synchronously on the calling (worker) thread.
 
-    Copies go through page tables (`row_copy.page_table`): a backup copies whole-page slabs, a load
-    copies the slabs of layer 0 of every page, then layer 1, ... with the same plan.
+    A backup copies every row of its pages in one call; a load copies the rows of layer 0 of every
+    page, then layer 1, ... with one plan shifted per layer. `use_native` picks the native row copy
+    (default: wherever it was built) or the torch page-table planner, which gives the same bytes.
     """
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, use_native: bool | None = None) -> None:
+        if use_native and not native.AVAILABLE:
+            raise RuntimeError("use_native=True but the native row copy was not built (no C compiler at install?)")
         self.dev = device_pool
         self.host = host_pool
+        self.native = native.AVAILABLE if use_native is None else use_native
         self._to_host = PageTables.of(device_pool, host_pool)
         to_device = PageTables.of(host_pool, device_pool)
         self._to_device_layers = [to_device.layer(i) for i in range(device_pool.layout.num_layers)]
@@ -48,6 +54,10 @@ class CpuMover:
     def backup(self, device_pages: torch.Tensor, host_slots: torch.Tensor, before: BeforeLayer, after: None) -> None:
         """Copy whole pages device -> host."""
         before(-1)
+        if self.native:
+            rows = native.RowCopy.build(self.dev, device_pages, self.host, host_slots, None)
+            rows.run(self.host.kv, self.dev.kv)
+            return
         CopyPlan.build(device_pages, host_slots, self._to_host.slab_bytes).run(self._to_host, self._stage())
 
     def load(
@@ -59,6 +69,15 @@ class CpuMover:
         after: None,
     ) -> None:
         """Copy pages host -> device layer by layer: layer i of every page, then layer i + 1."""
+        if self.native:
+            rows = native.RowCopy.build(self.host, host_slots, self.dev, device_pages, layer=0)
+            for layer in range(self.dev.layout.num_layers):
+                before(layer)
+                rows.run(
+                    self.dev.kv, self.host.kv, layer * self.dev.layer_row_stride, layer * self.host.layer_row_stride
+                )
+                on_layer(layer, None)
+            return
         plan = CopyPlan.build(host_slots, device_pages, self._to_device_layers[0].slab_bytes)
         stage = self._stage()
         for layer, tables in enumerate(self._to_device_layers):

@@ -202,9 +202,11 @@ class TransferEngine:
         delay: Delay = None,
         before_copy: BeforeCopy = None,
         threads: int | None = None,
+        use_native: bool | None = None,
     ) -> None:
         """`threads`: torch intra-op threads of each copying thread (default: the caller's setting,
-        which a new thread would not inherit; 1 is best when ranks share the host's cores)."""
+        which a new thread would not inherit; 1 is best when ranks share the host's cores).
+        `use_native`: CPU pools only, the native row copy (default: where it was built) or torch ops."""
         if device_pool.layout != host_pool.layout:
             raise ValueError(f"pool layouts differ: {device_pool.layout} vs {host_pool.layout}")
         self.device_pool = device_pool
@@ -213,7 +215,7 @@ class TransferEngine:
         if device_pool.device.type == "cuda":
             self._mover = CudaMover(device_pool, host_pool)
         elif device_pool.device.type == "cpu":
-            self._mover = CpuMover(device_pool, host_pool)
+            self._mover = CpuMover(device_pool, host_pool, use_native)
         else:
             raise ValueError(f"unsupported device pool device {device_pool.device}")
         self._delay = delay

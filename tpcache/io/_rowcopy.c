@@ -1,0 +1,238 @@
+/* Native row copy for CPU page transfers: one pass over a list of (src, dst) row offsets.
+
+A KV page is many rows (one per layer and K/V), scattered through a layer-first pool. Copying them
+with one torch op per page or per row costs microseconds of dispatch per call, and plain memcpy of
+small scattered rows leaves the hardware prefetcher cold at every row. This loop copies every row
+of an op in one call with the GIL released, prefetches the next row while it copies the current
+one, and, for large ops, writes with streaming (non-temporal) stores: the destination of a backup
+or load is not read again soon, and skipping the read-for-ownership of each destination line is
+what lets scattered rows approach the bandwidth of one contiguous copy.
+
+copy_rows(dst_addr, dst_size, dst_offsets, src_addr, src_size, src_offsets,
+          row_bytes, dst_delta, src_delta, stream) -> None
+
+Row i goes from src_addr + src_offsets[i] + src_delta to dst_addr + dst_offsets[i] + dst_delta.
+Offsets are int64 buffers of equal length. Every row is bounds-checked against its buffer before
+anything is copied, and the two buffers must not overlap, so a bad plan raises ValueError and
+copies nothing. Rows that continue each other on both sides are merged into one copy.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#define TPC_HAVE_STREAM 1
+#else
+#define TPC_HAVE_STREAM 0
+#endif
+
+#if TPC_HAVE_STREAM && (defined(__GNUC__) || defined(__clang__))
+#define TPC_HAVE_AVX2 1 /* compiled for any x86-64, chosen at run time where the CPU has it */
+#else
+#define TPC_HAVE_AVX2 0
+#endif
+
+#if TPC_HAVE_STREAM
+/* The aligned middle of a streaming copy: n a multiple of 64, dst 16-byte aligned. `next` (the
+   following row, or NULL) is prefetched as far as this row has been copied. */
+static void stream_sse2(char *dst, const char *src, size_t n, const char *next) {
+    for (size_t i = 0; i < n; i += 64) {
+        if (next != NULL) {
+            __builtin_prefetch(next + i, 0, 3);
+        }
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+}
+#endif
+
+#if TPC_HAVE_AVX2
+/* As stream_sse2 with 32-byte registers (about 10% faster on scattered 4 KiB rows); dst 32-byte
+   aligned, n a multiple of 64. */
+__attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, size_t n, const char *next) {
+    for (size_t i = 0; i < n; i += 64) {
+        if (next != NULL) {
+            __builtin_prefetch(next + i, 0, 3);
+        }
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+    }
+}
+#endif
+
+static int use_avx2 = 0;
+
+/* Copy n bytes with streaming stores, prefetching `next` (the following row, or NULL) as we go. */
+static void copy_stream(char *dst, const char *src, size_t n, const char *next) {
+#if TPC_HAVE_STREAM
+    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+    if (head > n) {
+        head = n;
+    }
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    if (next != NULL) {
+        next += head;
+    }
+    size_t body = n & ~(size_t)63;
+#if TPC_HAVE_AVX2
+    if (use_avx2) {
+        stream_avx2(dst, src, body, next);
+    } else {
+        stream_sse2(dst, src, body, next);
+    }
+#else
+    stream_sse2(dst, src, body, next);
+#endif
+    memcpy(dst + body, src + body, n - body);
+#else
+    (void)next;
+    memcpy(dst, src, n);
+#endif
+}
+
+static void copy_all(char *dst, const char *src, const int64_t *dst_off, const int64_t *src_off, Py_ssize_t count,
+                     size_t row, int stream) {
+    Py_ssize_t i = 0;
+    while (i < count) {
+        /* merge the rows that continue this one on both sides */
+        Py_ssize_t j = i + 1;
+        while (j < count && dst_off[j] == dst_off[j - 1] + (int64_t)row && src_off[j] == src_off[j - 1] + (int64_t)row) {
+            j++;
+        }
+        size_t n = (size_t)(j - i) * row;
+        if (stream) {
+            copy_stream(dst + dst_off[i], src + src_off[i], n, j < count ? src + src_off[j] : NULL);
+        } else {
+            memcpy(dst + dst_off[i], src + src_off[i], n);
+        }
+        i = j;
+    }
+#if TPC_HAVE_STREAM
+    if (stream) {
+        _mm_sfence(); /* streaming stores are weakly ordered: make them visible before we report done */
+    }
+#endif
+}
+
+static int get_offsets(PyObject *obj, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *f = view->format;
+    if (view->itemsize != 8 || f == NULL || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0 && strcmp(f, "<q") != 0 &&
+                                             strcmp(f, "<l") != 0 && strcmp(f, "=q") != 0 && strcmp(f, "=l") != 0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a contiguous int64 buffer", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Every row inside its buffer once shifted by delta; returns the first bad index or -1. */
+static Py_ssize_t first_out_of_bounds(const int64_t *off, Py_ssize_t count, int64_t delta, size_t row, size_t size) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t start = off[i] + delta;
+        if (start < 0 || (uint64_t)start > size || size - (uint64_t)start < row) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dst_addr, src_addr, dst_size, src_size, row;
+    long long dst_delta, src_delta;
+    PyObject *dst_obj, *src_obj;
+    int stream;
+    if (!PyArg_ParseTuple(args, "KKOKKOKLLp", &dst_addr, &dst_size, &dst_obj, &src_addr, &src_size, &src_obj, &row,
+                          &dst_delta, &src_delta, &stream)) {
+        return NULL;
+    }
+    if (row == 0) {
+        PyErr_SetString(PyExc_ValueError, "row_bytes must be positive");
+        return NULL;
+    }
+    if (dst_addr < src_addr + src_size && src_addr < dst_addr + dst_size) {
+        PyErr_SetString(PyExc_ValueError, "source and destination buffers overlap");
+        return NULL;
+    }
+    Py_buffer dst_view, src_view;
+    if (get_offsets(dst_obj, &dst_view, "dst_offsets") < 0) {
+        return NULL;
+    }
+    if (get_offsets(src_obj, &src_view, "src_offsets") < 0) {
+        PyBuffer_Release(&dst_view);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t count = dst_view.len / 8;
+    const int64_t *dst_off = (const int64_t *)dst_view.buf;
+    const int64_t *src_off = (const int64_t *)src_view.buf;
+    if (src_view.len / 8 != count) {
+        PyErr_Format(PyExc_ValueError, "dst_offsets has %zd rows but src_offsets has %zd", count, src_view.len / 8);
+        goto done;
+    }
+    Py_ssize_t bad = first_out_of_bounds(dst_off, count, dst_delta, row, dst_size);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "destination row %zd (offset %lld) is outside its buffer", bad,
+                     (long long)dst_off[bad] + dst_delta);
+        goto done;
+    }
+    bad = first_out_of_bounds(src_off, count, src_delta, row, src_size);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "source row %zd (offset %lld) is outside its buffer", bad,
+                     (long long)src_off[bad] + src_delta);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_all((char *)(uintptr_t)dst_addr + dst_delta, (const char *)(uintptr_t)src_addr + src_delta, dst_off, src_off,
+             count, (size_t)row, stream);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst_view);
+    PyBuffer_Release(&src_view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", copy_rows, METH_VARARGS, "Copy rows between two buffers by byte offsets (see the module source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_rowcopy", "Native scattered row copy for CPU page transfers.", -1, methods, NULL, NULL, NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__rowcopy(void) {
+#if TPC_HAVE_AVX2
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    const char *kind = !TPC_HAVE_STREAM ? "memcpy" : (use_avx2 ? "avx2-stream" : "sse2-stream");
+    if (PyModule_AddStringConstant(m, "STREAM_KIND", kind) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

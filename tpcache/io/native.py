@@ -1,0 +1,93 @@
+"""The native row copy (`_rowcopy`, a small C extension built at install) for CPU page transfers.
+
+One call copies every row of an op with the GIL released: no per-page or per-row dispatch, the next
+row prefetched while the current one is copied, and streaming stores for large ops (see the C
+source). The extension is optional; `AVAILABLE` is False where it was not built (no C compiler), and
+the CPU mover then uses the torch copy planner (`row_copy`) instead, with the same results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpcache.io.kv_pool import PagedKV
+
+try:
+    from tpcache.io import _rowcopy
+except ImportError:  # built without a C compiler: the torch planner takes over
+    _rowcopy = None
+
+AVAILABLE = _rowcopy is not None
+
+# Ops moving at least this much write with streaming stores: their destination is far larger than
+# the caches, so reading each line before writing it (what a normal store does) is wasted traffic.
+STREAM_BYTES = 1 << 20
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("native row copies need contiguous CPU tensors")
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def _row_terms(pool: PagedKV, layer: int | None) -> np.ndarray:
+    """Row offsets (in rows) of the rows a copy moves within one page: every (layer, K/V) of the page,
+    or those of one layer."""
+    layers = np.arange(pool.layout.num_layers, dtype=np.int64) if layer is None else np.array([layer], np.int64)
+    kv = np.arange(2, dtype=np.int64) * pool.kv_row_stride
+    return (layers[:, None] * pool.layer_row_stride + kv[None, :]).reshape(-1)
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """The rows of pages src_pages[i] -> dst_pages[i] between two pools, as byte offsets in the order
+    the source lies in memory (pages sorted, rows in the source's own layout order): reads then
+    sweep each source block forwards, which keeps the prefetcher busy, while streaming stores make
+    the scattered writes cheap. Built once per op; a load runs it once per layer with that layer's
+    row deltas."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    row_bytes: int
+
+    @classmethod
+    def build(
+        cls, src_pool: PagedKV, src_pages: torch.Tensor, dst_pool: PagedKV, dst_pages: torch.Tensor, layer: int | None
+    ) -> RowCopy:
+        """`layer`: None for whole pages, else only the rows of that layer (shift with `run`'s deltas)."""
+        order = np.argsort(src_pages.numpy(), kind="stable")
+        src_sorted, dst_sorted = src_pages.numpy()[order], dst_pages.numpy()[order]
+        src = src_sorted[:, None] * src_pool.page_row_stride + _row_terms(src_pool, layer)[None, :]
+        dst = dst_sorted[:, None] * dst_pool.page_row_stride + _row_terms(dst_pool, layer)[None, :]
+        if not src_pool.page_first:  # a layer-first source lies row block by row block
+            src, dst = src.T, dst.T
+        row_bytes = src_pool.layout.row_bytes
+        return cls(
+            np.ascontiguousarray(src).reshape(-1) * row_bytes,
+            np.ascontiguousarray(dst).reshape(-1) * row_bytes,
+            row_bytes,
+        )
+
+    def run(self, dst: torch.Tensor, src: torch.Tensor, dst_delta_rows: int = 0, src_delta_rows: int = 0) -> None:
+        """Copy every row from tensor `src` to tensor `dst` (the pools' whole KV tensors)."""
+        if _rowcopy is None:
+            raise RuntimeError("the native row copy was not built (see tpcache/io/native.py)")
+        if self.dst.size == 0:
+            return
+        dst_addr, dst_size = _span(dst)
+        src_addr, src_size = _span(src)
+        _rowcopy.copy_rows(
+            dst_addr,
+            dst_size,
+            self.dst,
+            src_addr,
+            src_size,
+            self.src,
+            self.row_bytes,
+            dst_delta_rows * self.row_bytes,
+            src_delta_rows * self.row_bytes,
+            self.dst.size * self.row_bytes >= STREAM_BYTES,
+        )
