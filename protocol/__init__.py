@@ -6,6 +6,7 @@ Torch-free: a client needs only msgpack (and pyzmq to talk to a service). See RE
 from protocol.codec import (
     decode_request,
     decode_response,
+    encode_ok,
     encode_request,
     encode_response,
     error_response,
@@ -137,6 +138,7 @@ __all__ = [
     "decode_request",
     "decode_response",
     "encode_request",
+    "encode_ok",
     "encode_response",
     "error_response",
     "exception_for",

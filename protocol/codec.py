@@ -304,6 +304,13 @@ def encode_response(response: Response, limits: Limits = DEFAULT_LIMITS) -> byte
     return _pack(obj, limits)
 
 
+def encode_ok(request_id: int, result: Body, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The frame of a successful reply, without building a Response (the server's hot path;
+    ``request_id`` is the id of a request it decoded)."""
+    obj = {"v": PROTOCOL_VERSION, "id": request_id, "op": result.OP, "ok": True, "result": result.to_wire()}
+    return _pack(obj, limits)
+
+
 def decode_response(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Response:
     """The response in one frame. Raises only ProtocolError subclasses (a bad result from the
     server is a MalformedMessage). An error reply is returned, not raised: see Response.unwrap."""
@@ -351,6 +358,7 @@ __all__ = [
     "decode_request",
     "decode_response",
     "encode_request",
+    "encode_ok",
     "encode_response",
     "error_response",
     "ok_response",

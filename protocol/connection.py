@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from protocol.codec import decode_request, decode_response, encode_request, encode_response, error_response
+from protocol.codec import (
+    decode_request,
+    decode_response,
+    encode_ok,
+    encode_request,
+    encode_response,
+    error_response,
+)
 from protocol.errors import DuplicateRequest, MalformedMessage, Overloaded, ProtocolError
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import U64_MAX, Body, Request, Response
@@ -107,6 +114,11 @@ class ServerConnection:
         if response.id is not None:
             self._pending.discard(response.id)
         return encode_response(response, self.limits)
+
+    def send_ok(self, request_id: int, result: Body) -> bytes:
+        """``send`` of a successful reply, without building a Response (the server's hot path)."""
+        self._pending.discard(request_id)
+        return encode_ok(request_id, result, self.limits)
 
     def reject(self, exc: ProtocolError) -> bytes:
         """The error reply to a frame ``receive`` refused; what is in flight does not change."""

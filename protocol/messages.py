@@ -224,6 +224,16 @@ class Body:
     def validate(self) -> None:
         """Checks that span fields; raises InvalidArgument. Runs after construction and decode."""
 
+    @classmethod
+    def unchecked(cls, *values: Any) -> Body:
+        """A body from field values its caller produced and knows to be canonical (a server's own
+        results: counts from its cache, ids as ``array('i')``), in field order, without the
+        per-field checks. Anything that crosses a trust boundary goes through the constructor."""
+        obj = object.__new__(cls)
+        for (name, _, _, _), value in zip(cls.SPEC, values, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, kind, _, _ in self.SPEC:

