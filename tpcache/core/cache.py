@@ -16,6 +16,7 @@ Invariants (checked by ``invariants.check``):
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from tpcache.core.allocator import OutOfPages
@@ -277,10 +278,13 @@ class CacheCore(Ledger):
 
     def tick(self) -> None:
         """Once per round's commit: retry waiting backups, pace prefetches (agreed, every rank alike)."""
-        if self.backup_backlog:
-            waiting = [n for n in self.backup_backlog.values() if n.device_state == DeviceState.VALID and not n.on_host]
-            self.backup_backlog.clear()
-            self._backup_path(waiting)
+        # At most free slots + host eviction candidates can be had: retry that many, oldest first,
+        # so a full host tier costs a round nothing however long the backlog grows.
+        budget = min(len(self.backup_backlog), self.host.available + len(self._host_heap))
+        if budget:
+            retry = list(itertools.islice(self.backup_backlog, budget))
+            nodes = [self.backup_backlog.pop(node_id) for node_id in retry]
+            self._backup_path([n for n in nodes if n.device_state == DeviceState.VALID and not n.on_host])
         for lease in list(self.leases.values()):
             if lease.prefetch is not None and lease.prefetch.status != "done":
                 self._unaccount_lease(lease)
@@ -586,8 +590,8 @@ class CacheCore(Ledger):
         page backed up is on device, so each page can go on its own: no chain of ancestors, and
         no wait on a parent's copy in flight. Pages that find no host slot wait in the backlog.
         """
-        if self.closed:
-            return  # a closed cache starts no copies: it does not trust its own state
+        if self.closed or not self.host.num_pages:
+            return  # a closed cache starts no copies (it does not trust its own state); no host tier, none
         todo: list[Node] = []
         seen: set[int] = set()
         for node in nodes:

@@ -75,7 +75,7 @@ def check(core: CacheCore) -> None:
                         fail(f"storage write op {op.op_id}: node {n.node_id} is {n!r}")
 
     digest = Digest()
-    evictable = protected = 0
+    evictable = protected = mirrors = 0
     for node in core.tree.nodes.values():
         if node.parent is None:
             continue
@@ -114,6 +114,11 @@ def check(core: CacheCore) -> None:
             evictable += 1
         elif node.on_device and node.device_pins > 0:
             protected += 1
+        mirrors += (
+            node.device_state == DeviceState.VALID
+            and node.host_state == HostState.VALID
+            and node.storage_state == StorageState.DURABLE
+        )
     for lease in core.leases.values():
         digest.add(lease.record)
     for page in device_owner:
@@ -127,5 +132,7 @@ def check(core: CacheCore) -> None:
         fail(f"evictable counter {core.evictable_device_pages} != {evictable}")
     if protected != core.protected_device_pages:
         fail(f"protected counter {core.protected_device_pages} != {protected}")
+    if mirrors != core.mirror_pages:
+        fail(f"mirror counter {core.mirror_pages} != {mirrors}")
     if digest.value != core.digest.value:
         fail("incremental digest differs from the recomputed digest")

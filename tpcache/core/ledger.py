@@ -22,6 +22,14 @@ from tpcache.core.tree import Node, RadixTree
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
 
 
+def _is_mirror(node: Node) -> bool:
+    return (
+        node.storage_state == StorageState.DURABLE
+        and node.host_state == HostState.VALID
+        and node.device_state == DeviceState.VALID
+    )
+
+
 class Ledger:
     def __init__(self, config: CacheConfig) -> None:
         config.validate()
@@ -37,6 +45,7 @@ class Ledger:
         self.stats = Stats()
         self.evictable_device_pages = 0
         self.protected_device_pages = 0
+        self.mirror_pages = 0  # on device, host and durable in storage: what mirror release can free
         # Pages waiting for a host slot to be backed up, oldest first. Retried every round; the
         # agreed minimum of its length is the host deficit a mirror-release plan works off.
         self.backup_backlog: dict[int, Node] = {}
@@ -162,6 +171,8 @@ class Ledger:
             self.evictable_device_pages -= 1
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages -= 1
+        if _is_mirror(node):
+            self.mirror_pages -= 1
 
     def _account(self, node: Node) -> None:
         node.record = mix(
@@ -179,6 +190,8 @@ class Ledger:
             self.evictable_device_pages += 1
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages += 1
+        if _is_mirror(node):
+            self.mirror_pages += 1
         self._push(node)
         parent = node.parent
         if parent is not None and parent.parent is not None:

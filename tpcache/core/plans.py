@@ -49,7 +49,7 @@ class MirrorRelease:
 
     def prepare(self, core: CacheCore, agreement: Agreement) -> Plan | None:
         want = agreement.lo["host_deficit"]
-        if want <= 0:
+        if want <= 0 or not core.mirror_pages:  # nothing durable to release: skip the scan
             return None
         candidates = [n for n in core.tree.nodes.values() if core.is_releasable_mirror(n)]
         candidates.sort(key=core.policy.key)
