@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -147,10 +148,16 @@ def _as_index(values: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
         return values.to(device="cpu", dtype=torch.int64)
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise PageIndexError(f"{what} must be a sequence of ints, got {type(values).__name__}")
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise PageIndexError(f"{what} must hold ints, found {value!r}")
-    return torch.tensor(list(values), dtype=torch.int64)
+    # array('q') converts in C and refuses what is not an integer (floats, str, None); bools are
+    # ints to it, so they are looked for separately (map/in also run in C).
+    try:
+        packed = array("q", values)
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is None or bool in map(type, values):
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v.bit_length() > 63]
+        raise PageIndexError(f"{what} must hold ints, found {bad[0] if bad else values!r}"[:200])
+    return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
 
 
 class PagedKV:
