@@ -307,6 +307,8 @@ def encode_response(response: Response, limits: Limits = DEFAULT_LIMITS) -> byte
 def encode_ok(request_id: int, result: Body, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """The frame of a successful reply, without building a Response (the server's hot path;
     ``request_id`` is the id of a request it decoded)."""
+    if RESULT_TYPES.get(result.OP) is not type(result):
+        raise InvalidArgument(f"{type(result).__name__} is not a result body")
     obj = {"v": PROTOCOL_VERSION, "id": request_id, "op": result.OP, "ok": True, "result": result.to_wire()}
     return _pack(obj, limits)
 

@@ -107,3 +107,16 @@ def test_pool_memory_is_zeroed_and_huge_page_aligned() -> None:
     assert int(kv.sum(dtype=torch.float64)) == 3 << 20
     small = cpu_zeros((4, 4), torch.float32)
     assert not small.any()
+
+
+def test_negative_sizes_and_overflowing_deltas_are_refused() -> None:
+    src = torch.zeros(256, dtype=torch.uint8)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="non-negative"):
+        native._rowcopy.copy_rows(  # type: ignore[union-attr]
+            dst.data_ptr(), -1, _offsets([0]), src.data_ptr(), 256, _offsets([0]), 64, 0, 0, False
+        )
+    with pytest.raises(ValueError, match="destination row 0"):
+        native._rowcopy.copy_rows(  # type: ignore[union-attr]
+            dst.data_ptr(), 256, _offsets([2**62]), src.data_ptr(), 256, _offsets([0]), 64, 2**62, 0, False
+        )

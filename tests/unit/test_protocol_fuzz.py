@@ -156,8 +156,10 @@ def test_near_valid_requests(obj: dict[str, Any]) -> None:
     data = msgpack.packb(obj, use_bin_type=True)
     out = only_protocol_errors(p.decode_request, data)
     if isinstance(out, p.Request):
-        # Anything accepted is a fully typed request that re-encodes and decodes to itself.
-        assert p.decode_request(p.encode_request(out)) == out
+        # Anything accepted is a fully typed request that re-encodes and decodes to itself
+        # (compared as bytes: a NaN in a descriptor never equals itself).
+        again = p.decode_request(p.encode_request(out))
+        assert type(again.body) is type(out.body) and p.encode_request(again) == p.encode_request(out)
     else:
         # The server can always answer, and the answer decodes on the client.
         reply = p.decode_response(p.encode_response(p.error_response(None, out)))

@@ -67,17 +67,15 @@ class CacheCore(Ledger):
             return result
         nodes = walk.nodes
         valid = DeviceState.VALID
-        if nodes and nodes[-1].device_state == valid:
-            # A device-VALID page has only VALID ancestors (invariants.check), so the whole path hits.
-            ids = result.device_page_ids = [node.device_page for node in nodes]
-        else:
-            ids = result.device_page_ids
-            for node in nodes:
-                if node.device_state != valid:
-                    break
-                ids.append(node.device_page)
-        i = result.device_pages = len(ids)
         n = len(nodes)
+        if nodes and nodes[-1].device_state == valid:
+            i = n  # a device-VALID page has only VALID ancestors (invariants.check): the whole path hits
+        else:
+            i = 0
+            while i < n and nodes[i].device_state == valid:
+                i += 1
+        result.device_page_array = walk.device_page_ids(i)
+        result.device_pages = i
         while i < n and nodes[i].host_state == HostState.VALID and nodes[i].device_state == DeviceState.NONE:
             i += 1
         result.host_pages = i - result.device_pages
@@ -278,13 +276,21 @@ class CacheCore(Ledger):
 
     def tick(self) -> None:
         """Once per round's commit: retry waiting backups, pace prefetches (agreed, every rank alike)."""
-        # At most free slots + host eviction candidates can be had: retry that many, oldest first,
-        # so a full host tier costs a round nothing however long the backlog grows.
-        budget = min(len(self.backup_backlog), self.host.available + len(self._host_heap))
-        if budget:
-            retry = list(itertools.islice(self.backup_backlog, budget))
-            nodes = [self.backup_backlog.pop(node_id) for node_id in retry]
-            self._backup_path([n for n in nodes if n.device_state == DeviceState.VALID and not n.on_host])
+        # Make room first (free slots, then host evictions, as a retry of the whole backlog would),
+        # then retry only as many pages as found a slot, oldest first: a full host tier with nothing
+        # to evict costs a round nothing however long the backlog grows.
+        backlog = self.backup_backlog
+        if backlog and not self.closed:
+            short = len(backlog) - self.host.available
+            if short > 0:
+                self.evict_host(short)
+            retry: list[Node] = []
+            while backlog and len(retry) < self.host.available:
+                for node_id in list(itertools.islice(backlog, self.host.available - len(retry))):
+                    node = backlog.pop(node_id)
+                    if node.device_state == DeviceState.VALID and not node.on_host:
+                        retry.append(node)
+            self._backup_path(retry)
         for lease in list(self.leases.values()):
             if lease.prefetch is not None and lease.prefetch.status != "done":
                 self._unaccount_lease(lease)
@@ -610,6 +616,7 @@ class CacheCore(Ledger):
         if not todo:
             return
         for node, slot in zip(todo, slots, strict=True):
+            self.backup_backlog.pop(node.node_id, None)  # backed up by another path: no longer waiting
             self._unaccount(node)
             self._set_host(node, HostState.WRITING, slot)
             self._account(node)

@@ -5,6 +5,8 @@ Each check recomputes from scratch what the cache maintains incrementally and co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tpcache.core.cache import CacheCore, OpKind
 from tpcache.core.digest import Digest
 from tpcache.core.tiers import DeviceState, HostState, StorageState
@@ -134,5 +136,22 @@ def check(core: CacheCore) -> None:
         fail(f"protected counter {core.protected_device_pages} != {protected}")
     if mirrors != core.mirror_pages:
         fail(f"mirror counter {core.mirror_pages} != {mirrors}")
+    _check_page_caches(core, fail)
     if digest.value != core.digest.value:
         fail("incremental digest differs from the recomputed digest")
+
+
+def _check_page_caches(core: CacheCore, fail: Callable[[str], None]) -> None:
+    """A run's cached device pages equal its nodes' pages, and each node is cached by one run."""
+    for node in core.tree.nodes.values():
+        run = node.pages_run
+        if run is None or run.pages is None:
+            continue
+        index = [i for i, n in enumerate(run.nodes) if n is node]
+        if len(index) != 1:
+            fail(f"node {node.node_id} points at a page cache that does not hold it")
+        elif run.pages[index[0]] != node.device_page:
+            fail(f"node {node.node_id}: cached device page {run.pages[index[0]]} != {node.device_page}")
+        for other in run.nodes:  # every node of a cache in the tree points back at it
+            if core.tree.nodes.get(other.node_id) is other and other.pages_run is not run:
+                fail(f"node {other.node_id} is cached by a run it does not point at")

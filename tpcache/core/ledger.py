@@ -17,7 +17,7 @@ from tpcache.core.eviction import make_policy
 from tpcache.core.prefetch import PrefetchState
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import Node, RadixTree
+from tpcache.core.tree import Node, RadixTree, drop_pages
 
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
 
@@ -62,6 +62,8 @@ class Ledger:
 
     def _set_device(self, node: Node, state: DeviceState, page: int) -> None:
         check_transition(DeviceState, node.device_state, state)
+        if page != node.device_page:
+            drop_pages(node)  # the only place a device page changes: no cached copy outlives it
         node.device_state = state
         node.device_page = page
 

@@ -3,6 +3,7 @@ counters, and the errors of its operations."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -62,8 +63,13 @@ class MatchResult:
     walk: Walk
     device_pages: int = 0
     host_pages: int = 0
-    device_page_ids: list[int] = field(default_factory=list)
+    device_page_array: array = field(default_factory=lambda: array("i"))  # the device prefix's pages
     nodes: list[Node] = field(default_factory=list)  # device then host prefix nodes
+
+    @property
+    def device_page_ids(self) -> list[int]:
+        """The device prefix's pages as a list (``device_page_array`` is the same, without a copy)."""
+        return self.device_page_array.tolist()
 
     @property
     def num_pages(self) -> int:

@@ -13,6 +13,7 @@ Tier data (device page, host slot, storage state, pins) lives on the node; the c
 from __future__ import annotations
 
 import struct
+from array import array
 
 import xxhash
 
@@ -42,6 +43,7 @@ class Node:
         "hits",
         "record",
         "run",
+        "pages_run",
     )
 
     def __init__(self, node_id: int, parent: Node | None, tokens: bytes, hash_: int, clock: int) -> None:
@@ -62,7 +64,8 @@ class Node:
         self.created_at = clock
         self.hits = 0
         self.record = 0  # this node's current contribution to the state digest
-        self.run: tuple[bytes, list[Node], int] | None = None  # cache of the chain below (tree._run)
+        self.run: tuple[Run, int] | None = None  # the chain below, cached (tree._run): (run, index of my child)
+        self.pages_run: Run | None = None  # the run whose cached device pages include this node
 
     @property
     def on_device(self) -> bool:
@@ -99,16 +102,51 @@ class Node:
         )
 
 
+class Run:
+    """A chain of single-child nodes, cached for the walk: their tokens joined (one compare checks
+    the whole chain) and, built on first use, their device pages (a match copies a slice).
+
+    Invariant: while ``pages`` is set, ``pages[i] == nodes[i].device_page`` and ``nodes[i].pages_run
+    is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run."""
+
+    __slots__ = ("data", "nodes", "pages")
+
+    def __init__(self, data: bytes, nodes: list[Node]) -> None:
+        self.data = data
+        self.nodes = nodes
+        self.pages: array | None = None
+
+    def device_pages(self) -> array:
+        if self.pages is None:
+            for node in self.nodes:
+                other = node.pages_run
+                if other is not None and other is not self:
+                    other.pages = None  # a node's page is cached by one run at most
+                node.pages_run = self
+            self.pages = array("i", [node.device_page for node in self.nodes])
+        return self.pages
+
+
+def drop_pages(node: Node) -> None:
+    """Forget the cached device page of ``node`` (call before changing it)."""
+    run = node.pages_run
+    if run is not None:
+        run.pages = None
+        node.pages_run = None
+
+
 class Walk:
     """The result of following a token sequence down the tree (pure, nothing is stamped).
 
     Matched pages are found by their tokens, so a hit costs no hashing; page slices and the hash
     chain of the pages past the match are computed only when asked for."""
 
-    __slots__ = ("nodes", "num_pages", "_tokens", "_step", "_seed", "_root_hash", "_pages", "_hashes")
+    __slots__ = ("nodes", "num_pages", "segments", "_tokens", "_step", "_seed", "_root_hash", "_pages", "_hashes")
 
     def __init__(self, token_bytes: bytes, step: int, seed: int, root_hash: int) -> None:
         self.nodes: list[Node] = []  # matched nodes, first page first
+        # how ``nodes`` was found, in order: (run, first, count) for a run slice, a Node for one step
+        self.segments: list[tuple[Run, int, int] | Node] = []
         self.num_pages = len(token_bytes) // step  # full pages of the input
         self._tokens = token_bytes
         self._step = step
@@ -116,6 +154,20 @@ class Walk:
         self._root_hash = root_hash
         self._pages: list[bytes] | None = None
         self._hashes: list[int] | None = None
+
+    def device_page_ids(self, count: int) -> array:
+        """The device pages of the first ``count`` matched nodes (copied from run caches)."""
+        out = array("i")
+        for seg in self.segments:
+            if len(out) >= count:
+                break
+            if type(seg) is tuple:
+                run, first, n = seg
+                n = min(n, count - len(out))
+                out += run.device_pages()[first : first + n]
+            else:
+                out.append(seg.device_page)
+        return out
 
     @property
     def pages(self) -> list[bytes]:
@@ -161,16 +213,19 @@ class RadixTree:
         step = self.page_size * 4
         walk = Walk(token_bytes, step, self.seed, self.root.hash)
         nodes = walk.nodes
+        segments = walk.segments
         end = walk.num_pages * step
         pos = 0
         node = self.root
         while pos < end:
             if len(node.children) == 1:
-                data, chain, first = node.run or self._run(node)
+                run, first = node.run or self._run(node)
+                chain = run.nodes
                 offset = first * step
                 count = min(len(chain) - first, (end - pos) // step)
-                if token_bytes.startswith(data[offset : offset + count * step], pos):
+                if token_bytes.startswith(run.data[offset : offset + count * step], pos):
                     nodes.extend(chain[first : first + count])
+                    segments.append((run, first, count))
                     pos += count * step
                     node = chain[first + count - 1]
                     continue
@@ -180,22 +235,24 @@ class RadixTree:
                     if not token_bytes.startswith(child.tokens, pos):
                         return walk
                     nodes.append(child)
+                    segments.append(child)
                     pos += step
                 return walk  # pragma: no cover - the whole-chain compare would have matched
             child = node.children.get(token_bytes[pos : pos + step])
             if child is None:
                 break
             nodes.append(child)
+            segments.append(child)
             pos += step
             node = child
         return walk
 
-    def _run(self, node: Node) -> tuple[bytes, list[Node], int]:
+    def _run(self, node: Node) -> tuple[Run, int]:
         """Build the run cache of the single-child chain below ``node``.
 
-        ``node.run = (tokens of c1..ck, [c1..ck], 0)`` where c1 is node's only child and each next
-        node is its predecessor's only child; every chain node ci except the last gets the same
-        lists with its own start. Invariant: a run never spans a node with two or more children;
+        ``node.run = (Run(tokens of c1..ck, [c1..ck]), 0)`` where c1 is node's only child and each
+        next node is its predecessor's only child; every chain node ci except the last gets the
+        same run with its own start. Invariant: a run never spans a node with two or more children;
         ``_invalidate`` keeps it so when a child is added or removed. A run shorter than the chain
         (the chain grew at its end) is still correct: the walk goes on from its last node.
         """
@@ -204,10 +261,10 @@ class RadixTree:
         while len(cur.children) == 1:
             (cur,) = cur.children.values()
             chain.append(cur)
-        data = b"".join(c.tokens for c in chain)
-        node.run = (data, chain, 0)
+        run = Run(b"".join(c.tokens for c in chain), chain)
+        node.run = (run, 0)
         for i, c in enumerate(chain[:-1]):
-            c.run = (data, chain, i + 1)
+            c.run = (run, i + 1)
         return node.run
 
     @staticmethod

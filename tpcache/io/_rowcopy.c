@@ -103,20 +103,23 @@ static void copy_stream(char *dst, const char *src, size_t n, const char *next) 
 #endif
 }
 
-static void copy_all(char *dst, const char *src, const int64_t *dst_off, const int64_t *src_off, Py_ssize_t count,
-                     size_t row, int stream) {
+static void copy_all(char *dst, const char *src, const int64_t *dst_off, const int64_t *src_off, int64_t dst_delta,
+                     int64_t src_delta, Py_ssize_t count, size_t row, int stream) {
     Py_ssize_t i = 0;
     while (i < count) {
         /* merge the rows that continue this one on both sides */
         Py_ssize_t j = i + 1;
-        while (j < count && dst_off[j] == dst_off[j - 1] + (int64_t)row && src_off[j] == src_off[j - 1] + (int64_t)row) {
+        while (j < count && (uint64_t)dst_off[j] == (uint64_t)dst_off[j - 1] + row &&
+               (uint64_t)src_off[j] == (uint64_t)src_off[j - 1] + row) {
             j++;
         }
         size_t n = (size_t)(j - i) * row;
+        char *d = dst + (uint64_t)(dst_off[i] + dst_delta);
+        const char *s = src + (uint64_t)(src_off[i] + src_delta);
         if (stream) {
-            copy_stream(dst + dst_off[i], src + src_off[i], n, j < count ? src + src_off[j] : NULL);
+            copy_stream(d, s, n, j < count ? src + (uint64_t)(src_off[j] + src_delta) : NULL);
         } else {
-            memcpy(dst + dst_off[i], src + src_off[i], n);
+            memcpy(d, s, n);
         }
         i = j;
     }
@@ -144,8 +147,9 @@ static int get_offsets(PyObject *obj, Py_buffer *view, const char *what) {
 /* Every row inside its buffer once shifted by delta; returns the first bad index or -1. */
 static Py_ssize_t first_out_of_bounds(const int64_t *off, Py_ssize_t count, int64_t delta, size_t row, size_t size) {
     for (Py_ssize_t i = 0; i < count; i++) {
-        int64_t start = off[i] + delta;
-        if (start < 0 || (uint64_t)start > size || size - (uint64_t)start < row) {
+        int64_t start;
+        if (__builtin_add_overflow(off[i], delta, &start) || start < 0 || (uint64_t)start > size ||
+            size - (uint64_t)start < row) {
             return i;
         }
     }
@@ -154,19 +158,24 @@ static Py_ssize_t first_out_of_bounds(const int64_t *off, Py_ssize_t count, int6
 
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long dst_addr, src_addr, dst_size, src_size, row;
+    unsigned long long dst_addr, src_addr;
+    Py_ssize_t dst_size, src_size, row;
     long long dst_delta, src_delta;
     PyObject *dst_obj, *src_obj;
     int stream;
-    if (!PyArg_ParseTuple(args, "KKOKKOKLLp", &dst_addr, &dst_size, &dst_obj, &src_addr, &src_size, &src_obj, &row,
+    if (!PyArg_ParseTuple(args, "KnOKnOnLLp", &dst_addr, &dst_size, &dst_obj, &src_addr, &src_size, &src_obj, &row,
                           &dst_delta, &src_delta, &stream)) {
         return NULL;
     }
-    if (row == 0) {
-        PyErr_SetString(PyExc_ValueError, "row_bytes must be positive");
+    if (row <= 0 || dst_size < 0 || src_size < 0) {
+        PyErr_SetString(PyExc_ValueError, "row_bytes must be positive and buffer sizes non-negative");
         return NULL;
     }
-    if (dst_addr < src_addr + src_size && src_addr < dst_addr + dst_size) {
+    if (dst_addr > UINTPTR_MAX - (uint64_t)dst_size || src_addr > UINTPTR_MAX - (uint64_t)src_size) {
+        PyErr_SetString(PyExc_ValueError, "buffer address range overflows");
+        return NULL;
+    }
+    if (dst_addr < src_addr + (uint64_t)src_size && src_addr < dst_addr + (uint64_t)dst_size) {
         PyErr_SetString(PyExc_ValueError, "source and destination buffers overlap");
         return NULL;
     }
@@ -186,20 +195,21 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "dst_offsets has %zd rows but src_offsets has %zd", count, src_view.len / 8);
         goto done;
     }
-    Py_ssize_t bad = first_out_of_bounds(dst_off, count, dst_delta, row, dst_size);
+    Py_ssize_t bad = first_out_of_bounds(dst_off, count, dst_delta, (size_t)row, (size_t)dst_size);
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "destination row %zd (offset %lld) is outside its buffer", bad,
                      (long long)dst_off[bad] + dst_delta);
         goto done;
     }
-    bad = first_out_of_bounds(src_off, count, src_delta, row, src_size);
+    bad = first_out_of_bounds(src_off, count, src_delta, (size_t)row, (size_t)src_size);
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "source row %zd (offset %lld) is outside its buffer", bad,
                      (long long)src_off[bad] + src_delta);
         goto done;
     }
+    /* every off + delta is in [0, size - row] (checked above): address rows from the buffer base */
     Py_BEGIN_ALLOW_THREADS
-    copy_all((char *)(uintptr_t)dst_addr + dst_delta, (const char *)(uintptr_t)src_addr + src_delta, dst_off, src_off,
+    copy_all((char *)(uintptr_t)dst_addr, (const char *)(uintptr_t)src_addr, dst_off, src_off, dst_delta, src_delta,
              count, (size_t)row, stream);
     Py_END_ALLOW_THREADS
     result = Py_None;

@@ -138,6 +138,9 @@ def _wide_dtype(tensor: torch.Tensor, row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
+_INT_ONLY = frozenset((int,))
+
+
 def _as_index(values: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
     """A 1-D int64 CPU tensor from a list of ints or an integer tensor."""
     if isinstance(values, torch.Tensor):
@@ -146,17 +149,17 @@ def _as_index(values: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
         if values.dim() != 1:
             raise PageIndexError(f"{what} must be 1-D, got shape {tuple(values.shape)}")
         return values.to(device="cpu", dtype=torch.int64)
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Sequence):
         raise PageIndexError(f"{what} must be a sequence of ints, got {type(values).__name__}")
-    # array('q') converts in C and refuses what is not an integer (floats, str, None); bools are
-    # ints to it, so they are looked for separately (map/in also run in C).
-    try:
-        packed = array("q", values)
-    except (TypeError, OverflowError):
-        packed = None
-    if packed is None or bool in map(type, values):
-        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v.bit_length() > 63]
-        raise PageIndexError(f"{what} must hold ints, found {bad[0] if bad else values!r}"[:200])
+    # Plain ints only (no bools, floats, numpy scalars), checked and converted in C: map/set over
+    # the element types, then array('q'), which also refuses values past int64.
+    packed = None
+    if set(map(type, values)) <= _INT_ONLY:
+        with contextlib.suppress(OverflowError):
+            packed = array("q", values)
+    if packed is None:
+        bad = [v for v in values if type(v) is not int or v.bit_length() > 63]
+        raise PageIndexError(f"{what} must hold ints, found {bad[0]!r}"[:200])
     return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
 
 
@@ -254,8 +257,8 @@ _HUGE_PAGE = 2 << 20
 def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor for a pool: anonymous memory, 2 MiB aligned and advised for transparent
     huge pages where the OS offers them. A pool is large, long-lived and read at scattered rows; with
-    4 KiB pages nearly every row copied costs a TLB miss (the kernel zero-fills on first touch, so
-    this also costs nothing up front)."""
+    4 KiB pages nearly every row copied costs a TLB miss. The memory is touched here, as torch.zeros
+    would: a host short of memory fails at startup, not with a killed rank in the middle of a copy."""
     nbytes = dtype.itemsize
     for dim in shape:
         nbytes *= dim
@@ -266,7 +269,9 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     start = -raw.data_ptr() % _HUGE_PAGE
     with contextlib.suppress(OSError):  # huge pages off or unsupported: 4 KiB pages are still correct
         region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    memory = raw[start : start + nbytes]
+    memory.zero_()  # commit every page now (see above)
+    return memory.view(dtype).view(shape)
 
 
 def _default_device() -> torch.device:

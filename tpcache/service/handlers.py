@@ -122,12 +122,11 @@ class RankHandler:
         if isinstance(body, p.MatchRequest):
             m = tp.match(body.tokens)
             hit = (m.device_pages + m.host_pages) * ps
-            return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, p.as_id_array(m.device_page_ids))
+            return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
         if isinstance(body, p.LockRequest):
             lease, m = tp.lock(body.tokens)
             hit = (m.device_pages + m.host_pages) * ps
-            ids = p.as_id_array(m.device_page_ids)
-            return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids)
+            return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, m.device_page_array)
         if isinstance(body, p.AllocRequest):
             return p.AllocResult(tp.alloc(body.lease, body.num_pages))
         if isinstance(body, p.InsertRequest):
