@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c
+$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! $(BIN)/python -c "import torch" 2>/dev/null && [ -n "$(TORCH_SPEC)" ]; then \

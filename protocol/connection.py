@@ -98,6 +98,9 @@ class ServerConnection:
         """How many requests are in flight (no copy of the set: checked once per request)."""
         return len(self._pending)
 
+    def is_pending(self, request_id: int | None) -> bool:
+        return request_id in self._pending
+
     def receive(self, frame: bytes) -> Request:
         """The request in ``frame``, now in flight. Raises ProtocolError (with ``request_id`` set
         when readable); answer it with ``reject``."""

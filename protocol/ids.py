@@ -24,10 +24,17 @@ if array("i").itemsize != ID_ITEMSIZE:  # pragma: no cover - no mainstream platf
     raise ImportError("protocol needs a C int of 4 bytes for array('i')")
 
 
+try:  # the optional C helper (protocol/_speedups.c), built at install where a compiler is
+    from protocol._speedups import ids_non_negative as _ids_non_negative
+except ImportError:
+    _ids_non_negative = None
+
+
 def _check_non_negative(data: bytes, where: str) -> None:
     # The sign bit of a little-endian int32 is the top bit of its last byte: the slice of every
     # fourth byte is ASCII exactly when no value is negative (a C-speed test, no Python loop).
-    if not data[ID_ITEMSIZE - 1 :: ID_ITEMSIZE].isascii():
+    ok = _ids_non_negative(data) if _ids_non_negative is not None else data[ID_ITEMSIZE - 1 :: ID_ITEMSIZE].isascii()
+    if not ok:
         raise InvalidArgument(f"{where}: ids must be non-negative")
 
 

@@ -6,8 +6,11 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import protocol as p
+import protocol.ids as ids_module
 from protocol.codec import scan
 from protocol.ids import pack_ids
 
@@ -284,3 +287,13 @@ def test_the_servers_fast_reply_path_matches_the_checked_one() -> None:
     assert conn.send_ok(9, fast) == frame_fast and conn.num_pending == 0
     with pytest.raises(ValueError):
         p.MatchResult.unchecked(48, 3)  # every field, in order
+
+
+@pytest.mark.skipif(ids_module._ids_non_negative is None, reason="the C helper was not built")
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64).map(lambda b: b[: len(b) // 4 * 4]))
+def test_the_c_sign_check_agrees_with_the_python_one(data: bytes) -> None:
+    assert ids_module._ids_non_negative(data) == data[3::4].isascii()
+    for cut in range(0, len(data), 4):  # a negative id at every position is found
+        flipped = data[: cut + 3] + bytes([data[cut + 3] | 0x80]) + data[cut + 4 :]
+        assert not ids_module._ids_non_negative(flipped)

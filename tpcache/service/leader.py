@@ -87,6 +87,7 @@ class Leader:
         assert channels.inbox is not None
         self.poller.register(channels.inbox, zmq.POLLIN)
         self.peers: dict[bytes, p.ServerConnection] = {}
+        self.in_flight = 0  # accepted requests not yet answered, over all clients
         self.authed: OrderedDict[bytes, None] = OrderedDict()
         self.secret = config.secret.encode()
         self.next_seq = 1
@@ -172,9 +173,10 @@ class Leader:
             self._send(envelope, conn.reject(exc), None, "error")
             return None
         self.peers[identity] = conn
+        self.in_flight += 1  # accepted: exactly one _reply ends it
         try:
             self._authorize(identity, request)
-            if sum(c.num_pending for c in self.peers.values()) > MAX_TOTAL_PENDING:
+            if self.in_flight > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
             if request.op == "hello":
                 self._reply(Item(envelope, request, outcome=self.h.hello()))
@@ -366,6 +368,8 @@ class Leader:
         rid = item.request.id
         identity = item.envelope[0]
         conn = self.peers.get(identity)
+        if conn is not None and conn.is_pending(rid):
+            self.in_flight -= 1
         try:
             if isinstance(outcome, p.ProtocolError):
                 label = outcome.code.name.lower()
