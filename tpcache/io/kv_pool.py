@@ -149,6 +149,14 @@ def _as_index(values: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
         if values.dim() != 1:
             raise PageIndexError(f"{what} must be 1-D, got shape {tuple(values.shape)}")
         return values.to(device="cpu", dtype=torch.int64)
+    return torch.frombuffer(packed, dtype=torch.int64) if (packed := _int_array(values, what)) else _EMPTY
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _int_array(values: Sequence[int], what: str) -> array:
+    """``values`` as array('q'); refuses anything but a sequence of plain ints."""
     if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Sequence):
         raise PageIndexError(f"{what} must be a sequence of ints, got {type(values).__name__}")
     # Plain ints only (no bools, floats, numpy scalars), checked and converted in C: map/set over
@@ -160,7 +168,7 @@ def _as_index(values: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
     if packed is None:
         bad = [v for v in values if type(v) is not int or v.bit_length() > 63]
         raise PageIndexError(f"{what} must hold ints, found {bad[0]!r}"[:200])
-    return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
+    return packed
 
 
 class PagedKV:
@@ -188,6 +196,20 @@ class PagedKV:
 
     def check_pages(self, pages: Sequence[int] | torch.Tensor, what: str = "pages") -> torch.Tensor:
         """Validate a page list (ints, in range, no duplicates) and return it as an int64 CPU tensor."""
+        if not isinstance(pages, torch.Tensor):
+            # a list (what the core's effects carry): checked with C-level builtins, no torch op
+            packed = _int_array(pages, what)
+            if not packed:
+                return _EMPTY
+            low, high = min(pages), max(pages)  # over the caller's ints: no boxing
+            if low < 0 or high >= self.num_pages:
+                bad = low if low < 0 else high
+                raise PageIndexError(f"{what}: index {bad} is out of range for a {self.kind} of {self.num_pages}")
+            if len(set(pages)) != len(packed):
+                seen: set[int] = set()
+                dup = next(v for v in pages if v in seen or seen.add(v))  # type: ignore[func-returns-value]
+                raise PageIndexError(f"{what}: index {dup} appears more than once")
+            return torch.frombuffer(packed, dtype=torch.int64)
         index = _as_index(pages, what)
         if index.numel() == 0:
             return index
