@@ -164,7 +164,11 @@ class Walk:
             if type(seg) is tuple:
                 run, first, n = seg
                 n = min(n, count - len(out))
-                out += run.device_pages()[first : first + n]
+                if run.pages is None and 2 * n < len(run.nodes):
+                    # a short slice of a long run: read its nodes rather than cache the whole run
+                    out.extend([node.device_page for node in run.nodes[first : first + n]])
+                else:
+                    out += run.device_pages()[first : first + n]
             else:
                 out.append(seg.device_page)
         return out
