@@ -106,12 +106,53 @@ _WHAT = {
 }
 
 
+try:  # the same scan in C (protocol/_speedups.c), built at install where a compiler is
+    from protocol._speedups import scan as _c_scan
+except ImportError:
+    _c_scan = None
+_C_SCAN_MAX_DEPTH = 64
+
+
 def scan(data: bytes | memoryview, limits: Limits) -> None:
     """Walk the msgpack headers of one frame without building objects. Raises MalformedMessage
     (truncated, trailing bytes, invalid byte, extension type) or MessageTooLarge (a bound).
 
     Objects are counted when their container's header is read, so a frame that declares too
-    many is refused before any of them is looked at."""
+    many is refused before any of them is looked at. Runs in C where that was built (the same
+    walk, the same errors: tests/unit/test_protocol_codec.py holds the two to each other)."""
+    if _c_scan is None or limits.max_depth > _C_SCAN_MAX_DEPTH:
+        scan_py(data, limits)
+        return
+    problem = _c_scan(
+        data,
+        limits.max_str_len,
+        limits.max_bin_len,
+        limits.max_array_len,
+        limits.max_map_len,
+        limits.max_depth,
+        limits.max_objects,
+    )
+    if problem is None:
+        return
+    what = problem[0]
+    if what == "too_large":
+        _, kind, length, cap = problem
+        raise MessageTooLarge(f"{_WHAT[kind].format(length)}, more than {cap}")
+    if what == "depth":
+        raise MessageTooLarge(f"nesting deeper than {limits.max_depth}")
+    if what == "objects":
+        raise MessageTooLarge(f"more than {limits.max_objects} msgpack objects in one frame")
+    if what == "ext":
+        raise MalformedMessage("msgpack extension types are not allowed")
+    if what == "invalid":
+        raise MalformedMessage(f"invalid msgpack byte 0x{problem[1]:02x}")
+    if what == "trailing":
+        raise MalformedMessage(f"{problem[1]} trailing bytes after the message")
+    raise MalformedMessage("truncated frame")
+
+
+def scan_py(data: bytes | memoryview, limits: Limits) -> None:
+    """``scan`` in Python: the reference the C scan is tested against, and the fallback."""
     n = len(data)
     caps = (0, limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len)
     max_depth, max_objects = limits.max_depth, limits.max_objects
@@ -365,4 +406,5 @@ __all__ = [
     "error_response",
     "ok_response",
     "scan",
+    "scan_py",
 ]

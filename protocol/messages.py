@@ -203,6 +203,9 @@ NAMESPACE = Text(256)
 # Bodies.
 
 
+_SLOT_SETTERS: dict[type, tuple[Callable[[Any, Any], None], ...]] = {}
+
+
 class Body:
     """Base of request and result bodies. Subclasses are frozen, slotted dataclasses whose every
     field carries a Kind; ``register`` fills the class-level tables below."""
@@ -229,9 +232,12 @@ class Body:
         """A body from field values its caller produced and knows to be canonical (a server's own
         results: counts from its cache, ids as ``array('i')``), in field order, without the
         per-field checks. Anything that crosses a trust boundary goes through the constructor."""
+        setters = _SLOT_SETTERS.get(cls)
+        if setters is None:  # the slots' own descriptors: writes that skip the frozen __setattr__
+            setters = _SLOT_SETTERS[cls] = tuple(getattr(cls, name).__set__ for name, _, _, _ in cls.SPEC)
         obj = object.__new__(cls)
-        for (name, _, _, _), value in zip(cls.SPEC, values, strict=True):
-            object.__setattr__(obj, name, value)
+        for setter, value in zip(setters, values, strict=True):
+            setter(obj, value)
         return obj
 
     def to_wire(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protocol as p
+import protocol.codec as codec_module
 import protocol.ids as ids_module
 from protocol.codec import scan
 from protocol.ids import pack_ids
@@ -297,3 +298,33 @@ def test_the_c_sign_check_agrees_with_the_python_one(data: bytes) -> None:
     for cut in range(0, len(data), 4):  # a negative id at every position is found
         flipped = data[: cut + 3] + bytes([data[cut + 3] | 0x80]) + data[cut + 4 :]
         assert not ids_module._ids_non_negative(flipped)
+
+
+def _scan_outcome(fn: Any, data: bytes, limits: p.Limits) -> tuple[str, str] | None:
+    try:
+        fn(data, limits)
+    except p.ProtocolError as exc:
+        return type(exc).__name__, exc.message
+    return None
+
+
+_TIGHT = p.Limits(max_depth=3, max_objects=12, max_array_len=5, max_map_len=3, max_str_len=6, max_bin_len=8)
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=9)
+    | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=7) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@pytest.mark.skipif(codec_module._c_scan is None, reason="the C scan was not built")
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_values.map(lambda v: msgpack.packb(v, use_bin_type=True)), st.binary(max_size=40)), st.integers(0, 6))
+def test_the_c_scan_agrees_with_the_python_scan(data: bytes, cut: int) -> None:
+    for frame in (data, data[: len(data) - cut], data + b"\xc0" * cut):
+        for limits in (p.DEFAULT_LIMITS, _TIGHT):
+            assert _scan_outcome(scan, frame, limits) == _scan_outcome(codec_module.scan_py, frame, limits)
