@@ -120,3 +120,38 @@ def test_negative_sizes_and_overflowing_deltas_are_refused() -> None:
         native._rowcopy.copy_rows(  # type: ignore[union-attr]
             dst.data_ptr(), 256, _offsets([2**62]), src.data_ptr(), 256, _offsets([0]), 64, 2**62, 0, False
         )
+
+
+BAD_LISTS = [
+    ([0, 1], [2]),  # lengths differ
+    ([0, 99], [1, 2]),  # device page out of range
+    ([-1, 2], [1, 2]),
+    ([0, 0], [1, 2]),  # duplicate
+    ([0, 1], [3, 3]),
+    ([0, 1.0], [1, 2]),  # not an int
+    ([True], [1]),
+    ([0, 2**70], [1, 2]),
+    ([0, 99], [5, 5]),  # both sides bad: the device side is reported first
+    ([0, 1], [1, 2, 3, 3]),  # a bad destination beats the length mismatch
+    ((0, 1), (4, 5)),  # tuples are fine
+    ([], []),
+]
+
+
+@pytest.mark.parametrize(("pages", "slots"), BAD_LISTS)
+def test_planning_in_c_refuses_what_check_pages_refuses_with_the_same_words(pages, slots) -> None:
+    from tpcache.io.errors import PageIndexError
+    from tpcache.io.transfer import TransferEngine
+
+    outcomes = []
+    for use_native in (True, False):
+        dev = DevicePool(LAYOUT, 16, "cpu")
+        host = HostPool(LAYOUT, 20, "page_first")
+        with TransferEngine(dev, host, use_native=use_native) as engine:
+            try:
+                engine.submit_backup(1, pages, slots).wait(30)
+                engine.submit_load(2, slots, pages).wait(30)
+                outcomes.append("ok")
+            except PageIndexError as exc:
+                outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]

@@ -19,6 +19,7 @@ copies nothing. Rows that continue each other on both sides are merged into one 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__SSE2__)
@@ -220,8 +221,167 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------------------
+plan_rows(src_pages, dst_pages, src_num, dst_num, src_geom, dst_geom, layers, row_bytes, src_out, dst_out)
+
+Validates two page lists the way PagedKV.check_pages does (plain ints, in range, no duplicates;
+the source list first, then equal lengths) in one pass over the Python ints, then writes the byte offsets of every row
+to copy into src_out and dst_out (writable int64 buffers of len(pages) * 2 * layers): pairs sorted
+by source page, rows in the source's layout order, as native.RowCopy.build does. geom is
+(page_row_stride, layer_row_stride, kv_row_stride, page_first). Returns None, or the first problem
+as ("type", side, index), ("range", side, value), ("dup", side, value) or ("len", n_src, n_dst);
+side 0 = source. */
+
+typedef struct {
+    long long src, dst;
+} pair_t;
+
+static int by_src(const void *a, const void *b) {
+    long long x = ((const pair_t *)a)->src, y = ((const pair_t *)b)->src;
+    return (x > y) - (x < y);
+}
+
+static PyObject *check_side(PyObject *fast, long long num, long long *out, int side) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    long long lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow = 0;
+        long long v = PyLong_CheckExact(items[i]) ? PyLong_AsLongLongAndOverflow(items[i], &overflow) : 0;
+        if (!PyLong_CheckExact(items[i]) || overflow) {
+            return Py_BuildValue("(sin)", "type", side, i);
+        }
+        if (i == 0 || v < lo) {
+            lo = v;
+        }
+        if (i == 0 || v > hi) {
+            hi = v;
+        }
+        out[i] = v;
+    }
+    if (n && (lo < 0 || hi >= num)) {
+        return Py_BuildValue("(siL)", "range", side, lo < 0 ? lo : hi);
+    }
+    unsigned char *seen = calloc((size_t)(num / 8 + 1), 1);
+    if (seen == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = out[i];
+        if (seen[v >> 3] & (1u << (v & 7))) {
+            free(seen);
+            return Py_BuildValue("(siL)", "dup", side, v);
+        }
+        seen[v >> 3] |= (unsigned char)(1u << (v & 7));
+    }
+    free(seen);
+    Py_RETURN_NONE;
+}
+
+static PyObject *plan_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *src_obj, *dst_obj, *src_out_obj, *dst_out_obj;
+    long long src_num, dst_num, layers, row;
+    long long sg[4], dg[4];
+    if (!PyArg_ParseTuple(args, "OOLL(LLLL)(LLLL)LLOO", &src_obj, &dst_obj, &src_num, &dst_num, &sg[0], &sg[1], &sg[2],
+                          &sg[3], &dg[0], &dg[1], &dg[2], &dg[3], &layers, &row, &src_out_obj, &dst_out_obj)) {
+        return NULL;
+    }
+    if (layers <= 0 || layers > 4096 || row <= 0 || src_num <= 0 || dst_num <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bad pool geometry");
+        return NULL;
+    }
+    PyObject *src_fast = PySequence_Fast(src_obj, "source pages must be a sequence");
+    if (src_fast == NULL) {
+        return NULL;
+    }
+    PyObject *dst_fast = PySequence_Fast(dst_obj, "destination pages must be a sequence");
+    if (dst_fast == NULL) {
+        Py_DECREF(src_fast);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer so = {0}, dout = {0};
+    int have_so = 0, have_do = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(src_fast), m = PySequence_Fast_GET_SIZE(dst_fast);
+    long long *vals = malloc(sizeof(long long) * (size_t)(n + m + 1));
+    pair_t *pairs = malloc(sizeof(pair_t) * (size_t)(n + 1));
+    if (vals == NULL || pairs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = check_side(src_fast, src_num, vals, 0);
+    if (result != Py_None) {
+        goto done;
+    }
+    Py_DECREF(result);
+    result = check_side(dst_fast, dst_num, vals + n, 1);
+    if (result != Py_None) {
+        goto done;
+    }
+    Py_CLEAR(result);
+    if (m != n) { /* both lists are valid: now their lengths (the order check_pages + _submit use) */
+        result = Py_BuildValue("(snn)", "len", n, m);
+        goto done;
+    }
+    if (PyObject_GetBuffer(src_out_obj, &so, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        goto done;
+    }
+    have_so = 1;
+    if (PyObject_GetBuffer(dst_out_obj, &dout, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        goto done;
+    }
+    have_do = 1;
+    long long rows = 2 * layers;
+    if (so.len != (Py_ssize_t)(8 * n * rows) || dout.len != so.len) {
+        PyErr_SetString(PyExc_ValueError, "output buffers must hold len(pages) * 2 * layers int64 offsets");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pairs[i].src = vals[i];
+        pairs[i].dst = vals[n + i];
+    }
+    qsort(pairs, (size_t)n, sizeof(pair_t), by_src); /* sources are unique: a total order */
+    int64_t *sout = (int64_t *)so.buf, *dst_o = (int64_t *)dout.buf;
+    Py_ssize_t k = 0;
+    if (sg[3]) { /* page-first source: page by page, its rows in order */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            for (long long r = 0; r < rows; r++) {
+                long long l = r / 2, kv = r % 2;
+                sout[k] = (pairs[i].src * sg[0] + l * sg[1] + kv * sg[2]) * row;
+                dst_o[k] = (pairs[i].dst * dg[0] + l * dg[1] + kv * dg[2]) * row;
+                k++;
+            }
+        }
+    } else { /* layer-first source: row block by row block, pages ascending */
+        for (long long r = 0; r < rows; r++) {
+            long long l = r / 2, kv = r % 2;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                sout[k] = (pairs[i].src * sg[0] + l * sg[1] + kv * sg[2]) * row;
+                dst_o[k] = (pairs[i].dst * dg[0] + l * dg[1] + kv * dg[2]) * row;
+                k++;
+            }
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (have_so) {
+        PyBuffer_Release(&so);
+    }
+    if (have_do) {
+        PyBuffer_Release(&dout);
+    }
+    free(vals);
+    free(pairs);
+    Py_DECREF(src_fast);
+    Py_DECREF(dst_fast);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "Copy rows between two buffers by byte offsets (see the module source)."},
+    {"plan_rows", plan_rows, METH_VARARGS, "Validate two page lists and write their row offsets (see the source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -51,13 +51,33 @@ class CpuMover:
         """CPU copies need no stream ordering: the caller's writes are already done."""
         return None
 
+    def plan(self, direction: str, src_pages: object, dst_pages: object) -> native.RowCopy | None:
+        """The whole copy, validated and planned in C at submit time, when the native copy is built and
+        both page lists are lists or tuples of ints (what the core's effects carry); None otherwise,
+        and the engine validates with check_pages. Raises PageIndexError like check_pages."""
+        if not self.native or type(src_pages) not in (list, tuple) or type(dst_pages) not in (list, tuple):
+            return None
+        if direction == "d2h":
+            return native.RowCopy.plan(self.dev, src_pages, "device_pages", self.host, dst_pages, "host_slots", None)
+        return native.RowCopy.plan(self.host, src_pages, "host_slots", self.dev, dst_pages, "device_pages", 0)
+
+    def run_backup(self, rows: native.RowCopy, before: BeforeLayer) -> None:
+        before(-1)
+        rows.run(self.host.kv, self.dev.kv)
+
+    def run_load(self, rows: native.RowCopy, before: BeforeLayer, on_layer: LayerDone) -> None:
+        """A planned load, layer 0's rows shifted to each layer in turn."""
+        for layer in range(self.dev.layout.num_layers):
+            before(layer)
+            rows.run(self.dev.kv, self.host.kv, layer * self.dev.layer_row_stride, layer * self.host.layer_row_stride)
+            on_layer(layer, None)
+
     def backup(self, device_pages: torch.Tensor, host_slots: torch.Tensor, before: BeforeLayer, after: None) -> None:
         """Copy whole pages device -> host."""
-        before(-1)
         if self.native:
-            rows = native.RowCopy.build(self.dev, device_pages, self.host, host_slots, None)
-            rows.run(self.host.kv, self.dev.kv)
+            self.run_backup(native.RowCopy.build(self.dev, device_pages, self.host, host_slots, None), before)
             return
+        before(-1)
         CopyPlan.build(device_pages, host_slots, self._to_host.slab_bytes).run(self._to_host, self._stage())
 
     def load(
@@ -70,13 +90,9 @@ class CpuMover:
     ) -> None:
         """Copy pages host -> device layer by layer: layer i of every page, then layer i + 1."""
         if self.native:
-            rows = native.RowCopy.build(self.host, host_slots, self.dev, device_pages, layer=0)
-            for layer in range(self.dev.layout.num_layers):
-                before(layer)
-                rows.run(
-                    self.dev.kv, self.host.kv, layer * self.dev.layer_row_stride, layer * self.host.layer_row_stride
-                )
-                on_layer(layer, None)
+            self.run_load(
+                native.RowCopy.build(self.host, host_slots, self.dev, device_pages, layer=0), before, on_layer
+            )
             return
         plan = CopyPlan.build(host_slots, device_pages, self._to_device_layers[0].slab_bytes)
         stage = self._stage()
@@ -105,6 +121,10 @@ class CudaMover:
         self.device = device_pool.device
         self.d2h_stream = torch.cuda.Stream(device=self.device)
         self.h2d_stream = torch.cuda.Stream(device=self.device)
+
+    def plan(self, direction: str, src_pages: object, dst_pages: object) -> None:
+        """GPU copies are planned on their stream (see backup/load)."""
+        return None
 
     def submit_marker(self) -> torch.cuda.Event:
         """An event on the caller's current stream: the KV written so far is what a backup copies."""

@@ -8,11 +8,13 @@ the CPU mover then uses the torch copy planner (`row_copy`) instead, with the sa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tpcache.io.errors import PageIndexError
 from tpcache.io.kv_pool import PagedKV
 
 try:
@@ -71,6 +73,44 @@ class RowCopy:
             row_bytes,
         )
 
+    @classmethod
+    def plan(
+        cls,
+        src_pool: PagedKV,
+        src_pages: Sequence[int],
+        src_what: str,
+        dst_pool: PagedKV,
+        dst_pages: Sequence[int],
+        dst_what: str,
+        layer: int | None,
+    ) -> RowCopy:
+        """``build`` from two lists of ints, validated as ``PagedKV.check_pages`` would (same errors,
+        same order) in C: one pass over the ints and no torch op, which is most of what a small
+        transfer costs. Raises PageIndexError."""
+        if _rowcopy is None:
+            raise RuntimeError("the native row copy was not built (see tpcache/io/native.py)")
+        layers = src_pool.layout.num_layers if layer is None else 1
+        rows = len(src_pages) * 2 * layers
+        src, dst = np.empty(rows, np.int64), np.empty(rows, np.int64)
+        problem = _rowcopy.plan_rows(
+            src_pages,
+            dst_pages,
+            src_pool.num_pages,
+            dst_pool.num_pages,
+            _geometry(src_pool),
+            _geometry(dst_pool),
+            layers,
+            src_pool.layout.row_bytes,
+            src,
+            dst,
+        )
+        if problem is not None:
+            raise _page_error(problem, (src_pool, src_pages, src_what), (dst_pool, dst_pages, dst_what))
+        if layer:
+            src += layer * src_pool.layer_row_stride * src_pool.layout.row_bytes
+            dst += layer * dst_pool.layer_row_stride * dst_pool.layout.row_bytes
+        return cls(src, dst, src_pool.layout.row_bytes)
+
     def run(self, dst: torch.Tensor, src: torch.Tensor, dst_delta_rows: int = 0, src_delta_rows: int = 0) -> None:
         """Copy every row from tensor `src` to tensor `dst` (the pools' whole KV tensors)."""
         if _rowcopy is None:
@@ -91,3 +131,20 @@ class RowCopy:
             src_delta_rows * self.row_bytes,
             self.dst.size * self.row_bytes >= STREAM_BYTES,
         )
+
+
+def _geometry(pool: PagedKV) -> tuple[int, int, int, int]:
+    return pool.page_row_stride, pool.layer_row_stride, pool.kv_row_stride, int(pool.page_first)
+
+
+def _page_error(problem: tuple, *sides: tuple[PagedKV, Sequence[int], str]) -> PageIndexError:
+    """The PageIndexError check_pages (or the engine's length check) raises for ``problem``."""
+    what = problem[0]
+    if what == "len":
+        return PageIndexError(f"{problem[1]} source pages but {problem[2]} destination pages")
+    pool, pages, name = sides[problem[1]]
+    if what == "type":
+        return PageIndexError(f"{name} must hold ints, found {pages[problem[2]]!r}"[:200])
+    if what == "range":
+        return PageIndexError(f"{name}: index {problem[2]} is out of range for a {pool.kind} of {pool.num_pages}")
+    return PageIndexError(f"{name}: index {problem[2]} appears more than once")

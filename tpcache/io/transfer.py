@@ -37,6 +37,9 @@ from tpcache.io.errors import (
 )
 from tpcache.io.kv_pool import DevicePool, HostPool
 from tpcache.io.movers import CpuMover, CudaMover
+from tpcache.io.native import RowCopy
+
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 Direction = Literal["d2h", "h2d"]
 D2H: Direction = "d2h"
@@ -189,6 +192,7 @@ class _Job:
     src: torch.Tensor
     dst: torch.Tensor
     marker: torch.cuda.Event | None  # caller-stream point the copy must follow (GPU)
+    plan: RowCopy | None = None  # the whole copy, planned at submit (CPU native path; src/dst unused)
 
 
 class TransferEngine:
@@ -251,6 +255,9 @@ class TransferEngine:
         written by the forward pass is what gets backed up. Raises PageIndexError / OpIdError /
         EngineClosedError without enqueuing anything.
         """
+        plan = self._mover.plan(D2H, device_pages, host_slots)
+        if plan is not None:
+            return self._submit(op_id, D2H, _NO_PAGES, _NO_PAGES, delay, OpHandle(op_id, D2H, 0), plan)
         src = self.device_pool.check_pages(device_pages, "device_pages")
         dst = self.host_pool.check_pages(host_slots, "host_slots")
         return self._submit(op_id, D2H, src, dst, delay, OpHandle(op_id, D2H, 0))
@@ -264,9 +271,13 @@ class TransferEngine:
         delay: float | None = None,
     ) -> LoadHandle:
         """Copy `host_slots[i]` -> `device_pages[i]` asynchronously, layer by layer (queue "h2d")."""
+        plan = self._mover.plan(H2D, host_slots, device_pages)
+        handle = LoadHandle(op_id, self.device_pool.layout.num_layers)
+        if plan is not None:
+            self._submit(op_id, H2D, _NO_PAGES, _NO_PAGES, delay, handle, plan)
+            return handle
         src = self.host_pool.check_pages(host_slots, "host_slots")
         dst = self.device_pool.check_pages(device_pages, "device_pages")
-        handle = LoadHandle(op_id, self.device_pool.layout.num_layers)
         self._submit(op_id, H2D, src, dst, delay, handle)
         return handle
 
@@ -278,6 +289,7 @@ class TransferEngine:
         dst: torch.Tensor,
         delay: float | None,
         handle: OpHandle,
+        plan: RowCopy | None = None,
     ) -> OpHandle:
         if src.numel() != dst.numel():
             raise PageIndexError(f"{src.numel()} source pages but {dst.numel()} destination pages")
@@ -292,7 +304,7 @@ class TransferEngine:
             self._last_op_id = op_id
             self._queues[direction].append(handle)
             self._held[op_id] = handle
-            job = _Job(handle, src, dst, self._mover.submit_marker())
+            job = _Job(handle, src, dst, self._mover.submit_marker(), plan)
             if seconds > 0:
                 thread = threading.Thread(target=self._run_delayed, args=(job, seconds), daemon=True)
                 self._delayed.append(thread)
@@ -335,7 +347,13 @@ class TransferEngine:
                 hook(op_id, layer)
 
         try:
-            if isinstance(handle, LoadHandle):
+            if job.plan is not None:
+                mover: CpuMover = self._mover  # type: ignore[assignment]  # only a CPU mover plans
+                if isinstance(handle, LoadHandle):
+                    mover.run_load(job.plan, before, handle._layer_landed)
+                else:
+                    mover.run_backup(job.plan, before)
+            elif isinstance(handle, LoadHandle):
                 self._mover.load(job.src, job.dst, before, handle._layer_landed, job.marker)  # type: ignore[arg-type]
             else:
                 self._mover.backup(job.src, job.dst, before, job.marker)  # type: ignore[arg-type]
