@@ -5,7 +5,7 @@ non-contiguous list of pages through `TransferEngine` and compare with `dst.copy
 contiguous tensor of the same total size, measured in the same run (on a GPU: device <-> pinned host,
 i.e. PCIe). Prints one JSON object with --json, a table otherwise.
 
-    .venv/bin/python scripts/bench_transfer.py --json [--runs 5]
+    .venv/bin/python scripts/bench_transfer.py --json [--runs 3]
 """
 
 from __future__ import annotations
@@ -157,7 +157,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
-    parser.add_argument("--runs", type=int, default=1, help="whole measurements; report each case's median")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="whole measurements; each case reports its median run (default 3: one run on a shared machine is noisy)",
+    )
     parser.add_argument(
         "--copier",
         choices=("auto", "native", "torch"),
