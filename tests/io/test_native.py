@@ -134,6 +134,7 @@ BAD_LISTS = [
     ([0, 99], [5, 5]),  # both sides bad: the device side is reported first
     ([0, 1], [1, 2, 3, 3]),  # a bad destination beats the length mismatch
     ((0, 1), (4, 5)),  # tuples are fine
+    (list(range(17)), list(range(17))),  # longer than the device pool: never planned in C
     ([], []),
 ]
 

@@ -41,7 +41,7 @@ def test_a_full_host_tier_with_nothing_to_evict_leaves_the_backlog_alone() -> No
     drain(core)
     core.tick()
     assert list(core.backup_backlog) == waiting
-    assert core.mirror_pages == 0  # no storage tier: nothing is durable, mirror release has nothing
+    assert not core.mirrors  # no storage tier: nothing is durable, mirror release has nothing
     assert core.evict_device(1) == 1  # the deepest page, waiting in the backlog: it leaves it
     core.tick()
     assert list(core.backup_backlog) == waiting[:-1] and not core.inflight[OpKind.BACKUP]

@@ -328,3 +328,11 @@ def test_the_c_scan_agrees_with_the_python_scan(data: bytes, cut: int) -> None:
     for frame in (data, data[: len(data) - cut], data + b"\xc0" * cut):
         for limits in (p.DEFAULT_LIMITS, _TIGHT):
             assert _scan_outcome(scan, frame, limits) == _scan_outcome(codec_module.scan_py, frame, limits)
+
+
+def test_limits_past_int64_counting_use_the_reference_scan() -> None:
+    huge = p.Limits(max_objects=2**64, max_bin_len=2**62 + 1)  # msgpack itself takes at most ssize_t
+    request = p.Request(1, p.MatchRequest(tokens=[1, 2]))
+    assert p.decode_request(p.encode_request(request), huge) == request
+    with pytest.raises(p.MalformedMessage, match="trailing"):
+        p.decode_request(p.encode_request(request) + b"\x00", huge)

@@ -77,7 +77,8 @@ def check(core: CacheCore) -> None:
                         fail(f"storage write op {op.op_id}: node {n.node_id} is {n!r}")
 
     digest = Digest()
-    evictable = protected = mirrors = 0
+    evictable = protected = 0
+    mirrors: list[int] = []
     for node in core.tree.nodes.values():
         if node.parent is None:
             continue
@@ -116,11 +117,12 @@ def check(core: CacheCore) -> None:
             evictable += 1
         elif node.on_device and node.device_pins > 0:
             protected += 1
-        mirrors += (
+        if (
             node.device_state == DeviceState.VALID
             and node.host_state == HostState.VALID
             and node.storage_state == StorageState.DURABLE
-        )
+        ):
+            mirrors.append(node.node_id)
     for lease in core.leases.values():
         digest.add(lease.record)
     for page in device_owner:
@@ -134,8 +136,8 @@ def check(core: CacheCore) -> None:
         fail(f"evictable counter {core.evictable_device_pages} != {evictable}")
     if protected != core.protected_device_pages:
         fail(f"protected counter {core.protected_device_pages} != {protected}")
-    if mirrors != core.mirror_pages:
-        fail(f"mirror counter {core.mirror_pages} != {mirrors}")
+    if sorted(mirrors) != sorted(core.mirrors) or any(core.tree.nodes.get(i) is not n for i, n in core.mirrors.items()):
+        fail(f"mirror index {sorted(core.mirrors)} != {sorted(mirrors)}")
     _check_page_caches(core, fail)
     if digest.value != core.digest.value:
         fail("incremental digest differs from the recomputed digest")

@@ -45,7 +45,9 @@ class Ledger:
         self.stats = Stats()
         self.evictable_device_pages = 0
         self.protected_device_pages = 0
-        self.mirror_pages = 0  # on device, host and durable in storage: what mirror release can free
+        # Pages on device, on host and durable in storage, by node id: all that mirror release can
+        # ever free, so its plan looks at these and not at the whole tree.
+        self.mirrors: dict[int, Node] = {}
         # Pages waiting for a host slot to be backed up, oldest first. Retried every round; the
         # agreed minimum of its length is the host deficit a mirror-release plan works off.
         self.backup_backlog: dict[int, Node] = {}
@@ -174,7 +176,7 @@ class Ledger:
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages -= 1
         if _is_mirror(node):
-            self.mirror_pages -= 1
+            del self.mirrors[node.node_id]
 
     def _account(self, node: Node) -> None:
         node.record = mix(
@@ -193,7 +195,7 @@ class Ledger:
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages += 1
         if _is_mirror(node):
-            self.mirror_pages += 1
+            self.mirrors[node.node_id] = node
         self._push(node)
         parent = node.parent
         if parent is not None and parent.parent is not None:

@@ -49,9 +49,10 @@ class MirrorRelease:
 
     def prepare(self, core: CacheCore, agreement: Agreement) -> Plan | None:
         want = agreement.lo["host_deficit"]
-        if want <= 0 or not core.mirror_pages:  # nothing durable to release: skip the scan
+        if want <= 0 or not core.mirrors:
             return None
-        candidates = [n for n in core.tree.nodes.values() if core.is_releasable_mirror(n)]
+        # the mirror index holds every page that could qualify; the sort makes its order irrelevant
+        candidates = [n for n in core.mirrors.values() if core.is_releasable_mirror(n)]
         candidates.sort(key=core.policy.key)
         chosen = candidates[:want]
         if not chosen:

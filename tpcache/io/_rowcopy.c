@@ -241,6 +241,11 @@ static int by_src(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+static int by_value(const void *a, const void *b) {
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return (x > y) - (x < y);
+}
+
 static PyObject *check_side(PyObject *fast, long long num, long long *out, int side) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
@@ -262,6 +267,22 @@ static PyObject *check_side(PyObject *fast, long long num, long long *out, int s
     if (n && (lo < 0 || hi >= num)) {
         return Py_BuildValue("(siL)", "range", side, lo < 0 ? lo : hi);
     }
+    /* duplicates: sort a copy (cost follows the list, not the pool); only when there is one, a
+       bitmap pass names the first repeated value in list order, as check_pages does */
+    long long *sorted = malloc(sizeof(long long) * (size_t)(n + 1));
+    if (sorted == NULL) {
+        return PyErr_NoMemory();
+    }
+    memcpy(sorted, out, sizeof(long long) * (size_t)n);
+    qsort(sorted, (size_t)n, sizeof(long long), by_value);
+    int repeated = 0;
+    for (Py_ssize_t i = 1; i < n && !repeated; i++) {
+        repeated = sorted[i] == sorted[i - 1];
+    }
+    free(sorted);
+    if (!repeated) {
+        Py_RETURN_NONE;
+    }
     unsigned char *seen = calloc((size_t)(num / 8 + 1), 1);
     if (seen == NULL) {
         return PyErr_NoMemory();
@@ -275,7 +296,7 @@ static PyObject *check_side(PyObject *fast, long long num, long long *out, int s
         seen[v >> 3] |= (unsigned char)(1u << (v & 7));
     }
     free(seen);
-    Py_RETURN_NONE;
+    Py_RETURN_NONE; /* not reached: the sort found a repeat */
 }
 
 static PyObject *plan_rows(PyObject *self, PyObject *args) {

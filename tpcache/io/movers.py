@@ -57,6 +57,9 @@ class CpuMover:
         and the engine validates with check_pages. Raises PageIndexError like check_pages."""
         if not self.native or type(src_pages) not in (list, tuple) or type(dst_pages) not in (list, tuple):
             return None
+        src_pool, dst_pool = (self.dev, self.host) if direction == "d2h" else (self.host, self.dev)
+        if len(src_pages) > src_pool.num_pages or len(dst_pages) > dst_pool.num_pages:
+            return None  # cannot be valid: check_pages says why, before anything is allocated
         if direction == "d2h":
             return native.RowCopy.plan(self.dev, src_pages, "device_pages", self.host, dst_pages, "host_slots", None)
         return native.RowCopy.plan(self.host, src_pages, "host_slots", self.dev, dst_pages, "device_pages", 0)
