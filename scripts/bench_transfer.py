@@ -92,6 +92,10 @@ def run(moved_bytes: int, repeats: int, seed: int, threads: int | None, use_nati
         floor_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         pinned = device.type == "cuda"
         floor_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        # Write both before timing: memory never written reads as the kernel's one shared zero page,
+        # which sits in the cache and would make the floor's first copies look far too fast.
+        floor_src.fill_(1)
+        floor_host.fill_(2)
         floors = {
             "d2h": partial(floor_host.copy_, floor_src, non_blocking=pinned),
             "h2d": partial(floor_src.copy_, floor_host, non_blocking=pinned),
