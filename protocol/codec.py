@@ -121,19 +121,11 @@ def scan(data: bytes | memoryview, limits: Limits) -> None:
     Objects are counted when their container's header is read, so a frame that declares too
     many is refused before any of them is looked at. Runs in C where that was built (the same
     walk, the same errors: tests/unit/test_protocol_codec.py holds the two to each other)."""
-    bounds = (limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len, limits.max_objects)
-    if _c_scan is None or limits.max_depth > _C_SCAN_MAX_DEPTH or max(bounds) > _C_SCAN_MAX_BOUND:
+    caps = (limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len)
+    if _c_scan is None or limits.max_depth > _C_SCAN_MAX_DEPTH or max(*caps, limits.max_objects) > _C_SCAN_MAX_BOUND:
         scan_py(data, limits)  # limits past what the C scan counts in int64 go the reference way
         return
-    problem = _c_scan(
-        data,
-        limits.max_str_len,
-        limits.max_bin_len,
-        limits.max_array_len,
-        limits.max_map_len,
-        limits.max_depth,
-        limits.max_objects,
-    )
+    problem = _c_scan(data, *caps, limits.max_depth, limits.max_objects)
     if problem is None:
         return
     what = problem[0]

@@ -22,7 +22,7 @@ from collections import deque
 from tpcache.core.allocator import OutOfPages
 from tpcache.core.config import CacheConfig
 from tpcache.core.hashing import TokenIds, as_token_bytes
-from tpcache.core.ledger import Ledger
+from tpcache.core.ledger import Ledger, is_mirror
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.records import (
     CacheClosed,
@@ -654,10 +654,8 @@ class CacheCore(Ledger):
         """A host copy of a page that is also on device and durable in storage: redundant."""
         return (
             node.parent is not None
-            and node.host_state == HostState.VALID
+            and is_mirror(node)
             and node.host_pins == 0
-            and node.device_state == DeviceState.VALID
-            and node.storage_state == StorageState.DURABLE
             # a child only on host needs this page's device copy kept (it would become unevictable)
             and not any(c.on_host and not c.on_device for c in node.children.values())
         )

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from tpcache.core.cache import CacheCore, OpKind
 from tpcache.core.digest import Digest
+from tpcache.core.ledger import is_mirror
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 
 
@@ -117,11 +118,7 @@ def check(core: CacheCore) -> None:
             evictable += 1
         elif node.on_device and node.device_pins > 0:
             protected += 1
-        if (
-            node.device_state == DeviceState.VALID
-            and node.host_state == HostState.VALID
-            and node.storage_state == StorageState.DURABLE
-        ):
+        if is_mirror(node):
             mirrors.append(node.node_id)
     for lease in core.leases.values():
         digest.add(lease.record)

@@ -22,7 +22,8 @@ from tpcache.core.tree import Node, RadixTree, drop_pages
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
 
 
-def _is_mirror(node: Node) -> bool:
+def is_mirror(node: Node) -> bool:
+    """On device, on host and durable in storage: the pages mirror release may free a copy of."""
     return (
         node.storage_state == StorageState.DURABLE
         and node.host_state == HostState.VALID
@@ -175,7 +176,7 @@ class Ledger:
             self.evictable_device_pages -= 1
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages -= 1
-        if _is_mirror(node):
+        if is_mirror(node):
             del self.mirrors[node.node_id]
 
     def _account(self, node: Node) -> None:
@@ -194,7 +195,7 @@ class Ledger:
             self.evictable_device_pages += 1
         elif node.on_device and node.device_pins > 0:
             self.protected_device_pages += 1
-        if _is_mirror(node):
+        if is_mirror(node):
             self.mirrors[node.node_id] = node
         self._push(node)
         parent = node.parent

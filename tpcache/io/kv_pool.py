@@ -141,15 +141,13 @@ def _wide_dtype(tensor: torch.Tensor, row_bytes: int) -> torch.dtype:
 _INT_ONLY = frozenset((int,))
 
 
-def _as_index(values: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
-    """A 1-D int64 CPU tensor from a list of ints or an integer tensor."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype is torch.bool:
-            raise PageIndexError(f"{what} must hold integers, got a {values.dtype} tensor")
-        if values.dim() != 1:
-            raise PageIndexError(f"{what} must be 1-D, got shape {tuple(values.shape)}")
-        return values.to(device="cpu", dtype=torch.int64)
-    return torch.frombuffer(packed, dtype=torch.int64) if (packed := _int_array(values, what)) else _EMPTY
+def _tensor_index(values: torch.Tensor, what: str) -> torch.Tensor:
+    """A 1-D int64 CPU tensor from an integer tensor."""
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype is torch.bool:
+        raise PageIndexError(f"{what} must hold integers, got a {values.dtype} tensor")
+    if values.dim() != 1:
+        raise PageIndexError(f"{what} must be 1-D, got shape {tuple(values.shape)}")
+    return values.to(device="cpu", dtype=torch.int64)
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -201,27 +199,32 @@ class PagedKV:
             packed = _int_array(pages, what)
             if not packed:
                 return _EMPTY
-            low, high = min(pages), max(pages)  # over the caller's ints: no boxing
-            if low < 0 or high >= self.num_pages:
-                bad = low if low < 0 else high
-                raise PageIndexError(f"{what}: index {bad} is out of range for a {self.kind} of {self.num_pages}")
+            self.check_range(what, min(pages), max(pages))  # over the caller's ints: no boxing
             if len(set(pages)) != len(packed):
                 seen: set[int] = set()
                 dup = next(v for v in pages if v in seen or seen.add(v))  # type: ignore[func-returns-value]
-                raise PageIndexError(f"{what}: index {dup} appears more than once")
+                raise self.duplicate_error(what, dup)
             return torch.frombuffer(packed, dtype=torch.int64)
-        index = _as_index(pages, what)
+        index = _tensor_index(pages, what)
         if index.numel() == 0:
             return index
-        low, high = int(index.min()), int(index.max())
-        if low < 0 or high >= self.num_pages:
-            bad = low if low < 0 else high
-            raise PageIndexError(f"{what}: index {bad} is out of range for a {self.kind} of {self.num_pages}")
+        self.check_range(what, int(index.min()), int(index.max()))
         if torch.unique(index).numel() != index.numel():
             values, counts = torch.unique(index, return_counts=True)
-            dup = int(values[counts > 1][0])
-            raise PageIndexError(f"{what}: index {dup} appears more than once")
+            raise self.duplicate_error(what, int(values[counts > 1][0]))
         return index
+
+    def check_range(self, what: str, low: int, high: int) -> None:
+        """Raise for the lowest index if negative, else the highest if past the pool."""
+        if low < 0 or high >= self.num_pages:
+            raise self.range_error(what, low if low < 0 else high)
+
+    def range_error(self, what: str, index: int) -> PageIndexError:
+        return PageIndexError(f"{what}: index {index} is out of range for a {self.kind} of {self.num_pages}")
+
+    @staticmethod
+    def duplicate_error(what: str, index: int) -> PageIndexError:
+        return PageIndexError(f"{what}: index {index} appears more than once")
 
     def row_ids(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """Row numbers of `pages` (validated int64) in canonical order.

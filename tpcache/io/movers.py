@@ -61,8 +61,8 @@ class CpuMover:
         if len(src_pages) > src_pool.num_pages or len(dst_pages) > dst_pool.num_pages:
             return None  # cannot be valid: check_pages says why, before anything is allocated
         if direction == "d2h":
-            return native.RowCopy.plan(self.dev, src_pages, "device_pages", self.host, dst_pages, "host_slots", None)
-        return native.RowCopy.plan(self.host, src_pages, "host_slots", self.dev, dst_pages, "device_pages", 0)
+            return native.RowCopy.plan(self.dev, src_pages, "device_pages", self.host, dst_pages, "host_slots", True)
+        return native.RowCopy.plan(self.host, src_pages, "host_slots", self.dev, dst_pages, "device_pages", False)
 
     def run_backup(self, rows: native.RowCopy, before: BeforeLayer) -> None:
         before(-1)

@@ -82,14 +82,15 @@ class RowCopy:
         dst_pool: PagedKV,
         dst_pages: Sequence[int],
         dst_what: str,
-        layer: int | None,
+        whole_pages: bool,
     ) -> RowCopy:
-        """``build`` from two lists of ints, validated as ``PagedKV.check_pages`` would (same errors,
-        same order) in C: one pass over the ints and no torch op, which is most of what a small
-        transfer costs. Raises PageIndexError."""
+        """``build`` from two lists of ints (whole pages, or layer 0's rows, which a load shifts to
+        each layer), validated as ``PagedKV.check_pages`` would (same errors, same order) in C: one
+        pass over the ints and no torch op, which is most of what a small transfer costs. Raises
+        PageIndexError."""
         if _rowcopy is None:
             raise RuntimeError("the native row copy was not built (see tpcache/io/native.py)")
-        layers = src_pool.layout.num_layers if layer is None else 1
+        layers = src_pool.layout.num_layers if whole_pages else 1
         rows = len(src_pages) * 2 * layers
         src, dst = np.empty(rows, np.int64), np.empty(rows, np.int64)
         problem = _rowcopy.plan_rows(
@@ -106,9 +107,6 @@ class RowCopy:
         )
         if problem is not None:
             raise _page_error(problem, (src_pool, src_pages, src_what), (dst_pool, dst_pages, dst_what))
-        if layer:
-            src += layer * src_pool.layer_row_stride * src_pool.layout.row_bytes
-            dst += layer * dst_pool.layer_row_stride * dst_pool.layout.row_bytes
         return cls(src, dst, src_pool.layout.row_bytes)
 
     def run(self, dst: torch.Tensor, src: torch.Tensor, dst_delta_rows: int = 0, src_delta_rows: int = 0) -> None:
@@ -146,5 +144,5 @@ def _page_error(problem: tuple, *sides: tuple[PagedKV, Sequence[int], str]) -> P
     if what == "type":
         return PageIndexError(f"{name} must hold ints, found {pages[problem[2]]!r}"[:200])
     if what == "range":
-        return PageIndexError(f"{name}: index {problem[2]} is out of range for a {pool.kind} of {pool.num_pages}")
-    return PageIndexError(f"{name}: index {problem[2]} appears more than once")
+        return pool.range_error(name, problem[2])
+    return pool.duplicate_error(name, problem[2])

@@ -255,12 +255,8 @@ class TransferEngine:
         written by the forward pass is what gets backed up. Raises PageIndexError / OpIdError /
         EngineClosedError without enqueuing anything.
         """
-        plan = self._mover.plan(D2H, device_pages, host_slots)
-        if plan is not None:
-            return self._submit(op_id, D2H, _NO_PAGES, _NO_PAGES, delay, OpHandle(op_id, D2H, 0), plan)
-        src = self.device_pool.check_pages(device_pages, "device_pages")
-        dst = self.host_pool.check_pages(host_slots, "host_slots")
-        return self._submit(op_id, D2H, src, dst, delay, OpHandle(op_id, D2H, 0))
+        src, dst, plan = self._checked(D2H, device_pages, host_slots)
+        return self._submit(op_id, D2H, src, dst, delay, OpHandle(op_id, D2H, 0), plan)
 
     def submit_load(
         self,
@@ -271,15 +267,23 @@ class TransferEngine:
         delay: float | None = None,
     ) -> LoadHandle:
         """Copy `host_slots[i]` -> `device_pages[i]` asynchronously, layer by layer (queue "h2d")."""
-        plan = self._mover.plan(H2D, host_slots, device_pages)
+        src, dst, plan = self._checked(H2D, host_slots, device_pages)
         handle = LoadHandle(op_id, self.device_pool.layout.num_layers)
-        if plan is not None:
-            self._submit(op_id, H2D, _NO_PAGES, _NO_PAGES, delay, handle, plan)
-            return handle
-        src = self.host_pool.check_pages(host_slots, "host_slots")
-        dst = self.device_pool.check_pages(device_pages, "device_pages")
-        self._submit(op_id, H2D, src, dst, delay, handle)
+        self._submit(op_id, H2D, src, dst, delay, handle, plan)
         return handle
+
+    def _checked(
+        self, direction: Direction, src_pages: object, dst_pages: object
+    ) -> tuple[torch.Tensor, torch.Tensor, RowCopy | None]:
+        """Both page lists validated: planned whole by the mover where it can (then no tensors), else
+        as checked int64 tensors. Raises PageIndexError."""
+        plan = self._mover.plan(direction, src_pages, dst_pages)
+        if plan is not None:
+            return _NO_PAGES, _NO_PAGES, plan
+        dev, host = (self.device_pool, "device_pages"), (self.host_pool, "host_slots")
+        (src_pool, src_name), (dst_pool, dst_name) = (dev, host) if direction == D2H else (host, dev)
+        src = src_pool.check_pages(src_pages, src_name)  # type: ignore[arg-type]
+        return src, dst_pool.check_pages(dst_pages, dst_name), None  # type: ignore[arg-type]
 
     def _submit(
         self,
