@@ -6,34 +6,38 @@ field is *agreed* exactly when ``min == max``. The layout is fixed per configura
 list on every rank, checked through ``LAYOUT_VERSION`` and the layout digest field), so the
 collective always has one shape. Values must lie in ``[-(2**63 - 1), 2**63 - 1]``.
 
-Field order (version 1)::
+Field order (version 2)::
 
-    header:   layout, round, seq, state_digest, health, drained, flush
+    header:   layout, round, seq, state_digest, health, drained, idle, flush, leases
+              (drained: no copy physically in flight on the rank; idle: drained and no op in flight
+              in its core, so a loop that waits for quiet ends in the same round on every rank;
+              leases: digest of the leases a flush keeps, which must agree for the flush to run)
     per queue q in QUEUES:
               q.queue_digest   digest of the ids of every op in flight on q (must agree)
               q.done           ops finished at the head of q, in issue order
               q.clean          ops at the head of q that succeeded on every page
               q.head_acked     leading pages acked by the head op (partial success)
+    ids:      next_op, next_lease   (a flush continues both from their maximum over ranks)
     quantities: host_deficit
     plan:     plan_count, plan_tokens, plan_digest   (the plan prepared last round)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 INT64_MAX = (1 << 63) - 1
 QUEUES = ("backup", "load", "storage_write", "storage_read", "storage_query")
-HEADER = ("layout", "round", "seq", "state_digest", "health", "drained", "flush")
+HEADER = ("layout", "round", "seq", "state_digest", "health", "drained", "idle", "flush", "leases")
 QUEUE_FIELDS = ("queue_digest", "done", "clean", "head_acked")
-TAIL = ("host_deficit", "plan_count", "plan_tokens", "plan_digest")
+TAIL = ("next_op", "next_lease", "host_deficit", "plan_count", "plan_tokens", "plan_digest")
 
 # Health bits a rank sets about itself; any bit on any rank closes the cache.
-HEALTH_TRANSFER_ERROR = 1 << 0
-HEALTH_STORAGE_ERROR = 1 << 1
-HEALTH_CLOSING = 1 << 2  # this rank is shutting down
+HEALTH_IO_ERROR = 1 << 0  # its I/O layer was handed a copy it refuses: its state cannot be trusted
+HEALTH_PREPARE_FAILED = 1 << 1  # it could not prepare its vector (sent in its place)
+HEALTH_COMMIT_FAILED = 1 << 2  # its last commit raised midway
 
 
 class RoundVectorError(ValueError):
@@ -65,16 +69,8 @@ class RoundLayout:
         except KeyError:
             raise RoundVectorError(f"no field {name!r} in the round layout") from None
 
-    def pack(self, values: Mapping[str, int]) -> list[int]:
-        """``[x0, -x0, x1, -x1, ...]`` in layout order. Every field must be given."""
-        missing = [f for f in self.fields if f not in values]
-        extra = [k for k in values if k not in self._index]  # type: ignore[attr-defined]
-        if missing or extra:
-            raise RoundVectorError(f"round vector fields: missing {missing}, unknown {extra}")
-        return self.pack_values([int(values[name]) for name in self.fields])
-
     def pack_values(self, values: Sequence[int]) -> list[int]:
-        """Like ``pack``, from the values in layout order (the round's hot path)."""
+        """``[x0, -x0, x1, -x1, ...]`` from the values in layout order."""
         if len(values) != len(self.fields):
             raise RoundVectorError(f"round vector needs {len(self.fields)} values, got {len(values)}")
         if values and (max(values) > INT64_MAX or min(values) < -INT64_MAX):
@@ -120,19 +116,5 @@ class Agreement:
     def agreed(self, name: str) -> bool:
         return self.lo[name] == self.hi[name]
 
-    def value(self, name: str) -> int | None:
-        """The agreed value, or None when ranks disagree."""
-        return self.lo[name] if self.lo[name] == self.hi[name] else None
-
     def disagreeing(self, names: Sequence[str]) -> list[str]:
         return [n for n in names if self.lo[n] != self.hi[n]]
-
-
-def reduce_min(vectors: Sequence[Sequence[int]]) -> list[int]:
-    """Elementwise MIN: what the collective computes (used by the simulator and tests)."""
-    if not vectors:
-        raise RoundVectorError("no vectors to reduce")
-    n = len(vectors[0])
-    if any(len(v) != n for v in vectors):
-        raise RoundVectorError("round vectors of different lengths")
-    return [min(col) for col in zip(*vectors, strict=True)]

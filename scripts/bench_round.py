@@ -40,7 +40,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     fast = TPCache(config, make_collective(opts["transport"]))
     gloo = TPCache(config, make_collective("torch"))
     floor = TcpFloor()
-    vector = fast.round.layout.pack({f: 0 for f in fast.round.layout.fields})
+    vector = fast.round.layout.pack_values([0] * len(fast.round.layout.fields))
     counter = {"fast": 0, "gloo": 0}
 
     def round_of(tp: TPCache, name: str):  # noqa: ANN202

@@ -8,6 +8,7 @@ semantics.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -45,12 +46,14 @@ class ReplayResult:
 
 
 def drain(core: CacheCore) -> None:
-    """Complete every in-flight copy (a one-rank round agrees with itself)."""
-    core.take_effects()
+    """Complete every in-flight copy (a one-rank round agrees with itself), acting on the Ready."""
     for kind in OpKind:
         while core.inflight[kind]:
             core.complete(kind)
     core.enforce_retention()
+    if core.has_ready():
+        core.ready()
+        core.advance()
 
 
 def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # noqa: ANN001
@@ -59,7 +62,8 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
     full = match.num_pages
     device_ids = list(match.device_page_ids)
     if match.host_pages:
-        device_ids = core.load(lease)
+        with contextlib.suppress(OutOfPages):  # no room to load the host hits now: computed again instead
+            device_ids = core.load(lease)
         drain(core)
     hit = match.device_pages + match.host_pages
     result.requests += 1
@@ -68,11 +72,12 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
     result.device_hit_tokens += match.device_pages * page_size
     result.host_hit_tokens += match.host_pages * page_size
     result.pages += full
+    missing = full - len(device_ids)
     try:
-        fresh = core.alloc(lease, full - len(device_ids))
+        fresh = core.alloc(lease, missing) if missing > 0 else []  # as the service replay does
         core.insert(lease, tokens, device_ids + fresh)
     except OutOfPages:
-        result.refused_pages += full - len(device_ids)
+        result.refused_pages += missing
     core.release(lease)
     drain(core)
 

@@ -211,10 +211,10 @@ def test_a_rank_that_cannot_prepare_still_joins_the_round_and_everyone_closes():
     config = CacheConfig(page_size=PAGE, device_pages=8, write_policy="none")
     ranks = [TPCache(config, group.collective(r), round_timeout_s=5.0) for r in range(2)]
 
-    def broken_poll() -> None:
+    def broken_poll() -> dict:
         raise RuntimeError("transfer engine lost its worker")
 
-    ranks[1].shell.poll = broken_poll
+    ranks[1].shell.landed = broken_poll
     reports: list = [None, None]
 
     def run(r: int) -> None:

@@ -138,8 +138,10 @@ def test_round_trip_is_byte_exact(engine_factory, host_layout: str, layout: KVLa
             assert torch.equal(dev.read_page(target), content[page])
         for page in set(range(dev.num_pages)) - set(targets):
             assert torch.equal(dev.read_page(page), dev_before[page]), "a page outside the op changed"
-    assert [c.op_id for c in engine.pop(D2H, engine.poll_backups())] == [1, 3, 5, 7]
-    assert [c.op_id for c in engine.pop(H2D, engine.poll_loads())] == [2, 4, 6, 8]
+    done = engine.finished()
+    assert [c.op_id for c in done if c.direction == D2H] == [1, 3, 5, 7]
+    assert [c.op_id for c in done if c.direction == H2D] == [2, 4, 6, 8]
+    assert engine.finished() == [] and engine.pending() == 0  # each op is reported once
 
 
 def test_bad_page_lists_are_rejected(engine_factory) -> None:
@@ -154,33 +156,29 @@ def test_bad_page_lists_are_rejected(engine_factory) -> None:
         engine.submit_load(1, [32], [0])
     with pytest.raises(PageIndexError, match="destination"):
         engine.submit_backup(1, [1, 2], [3])
-    assert engine.pending(D2H) == 0 and engine.pending(H2D) == 0  # nothing was enqueued
+    assert engine.pending() == 0  # nothing was enqueued
     assert engine.submit_backup(1, [], []).wait(WAIT).ok  # an empty op is valid
     with pytest.raises(OpIdError, match="not greater"):
         engine.submit_load(1, [0], [0])
     with pytest.raises(OpIdError):
         engine.submit_load("7", [0], [0])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="direction"):
-        engine.poll("sideways")  # type: ignore[arg-type]
 
 
-def test_completions_are_reported_at_the_head_only(engine_factory) -> None:
+def test_completions_are_reported_by_op_id_as_they_finish(engine_factory) -> None:
+    """The engine reports what finished, in any order; which ops count as complete is the round's
+    decision, not the engine's."""
     gates = {(1, -1): threading.Event()}
     engine = engine_factory(before_copy=gate_hook(gates))
     slow = engine.submit_backup(1, [0, 1], [0, 1], delay=1e-3)  # runs on its own thread, held at the gate
     fast = engine.submit_backup(2, [2], [2])
     assert fast.wait(WAIT).ok
     assert not slow.done()
-    assert engine.poll(D2H) == [] and engine.poll_backups() == 0  # op 2 finished but is behind op 1
-    assert engine.pending(D2H) == 2
-    with pytest.raises(TransferError, match="cannot pop"):
-        engine.pop(D2H, 1)
+    assert [c.op_id for c in engine.finished()] == [2]  # op 2 finished before op 1
+    assert engine.pending() == 1 and engine.finished() == []
     gates[(1, -1)].set()
     slow.wait(WAIT)
-    assert [c.op_id for c in engine.poll(D2H)] == [1, 2]
-    assert [c.op_id for c in engine.pop(D2H, 1)] == [1]  # pop exactly the agreed count
-    assert [c.op_id for c in engine.poll(D2H)] == [2] and engine.pending(D2H) == 1
-    assert engine.poll(H2D) == []
+    assert [(c.op_id, c.ok) for c in engine.finished()] == [(1, True)]
+    assert engine.pending() == 0
 
 
 def test_load_layers_become_ready_in_order(engine_factory, plan_mode: str) -> None:
@@ -202,10 +200,10 @@ def test_load_layers_become_ready_in_order(engine_factory, plan_mode: str) -> No
         assert torch.equal(dev.k(1, page).view(torch.int16), bits[1, 0])
         assert torch.equal(dev.v(1, page).view(torch.int16), bits[1, 1])
         assert not dev.k(2, page).view(torch.int16).any() and not dev.v(3, page).view(torch.int16).any()
-    assert engine.poll(H2D) == []
+    assert engine.finished() == []
     gates[(7, 2)].set()
     handle.wait_layer(3, timeout=WAIT)
-    assert handle.wait(WAIT).ok and [c.op_id for c in engine.poll(H2D)] == [7]
+    assert handle.wait(WAIT).ok and [c.op_id for c in engine.finished()] == [7]
     assert log == [(7, 0), (7, 1), (7, 2), (7, 3)]
     with pytest.raises(PageIndexError):
         handle.wait_layer(4)
@@ -226,8 +224,7 @@ def test_failed_copy_completes_with_error_and_worker_survives(engine_factory) ->
         load.wait_layer(2, timeout=WAIT)
     assert not load.layer_ready(3)
     assert engine.submit_load(4, [1], [6]).wait(WAIT).ok
-    assert [(c.op_id, c.ok) for c in engine.pop(D2H, 2)] == [(1, False), (2, True)]
-    assert [(c.op_id, c.ok) for c in engine.pop(H2D, 2)] == [(3, False), (4, True)]
+    assert [(c.op_id, c.ok) for c in engine.finished()] == [(1, False), (2, True), (3, False), (4, True)]
 
 
 def test_wait_op_orders_release_after_the_copy(engine_factory) -> None:
@@ -260,8 +257,8 @@ def test_wait_op_orders_release_after_the_copy(engine_factory) -> None:
     assert events == [f"copy layer {i}" for i in range(num_layers)] + ["release pages (ok=True)"]
     for slot, page in [(2, 4), (3, 5)]:
         assert torch.equal(engine.device_pool.read_page(page), engine.host_pool.read_page(slot))
-    engine.pop(H2D, 1)
-    assert engine.wait_op(1) is None  # popped: finished long ago
+    assert [c.op_id for c in engine.finished()] == [1]
+    assert engine.wait_op(1) is None  # reported: finished long ago
     with pytest.raises(OpIdError, match="never submitted"):
         engine.wait_op(2)
 
@@ -286,8 +283,7 @@ def test_close_waits_for_running_copies_and_cancels_the_rest(engine_factory) -> 
     assert not queued.completion().ok and "cancelled" in (queued.error or "")
     with pytest.raises(TransferError, match="cancelled"):
         delayed.wait_layer(0, timeout=WAIT)
-    assert [(c.op_id, c.ok) for c in engine.poll(D2H)] == [(1, True), (2, False)]
-    assert [(c.op_id, c.ok) for c in engine.poll(H2D)] == [(3, False)]
+    assert [(c.op_id, c.ok) for c in engine.finished()] == [(1, True), (2, False), (3, False)]
     with pytest.raises(EngineClosedError):
         engine.submit_backup(4, [3], [3])
     engine.close()  # idempotent
@@ -391,4 +387,4 @@ def test_gpu_round_trip_and_stream_wait(host_layout: str) -> None:
             expected = content[page].view(torch.int16).view(LAYOUT.page_shape).cuda()
             for layer in range(LAYOUT.num_layers):
                 assert torch.equal(out[layer][:, target].view(torch.int16), expected[layer])
-        assert [c.op_id for c in engine.poll(D2H)] == [1] and [c.op_id for c in engine.poll(H2D)] == [2]
+        assert [c.op_id for c in engine.finished()] == [1, 2]

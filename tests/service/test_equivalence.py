@@ -22,6 +22,7 @@ PAGE, DEVICE, HOST = 16, 512, 1536
 
 def test_service_and_single_rank_replay_agree(tmp_path: Path) -> None:
     requests = list(islice(SyntheticWorkload(seed=3, conversations=30).requests(), 90))
+    requests += [requests[-1]] * 2  # requests that hit every full page: no alloc, same state
     config = CacheConfig(page_size=PAGE, device_pages=DEVICE, host_pages=HOST, write_policy="write_through")
     expected, core = replay(requests, config)
     assert expected.host_hit_tokens > 0 and expected.device_hit_tokens > 0, "the workload must use both tiers"

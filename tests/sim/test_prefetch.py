@@ -59,7 +59,7 @@ def test_a_page_stored_on_only_one_rank_is_a_miss():
     sim = cluster(ranks=3)
     store_then_forget(sim)
     hashes = sim.ranks[0].core.tree.walk(as_token_bytes(tokens_for(PATH, PAGE, 0))).hashes
-    del sim.ranks[2].shell.storage[hashes[2]]  # rank 2 lost page 2
+    del sim.ranks[2].io.storage[hashes[2]]  # rank 2 lost page 2
     lease = lock_and_prefetch(sim)
     rounds(sim, 3)
     for rank in sim.ranks:
@@ -75,13 +75,13 @@ def test_short_reads_retry_paced_and_capped():
     hashes = [op.page_hashes for op in sim.ranks[0].core.inflight[OpKind.STORAGE_QUERY]][0]
     sim.round()  # query agreed: 4 pages
     for rank in sim.ranks:  # the storage loses page 1 everywhere before the read runs
-        rank.shell.storage.pop(hashes[1], None)
+        rank.io.storage.pop(hashes[1], None)
     sim.round()  # read lands only page 0
     core = sim.ranks[0].core
     assert core.prefetch_status(lease) == ("retry_wait", 1)
-    queries_before = core._next_op
+    queries_before = core.outbox.next_op
     sim.round()
-    assert core._next_op == queries_before  # paced: no retry before the interval
+    assert core.outbox.next_op == queries_before  # paced: no retry before the interval
     rounds(sim, 4)
     status, ready = core.prefetch_status(lease)
     assert status == "done" and ready == 1  # capped at 2 attempts; proceeds with what it has

@@ -1,15 +1,21 @@
-"""The simulation ring: whole TP groups in one process, thousands of seeded schedules with faults."""
+"""The simulation ring: whole TP groups in one process running the production driver, thousands of
+seeded schedules with faults, and targeted schedules for each consistency promise."""
 
 import logging
+from dataclasses import replace
 
 import pytest
 
-from tpcache.core import CacheConfig
+from tpcache.core import CacheConfig, CacheCore
+from tpcache.core.round import Round
+from tpcache.core.tiers import HostState
+from tpcache.dist.shm import ShmCollective
+from tpcache.engine.driver import Driver, GroupBroken
 from tpcache.testing.ops import tokens_for
-from tpcache.testing.sim import Faults, SimCluster, run_schedule
+from tpcache.testing.sim import DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
 
 BATCHES = 20
-PER_BATCH = 50  # 20 x 50 = 1,000 seeded schedules per CI run
+PER_BATCH = 60  # 20 x 60 = 1,200 seeded schedules per CI run
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))
@@ -24,122 +30,208 @@ def test_seeded_schedules(batch, caplog):
                 f"seed {seed} failed: {exc}\nreproduce: python -m tpcache.testing.sim --seed {seed} --ranks {ranks}"
             )
         if sim.faults.kill_at is None:  # exactly one collective per round on every rank
-            assert sim.group.calls == [sim.now] * ranks
+            assert sim.calls == [sim.now] * ranks
 
 
 def _cluster(faults: Faults, ranks: int = 3, **cfg) -> SimCluster:
-    config = CacheConfig(page_size=4, device_pages=16, host_pages=16, write_policy="write_through", **cfg)
+    base = {"page_size": 4, "device_pages": 16, "host_pages": 16, "write_policy": "write_through"}
+    config = CacheConfig(**{**base, **cfg})
     return SimCluster(seed=1, ranks=ranks, config=config, faults=faults)
 
 
-def _traffic(sim: SimCluster, n: int) -> None:
-    for i in range(n):
+def _traffic(sim: SimCluster, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
         sim.apply_ops([("lock", (i % 5, i % 3, (i * 7) % 4), 1), ("insert", 0), ("release", 0)])
         sim.round()
         sim.check([tokens_for((i % 5, i % 3), 4, 0)])
 
 
-def test_divergence_closes_every_rank_within_one_round_and_flush_reopens():
+def test_divergence_closes_every_rank_within_one_round_and_flush_reopens_for_good(caplog):
+    caplog.set_level(logging.CRITICAL)
     sim = _cluster(Faults(max_delay=2))
     _traffic(sim, 6)
     assert not any(r.core.closed for r in sim.ranks)
-    sim.ranks[1].core.clock += 1  # one rank silently differs
+    sim.ranks[1].core.ledger.tick()  # one rank silently differs
+    sim.excused = True
     sim.round()
     assert all(r.core.closed for r in sim.ranks)
     assert "state_digest differs" in sim.ranks[0].core.closed_reason
-    m = sim.ranks[0].core.match(tokens_for((0, 0, 0), 4, 0))
-    assert m.device_pages == 0  # closed: misses only
+    assert sim.ranks[0].match(tokens_for((0, 0, 0), 4, 0)).device_pages == 0  # closed: misses only
     for rank in sim.ranks:
-        rank.core.request_flush()
         rank.leases.clear()
+    sim.apply_ops([("flush",)])
     for _ in range(6):
         sim.round()
     assert not any(r.core.closed for r in sim.ranks)
     assert len({r.core.digest.value for r in sim.ranks}) == 1
-    _traffic(sim, 4)  # serves again
-    assert sim.ranks[0].core.stats.inserted_pages > 0
+    assert {r.driver.seq for r in sim.ranks} == {0}  # every rank counts requests afresh
+    _traffic(sim, 12, start=6)  # serves again, and stays open
+    assert sim.ranks[0].core.stats.inserted_pages > 0 and not any(r.core.closed for r in sim.ranks)
 
 
-def test_sequence_mismatch_closes():
+@pytest.mark.parametrize("what", DIVERGENCES)
+def test_every_kind_of_divergence_closes_every_rank_in_its_round(what, caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=1, diverge_at=7, diverge=what), storage=True, host_pages=6)
+    sim.apply_ops([("lock", (9, 9), 0)])  # a lease that stays open (a lease divergence needs one)
+    _traffic(sim, 6)
+    assert not any(r.core.closed for r in sim.ranks)
+    sim.apply_ops([("lock", (1, 2, 3), 0), ("load", 1)])
+    sim.round()
+    assert all(r.core.closed for r in sim.ranks), sim.log
+    assert what in " ".join(sim.log) or "state_digest" in " ".join(sim.log)
+
+
+def test_a_sequence_mismatch_closes():
     sim = _cluster(Faults(max_delay=0))
     _traffic(sim, 2)
-    vectors = [r.round.prepare(sim.seq + (r is sim.ranks[0]), r.shell) for r in sim.ranks]
-    reduced = sim.group.reduce(vectors)
-    reports = [r.round.commit(reduced) for r in sim.ranks]
-    assert all("seq" in rep.mismatches for rep in reports)
-    assert all(r.core.closed for r in sim.ranks)
+    sim.ranks[0].driver.apply(lambda: None)  # rank 0 applied one request more than the others
+    sim.excused = True
+    sim.round()
+    assert all("seq differs" in (r.core.closed_reason or "") for r in sim.ranks)
+
+
+def test_a_closure_without_an_injected_fault_fails_the_schedule():
+    """A rank that decides differently on its own (here: it runs another eviction policy) closes
+    the cache; the simulator reports that rather than taking the closure as expected."""
+    sim = _cluster(Faults(max_delay=0), ranks=2)
+    rank = sim.ranks[1]
+    rank.driver = Driver(CacheCore(replace(sim.config, eviction_policy="lfu")), rank.io, rank=1)
+    with pytest.raises(SimFailure, match="no fault injected"):
+        _traffic(sim, 2)
+
+
+def test_the_checker_compares_state_field_by_field_not_only_the_digest(monkeypatch):
+    """With a digest that covers nothing, a page swapped on one rank leaves the digests equal; the
+    field-by-field comparison still catches it."""
+    monkeypatch.setattr(Round, "state_digest", lambda self: 0)
+    sim = _cluster(Faults(max_delay=0), ranks=2)
+    _traffic(sim, 4)
+    assert diverge(sim.ranks[1].core, "device_page", sim.rng) == "device_page"
+    sim.round()
+    with pytest.raises(SimFailure, match="differ in nodes"):
+        sim.check([])
 
 
 def test_plan_mismatch_skips_plan_then_switches_feature_off(caplog):
-    """Mirror release (seed 002) under host pressure; one rank's plan differs every round."""
+    """Mirror release under host pressure; one rank's plan differs every round."""
     caplog.set_level(logging.ERROR, logger="tpcache.round")
-    sim = SimCluster(
-        seed=2,
-        ranks=2,
-        config=CacheConfig(
-            page_size=4,
-            device_pages=24,
-            host_pages=4,
-            write_policy="write_through",
-            storage=True,
-            plan_mismatch_limit=3,
-        ),
-        faults=Faults(max_delay=0, plan_diverge_at=1),
+    config = CacheConfig(
+        page_size=4, device_pages=24, host_pages=4, write_policy="write_through", storage=True, plan_mismatch_limit=3
     )
+    sim = SimCluster(seed=2, ranks=2, config=config, faults=Faults(max_delay=0, plan_diverge_at=1))
     released_before = None
     for i in range(30):
         sim.apply_ops([("lock", (i, i + 1), 0), ("insert", 0), ("release", 0)])
         sim.round()
         sim.check([])
-        if released_before is None and sim.ranks[0].round.mismatch_counts.get("plan"):
+        if released_before is None and sim.ranks[0].driver.round.mismatch_counts.get("plan"):
             released_before = sim.ranks[0].core.stats.mirrors_released_pages
-    r0 = sim.ranks[0].round
+    r0 = sim.ranks[0].driver.round
     assert r0.mismatch_counts["plan"] >= 3
-    assert "mirror_release" in r0.disabled and "mirror_release" in sim.ranks[1].round.disabled
+    assert "mirror_release" in r0.disabled and "mirror_release" in sim.ranks[1].driver.round.disabled
     assert sim.ranks[0].core.stats.mirrors_released_pages == released_before  # nothing mutated
     assert len({r.core.digest.value for r in sim.ranks}) == 1 and not sim.ranks[0].core.closed
     assert any("switched off" in rec.message for rec in caplog.records)
 
 
 def test_mirror_release_executes_when_plans_agree():
-    sim = SimCluster(
-        seed=3,
-        ranks=2,
-        config=CacheConfig(page_size=4, device_pages=24, host_pages=4, write_policy="write_through", storage=True),
-        faults=Faults(max_delay=0),
-    )
+    config = CacheConfig(page_size=4, device_pages=24, host_pages=4, write_policy="write_through", storage=True)
+    sim = SimCluster(seed=3, ranks=2, config=config, faults=Faults(max_delay=0))
     for i in range(30):
         sim.apply_ops([("lock", (i, i + 1), 0), ("insert", 0), ("release", 0)])
         sim.round()
         sim.check([])
     core = sim.ranks[0].core
     assert core.stats.mirrors_released_pages > 0
-    assert sim.ranks[0].round.mismatch_counts.get("plan", 0) == 0
+    assert sim.ranks[0].driver.round.mismatch_counts.get("plan", 0) == 0
     assert core.stats.storage_written_pages > 0
 
 
-def test_dead_rank_closes_the_survivors_with_a_clear_reason():
-    sim = _cluster(Faults(max_delay=1, kill_at=3), ranks=4)
-    _traffic(sim, 5)
-    assert not sim.ranks[3].alive
-    for rank in sim.live:
-        assert rank.core.closed and "rank 3" in rank.core.closed_reason
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_dead_rank_closes_the_survivors_for_good(shm, caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=1, kill_at=3, shm=shm), ranks=4)
+    try:
+        _traffic(sim, 5)
+        assert not sim.ranks[3].alive
+        numbers = {r.driver.round.number for r in sim.live}
+        assert len(numbers) == 1  # the survivors agree on the rounds issued
+        for rank in sim.live:
+            assert rank.core.closed and "restarted" in rank.core.closed_reason
+            with pytest.raises(GroupBroken, match="restart"):
+                rank.request_flush()  # a flush cannot reopen a group whose collective failed
+    finally:
+        sim.close()
+
+
+def test_unhealthy_io_closes_every_rank_and_an_agreed_flush_reopens(caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=1, unhealthy_at=4))
+    _traffic(sim, 4)
+    assert all("unhealthy" in (r.core.closed_reason or "") for r in sim.ranks)
+    sim.apply_ops([("flush",)])
+    for _ in range(8):
+        sim.round()
+    assert not any(r.core.closed for r in sim.ranks)
+
+
+def test_a_rank_that_cannot_prepare_closes_every_rank_in_that_round(caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=1, prepare_fail_at=3))
+    _traffic(sim, 2)
+    sim.round()
+    assert all(r.core.closed for r in sim.ranks)
+    assert sim.calls == [sim.now] * 3  # the failing rank still took part
+
+
+def test_a_commit_that_raises_closes_every_rank_by_the_next_round(caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=1, commit_fail_at=3))
+    _traffic(sim, 2)
+    sim.round()
+    assert sim.ranks[-1].core.closed and not sim.ranks[0].core.closed
+    sim.round()
+    assert all(r.core.closed for r in sim.ranks)
+
+
+def test_a_queue_whose_digest_differs_applies_no_completion(caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=0, diverge_at=2, diverge="queue"), ranks=2)
+    sim.apply_ops([("lock", (1, 2), 0), ("insert", 0), ("release", 0)])  # a backup is in flight
+    sim.round()  # round 1: lands everywhere
+    sim.apply_ops([("lock", (3, 4), 0), ("insert", 0), ("release", 0)])
+    sim.round()  # round 2: the victim's backup queue digest differs; sim.round checks nothing retired
+    assert all(r.core.closed for r in sim.ranks)
+    assert all(r.core.inflight[next(iter(r.core.inflight))] for r in sim.ranks)
+
+
+def test_a_transport_that_does_not_reduce_is_caught(monkeypatch, caplog):
+    caplog.set_level(logging.CRITICAL)
+    monkeypatch.setattr(ShmCollective, "collect", lambda self, values, timeout_s: values.tolist())
+    sim = _cluster(Faults(max_delay=3, shm=True), ranks=2)
+    try:
+        with pytest.raises(SimFailure):
+            _traffic(sim, 20)
+    finally:
+        sim.close()
 
 
 def test_completions_apply_only_as_agreed():
     """One rank finishes a backup rounds before the other: nothing becomes host-valid until both have."""
     sim = _cluster(Faults(max_delay=0), ranks=2)
     sim.apply_ops([("lock", (1, 2), 0), ("insert", 0), ("release", 0)])
-    slow = sim.ranks[1].shell
+    slow = sim.ranks[1].io
     held = dict(slow.due)
     slow.due.clear()  # rank 1's copy does not finish yet
     sim.round()
     sim.round()
+    path = tokens_for((1, 2), 4, 0)
     for rank in sim.ranks:
-        assert rank.core.match(tokens_for((1, 2), 4, 0)).device_pages == 2
-        assert all(n.host_state.name == "WRITING" for n in rank.core.match(tokens_for((1, 2), 4, 0)).nodes)
+        assert rank.match(path).device_pages == 2
+        assert all(n.host_state == HostState.WRITING for n in rank.match(path).nodes)
     slow.due.update({k: (0, op) for k, (_, op) in held.items()})
     sim.round()
     for rank in sim.ranks:
-        assert all(n.host_state.name == "VALID" for n in rank.core.match(tokens_for((1, 2), 4, 0)).nodes)
+        assert all(n.host_state == HostState.VALID for n in rank.match(path).nodes)
     assert len({r.core.digest.value for r in sim.ranks}) == 1

@@ -17,7 +17,7 @@ def insert(core: CacheCore, pages: int) -> None:
 def test_without_a_host_tier_nothing_is_backed_up_or_queued() -> None:
     core = CacheCore(CacheConfig(page_size=P, device_pages=32, host_pages=0, write_policy="write_through"))
     insert(core, 12)
-    core.tick()
+    core.after_commit()
     assert not core.backup_backlog and core.host_deficit == 0
     assert not core.inflight[OpKind.BACKUP]
     assert core.stats.backup_deferred_host_full == 0
@@ -32,17 +32,17 @@ def test_a_full_host_tier_with_nothing_to_evict_leaves_the_backlog_alone() -> No
     deferred = core.stats.backup_deferred_host_full
     assert len(waiting) == 5 and core.host_deficit == 5
     for _ in range(3):
-        core.tick()
+        core.after_commit()
     assert list(core.backup_backlog) == waiting  # same pages, same order: nothing retried
     assert core.stats.backup_deferred_host_full == deferred
     check(core)
     # once the copies land, the host slots hold copies of device pages, which host eviction never
     # takes alone: the backlog keeps waiting, in order, until a device eviction frees a slot
     drain(core)
-    core.tick()
+    core.after_commit()
     assert list(core.backup_backlog) == waiting
-    assert not core.mirrors  # no storage tier: nothing is durable, mirror release has nothing
+    assert not core.ledger.mirrors  # no storage tier: nothing is durable, mirror release has nothing
     assert core.evict_device(1) == 1  # the deepest page, waiting in the backlog: it leaves it
-    core.tick()
+    core.after_commit()
     assert list(core.backup_backlog) == waiting[:-1] and not core.inflight[OpKind.BACKUP]
     check(core)

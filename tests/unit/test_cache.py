@@ -3,6 +3,7 @@ import pytest
 from tpcache.core import CacheClosed, CacheConfig, CacheCore, OpKind, OutOfPages, check
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.replay import drain as replay_drain
+from tpcache.testing.ops import take_transfers
 
 P = 4  # page size
 
@@ -104,7 +105,7 @@ def test_duplicate_pages_go_back_to_the_lease_and_are_freed_on_release():
 def test_write_through_backs_up_and_protects_until_the_copy_is_agreed():
     core = CacheCore(CacheConfig(page_size=P, device_pages=8, host_pages=8, write_policy="write_through"))
     put(core, toks(1, 2))
-    effects = core.take_effects()
+    effects = take_transfers(core)
     assert [e.kind for e in effects] == [OpKind.BACKUP] and effects[0].num_pages == 2
     assert core.evictable_device_tokens == 0 and core.protected_device_tokens == 2 * P
     node = core.match(toks(1)).nodes[0]
@@ -139,7 +140,7 @@ def test_load_back_from_host_becomes_valid_only_when_agreed():
     assert len(pages) == 2
     assert [n.device_state for n in m.nodes] == [DeviceState.LOADING] * 2
     assert core.match(toks(1, 2)).device_pages == 0  # loading is not readable
-    [op] = core.take_effects()
+    [op] = take_transfers(core)
     assert op.kind == OpKind.LOAD and op.device_pages == pages
     core.complete(OpKind.LOAD)
     assert core.match(toks(1, 2)).device_pages == 2
@@ -206,9 +207,9 @@ def test_write_back_backs_up_on_eviction_then_frees():
     cfg = CacheConfig(page_size=P, device_pages=2, host_pages=4, write_policy="write_back")
     core = CacheCore(cfg)
     put(core, toks(1, 2))
-    assert core.take_effects() == []
+    assert take_transfers(core) == []
     assert core.evict_device(1) == 0  # no host copy yet: back up first
-    [op] = core.take_effects()
+    [op] = take_transfers(core)
     assert op.kind == OpKind.BACKUP
     drain(core)
     assert core.evict_device(2) == 1  # page 2 had its copy: freed; page 1 is backed up first
@@ -230,9 +231,9 @@ def test_selective_write_through_after_threshold_hits():
     core = CacheCore(cfg)
     put(core, toks(1, 2))
     put(core, toks(1, 2))
-    assert core.take_effects() == []
+    assert take_transfers(core) == []
     put(core, toks(1, 2))
-    [op] = core.take_effects()
+    [op] = take_transfers(core)
     assert op.num_pages == 2
     check(core)
 
@@ -247,7 +248,7 @@ def test_closed_cache_serves_misses_and_refuses_writes():
     with pytest.raises(CacheClosed, match="digest"):
         core.alloc(lease, 1)
     core.release(lease)
-    core.reset()
+    core.reset(core.outbox.next_op, core.book.next_lease)
     assert not core.closed and core.match(toks(1, 2)).device_pages == 0
     check(core)
 

@@ -2,10 +2,11 @@
 
 import pytest
 
-from protocol.round_vector import reduce_min
 from tpcache.core import CacheConfig, CacheCore, OpKind, OutOfPages, check
-from tpcache.core.round import QueueObservation, Round
+from tpcache.core.round import Round
+from tpcache.dist.collective import elementwise_min
 from tpcache.replay import drain as replay_drain
+from tpcache.testing.ops import take_transfers
 
 P = 2
 
@@ -72,10 +73,7 @@ def test_flush_keeps_live_leases_and_their_pages():
     x, _ = core.lock(toks(1))
     x_pages = core.alloc(x, 2)  # the engine may still be writing KV into these
     core.request_flush()
-    view = type(
-        "V", (), {"observe": lambda s, k, p: QueueObservation(), "health": lambda s: 0, "drained": lambda s: True}
-    )()
-    report = rnd.commit(reduce_min([rnd.prepare(1, view)]))
+    report = rnd.commit(rnd.prepare(1, {}, 0, True))
     assert report.flushed and not core.closed
     y, _ = core.lock(toks(2))
     assert y != x  # ids keep counting: a stale id never names a new lease
@@ -90,11 +88,8 @@ def test_flush_needs_every_rank_to_ask():
     cfg = CacheConfig(page_size=P, device_pages=8, write_policy="none")
     cores = [CacheCore(cfg), CacheCore(cfg)]
     rounds = [Round(c) for c in cores]
-    view = type(
-        "V", (), {"observe": lambda s, k, p: QueueObservation(), "health": lambda s: 0, "drained": lambda s: True}
-    )()
     cores[0].request_flush()  # the request reached rank 0 only
-    reduced = reduce_min([r.prepare(1, view) for r in rounds])
+    reduced = elementwise_min([r.prepare(1, {}, 0, True) for r in rounds])
     reports = [r.commit(reduced) for r in rounds]
     assert not any(rep.flushed for rep in reports)
     assert all(c.closed for c in cores)
@@ -113,8 +108,8 @@ def test_a_closed_cache_starts_no_copies_and_admits_waiting_requests():
     core = CacheCore(CacheConfig(page_size=P, device_pages=8, host_pages=8, storage=True))
     cached(core, toks(1, 2))
     core.close("test")
-    core.take_effects()
+    take_transfers(core)
     core.complete(OpKind.BACKUP)  # the backup lands after the close: no storage write follows
-    assert core.take_effects() == []
+    assert take_transfers(core) == []
     lease, _ = core.lock(toks(1, 2, 3))
     assert core.admissible(lease, "wait_complete")

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcache.core import CacheConfig, CacheCore, OpKind, check
-from tpcache.testing.ops import apply, tokens_for
+from tpcache.testing.ops import apply, take_transfers, tokens_for
 
 PAGE = 4
 
@@ -49,7 +49,7 @@ def run(config: CacheConfig, stream: list) -> CacheCore:
                 core.enforce_retention()
         else:
             apply(core, op, leases)
-        core.take_effects()
+        take_transfers(core)
         check(core)
         for query in QUERIES:  # fills the run caches between ops, so later ops must keep them right
             match_is_consistent(core, query)

@@ -1,9 +1,19 @@
 """The sans-IO, deterministic core of tpcache."""
 
 from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
-from tpcache.core.cache import CacheClosed, CacheCore, Lease, MatchResult, OpKind, Transfer, UnknownLease
+from tpcache.core.cache import CacheCore
 from tpcache.core.config import CacheConfig
 from tpcache.core.invariants import InvariantViolation, check
+from tpcache.core.records import (
+    CacheClosed,
+    Lease,
+    MatchResult,
+    OpKind,
+    Ready,
+    ReadyNotAdvanced,
+    Transfer,
+    UnknownLease,
+)
 
 __all__ = [
     "CacheClosed",
@@ -16,6 +26,8 @@ __all__ = [
     "OpKind",
     "OutOfPages",
     "PageAllocator",
+    "Ready",
+    "ReadyNotAdvanced",
     "Transfer",
     "UnknownLease",
     "check",

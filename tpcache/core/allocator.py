@@ -6,7 +6,6 @@ that is what lets a page number name the same KV on all TP shards.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 
 
@@ -90,18 +89,17 @@ class PageAllocator:
 
 
 class HostAllocator(PageAllocator):
-    """Host slots with a lazily merged free list (reference seed 001).
+    """Host slots with a lazily merged free list.
 
-    ``free`` only appends to a release queue, O(1) and safe from a completion thread; the queue is
-    merged into the free list under the lock only when an allocation needs more than the free list
-    holds. Released slots count as available but are never handed out until merged, so a slot is
-    never handed out twice. Merging in release order keeps the result a function of the calls.
+    ``free`` only appends to a release queue, O(1); the queue is merged into the free list only when
+    an allocation needs more than the free list holds, so a burst of frees (a big eviction) costs
+    no list surgery. Released slots count as available but are never handed out until merged, so a
+    slot is never handed out twice. Merging in release order keeps the result a function of the calls.
     """
 
     def __init__(self, num_pages: int, name: str = "host") -> None:
         super().__init__(num_pages, name)
         self._released: deque[int] = deque()
-        self._lock = threading.Lock()
         self.merges = 0
 
     @property
@@ -113,25 +111,22 @@ class HostAllocator(PageAllocator):
         return self.num_pages - self.available
 
     def alloc(self, n: int) -> list[int]:
-        with self._lock:
-            if n > len(self._free) + self.num_pages - self._fresh and self._released:
-                self._merge_locked()
-            return super().alloc(n)
+        if n > len(self._free) + self.num_pages - self._fresh and self._released:
+            self._merge()
+        return super().alloc(n)
 
     def free(self, pages: list[int]) -> None:
-        with self._lock:
-            for p in pages:
-                if not self.is_owned(p):
-                    raise ValueError(f"{self.name} pool: slot {p} freed but not allocated")
-                self._owned[p] = 0
-                self._released.append(p)
+        for p in pages:
+            if not self.is_owned(p):
+                raise ValueError(f"{self.name} pool: slot {p} freed but not allocated")
+            self._owned[p] = 0
+            self._released.append(p)
 
-    def _merge_locked(self) -> None:
+    def _merge(self) -> None:
         # Append in reverse so the oldest released slot is handed out first.
         self._free[:0] = reversed(self._released)
         self._released.clear()
         self.merges += 1
 
     def check(self) -> None:
-        with self._lock:
-            self._check_pool(self._free + list(self._released))
+        self._check_pool(self._free + list(self._released))

@@ -1,6 +1,8 @@
 """Invariant checks, cheap enough to run after every operation in tests.
 
-Each check recomputes from scratch what the cache maintains incrementally and compares.
+Each check recomputes from the nodes' own fields what the core maintains incrementally (records,
+digest, counters, mirror index, candidate heaps, pins) and compares, with the same functions the
+ledger uses: a field changed behind the ledger's back is caught here.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from collections.abc import Callable
 
 from tpcache.core.cache import CacheCore, OpKind
 from tpcache.core.digest import Digest
-from tpcache.core.ledger import is_mirror
+from tpcache.core.eviction import is_device_candidate, is_host_candidate
+from tpcache.core.ledger import is_evictable, is_mirror, is_protected, lease_record, record_of
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.tree import Node
 
 
 class InvariantViolation(AssertionError):
@@ -27,12 +31,14 @@ def check(core: CacheCore) -> None:
     host_owner: dict[int, str] = {}
     dev_pins: dict[int, int] = {}
     host_pins: dict[int, int] = {}
+    inflight = {op.op_id for q in core.inflight.values() for op in q}
 
     def own(table: dict[int, str], page: int, who: str) -> None:
         if page in table:
             fail(f"page/slot {page} owned twice: by {table[page]} and {who}")
         table[page] = who
 
+    digest = Digest()
     for lease in core.leases.values():
         if lease.releasing and not lease.ops:
             fail(f"lease {lease.lease_id} is releasing with nothing in flight: leaked")
@@ -44,46 +50,31 @@ def check(core: CacheCore) -> None:
             if n.parent is not None and n.parent.parent is not None and n.parent.node_id not in pinned:
                 fail(f"lease {lease.lease_id} pins node {n.node_id} but not its parent {n.parent.node_id}")
         for op_id in lease.ops:
-            if lease.lease_id not in core.op_waiters.get(op_id, ()):
+            if lease.lease_id not in core.book.waiters.get(op_id, ()):
                 fail(f"lease {lease.lease_id} waits for op {op_id} but is not registered as its waiter")
+            if op_id not in inflight:
+                fail(f"lease {lease.lease_id} waits for op {op_id}, which is not in flight")
         for p in lease.pages:
             own(device_owner, p, f"lease {lease.lease_id}")
         for n in lease.device_nodes:
             dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
         for n in lease.host_nodes:
             host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
-        for op_id in lease.ops:
-            if not any(op.op_id == op_id for q in core.inflight.values() for op in q):
-                fail(f"lease {lease.lease_id} waits for op {op_id}, which is not in flight")
-    for kind, queue in core.inflight.items():
-        for op in queue:
-            for n in op.pinned:
-                dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
-            for n in op.nodes:
-                if n.parent is None:
-                    fail(f"op {op.op_id} references a removed node {n.node_id}")
-                if kind == OpKind.BACKUP:
-                    if n.host_state != HostState.WRITING:
-                        fail(f"backup op {op.op_id}: node {n.node_id} host state {n.host_state.name}")
-                elif kind == OpKind.LOAD:
-                    host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
-                    if n.device_state != DeviceState.LOADING:
-                        fail(f"load op {op.op_id}: node {n.node_id} device state {n.device_state.name}")
-                elif kind == OpKind.STORAGE_READ:
-                    if n.host_state != HostState.WRITING:
-                        fail(f"storage read op {op.op_id}: node {n.node_id} is {n!r}")
-                elif kind == OpKind.STORAGE_WRITE:
-                    host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
-                    if n.storage_state != StorageState.WRITING or n.host_state != HostState.VALID:
-                        fail(f"storage write op {op.op_id}: node {n.node_id} is {n!r}")
+        fields = [] if lease.prefetch is None else lease.prefetch.fields()
+        if lease.record != lease_record(lease, fields):
+            fail(f"lease {lease.lease_id}: its digest record is stale (changed outside the ledger)")
+        digest.add(lease_record(lease, fields))
+    _check_ops(core, fail, dev_pins, host_pins)
 
-    digest = Digest()
     evictable = protected = 0
     mirrors: list[int] = []
     for node in core.tree.nodes.values():
         if node.parent is None:
             continue
-        digest.add(node.record)
+        record = record_of(node)
+        if node.record != record:
+            fail(f"node {node.node_id}: its digest record is stale (a field changed outside the ledger)")
+        digest.add(record)
         if node.parent.children.get(node.tokens) is not node:
             fail(f"node {node.node_id} is not its parent's child")
         parent_root = node.parent.parent is None
@@ -103,25 +94,20 @@ def check(core: CacheCore) -> None:
             fail(f"node {node.node_id} has a host slot without host state")
         if node.device_pins < 0 or node.host_pins < 0:
             fail(f"node {node.node_id} has negative pins")
-        if node.device_pins != dev_pins.get(node.node_id, 0):
-            fail(
-                f"node {node.node_id}: {node.device_pins} device pins, holders account for "
-                f"{dev_pins.get(node.node_id, 0)}"
-            )
-        if node.host_pins != host_pins.get(node.node_id, 0):
-            fail(
-                f"node {node.node_id}: {node.host_pins} host pins, holders account for {host_pins.get(node.node_id, 0)}"
-            )
+        for name, have, want in (
+            ("device", node.device_pins, dev_pins.get(node.node_id, 0)),
+            ("host", node.host_pins, host_pins.get(node.node_id, 0)),
+        ):
+            if have != want:
+                fail(f"node {node.node_id}: {have} {name} pins, holders account for {want}")
         if not node.resident and not node.children and not node.device_pins and not node.host_pins:
             fail(f"node {node.node_id} holds nothing and should have been removed")
-        if node.device_state == DeviceState.VALID and node.device_pins == 0:
-            evictable += 1
-        elif node.on_device and node.device_pins > 0:
-            protected += 1
+        if is_evictable(node) and node.host_state == HostState.NONE and not _host_only_below_droppable(node):
+            fail(f"node {node.node_id} counts as evictable but host pages below it hold it on device")
+        evictable += is_evictable(node)
+        protected += is_protected(node)
         if is_mirror(node):
             mirrors.append(node.node_id)
-    for lease in core.leases.values():
-        digest.add(lease.record)
     for page in device_owner:
         if not core.device.is_owned(page):
             fail(f"device page {page} is in use but marked free")
@@ -129,15 +115,65 @@ def check(core: CacheCore) -> None:
         fail(f"device pool: {core.device.used} pages used, {len(device_owner)} accounted for (leak)")
     if len(host_owner) != core.host.used:
         fail(f"host pool: {core.host.used} slots used, {len(host_owner)} accounted for (leak)")
-    if evictable != core.evictable_device_pages:
-        fail(f"evictable counter {core.evictable_device_pages} != {evictable}")
-    if protected != core.protected_device_pages:
-        fail(f"protected counter {core.protected_device_pages} != {protected}")
-    if sorted(mirrors) != sorted(core.mirrors) or any(core.tree.nodes.get(i) is not n for i, n in core.mirrors.items()):
-        fail(f"mirror index {sorted(core.mirrors)} != {sorted(mirrors)}")
+    if evictable != core.ledger.evictable_device_pages:
+        fail(f"evictable counter {core.ledger.evictable_device_pages} != {evictable}")
+    if protected != core.ledger.protected_device_pages:
+        fail(f"protected counter {core.ledger.protected_device_pages} != {protected}")
+    if sorted(mirrors) != sorted(core.ledger.mirrors) or any(
+        core.tree.nodes.get(i) is not n for i, n in core.ledger.mirrors.items()
+    ):
+        fail(f"mirror index {sorted(core.ledger.mirrors)} != {sorted(mirrors)}")
+    _check_candidates(core, fail)
     _check_page_caches(core, fail)
     if digest.value != core.digest.value:
-        fail("incremental digest differs from the recomputed digest")
+        fail("incremental digest differs from the digest recomputed from every node and lease")
+
+
+def _host_only_below_droppable(node: Node) -> bool:
+    """The host-only pages hanging from ``node`` could go with it (so evicting it is possible)."""
+    stack = [c for c in node.children.values() if c.on_host and not c.on_device]
+    while stack:
+        child = stack.pop()
+        if child.host_state != HostState.VALID or child.host_pins:
+            return False
+        stack.extend(c for c in child.children.values() if c.on_host)
+    return True
+
+
+def _check_ops(
+    core: CacheCore, fail: Callable[[str], None], dev_pins: dict[int, int], host_pins: dict[int, int]
+) -> None:
+    """Each op's pins are counted, and its pages are in the in-flight state its kind implies."""
+    expect = {
+        OpKind.BACKUP: lambda n: n.host_state == HostState.WRITING,
+        OpKind.LOAD: lambda n: n.device_state == DeviceState.LOADING,
+        OpKind.STORAGE_READ: lambda n: n.host_state == HostState.WRITING,
+        OpKind.STORAGE_WRITE: lambda n: n.storage_state == StorageState.WRITING and n.host_state == HostState.VALID,
+        OpKind.STORAGE_QUERY: lambda n: True,
+    }
+    for kind, queue in core.inflight.items():
+        for op in queue:
+            for n in op.pinned:
+                dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
+            for n in op.nodes:
+                if n.parent is None:
+                    fail(f"op {op.op_id} references a removed node {n.node_id}")
+                if kind in (OpKind.LOAD, OpKind.STORAGE_WRITE):
+                    host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1  # the op reads the host slot
+                if not expect[kind](n):
+                    fail(f"{kind.name} op {op.op_id}: node {n.node_id} is {n!r}")
+
+
+def _check_candidates(core: CacheCore, fail: Callable[[str], None]) -> None:
+    """Every eviction candidate has a live entry (its current key) in its heap."""
+    key = core.candidates.policy.key
+    device = set(core.candidates.device_heap)
+    host = set(core.candidates.host_heap)
+    for node in core.tree.nodes.values():
+        if is_device_candidate(node) and (key(node), node.node_id) not in device:
+            fail(f"node {node.node_id} is a device eviction candidate missing from the device heap")
+        if is_host_candidate(node) and (key(node), node.node_id) not in host:
+            fail(f"node {node.node_id} is a host eviction candidate missing from the host heap")
 
 
 def _check_page_caches(core: CacheCore, fail: Callable[[str], None]) -> None:

@@ -1,46 +1,98 @@
-"""The ledger: per-node tier state kept equal to everything that summarizes it.
+"""The ledger: the one mutator of node state.
 
-Every change to a node goes through here, bracketed by ``_unaccount``/``_account``, which keep the
-state digest, the evictable/protected counters and the eviction heaps equal to the nodes they
-summarize. CacheCore builds its operations on these primitives.
+Every change to a node's tier state, pins, access stamp or hit count goes through ``update``, and
+nodes enter and leave the tree through ``add``/``remove``. The ledger keeps what summarizes the
+nodes equal to them after every call: the state digest (the sum of ``record_of`` over nodes and
+leases), the evictable/protected counters, the mirror index and the eviction candidate heaps.
+``invariants.check`` recomputes each of these from the nodes with the same functions.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
+import struct
+from typing import Protocol
+
+import xxhash
 
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.config import CacheConfig
-from tpcache.core.digest import Digest, mix, mix_ids
-from tpcache.core.eviction import make_policy
-from tpcache.core.prefetch import PrefetchState
+from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
 from tpcache.core.tree import Node, RadixTree, drop_pages
 
+_RECORD = struct.Struct("<QqqqqqqQ")
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
+_VALID = DeviceState.VALID
+_NONE = DeviceState.NONE
+_MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
+
+
+def record_of(node: Node) -> int:
+    """A node's contribution to the state digest: every field that decides a hit, a page number or
+    an eviction (tier states, device page, host slot, pins, stamp, hits, creation time)."""
+    return (
+        xxhash.xxh3_64_intdigest(
+            _RECORD.pack(
+                node.hash,
+                node.device_state | node.host_state << 2 | node.storage_state << 4,
+                node.device_page,
+                node.host_slot,
+                node.device_pins << 32 | node.host_pins,
+                node.last_access,
+                node.hits,
+                node.created_at,
+            )
+        )
+        & DIGEST_MASK
+    )
+
+
+def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
+    """A lease's contribution to the state digest: what it pins, holds and waits for."""
+    return mix(
+        _LEASE_TAG,
+        lease.lease_id,
+        mix_ids([n.node_id for n in lease.device_nodes]),
+        mix_ids([n.node_id for n in lease.host_nodes]),
+        mix_ids(lease.pages),
+        mix_ids(lease.ops),
+        int(lease.releasing),
+        mix_ids(prefetch_fields),
+    )
 
 
 def is_mirror(node: Node) -> bool:
     """On device, on host and durable in storage: the pages mirror release may free a copy of."""
-    return (
-        node.storage_state == StorageState.DURABLE
-        and node.host_state == HostState.VALID
-        and node.device_state == DeviceState.VALID
-    )
+    return (node.device_state, node.host_state, node.storage_state) == _MIRROR
+
+
+def is_evictable(node: Node) -> bool:
+    """Device-VALID with no pins: counted as evictable device tokens (the retention cap's measure)."""
+    return node.device_state == _VALID and node.device_pins == 0
+
+
+def is_protected(node: Node) -> bool:
+    """On device (valid or loading) and pinned by a lease or an op."""
+    return node.device_state != _NONE and node.device_pins > 0
+
+
+class CandidateIndex(Protocol):
+    """What the ledger tells the eviction candidates (``eviction.Candidates``)."""
+
+    def offer(self, node: Node) -> None: ...
+
+    def offer_around(self, node: Node) -> None: ...
 
 
 class Ledger:
-    def __init__(self, config: CacheConfig) -> None:
-        config.validate()
+    def __init__(self, config: CacheConfig, tree: RadixTree, candidates: CandidateIndex) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.policy = make_policy(config.eviction_policy)
-        self._write_back = config.write_policy == "write_back" and config.host_pages > 0
-        self.tree = RadixTree(config.page_size, config.namespace)
+        self.tree = tree
         self.device = PageAllocator(config.device_pages, "device")
         self.host = HostAllocator(config.host_pages, "host")
+        self.candidates = candidates
         self.digest = Digest()
         self.clock = 0
         self.stats = Stats()
@@ -49,11 +101,8 @@ class Ledger:
         # Pages on device, on host and durable in storage, by node id: all that mirror release can
         # ever free, so its plan looks at these and not at the whole tree.
         self.mirrors: dict[int, Node] = {}
-        # Pages waiting for a host slot to be backed up, oldest first. Retried every round; the
-        # agreed minimum of its length is the host deficit a mirror-release plan works off.
+        # Pages waiting for a host slot to be backed up, oldest first; its length is the host deficit.
         self.backup_backlog: dict[int, Node] = {}
-        self._device_heap: list[tuple[tuple[int, ...], int]] = []
-        self._host_heap: list[tuple[tuple[int, ...], int]] = []
 
     @property
     def evictable_device_tokens(self) -> int:
@@ -63,42 +112,118 @@ class Ledger:
     def protected_device_tokens(self) -> int:
         return self.protected_device_pages * self.page_size
 
-    def _set_device(self, node: Node, state: DeviceState, page: int) -> None:
-        check_transition(DeviceState, node.device_state, state)
-        if page != node.device_page:
-            drop_pages(node)  # the only place a device page changes: no cached copy outlives it
-        node.device_state = state
-        node.device_page = page
+    def tick(self) -> None:
+        """Advance the logical clock (once per sequenced operation)."""
+        self.clock += 1
 
-    def _set_host(self, node: Node, state: HostState, slot: int) -> None:
-        check_transition(HostState, node.host_state, state)
-        node.host_state = state
-        node.host_slot = slot
+    # ------------------------------------------------------------------ the mutator
 
-    def _set_storage(self, node: Node, state: StorageState) -> None:
-        check_transition(StorageState, node.storage_state, state)
-        node.storage_state = state
-
-    def _pin_device(self, node: Node, delta: int) -> None:
-        self._unaccount(node)
-        node.device_pins += delta
-        self._account(node)
-
-    def _pin_host(self, node: Node, delta: int) -> None:
-        self._unaccount(node)
-        node.host_pins += delta
-        self._account(node)
-
-    def _stamp(self, nodes: list[Node], hit: bool) -> None:
-        for node in nodes:
-            self._unaccount(node)
+    def update(
+        self,
+        node: Node,
+        *,
+        device: tuple[DeviceState, int] | None = None,
+        host: tuple[HostState, int] | None = None,
+        storage: StorageState | None = None,
+        device_pins: int = 0,
+        host_pins: int = 0,
+        stamp: bool = False,
+        hit: bool = False,
+    ) -> None:
+        """Change ``node``: tier states (with their page or slot), pin deltas, an access stamp (the
+        current clock) and a hit. Transitions are checked against the tier tables."""
+        was_evictable, was_protected, was_mirror = is_evictable(node), is_protected(node), is_mirror(node)
+        if device is not None:
+            state, page = device
+            check_transition(DeviceState, node.device_state, state)
+            if page != node.device_page:
+                drop_pages(node)  # the only place a device page changes: no cached copy outlives it
+            node.device_state = state
+            node.device_page = page
+        if host is not None:
+            check_transition(HostState, node.host_state, host[0])
+            node.host_state, node.host_slot = host
+        if storage is not None:
+            check_transition(StorageState, node.storage_state, storage)
+            node.storage_state = storage
+        if device_pins:
+            node.device_pins += device_pins
+        if host_pins:
+            node.host_pins += host_pins
+        if stamp:
             node.last_access = self.clock
-            if hit:
-                node.hits += 1
-            self._account(node)
+        if hit:
+            node.hits += 1
+        self._refresh(node, was_evictable, was_protected, was_mirror)
 
-    @staticmethod
-    def _path_union(nodes: list[Node]) -> list[Node]:
+    def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int] | None = None) -> Node:
+        """A new node under ``parent`` (stamped now), optionally with a host slot being written."""
+        node = self.tree.add_child(parent, tokens, hash_, self.clock)
+        if host is not None:
+            check_transition(HostState, node.host_state, host[0])
+            node.host_state, node.host_slot = host
+        self._refresh(node, False, False, False)
+        return node
+
+    def remove_if_empty(self, node: Node) -> None:
+        """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
+        while (
+            node.parent is not None
+            and not node.children
+            and not node.resident
+            and node.device_pins == 0
+            and node.host_pins == 0
+        ):
+            parent = node.parent
+            self.digest.remove(node.record)
+            node.record = 0
+            self.backup_backlog.pop(node.node_id, None)
+            self.tree.remove_leaf(node)
+            if parent.parent is None:
+                return
+            self.candidates.offer(parent)
+            node = parent
+
+    def _refresh(self, node: Node, was_evictable: bool, was_protected: bool, was_mirror: bool) -> None:
+        digest = self.digest
+        digest.value = (digest.value - node.record) & DIGEST_MASK
+        node.record = record_of(node)
+        digest.value = (digest.value + node.record) & DIGEST_MASK
+        evictable, protected, mirror = is_evictable(node), is_protected(node), is_mirror(node)
+        self.evictable_device_pages += evictable - was_evictable
+        self.protected_device_pages += protected - was_protected
+        if mirror != was_mirror:
+            if mirror:
+                self.mirrors[node.node_id] = node
+            else:
+                del self.mirrors[node.node_id]
+        self.candidates.offer_around(node)
+
+    # ------------------------------------------------------------------ leases in the digest
+
+    def refresh_lease(self, lease: Lease, prefetch_fields: list[int]) -> None:
+        """Re-record a lease after any change to it (or, with ``lease.record`` 0, record a new one)."""
+        self.digest.remove(lease.record)
+        lease.record = lease_record(lease, prefetch_fields)
+        self.digest.add(lease.record)
+
+    def forget_lease(self, lease: Lease) -> None:
+        self.digest.remove(lease.record)
+        lease.record = 0
+
+    # ------------------------------------------------------------------ shared node changes
+
+    def free_host_copy(self, node: Node) -> None:
+        """Drop a node's host copy (evicted, released as a mirror, or its copy failed)."""
+        self.host.free([node.host_slot])
+        self.update(node, host=(HostState.NONE, -1))
+
+    def free_device_copy(self, node: Node) -> None:
+        """Drop a node's device page (evicted, or its load failed)."""
+        self.device.free([node.device_page])
+        self.update(node, device=(DeviceState.NONE, -1))
+
+    def path_union(self, nodes: list[Node]) -> list[Node]:
         """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""
         seen: set[int] = set()
         out: list[Node] = []
@@ -109,165 +234,3 @@ class Ledger:
                 out.append(cur)
                 cur = cur.parent
         return out
-
-    def _drop_device(self, node: Node) -> None:
-        if not node.on_host:
-            self._drop_host_subtree(node)
-        if self.backup_backlog.pop(node.node_id, None) is not None:
-            self.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier
-        self._unaccount(node)
-        self.device.free([node.device_page])
-        self._set_device(node, DeviceState.NONE, -1)
-        self._account(node)  # re-offers the parent to the heaps too
-        self._maybe_remove(node)
-
-    def _maybe_remove(self, node: Node) -> None:
-        """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
-        while (
-            node.parent is not None
-            and node.parent is not node
-            and not node.children
-            and not node.resident
-            and node.device_pins == 0
-            and node.host_pins == 0
-        ):
-            parent = node.parent
-            self._unaccount(node)
-            self.backup_backlog.pop(node.node_id, None)
-            self.tree.remove_leaf(node)
-            if parent.parent is None:
-                return
-            self._push(parent)
-            node = parent
-
-    def _drop_host_subtree(self, node: Node) -> None:
-        """Drop the host-only pages below a page that leaves device with no host copy, leaves first."""
-        order: list[Node] = []
-        stack = [c for c in node.children.values() if c.on_host]
-        while stack:
-            child = stack.pop()
-            order.append(child)
-            stack.extend(c for c in child.children.values() if c.on_host)
-        for child in reversed(order):
-            self._unaccount(child)
-            self.host.free([child.host_slot])
-            self._set_host(child, HostState.NONE, -1)
-            self._account(child)
-            self._maybe_remove(child)
-            self.stats.host_evicted_pages += 1
-
-    @staticmethod
-    def _host_subtree_droppable(node: Node) -> bool:
-        stack = [c for c in node.children.values() if c.on_host]
-        while stack:
-            child = stack.pop()
-            if child.host_state != HostState.VALID or child.host_pins or child.on_device:
-                return False
-            stack.extend(c for c in child.children.values() if c.on_host)
-        return True
-
-    # A node's derived contributions (digest record, counters, heap entries) are removed before
-    # any change to it and added back after: one place keeps them equal to what they summarize.
-
-    def _unaccount(self, node: Node) -> None:
-        self.digest.remove(node.record)
-        node.record = 0
-        if node.device_state == DeviceState.VALID and node.device_pins == 0:
-            self.evictable_device_pages -= 1
-        elif node.on_device and node.device_pins > 0:
-            self.protected_device_pages -= 1
-        if is_mirror(node):
-            del self.mirrors[node.node_id]
-
-    def _account(self, node: Node) -> None:
-        node.record = mix(
-            node.hash,
-            node.device_state,
-            node.device_page,
-            node.host_state,
-            node.host_slot,
-            node.storage_state,
-            (node.device_pins << 32) | node.host_pins,
-            node.last_access,
-        )
-        self.digest.add(node.record)
-        if node.device_state == DeviceState.VALID and node.device_pins == 0:
-            self.evictable_device_pages += 1
-        elif node.on_device and node.device_pins > 0:
-            self.protected_device_pages += 1
-        if is_mirror(node):
-            self.mirrors[node.node_id] = node
-        self._push(node)
-        parent = node.parent
-        if parent is not None and parent.parent is not None:
-            self._push(parent)  # a child's tiers decide whether its parent is an eviction candidate
-
-    def _unaccount_lease(self, lease: Lease) -> None:
-        self.digest.remove(lease.record)
-        lease.record = 0
-
-    def _account_lease(self, lease: Lease) -> None:
-        lease.record = mix(
-            _LEASE_TAG,
-            lease.lease_id,
-            mix_ids([n.node_id for n in lease.device_nodes]),
-            mix_ids([n.node_id for n in lease.host_nodes]),
-            mix_ids(lease.pages),
-            mix_ids(lease.ops),
-            int(lease.releasing),
-            0 if lease.prefetch is None else mix_ids(self._prefetch_fields(lease.prefetch)),
-        )
-        self.digest.add(lease.record)
-
-    @staticmethod
-    def _prefetch_fields(p: PrefetchState) -> list[int]:
-        return [p.code(), p.attempts, p.op_id, p.hit_pages, p.ready_pages, p.rounds, p.deferrals, p.start]
-
-    def _push(self, node: Node) -> None:
-        if len(self._device_heap) + len(self._host_heap) > 4 * len(self.tree.nodes) + 64:
-            self._rebuild_heaps()
-        if self._device_candidate(node):
-            heapq.heappush(self._device_heap, (self.policy.key(node), node.node_id))
-        if self._host_candidate(node):
-            heapq.heappush(self._host_heap, (self.policy.key(node), node.node_id))
-
-    def _rebuild_heaps(self) -> None:
-        """Drop stale entries. Iterates nodes in insertion order, so every rank rebuilds alike."""
-        nodes = list(self.tree.nodes.values())
-        self._device_heap = [(self.policy.key(n), n.node_id) for n in nodes if self._device_candidate(n)]
-        self._host_heap = [(self.policy.key(n), n.node_id) for n in nodes if self._host_candidate(n)]
-        heapq.heapify(self._device_heap)
-        heapq.heapify(self._host_heap)
-
-    def _device_candidate(self, node: Node) -> bool:
-        """Device leaves not in use. A page with no host copy whose children live only on host
-        goes only if those host copies can go with it (they would hang from nothing)."""
-        if node.device_state != DeviceState.VALID or node.device_pins or node.parent is None:
-            return False
-        host_children = False
-        for child in node.children.values():
-            if child.on_device:
-                return False
-            host_children = host_children or child.on_host
-        return not host_children or node.on_host or self._host_subtree_droppable(node)
-
-    @staticmethod
-    def _host_candidate(node: Node) -> bool:
-        """Host leaves not in use and not on device. A device page's host copy makes its device
-        eviction free (write-through) or is the copy a write-back eviction waits for, so it is not
-        evicted from host: it goes only when its device copy goes, or by an agreed mirror-release
-        plan once the page is durable in storage."""
-        if node.host_state != HostState.VALID or node.host_pins or node.parent is None or node.on_device:
-            return False
-        return not any(c.on_host for c in node.children.values())
-
-    def _pop_candidate(
-        self, heap: list[tuple[tuple[int, ...], int]], is_candidate: Callable[[Node], bool]
-    ) -> Node | None:
-        """Pop the best live candidate; stale heap entries (changed key, gone, pinned) are skipped."""
-        while heap:
-            key, node_id = heapq.heappop(heap)
-            node = self.tree.nodes.get(node_id)
-            if node is not None and is_candidate(node) and self.policy.key(node) == key:
-                return node
-        return None

@@ -1,5 +1,5 @@
-"""What the core hands out and keeps per request: ops (Transfer effects), leases, match results,
-counters, and the errors of its operations."""
+"""What the core hands out and keeps per request: ops (Transfer effects), the Ready batch of
+effects, leases, match results, counters, and the errors of its operations."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tpcache.core.prefetch import PrefetchState
     from tpcache.core.tree import Node, Walk
 
 
@@ -25,7 +24,8 @@ class OpKind(IntEnum):
 
 @dataclass
 class Transfer:
-    """An effect: a copy the shell must start. ``acked`` is filled from the agreed completion."""
+    """One op: a copy or storage call the I/O layer carries out. Known by ``op_id`` from issue to
+    retirement; ``acked`` is set when the round agrees how many leading pages landed on every rank."""
 
     op_id: int
     kind: OpKind
@@ -35,10 +35,56 @@ class Transfer:
     page_hashes: list[int]
     lease_id: int = -1
     pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
+    acked: int = -1  # agreed pages landed on every rank, once retired
 
     @property
     def num_pages(self) -> int:
         return len(self.page_hashes)
+
+
+@dataclass
+class Ready:
+    """Everything the driver must act on since the last ``advance`` (raft's Ready).
+
+    The core hands out one Ready at a time: a second ``ready()`` before ``advance()`` is an error, so
+    no effect is ever acted on twice or lost."""
+
+    transfers: list[Transfer] = field(default_factory=list)
+    """Start each before the next round; its outcome comes back by op id (pages landed)."""
+    retired: list[Transfer] = field(default_factory=list)
+    """Agreed complete on every rank (``acked`` pages landed): the I/O layer forgets them."""
+    released: list[int] = field(default_factory=list)
+    """Leases whose release finished: nothing of theirs is pinned and no copy writes their pages."""
+
+    def __bool__(self) -> bool:
+        return bool(self.transfers or self.retired or self.released)
+
+
+PREFETCH_STATES = ("querying", "deferred", "reading", "retry_wait", "done")
+
+
+@dataclass
+class PrefetchState:
+    """One request's storage prefetch (``prefetch.py`` holds its transition table)."""
+
+    tokens: bytes
+    status: str = "querying"  # one of PREFETCH_STATES
+    attempts: int = 0
+    op_id: int = -1  # the current attempt's op; other completions are stale
+    hit_pages: int = 0  # agreed storage hit of the current attempt
+    ready_pages: int = 0  # pages landed in host over all attempts
+    rounds: int = 0  # rounds since the prefetch started (the timeout policy's clock)
+    deferrals: int = 0
+    retry_at: int = 0
+    start: int = 0  # page index the current attempt's hit starts at
+    nodes: list[Node] = field(default_factory=list)
+    anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
+
+    def fields(self) -> list[int]:
+        """What the state digest covers of it."""
+        code = PREFETCH_STATES.index(self.status)
+        counts = (self.attempts, self.hit_pages, self.ready_pages, self.rounds, self.deferrals, self.retry_at)
+        return [code, self.op_id, *counts, self.start]
 
 
 @dataclass
@@ -112,4 +158,8 @@ class CacheClosed(RuntimeError):
 
 
 class UnknownLease(KeyError):
-    pass
+    """No live lease has this id (never issued, or already released)."""
+
+
+class ReadyNotAdvanced(RuntimeError):
+    """``ready()`` was called again before ``advance()``: the driver would act on effects twice."""

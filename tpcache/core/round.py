@@ -1,15 +1,17 @@
 """The round: prepare a fixed-shape vector of local facts, commit only what every rank agrees on.
 
-Per step every rank calls ``prepare`` (local observations -> vector), the caller runs exactly one
+Per step every rank calls ``prepare`` (local observations -> vector), the driver runs exactly one
 MIN all-reduce, then every rank calls ``commit`` with the reduced vector. Commit mutates the core
 only through agreed values, so ranks that were equal stay equal, whatever finished first where.
 
 Fail-closed levels:
 - a plan whose (count, tokens, digest) differs across ranks is skipped; after
   ``plan_mismatch_limit`` mismatches in a row its feature switches off;
-- a layout, sequence, state digest, queue or health disagreement closes the cache: matches miss,
-  writes are refused, in-flight copies still drain; an agreed flush reopens it;
-- a collective timeout closes it on the survivors (``fail``), reported by the caller.
+- a layout, round, sequence, state digest, queue or health disagreement closes the cache: matches
+  miss, writes are refused, in-flight copies still drain; an agreed flush reopens it;
+- a collective that fails (timeout, dead rank) is broken for good (``fail``): the cache closes and
+  stays closed until the group is restarted, since ranks can no longer tell which rounds the others
+  committed.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from protocol.round_vector import HEALTH_TRANSFER_ERROR, LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
 from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
-from tpcache.core.plans import MirrorRelease, Plan, PlanFeature
+from tpcache.core.plans import Plan, PlanFeature
 
 log = logging.getLogger("tpcache.round")
 
@@ -40,28 +41,18 @@ class QueueObservation:
     head_acked: int = 0  # leading pages the head op got through (its partial success)
 
 
-def observe_head(results: Mapping[int, int], pending: Sequence[Transfer]) -> QueueObservation:
-    """Count finished ops from the head of a queue; ``results`` maps op id -> pages that landed."""
+def observe_head(landed: Mapping[int, int], pending: Sequence[Transfer]) -> QueueObservation:
+    """Count finished ops from the head of a queue; ``landed`` maps op id -> pages that landed."""
     done = clean = 0
     for op in pending:
-        landed = results.get(op.op_id)
-        if landed is None:
+        pages = landed.get(op.op_id)
+        if pages is None:
             break
         done += 1
-        if clean == done - 1 and landed == op.num_pages:
+        if clean == done - 1 and pages == op.num_pages:
             clean += 1
-    head = results.get(pending[0].op_id, 0) if pending else 0
+    head = landed.get(pending[0].op_id, 0) if pending else 0
     return QueueObservation(done, clean, head or 0)
-
-
-class LocalView(Protocol):
-    """The shell's side of the round: local facts no other rank can see."""
-
-    def observe(self, kind: OpKind, pending: Sequence[Transfer]) -> QueueObservation: ...
-
-    def health(self) -> int: ...
-
-    def drained(self) -> bool: ...
 
 
 @dataclass
@@ -73,6 +64,7 @@ class RoundReport:
     mismatches: list[str] = field(default_factory=list)
     closed_reason: str | None = None
     flushed: bool = False
+    idle: bool = False  # agreed: no rank had anything in flight when it prepared this round
 
 
 class Round:
@@ -82,26 +74,31 @@ class Round:
         # Ranks must run one layout and one configuration: a digest of both is the layout field.
         self.layout_digest = mix_text(json.dumps([LAYOUT_VERSION, self.layout.fields, core.config.to_dict()]))
         self.number = 0
-        self.features: list[PlanFeature] = (
-            list(features) if features is not None else [MirrorRelease()] if core.config.mirror_release else []
-        )
+        self.features: list[PlanFeature] = list(core.plan_features if features is None else features)
         self.pending_plan: Plan | None = None  # prepared last commit, checked this round
         self.plan_mismatches = 0  # consecutive rounds whose plans disagreed
-        self.plans_disabled = False
         self.disabled: set[str] = set()
         self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
+        self.broken: str | None = None  # why the collective can no longer be trusted, once it failed
         self._prepared = False
+        self._index = {name: self.layout.index(name) for name in ("layout", "round", "seq", "health")}
+
+    def rebind(self, core: CacheCore) -> None:
+        """After an agreed flush the core starts over: plans act on the new one."""
+        self.core = core
+        self.features = list(core.plan_features)
 
     # ------------------------------------------------------------------ prepare
 
     def state_digest(self) -> int:
-        c = self.core
-        backlog = mix_ids(list(c.backup_backlog))
-        extra = mix(c.clock, c._next_op, c._next_lease, int(c.flush_requested), backlog, c.retention_cap_tokens)
-        return (c.digest.value + extra) & DIGEST_MASK
+        plans = mix(self.plan_mismatches, mix_ids(sorted(mix_text(name) for name in self.disabled)))
+        return (self.core.state_digest() + plans) & DIGEST_MASK
 
-    def prepare(self, seq: int, view: LocalView) -> list[int]:
-        """This rank's vector for the round. Pure with respect to the core."""
+    def prepare(self, seq: int, landed: Mapping[int, int], health: int, drained: bool) -> list[int]:
+        """This rank's vector for the round. Pure with respect to the core.
+
+        ``landed``: op id -> pages that landed, for every op this rank saw finish and not yet
+        retired; ``health``: the rank's health bits; ``drained``: no copy physically in flight."""
         if self._prepared:
             raise RuntimeError("prepare called twice without commit: one collective per round")
         core = self.core
@@ -110,32 +107,33 @@ class Round:
             self.number,
             seq,
             self.state_digest(),
-            view.health(),
-            int(view.drained()),
+            health,
+            int(drained),
+            int(drained and not core.outbox.busy()),
             int(core.flush_requested),
+            core.kept_leases_digest(),
         ]
         for kind in QUEUE_OF:  # per queue, in layout order
             pending = core.inflight[kind]
             if not pending:
                 values += (_EMPTY_QUEUE, 0, 0, 0)
                 continue
-            obs = view.observe(kind, pending)
-            if not 0 <= obs.clean <= obs.done <= len(pending):
-                raise ValueError(f"{QUEUE_OF[kind]}: observation {obs} does not fit {len(pending)} ops in flight")
+            obs = observe_head(landed, pending)
             values += (mix_ids([op.op_id for op in pending]), obs.done, obs.clean, obs.head_acked if obs.done else 0)
+        values += (core.outbox.next_op, core.book.next_lease, core.host_deficit)
         plan = self.pending_plan
-        values += (core.host_deficit, plan.count, plan.tokens, plan.digest) if plan else (core.host_deficit, 0, 0, 0)
+        values += (plan.count, plan.tokens, plan.digest) if plan else (0, 0, 0)
         self._prepared = True
         return self.layout.pack_values(values)
 
-    def poison_vector(self, seq: int) -> list[int]:
+    def poison_vector(self, seq: int, health: int) -> list[int]:
         """A vector that says "this rank is unhealthy", for a rank that could not prepare one."""
         self._prepared = True
         values = [0] * len(self.layout.fields)
-        values[self.layout.index("layout")] = self.layout_digest
-        values[self.layout.index("round")] = self.number
-        values[self.layout.index("seq")] = seq
-        values[self.layout.index("health")] = HEALTH_TRANSFER_ERROR
+        values[self._index["layout"]] = self.layout_digest
+        values[self._index["round"]] = self.number
+        values[self._index["seq"]] = seq
+        values[self._index["health"]] = health
         return self.layout.pack_values(values)
 
     # ------------------------------------------------------------------ commit
@@ -144,9 +142,10 @@ class Round:
         if not self._prepared:
             raise RuntimeError("commit without prepare")
         self._prepared = False
+        number = self.number
+        self.number += 1  # first: a commit that raises below still counts its round, as its peers do
         agreement = self.layout.unpack(reduced)
-        report = RoundReport(round=self.number)
-        self.number += 1
+        report = RoundReport(round=number, idle=agreement.lo["idle"] == 1)
         core = self.core
 
         unanimous = agreement.unanimous and agreement.lo["health"] == 0
@@ -160,19 +159,31 @@ class Round:
         if agreement.lo["flush"] == 1 and agreement.lo["drained"] == 1:
             # Every rank asked for the flush and has no copy physically in flight, so dropping all
             # state frees nothing a copy still writes, whatever each rank's (diverged) queues say.
-            self._flush(report)
+            # The leases a flush keeps must be the same everywhere, or the ranks would differ again.
+            if agreement.agreed("leases"):
+                self._flush(agreement, report)
+            else:
+                self._mismatch("leases", report)
+                log.error(
+                    "round %d: flush waits: the ranks hold different leases; release every lease to flush",
+                    report.round,
+                )
         if not core.closed:
-            core.tick()
+            core.after_commit()
             self.pending_plan = self._prepare_plan(agreement)
             core.enforce_retention()
         report.closed_reason = core.closed_reason
         return report
 
     def fail(self, reason: str) -> None:
-        """The collective failed (timeout, dead rank): close without mutating anything else."""
+        """The collective failed (timeout, dead rank): close for good, mutating nothing else. The
+        round still counts, so a rank whose call failed and a peer whose call went through agree
+        on the number of rounds issued."""
         self._prepared = False
-        self.core.close(reason)
-        log.error("cache closed: %s", reason)
+        self.number += 1
+        self.broken = reason
+        self.core.close(f"{reason}; the group must be restarted")
+        log.error("cache closed: %s; the group must be restarted", reason)
 
     def _mismatch(self, name: str, report: RoundReport) -> None:
         report.mismatches.append(name)
@@ -214,8 +225,8 @@ class Round:
             report.plan_skipped = plan.feature if plan else "plan"
             self._mismatch("plan", report)
             self.plan_mismatches += 1
-            if self.plan_mismatches >= self.core.config.plan_mismatch_limit and not self.plans_disabled:
-                self.plans_disabled = True
+            limit = self.core.config.plan_mismatch_limit
+            if self.plan_mismatches >= limit and self.features and not self.disabled:
                 self.disabled.update(f.name for f in self.features)
                 log.error(
                     "plans (%s) switched off after %d mismatches in a row; falling back to conservative behaviour",
@@ -227,20 +238,25 @@ class Round:
             return
         self.plan_mismatches = 0
         feature = next(f for f in self.features if f.name == plan.feature)
-        feature.execute(self.core, plan)
+        feature.execute(plan)
         report.plan_executed = plan.feature
 
     def _prepare_plan(self, a: Agreement) -> Plan | None:
         for feature in self.features:
             if feature.name in self.disabled:
                 continue
-            plan = feature.prepare(self.core, a)
+            plan = feature.prepare(a)
             if plan is not None:
                 return plan
         return None
 
-    def _flush(self, report: RoundReport) -> None:
-        self.core.reset()
+    def _flush(self, a: Agreement, report: RoundReport) -> None:
+        """Reset every rank alike: ids continue from their maximum over ranks (a stale id never
+        names a new lease or op anywhere), and the plans start over."""
+        self.core.reset(next_op=a.hi["next_op"], next_lease=a.hi["next_lease"])
+        self.rebind(self.core)
         self.pending_plan = None
+        self.plan_mismatches = 0
+        self.disabled.clear()
         report.flushed = True
         log.warning("round %d: agreed flush: every rank reset; cache open", report.round)

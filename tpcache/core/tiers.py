@@ -9,12 +9,6 @@ from __future__ import annotations
 from enum import IntEnum
 
 
-class Tier(IntEnum):
-    DEVICE = 0
-    HOST = 1
-    STORAGE = 2
-
-
 class DeviceState(IntEnum):
     NONE = 0
     LOADING = 1  # a host-to-device load into the page is in flight

@@ -209,16 +209,17 @@ class ShmCollective(Collective):
         allow_any_thread: bool = False,
     ) -> None:
         require_group(capacity)
-        super().__init__(
-            dist.get_rank(group),
-            dist.get_world_size(group),
-            "shm",
-            capacity=capacity,
-            allow_any_thread=allow_any_thread,
-        )
+        self._init(dist.get_rank(group), dist.get_world_size(group), capacity, spin_s, yield_s, max_sleep_s)
+        self._allow_any_thread = allow_any_thread
+        # Setup messages travel on the group: CPU tensors unless the group only speaks NCCL.
+        on_nccl = group_backend(group, None) == "nccl"
+        self._device = group_device(group, device) if on_nccl else torch.device("cpu")
+        self.segment_name, self._token = self._setup(group, shm_dir)
+
+    def _init(self, rank: int, world: int, capacity: int, spin_s: float, yield_s: float, max_sleep_s: float) -> None:
+        super().__init__(rank, world, "shm", capacity=capacity)
         # Polling with sched_yield from the start beats spinning even with a core per rank: a rank that
-        # shares its core (with a peer or another process) hands it over at once. Measured at 2 ranks on
-        # a loaded 2-core machine: p50 9-30 us without spinning, 11-72 us with a 20 us spin.
+        # shares its core (with a peer or another process) hands it over at once.
         self.spin_s = spin_s
         self._polls_before_clock = 32 if spin_s > 0 else 1  # a few cheap polls first when spinning
         self.yield_s = yield_s
@@ -228,10 +229,27 @@ class ShmCollective(Collective):
         self._seg: _Segment | None = None
         self._pidns = _pid_namespace()
         self._futex = futex.available()
-        # Setup messages travel on the group: CPU tensors unless the group only speaks NCCL.
-        on_nccl = group_backend(group, None) == "nccl"
-        self._device = group_device(group, device) if on_nccl else torch.device("cpu")
-        self.segment_name, self._token = self._setup(group, shm_dir)
+
+    @classmethod
+    def local_group(cls, world: int, *, capacity: int = DEFAULT_CAPACITY, shm_dir: str = SHM_DIR) -> list[ShmCollective]:
+        """``world`` ranks of one process on one segment, set up without torch.distributed: for the
+        simulator, which drives them split-phase (``publish`` on every rank, then ``collect``)."""
+        ranks = []
+        for rank in range(world):
+            c = cls.__new__(cls)
+            c._init(rank, world, capacity, 0.0, 0.0, 1e-3)
+            c._allow_any_thread = True
+            ranks.append(c)
+        name, token = ranks[0]._create(shm_dir)
+        path = os.path.join(shm_dir, name)
+        try:
+            for c in ranks[1:]:
+                c._attach(path, token)
+        finally:
+            os.unlink(path)
+        for c in ranks:
+            c.segment_name, c._token = name, token
+        return ranks
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -321,6 +339,11 @@ class ShmCollective(Collective):
     # -- the round -----------------------------------------------------------------------------------
 
     def _allreduce_min(self, values: array, timeout_s: float) -> list[int]:
+        self.publish(values)
+        return self.collect(values, timeout_s)
+
+    def publish(self, values: array) -> None:
+        """Step 1 of a round: write this rank's record for the next round number."""
         seg = self._seg
         assert seg is not None
         self._round += 1
@@ -334,6 +357,12 @@ class ShmCollective(Collective):
         w[b + 2 : b + 3 + n] = record
         w[b + 1] = checksum
         w[b] = rnd  # publish last (readers verify the checksum in any case)
+
+    def collect(self, values: array, timeout_s: float) -> list[int]:
+        """Step 2: wait for every peer's record of this round and reduce (``values`` are this rank's)."""
+        rnd = self._round
+        n = len(values)
+        seed = (self._token + rnd) & _MASK64
         if not self._peers:
             return values.tolist()
         try:

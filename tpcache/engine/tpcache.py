@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from protocol.round_vector import HEALTH_TRANSFER_ERROR
-from tpcache.core import CacheConfig, CacheCore, MatchResult
-from tpcache.core.hashing import TokenIds
-from tpcache.core.round import Round, RoundReport
-from tpcache.dist.collective import Collective, CollectiveError
+from tpcache.core import CacheConfig, CacheCore
+from tpcache.core.round import RoundReport
+from tpcache.dist.collective import Collective
+from tpcache.engine.driver import Driver, Operations
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout
 from tpcache.io.storage import StorageBackend, StorageWorker
@@ -54,7 +52,7 @@ class LoadResult:
             handle.wait_layer(layer, timeout)
 
 
-class TPCache:
+class TPCache(Operations):
     def __init__(
         self,
         config: CacheConfig,
@@ -79,9 +77,7 @@ class TPCache:
         self.rank = collective.rank
         self.world_size = collective.world_size
         self.round_timeout_s = round_timeout_s
-        self.core = CacheCore(config)
-        self.round = Round(self.core)
-        self.seq = 0
+        core = CacheCore(config)
         self.round_seconds: list[float] = []  # recent round wall times (metrics only)
         self.kv_layout = kv_layout
         self.device_pool = device_pool
@@ -105,105 +101,43 @@ class TPCache:
             raise ValueError("the storage tier needs a KV layout (pages have bytes to store)")
         self.storage = storage  # owned: closed with the cache
         self.shell = Shell(transfer, self.host_pool, worker, key_of)
+        self.driver = Driver(core, self.shell, collective, rank=self.rank, round_timeout_s=round_timeout_s)
+        self.round = self.driver.round
+
+    @property
+    def seq(self) -> int:
+        return self.driver.seq
 
     # ------------------------------------------------------------------ sequenced operations
 
-    def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
-        """Match and pin the cached prefix for a request; returns (lease id, match)."""
-        return self._sequenced(self.core.lock, tokens)
-
-    def alloc(self, lease: int, num_pages: int) -> list[int]:
-        """Device pages for the lease to compute KV into (evicting unpinned cache pages)."""
-        return self._sequenced(self.core.alloc, lease, num_pages)
-
-    def insert(self, lease: int, tokens: TokenIds, device_pages: Sequence[int]) -> tuple[int, int]:
-        """Cache the full pages of ``tokens`` whose KV is in ``device_pages``."""
-        return self._sequenced(self.core.insert, lease, tokens, list(device_pages))
-
     def load(self, lease: int) -> LoadResult:
-        """Start loading the lease's host hits to device; wait per layer on ``handle``."""
-        pages = self._sequenced(self.core.load, lease)
+        """Start loading the lease's host hits to device; wait per layer on the result's handles."""
+        pages = self.driver.apply(self.core.load, lease)
         handles = self.shell.handles
         return LoadResult(pages, [handles[op] for op in self.core.lease(lease).ops if op in handles])
-
-    def prefetch(self, lease: int) -> bool:
-        """Look the continuation of the lease's tokens up in storage; read the agreed hit to host
-        (seed 003). Follow with ``prefetch_status``/``admissible``, then ``load``."""
-        return self._sequenced(self.core.prefetch, lease)
-
-    def prefetch_status(self, lease: int) -> tuple[str, int]:
-        return self.core.prefetch_status(lease)
-
-    def admissible(self, lease: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
-        """Whether to admit the lease's request now under the prefetch stop policy (pure, agreed state)."""
-        return self.core.admissible(lease, policy, timeout_rounds)
-
-    def release(self, lease: int) -> bool:
-        """Finish or abort a request. Parked until copies into its pages land (seed 004)."""
-        return self._sequenced(self.core.release, lease)
-
-    def set_retention_cap(self, tokens: int) -> None:
-        self._sequenced(self.core.set_retention_cap, tokens)
-
-    def request_flush(self) -> None:
-        self._sequenced(self.core.request_flush)
-
-    def match(self, tokens: TokenIds) -> MatchResult:
-        """A pure lookup (not sequenced; changes nothing)."""
-        return self.core.match(tokens)
-
-    def _sequenced(self, fn: Any, *args: Any) -> Any:
-        self.seq += 1  # counted even when the op raises: every rank raises alike
-        try:
-            return fn(*args)
-        finally:
-            self.shell.submit(self.core.take_effects())
 
     # ------------------------------------------------------------------ the round
 
     def step(self) -> RoundReport:
-        """One round: poll local completions, prepare, one all-reduce, commit.
-
-        The collective is issued whatever happens locally: a rank that fails to prepare sends a
-        vector that reports itself unhealthy, so its peers close with it instead of waiting."""
+        """One round: poll local completions, prepare, one all-reduce, commit."""
         start = time.perf_counter()
-        try:
-            self.shell.poll()
-            vector = self.round.prepare(self.seq, self.shell)
-        except Exception as exc:  # noqa: BLE001 - any local failure must still reach the round
-            log.exception("round %d: preparing failed on rank %d", self.round.number, self.rank)
-            self.core.close(f"rank {self.rank} could not prepare round {self.round.number}: {exc}")
-            vector = self.round.poison_vector(self.seq)
-        try:
-            reduced = self.collective.allreduce_min(vector, self.round_timeout_s)
-        except CollectiveError as exc:
-            number = self.round.number
-            self.round.fail(f"round {number}: the collective failed: {exc}")
-            return RoundReport(round=number, closed_reason=self.core.closed_reason)
-        try:
-            report = self.round.commit(reduced)
-        except Exception as exc:  # noqa: BLE001 - a commit that breaks midway must not serve again
-            log.exception("round %d: commit failed on rank %d", self.round.number, self.rank)
-            self.core.close(f"rank {self.rank} failed to commit: {exc}")
-            self.shell.health_bits |= HEALTH_TRANSFER_ERROR  # the next round closes every rank
-            return RoundReport(round=self.round.number, closed_reason=self.core.closed_reason)
-        self.shell.retire(report.completed)
-        if report.flushed:
-            # Every rank starts over together: requests are counted afresh, so ranks whose counts
-            # had diverged (the usual reason for a flush) agree again.
-            self.shell.reset()
-            self.seq = 0
-        self.shell.submit(self.core.take_effects())
-        self.round_seconds.append(time.perf_counter() - start)
+        report = self.driver.step()
+        self.round_seconds.append(time.perf_counter() - start)  # metrics only
         del self.round_seconds[:-4096]
         return report
 
     def drain(self, max_rounds: int = 10_000, pause_s: float = 0.0005) -> int:
-        """Run rounds until nothing is in flight on any rank (a collective call: all ranks)."""
+        """Run rounds until no rank has anything in flight (a collective call: all ranks). Every rank
+        stops in the same round: the test is the agreed ``idle`` field, not local state. With a
+        broken collective no round can agree: wait for this rank's own copies instead."""
         for n in range(max_rounds):
-            if not any(self.core.inflight.values()) or self.core.closed and self.shell.drained():
+            if self.driver.broken is not None:
+                while not self.shell.drained() and n < max_rounds:
+                    time.sleep(pause_s or 0.0005)
+                    n += 1
                 return n
-            self.step()
+            if self.step().idle:
+                return n
             if pause_s:
                 time.sleep(pause_s)
         raise TimeoutError(f"copies still in flight after {max_rounds} rounds")
@@ -219,6 +153,7 @@ class TPCache:
             "world_size": self.world_size,
             "transport": self.collective.name,
             "disabled_features": sorted(self.round.disabled),
+            "broken": self.driver.broken or "",
         }
 
     def stats(self) -> dict[str, Any]:

@@ -105,6 +105,37 @@ class CpuMover:
             on_layer(layer, None)
 
 
+class PinnedStaging:
+    """Pinned host buffers reused across ops by one copying thread: ``slots`` buffers taken in turn,
+    each grown on demand, and written again only once the copy that last read it has completed."""
+
+    def __init__(self, width: int, dtype: torch.dtype, slots: int) -> None:
+        self.width = width
+        self.dtype = dtype
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._busy: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+
+    def take(self, rows: int) -> tuple[torch.Tensor, int]:
+        """A pinned ``[rows, width]`` view and its slot (hand the slot's last reader to ``release``)."""
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        busy = self._busy[i]
+        if busy is not None:
+            busy.synchronize()
+            self._busy[i] = None
+        buf = self._bufs[i]
+        if buf is None or buf.shape[0] < rows:
+            grown = max(rows, 2 * buf.shape[0]) if buf is not None else rows
+            buf = torch.empty((grown, self.width), dtype=self.dtype, pin_memory=True)
+            self._bufs[i] = buf
+        return buf[:rows], i
+
+    def release(self, slot: int, reader: torch.cuda.Event | None) -> None:
+        """The slot may be written again once ``reader`` (None: nothing pending) has completed."""
+        self._busy[slot] = reader
+
+
 class CudaMover:
     """Device pool on a GPU, host pool pinned: one stream per direction, an event per loaded layer.
 
@@ -113,7 +144,9 @@ class CudaMover:
     Backups gather the pages on the GPU (on the d2h stream, after the caller's stream reached the
     submit point), copy them to a pinned staging buffer, then scatter into the host slots on the CPU.
     Loads gather each layer into pinned staging on the CPU, copy it to the GPU and scatter it there,
-    recording one event per layer so a forward pass can wait for layer i only.
+    recording one event per layer so a forward pass can wait for layer i only. The pinned staging is
+    allocated once per copying thread and reused (two buffers in turn for loads, so gathering layer
+    i + 1 overlaps the upload of layer i).
     """
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
@@ -124,6 +157,15 @@ class CudaMover:
         self.device = device_pool.device
         self.d2h_stream = torch.cuda.Stream(device=self.device)
         self.h2d_stream = torch.cuda.Stream(device=self.device)
+        self._local = threading.local()  # per copying thread: its own staging buffers
+
+    def _staging(self, direction: str) -> PinnedStaging:
+        staging = getattr(self._local, direction, None)
+        if staging is None:
+            slots = 1 if direction == "d2h" else 2
+            staging = PinnedStaging(self.host.rows.shape[1], self.host.rows.dtype, slots)
+            setattr(self._local, direction, staging)
+        return staging
 
     def plan(self, direction: str, src_pages: object, dst_pages: object) -> None:
         """GPU copies are planned on their stream (see backup/load)."""
@@ -151,12 +193,12 @@ class CudaMover:
             if after is not None:
                 self.d2h_stream.wait_event(after)
             gathered = torch.index_select(self.dev.rows, 0, src.to(self.device))
-            pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            pinned, _ = self._staging("d2h").take(gathered.shape[0])
             pinned.copy_(gathered, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.d2h_stream)
         done.synchronize()
-        self.host.rows.index_copy_(0, dst, pinned)
+        self.host.rows.index_copy_(0, dst, pinned)  # synchronous: the buffer is free again after it
 
     def load(
         self,
@@ -175,16 +217,16 @@ class CudaMover:
             if after is not None:  # earlier kernels may still read the pages being overwritten
                 self.h2d_stream.wait_event(after)
             dst0 = self.dev.row_ids(device_pages, 0).to(self.device)
+            staging = self._staging("h2d")
             for layer in range(self.dev.layout.num_layers):
                 before(layer)
-                shape = (src0.numel(), self.host.rows.shape[1])
-                pinned = torch.empty(shape, dtype=self.host.rows.dtype, pin_memory=True)
+                pinned, slot = staging.take(src0.numel())
                 torch.index_select(self.host.rows, 0, src0 + layer * self.host.layer_row_stride, out=pinned)
-                # the caching host allocator keeps `pinned` alive until this async copy has run
                 staged = pinned.to(self.device, non_blocking=True)
                 self.dev.rows.index_copy_(0, dst0 + layer * self.dev.layer_row_stride, staged)
                 event = torch.cuda.Event()
                 event.record(self.h2d_stream)
+                staging.release(slot, event)  # the upload reads the buffer until this event
                 on_layer(layer, event)
 
     def synchronize(self) -> None:

@@ -9,14 +9,12 @@ torch has a single-pass op for the pattern:
 - gather runs: destination consecutive, source not -> one `index_select(out=dst slice)`, which copies
   slab by slab into the strided destination (no temporary);
 - singles (isolated destinations): one `copy_` per pair when a slab is large enough to amortise the
-  ~1-2 us per-call cost; smaller slabs go through a small cache-resident staging buffer
-  (`index_select` gather, then `index_copy_` scatter), which costs a second pass but far fewer calls.
+  per-call cost of a torch op (microseconds); smaller slabs go through a small cache-resident staging
+  buffer (`index_select` gather, then `index_copy_` scatter), which costs a second pass but far fewer
+  calls. `scripts/bench_transfer.py --copier torch` measures where the threshold pays.
 
-Measured on a shared 2-core EPYC (scripts/bench_transfer.py, 1 torch thread): pair copies win from
-64 KiB slabs up (32 KiB is a tie); below, staging wins because each call costs ~1-2 us. Whatever the
-method, scattered small granules cannot reach a contiguous copy: a plain C loop of memcpy over random
-rows reaches ~0.5 of it at 4 KiB rows, ~0.55 at 8 KiB, ~0.6 at 16 KiB and ~1.0 at 64 KiB, because each
-row restarts the hardware prefetcher. A row here is a page's K (or V) block of one layer.
+Whatever the method, scattered small granules stay below a contiguous copy: each row restarts the
+hardware prefetcher. A row here is a page's K (or V) block of one layer.
 
 Plans are computed once per op; a load reuses its plan for every layer by passing that layer's
 slab views. Torch ops release the GIL, so copies on a worker thread run in parallel with the caller.

@@ -1,19 +1,17 @@
 """Transfer engine: asynchronous, batched page copies between a device pool and a host pool.
 
-Two directions, each with its own completion queue in issue order:
-- "d2h" backups (`submit_backup`): device pages -> host slots;
-- "h2d" loads (`submit_load`): host slots -> device pages, copied layer by layer with per-layer
-  readiness (`LoadHandle.wait_layer`).
+Two directions: "d2h" backups (`submit_backup`: device pages -> host slots) and "h2d" loads
+(`submit_load`: host slots -> device pages, copied layer by layer with per-layer readiness,
+`LoadHandle.wait_layer`).
 
-Completion is local knowledge. The engine never applies it: the round agrees on the count of
-finished ops *at the head* of each queue (`poll`), and only then does the caller remove that many
-(`pop`). An op that finishes early behind a slow one stays invisible until the slow one finishes,
-so every rank reports a prefix of the same issue order.
+Completion is local knowledge, reported by op id (`finished`), once per op, in whatever order the
+copies finish. The engine decides nothing about agreement: the round decides which ops count as
+complete on every rank, from what each rank reported.
 
 The same interface runs on the CPU (one worker thread per direction; torch ops release the GIL) and
 on a GPU (one CUDA stream per direction, an event per loaded layer). A copy that raises completes
 with ok=False instead of killing its thread. Op ids are caller-chosen ints, strictly increasing
-over both directions, so `wait_op` can tell a popped op from one never submitted.
+over both directions, so `wait_op` can tell a finished op from one never submitted.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -226,8 +223,7 @@ class TransferEngine:
         self._before_copy = before_copy
         self._threads = torch.get_num_threads() if threads is None else max(1, int(threads))
         self._lock = threading.Lock()
-        self._queues: dict[Direction, deque[OpHandle]] = {d: deque() for d in DIRECTIONS}
-        self._held: dict[int, OpHandle] = {}
+        self._held: dict[int, OpHandle] = {}  # submitted and not yet reported finished, by op id
         self._last_op_id: int | None = None
         self._closed = False
         self._closing = threading.Event()
@@ -306,7 +302,6 @@ class TransferEngine:
             if self._last_op_id is not None and op_id <= self._last_op_id:
                 raise OpIdError(f"op id {op_id} is not greater than the last one ({self._last_op_id})")
             self._last_op_id = op_id
-            self._queues[direction].append(handle)
             self._held[op_id] = handle
             job = _Job(handle, src, dst, self._mover.submit_marker(), plan)
             if seconds > 0:
@@ -367,50 +362,22 @@ class TransferEngine:
             handle._finish(True, None)
 
     # ------------------------------------------------------------------------------ completions
-    def poll(self, direction: Direction) -> list[Completion]:
-        """Completions of the finished ops at the head of `direction`'s queue, in issue order.
-
-        Stops at the first unfinished op. Removes nothing: call `pop` with the agreed count.
-        """
+    def finished(self) -> list[Completion]:
+        """Completions of the ops that finished since the last call, in op id order. Each op is
+        reported once; the engine forgets it then (``wait_op`` answers None for it)."""
         with self._lock:
-            return [handle.completion() for handle in self._finished_head(direction)]
-
-    def poll_backups(self) -> int:
-        """Count of finished backups at the head of the d2h queue."""
-        return len(self.poll(D2H))
-
-    def poll_loads(self) -> int:
-        """Count of finished loads at the head of the h2d queue."""
-        return len(self.poll(H2D))
-
-    def pop(self, direction: Direction, count: int) -> list[Completion]:
-        """Remove the first `count` ops of `direction` (all must be finished) and return them."""
-        with self._lock:
-            head = self._finished_head(direction)
-            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(head):
-                raise TransferError(f"cannot pop {count!r} {direction} ops: {len(head)} finished at the head")
-            done = [self._queues[direction].popleft() for _ in range(count)]
+            done = [handle for handle in self._held.values() if handle.done()]
             for handle in done:
                 del self._held[handle.op_id]
-            return [handle.completion() for handle in done]
+        return [handle.completion() for handle in done]
 
-    def _finished_head(self, direction: Direction) -> list[OpHandle]:
-        self._check_direction(direction)
-        head: list[OpHandle] = []
-        for handle in self._queues[direction]:
-            if not handle.done():
-                break
-            head.append(handle)
-        return head
-
-    def pending(self, direction: Direction) -> int:
-        """Ops of `direction` submitted and not yet popped (finished or not)."""
-        self._check_direction(direction)
+    def pending(self) -> int:
+        """Ops submitted and not yet reported by ``finished`` (running, queued or finished since)."""
         with self._lock:
-            return len(self._queues[direction])
+            return len(self._held)
 
     def wait_op(self, op_id: int, timeout: float | None = None) -> Completion | None:
-        """Block until op `op_id` finished; return its completion, or None if it was already popped.
+        """Block until op `op_id` finished; return its completion, or None if it was already reported.
 
         Used by unwind: wait for in-flight copies into a lease's pages before releasing them.
         Raises OpIdError for an id never submitted and TransferTimeoutError on timeout.
@@ -423,11 +390,6 @@ class TransferEngine:
                 raise OpIdError(f"op {op_id!r} was never submitted")
         return handle.wait(timeout)
 
-    @staticmethod
-    def _check_direction(direction: str) -> None:
-        if direction not in DIRECTIONS:
-            raise ValueError(f"unknown transfer direction {direction!r}, expected one of {DIRECTIONS}")
-
     # ------------------------------------------------------------------------------------ close
     @property
     def closed(self) -> bool:
@@ -437,15 +399,14 @@ class TransferEngine:
         """Stop accepting ops, cancel those not started (ok=False) and wait for copies in flight.
 
         After close no copy writes into either pool, so their memory may be released. Completions
-        stay available to `poll`/`pop`. Idempotent.
+        stay available to `finished`. Idempotent.
         """
         with self._lock:
             if not self._closed:
                 self._closed = True
-                for direction in DIRECTIONS:
-                    for handle in self._queues[direction]:
-                        if handle.state == "queued":
-                            handle._finish(False, "cancelled: transfer engine closed before the copy started")
+                for handle in self._held.values():
+                    if handle.state == "queued":
+                        handle._finish(False, "cancelled: transfer engine closed before the copy started")
         self._closing.set()
         deadline = _deadline(timeout)
         for direction in DIRECTIONS:

@@ -9,6 +9,7 @@ its ``drain``: same decisions, same hit tokens (``tests/service/test_equivalence
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 
@@ -25,8 +26,9 @@ def replay_request(client: Client, tokens: object, page_size: int, result: Repla
     full = len(tokens) // page_size  # type: ignore[arg-type]
     device_ids = list(lk.device_page_ids)
     if lk.host_pages:
-        device_ids = list(client.load(lk.lease).device_page_ids)
         calls += 1
+        with contextlib.suppress(p.NoSpace):  # no room to load the host hits now: computed again instead
+            device_ids = list(client.load(lk.lease).device_page_ids)
     result.requests += 1
     result.input_tokens += len(tokens)  # type: ignore[arg-type]
     result.hit_tokens += lk.hit_tokens

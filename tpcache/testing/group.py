@@ -12,19 +12,14 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import random
 import socket
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 
-SCENARIOS: dict[str, Callable[..., Any]] = {}
+from tpcache.testing.registry import SCENARIOS, rank_rng, scenario
 
-
-def scenario(fn: Callable[..., Any]) -> Callable[..., Any]:
-    SCENARIOS[fn.__name__] = fn
-    return fn
+__all__ = ["SCENARIOS", "GroupFailed", "free_port", "rank_rng", "run_group", "scenario"]
 
 
 def free_port() -> int:
@@ -118,7 +113,3 @@ def _entry(rank: int, world: int, port: int, transport: str, name: str, args: di
             # A broken group cannot close cleanly; the process ends anyway.
             with contextlib.suppress(Exception):
                 collective.close()
-
-
-def rank_rng(seed: int, rank: int) -> random.Random:
-    return random.Random(f"{seed}/{rank}")

@@ -18,6 +18,13 @@ if TYPE_CHECKING:
 Op = tuple
 
 
+def take_transfers(core: CacheCore) -> list:
+    """Act on the core's Ready the way a driver that starts nothing would: return its new ops."""
+    ready = core.ready()
+    core.advance()
+    return ready.transfers
+
+
 def tokens_for(pages: tuple[int, ...], page_size: int, tail: int) -> list[int]:
     out = []
     for depth, v in enumerate(pages):

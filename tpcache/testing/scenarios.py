@@ -19,8 +19,8 @@ from tpcache.core.hashing import as_token_bytes
 from tpcache.dist.collective import Collective
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
-from tpcache.testing.group import rank_rng, scenario
 from tpcache.testing.ops import apply, random_op, tokens_for
+from tpcache.testing.registry import rank_rng, scenario
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, heads_per_rank=1, head_dim=8, dtype="float32", page_size=PAGE)
@@ -77,7 +77,7 @@ def random_workload(
             for _ in range(rng.randint(0, 3)):
                 apply(tp, random_op(rng, PAGE), leases, write_kv)
             if diverge_at == step and rank == world - 1:
-                tp.core.clock += 1  # a silent local difference
+                tp.core.ledger.tick()  # a silent local difference
             if die_at == step and rank == world - 1:
                 os._exit(3)  # a crash: no goodbye, no cleanup
             tp.step()

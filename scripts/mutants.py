@@ -1,0 +1,130 @@
+"""Mutation check of the fast rings: each mutant breaks one consistency promise; the rings must fail.
+
+Copies the tracked tree (and built extensions) into a temporary directory per mutant, applies one
+textual change there, and runs ``pytest -x tests/unit tests/sim`` on the copy. A mutant that
+survives is a promise no fast test holds.
+
+    python scripts/mutants.py            # every mutant
+    python scripts/mutants.py --only 3   # one of them
+    python scripts/mutants.py --rings tests/sim --json   # what the simulator alone catches
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (what it breaks, file, text, replacement)
+MUTANTS: list[tuple[str, str, str, str]] = [
+    (
+        "completions applied although queue digests differ",
+        "tpcache/core/round.py",
+        '            self._close(f"{q} queues differ across ranks", report)\n            return\n',
+        '            self._close(f"{q} queues differ across ranks", report)\n',
+    ),
+    (
+        "device page left out of the state digest",
+        "tpcache/core/ledger.py",
+        "                node.device_page,\n",
+        "0,\n",
+    ),
+    ("hits left out of the state digest", "tpcache/core/ledger.py", "                node.hits,\n", "0,\n"),
+    ("host slot left out of the state digest", "tpcache/core/ledger.py", "                node.host_slot,\n", "0,\n"),
+    (
+        "insert adopts pages below a page still loading",
+        "tpcache/core/cache.py",
+        "            if node is not None and node.device_state == DeviceState.LOADING:\n                break\n",
+        "",
+    ),
+    (
+        "LRU tie-break takes the shallowest page",
+        "tpcache/core/eviction.py",
+        "        return (node.last_access, -node.depth, node.hash)",
+        "        return (node.last_access, node.depth, node.hash)",
+    ),
+    (
+        "health bits ignored",
+        "tpcache/core/round.py",
+        '        if a.hi["health"] != 0 or not a.agreed("health"):',
+        "        if False:",
+    ),
+    (
+        "shared-memory all-reduce returns the rank's own vector",
+        "tpcache/dist/shm.py",
+        "        return elementwise_min([values.tolist(), *peers.values()])",
+        "        return values.tolist()",
+    ),
+    (
+        "a device page is not re-offered when a host-only page below it changes",
+        "tpcache/core/eviction.py",
+        "        if parent is not node.parent and parent.device_state == DeviceState.VALID:",
+        "        if False:",
+    ),
+    (
+        "a refused write-back alloc evicts clean pages first",
+        "tpcache/core/eviction.py",
+        "            if short > led.evictable_device_pages or (self.write_back and not self._clean_suffices(short)):",
+        "            if short > led.evictable_device_pages:",
+    ),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    files += [str(p.relative_to(ROOT)) for p in ROOT.glob("**/*.so") if ".venv" not in p.parts]
+    for name in files:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+
+
+def run_mutant(index: int, workers: int, rings: list[str]) -> dict[str, object]:
+    what, path, old, new = MUTANTS[index]
+    with tempfile.TemporaryDirectory(prefix="tpcache-mutant-") as tmp:
+        dest = Path(tmp)
+        copy_tree(dest)
+        source = (dest / path).read_text()
+        if source.count(old) != 1:
+            return {"mutant": index, "what": what, "result": "not applicable (text not found once)"}
+        (dest / path).write_text(source.replace(old, new))
+        start = time.perf_counter()
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", str(workers)]
+        proc = subprocess.run([*cmd, *rings], cwd=dest, capture_output=True, text=True)
+        seconds = round(time.perf_counter() - start, 1)
+        failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+        result = "killed" if failed else "SURVIVED" if proc.returncode == 0 else "error"
+        return {"mutant": index, "what": what, "result": result, "by": failed[:1], "seconds": seconds}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", type=int, action="append", help="run only these mutant numbers")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rings", nargs="+", default=["tests/unit", "tests/sim"], help="test paths to run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = [run_mutant(i, args.workers, args.rings) for i in (args.only or range(len(MUTANTS)))]
+    if args.json:
+        print(json.dumps({"mutants": rows, "survived": sum(r["result"] != "killed" for r in rows)}))
+    else:
+        for r in rows:
+            print(f"{r['mutant']:2} {r['result']:9} {r['what']}  {' '.join(r.get('by', []))}")
+    return 0 if all(r["result"] == "killed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

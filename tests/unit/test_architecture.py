@@ -1,0 +1,83 @@
+"""The layering the design promises, checked from the source: no import cycles, a core with no
+threads, clocks, sockets or torch.distributed, and core modules small enough to read."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("tpcache", "protocol", "launcher")
+CORE_FORBIDDEN = ("threading", "time", "socket", "random", "torch", "zmq", "asyncio", "datetime")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at run time or for type checking alone."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    modules = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_core_has_no_threads_clocks_sockets_or_torch():
+    for path in (REPO / "tpcache" / "core").glob("*.py"):
+        roots = {name.split(".")[0] for name in _imports(path)}
+        assert not roots & set(CORE_FORBIDDEN), f"{path.name} imports {sorted(roots & set(CORE_FORBIDDEN))}"
+
+
+def test_core_modules_stay_small():
+    for path in (REPO / "tpcache" / "core").glob("*.py"):
+        lines = len(path.read_text().splitlines())
+        assert lines <= 420, f"{path.name} has {lines} lines: split it by concept"

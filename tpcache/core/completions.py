@@ -1,0 +1,92 @@
+"""Agreed completions: one applier per op kind.
+
+The round decides that the head op of a queue completed and how many of its leading pages landed on
+every rank (``acked``); pages past that count failed somewhere and their target copy is dropped.
+Nothing here runs for an op the round did not agree on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tpcache.core.backup import Backup
+from tpcache.core.leases import Leases
+from tpcache.core.ledger import Ledger
+from tpcache.core.outbox import Outbox
+from tpcache.core.prefetch import Prefetcher
+from tpcache.core.records import Lease, OpKind, Transfer
+from tpcache.core.tiers import DeviceState, HostState, StorageState
+
+
+class Completions:
+    def __init__(self, ledger: Ledger, outbox: Outbox, leases: Leases, backup: Backup, prefetch: Prefetcher) -> None:
+        self.ledger = ledger
+        self.outbox = outbox
+        self.leases = leases
+        self.backup = backup
+        self.prefetch = prefetch
+        self._appliers: dict[OpKind, Callable[[Transfer, int, list[Lease]], None]] = {
+            OpKind.BACKUP: self._backup,
+            OpKind.LOAD: self._load,
+            OpKind.STORAGE_WRITE: self._storage_write,
+            OpKind.STORAGE_READ: self._storage_read,
+            OpKind.STORAGE_QUERY: self._storage_query,
+        }
+
+    def apply(self, kind: OpKind, acked_pages: int | None = None) -> Transfer:
+        """Apply the agreed completion of the head op of ``kind`` (None: every page landed)."""
+        head = self.outbox.inflight[kind][0]
+        ok = head.num_pages if acked_pages is None else max(0, min(acked_pages, head.num_pages))
+        op = self.outbox.retire_head(kind, ok)
+        led = self.ledger
+        led.stats.failed_copy_pages += op.num_pages - ok
+        waiters = self.leases.waiting_for(op.op_id)
+        self._appliers[kind](op, ok, waiters)
+        for node in op.pinned:  # the path a copy protected, released with its ack
+            led.update(node, device_pins=-1)
+        for node in reversed(op.nodes):
+            led.remove_if_empty(node)
+        for lease in waiters:
+            self.leases.op_done(lease, op.op_id)
+        return op
+
+    def _backup(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+        led = self.ledger
+        for i, node in enumerate(op.nodes):
+            if i < ok:
+                led.update(node, host=(HostState.VALID, node.host_slot))
+            else:
+                led.free_host_copy(node)
+        led.stats.backups_done_pages += ok
+        self.backup.store(op.nodes[:ok])
+
+    def _load(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+        led = self.ledger
+        for i, node in enumerate(op.nodes):
+            if i < ok:
+                led.update(node, device=(DeviceState.VALID, node.device_page), host_pins=-1)
+            else:
+                led.device.free([node.device_page])
+                led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
+        led.stats.loads_done_pages += ok
+        for lease in waiters:  # every request sharing a failed load lets go of its pages
+            self.leases.drop_failed_loads(lease, op.nodes[ok:])
+
+    def _storage_write(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+        led = self.ledger
+        for i, node in enumerate(op.nodes):
+            led.update(node, storage=StorageState.DURABLE if i < ok else StorageState.NONE, host_pins=-1)
+        led.stats.storage_written_pages += ok
+
+    def _storage_read(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+        led = self.ledger
+        for i, node in enumerate(op.nodes):
+            if i < ok:
+                led.update(node, host=(HostState.VALID, node.host_slot), storage=StorageState.DURABLE)
+            else:
+                led.free_host_copy(node)
+        led.stats.prefetch_read_pages += ok
+        self.prefetch.on_read(op, ok)
+
+    def _storage_query(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+        self.prefetch.on_query(op, ok)

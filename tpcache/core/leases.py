@@ -1,0 +1,141 @@
+"""Leases: everything one request holds (pins, pages, ops it waits for), and its release.
+
+Invariants (``invariants.check``):
+- a lease pins whole paths on device: no node it pins on device has an unpinned ancestor; a page it
+  pins on host that hangs from a device page with no host copy has that page pinned too, so an
+  unpinned device page is always evictable;
+- a lease waits for exactly the in-flight ops into its pages or slots (``ops``), and is registered
+  as a waiter of each;
+- a released lease with ops in flight is parked (``releasing``) and finishes in the commit that
+  completes its last op: nothing a copy still writes is ever freed or handed to another request.
+"""
+
+from __future__ import annotations
+
+from tpcache.core.ledger import Ledger
+from tpcache.core.outbox import Outbox
+from tpcache.core.records import Lease, UnknownLease
+from tpcache.core.tiers import HostState
+from tpcache.core.tree import Node
+
+
+class Leases:
+    def __init__(self, ledger: Ledger, outbox: Outbox) -> None:
+        self.ledger = ledger
+        self.outbox = outbox
+        self.table: dict[int, Lease] = {}
+        self.waiters: dict[int, list[int]] = {}  # op id -> leases waiting for it
+        self.next_lease = 1
+
+    def new(self, tokens: bytes) -> Lease:
+        lease = Lease(self.next_lease, tokens=tokens)
+        self.next_lease += 1
+        self.table[lease.lease_id] = lease
+        return lease
+
+    def get(self, lease_id: int) -> Lease:
+        try:
+            return self.table[lease_id]
+        except KeyError:
+            raise UnknownLease(f"no lease {lease_id}") from None
+
+    def live(self, lease_id: int) -> Lease:
+        """A lease that is not being released (only those take new work)."""
+        lease = self.get(lease_id)
+        if lease.releasing:
+            raise ValueError(f"lease {lease_id} is being released")
+        return lease
+
+    def refresh(self, lease: Lease) -> None:
+        """Re-record the lease in the state digest after any change to it."""
+        self.ledger.refresh_lease(lease, [] if lease.prefetch is None else lease.prefetch.fields())
+
+    # ------------------------------------------------------------------ pins (the caller refreshes)
+
+    def pin_device(self, lease: Lease, nodes: list[Node]) -> None:
+        pinned = {n.node_id for n in lease.device_nodes}
+        for node in nodes:
+            if node.node_id not in pinned:
+                self.ledger.update(node, device_pins=+1)
+                lease.device_nodes.append(node)
+                pinned.add(node.node_id)
+
+    def pin_host(self, lease: Lease, nodes: list[Node]) -> None:
+        for node in nodes:
+            self.ledger.update(node, host_pins=+1)
+            lease.host_nodes.append(node)
+
+    def unpin_host(self, lease: Lease, nodes: list[Node]) -> None:
+        for node in nodes:
+            self.ledger.update(node, host_pins=-1)
+            lease.host_nodes.remove(node)
+
+    def pin_anchor(self, lease: Lease, node: Node) -> list[tuple[str, Node]]:
+        """Pin, for the lease, the node a fetch hangs from on the tier it is readable on, with its
+        device path (see the module invariants). Returns what was pinned, for ``unpin_anchor``."""
+        if node.parent is None:
+            return []
+        pins: list[tuple[str, Node]] = []
+        if node.host_state == HostState.VALID and node not in lease.host_nodes:
+            self.pin_host(lease, [node])
+            pins.append(("host", node))
+        before = len(lease.device_nodes)
+        self.pin_device(lease, [n for n in reversed(self.ledger.path_union([node])) if n.on_device])
+        pins += [("device", n) for n in lease.device_nodes[before:]]
+        return pins
+
+    def unpin_anchor(self, lease: Lease, pins: list[tuple[str, Node]]) -> None:
+        for tier, node in reversed(pins):
+            if tier == "host":
+                self.unpin_host(lease, [node])
+            else:
+                self.ledger.update(node, device_pins=-1)
+                lease.device_nodes.remove(node)
+
+    def drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
+        """Let go of device pins on pages whose load failed (they are gone from device)."""
+        dropped = {n.node_id for n in nodes}
+        for node in lease.device_nodes:
+            if node.node_id in dropped:
+                self.ledger.update(node, device_pins=-1)
+        lease.device_nodes = [n for n in lease.device_nodes if n.node_id not in dropped]
+
+    # ------------------------------------------------------------------ waits and release
+
+    def wait_for(self, lease: Lease, op_id: int) -> None:
+        lease.ops.append(op_id)
+        self.waiters.setdefault(op_id, []).append(lease.lease_id)
+
+    def waiting_for(self, op_id: int) -> list[Lease]:
+        """The live leases that wait for ``op_id`` (forgetting the op's waiter list)."""
+        return [self.table[lid] for lid in self.waiters.pop(op_id, ()) if lid in self.table]
+
+    def op_done(self, lease: Lease, op_id: int) -> None:
+        """``op_id`` retired: the lease no longer waits for it; a parked lease may finish now."""
+        lease.ops.remove(op_id)
+        self.refresh(lease)
+        if lease.releasing and not lease.ops:
+            self.finish(lease)
+
+    def release(self, lease: Lease) -> bool:
+        """Release now, or park until the ops the lease waits for retire. True when released now."""
+        lease.releasing = True
+        self.refresh(lease)
+        if lease.ops:
+            return False
+        self.finish(lease)
+        return True
+
+    def finish(self, lease: Lease) -> None:
+        led = self.ledger
+        led.forget_lease(lease)
+        for node in lease.device_nodes:
+            led.update(node, device_pins=-1)
+        for node in lease.host_nodes:
+            led.update(node, host_pins=-1)
+        led.device.free(lease.pages)
+        del self.table[lease.lease_id]
+        for node in lease.device_nodes + lease.host_nodes:
+            if node.parent is not None:
+                led.remove_if_empty(node)
+        self.outbox.released(lease.lease_id)

@@ -1,0 +1,75 @@
+"""Ops in flight and the Ready batch of effects.
+
+Every op gets one id at issue and keeps it until the round retires it. Ops wait in one completion
+queue per kind, in issue order: the round agrees how many finished at the head of each queue and
+only those are applied, so ranks whose copies finish in different orders still apply the same
+completions. What the driver must act on collects here until it takes a ``Ready`` and advances.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tpcache.core.ledger import Ledger
+from tpcache.core.records import OpKind, Ready, ReadyNotAdvanced, Transfer
+from tpcache.core.tree import Node
+
+
+class Outbox:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.next_op = 1
+        self.inflight: dict[OpKind, deque[Transfer]] = {k: deque() for k in OpKind}
+        self._ready = Ready()
+        self._handed_out = False
+
+    def issue(self, kind: OpKind, nodes: list[Node], lease_id: int, page_hashes: list[int] | None = None) -> Transfer:
+        op = Transfer(
+            op_id=self.next_op,
+            kind=kind,
+            nodes=list(nodes),
+            device_pages=[n.device_page for n in nodes],
+            host_slots=[n.host_slot for n in nodes],
+            page_hashes=[n.hash for n in nodes] if page_hashes is None else list(page_hashes),
+            lease_id=lease_id,
+        )
+        self.next_op += 1
+        if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):
+            # A copy in flight protects the device pages along its pages' paths until its ack: they
+            # stay, and count as protected rather than evictable meanwhile (the retention cap holds).
+            op.pinned = [n for n in self.ledger.path_union(op.nodes) if n.on_device]
+            for node in op.pinned:
+                self.ledger.update(node, device_pins=+1)
+        self.inflight[kind].append(op)
+        self._ready.transfers.append(op)
+        return op
+
+    def retire_head(self, kind: OpKind, acked: int) -> Transfer:
+        """Remove the head op of ``kind`` with ``acked`` leading pages agreed landed."""
+        op = self.inflight[kind].popleft()
+        op.acked = acked
+        self._ready.retired.append(op)
+        return op
+
+    def released(self, lease_id: int) -> None:
+        self._ready.released.append(lease_id)
+
+    def busy(self) -> bool:
+        return any(self.inflight.values())
+
+    # ------------------------------------------------------------------ Ready / Advance
+
+    def ready(self) -> Ready:
+        if self._handed_out:
+            raise ReadyNotAdvanced("ready() called again before advance(): act on the last Ready first")
+        self._handed_out = True
+        return self._ready
+
+    def advance(self) -> None:
+        if not self._handed_out:
+            raise ReadyNotAdvanced("advance() without a ready() to acknowledge")
+        self._handed_out = False
+        self._ready = Ready()
+
+    def has_ready(self) -> bool:
+        return bool(self._ready)

@@ -1,0 +1,205 @@
+"""The driver: the one loop that applies sequenced operations to the core and runs the round.
+
+``TPCache`` (embedded in an engine's TP workers and in the service's rank processes) and the
+simulator all run this code; the simulator replaces only the I/O (``IO``) and the exchange of
+vectors. A step is split in two halves around that exchange:
+
+    vector = driver.begin()                 # poll local completions, prepare
+    reduced = collective.allreduce_min(vector)   # exactly one collective, on every rank
+    report = driver.end(reduced)            # commit, act on the Ready
+
+``step`` does the three in order. Whatever happens locally the rank still takes part: a rank that
+cannot prepare sends a poison vector, so its peers close with it instead of waiting; a commit that
+raises closes this rank and reports it unhealthy in the next round; a collective that fails breaks
+the group for good (every rank closes and says the group must be restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from protocol.round_vector import HEALTH_COMMIT_FAILED, HEALTH_PREPARE_FAILED
+from tpcache.core import CacheClosed, CacheCore, MatchResult, Transfer
+from tpcache.core.hashing import TokenIds
+from tpcache.core.round import Round, RoundReport
+from tpcache.dist.collective import Collective, CollectiveError
+
+log = logging.getLogger("tpcache.driver")
+
+
+class IO(Protocol):
+    """One rank's I/O as the driver sees it: all the simulator replaces besides the collective."""
+
+    def start(self, ops: Sequence[Transfer]) -> None:
+        """Begin these ops; an op that cannot start is reported as landed with 0 pages."""
+
+    def landed(self) -> Mapping[int, int]:
+        """Op id -> leading pages that landed on this rank, for every finished op not yet retired."""
+
+    def retire(self, ops: Sequence[Transfer]) -> None:
+        """The round agreed these ops complete: forget them."""
+
+    def health(self) -> int:
+        """This rank's health bits (0: healthy)."""
+
+    def drained(self) -> bool:
+        """No copy is physically in flight on this rank."""
+
+    def reset(self) -> None:
+        """After an agreed flush: forget every op (none is in flight)."""
+
+
+class GroupBroken(CacheClosed):
+    """The round's collective failed on this rank: only restarting the group reopens the cache."""
+
+
+class Driver:
+    def __init__(
+        self,
+        core: CacheCore,
+        io: IO,
+        collective: Collective | None = None,
+        *,
+        rank: int = 0,
+        round_timeout_s: float = 30.0,
+    ) -> None:
+        self.core = core
+        self.io = io
+        self.collective = collective
+        self.rank = rank
+        self.round_timeout_s = round_timeout_s
+        self.round = Round(core)
+        self.seq = 0  # sequenced operations applied since the start or the last agreed flush
+        self.health_bits = 0  # the driver's own: a commit that raised
+        self.on_released: Callable[[list[int]], None] | None = None  # leases whose release finished
+
+    @property
+    def broken(self) -> str | None:
+        return self.round.broken
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one sequenced operation of the core (every rank runs the same ones, in order)."""
+        self.seq += 1  # counted even when the op raises: every rank raises alike
+        try:
+            return fn(*args)
+        finally:
+            self._act()
+
+    def request_flush(self) -> None:
+        if self.broken is not None:
+            raise GroupBroken(f"the round's collective failed ({self.broken}); restart the group to reopen the cache")
+        self.apply(self.core.request_flush)
+
+    # ------------------------------------------------------------------ the round
+
+    def begin(self) -> list[int]:
+        """The first half of a round: this rank's vector (a poison vector if it cannot prepare one)."""
+        try:
+            landed = self.io.landed()
+            return self.round.prepare(self.seq, landed, self.io.health() | self.health_bits, self.io.drained())
+        except Exception as exc:  # noqa: BLE001 - any local failure must still reach the round
+            log.exception("round %d: preparing failed on rank %d", self.round.number, self.rank)
+            self.core.close(f"rank {self.rank} could not prepare round {self.round.number}: {exc}")
+            return self.round.poison_vector(self.seq, HEALTH_PREPARE_FAILED)
+
+    def end(self, reduced: Sequence[int] | CollectiveError) -> RoundReport:
+        """The second half: commit the reduced vector (or fail closed on a collective error)."""
+        if isinstance(reduced, CollectiveError):
+            number = self.round.number
+            self.round.fail(f"round {number}: the collective failed: {reduced}")
+            return RoundReport(round=number, closed_reason=self.core.closed_reason)
+        try:
+            report = self.round.commit(reduced)
+            if report.flushed:
+                # Every rank starts over together: requests are counted afresh, so ranks whose counts
+                # had diverged (the usual reason for a flush) agree again.
+                self.io.reset()
+                self.seq = 0
+                self.health_bits = 0
+            self._act()
+        except Exception as exc:  # noqa: BLE001 - a commit that breaks midway must not serve again
+            log.exception("round %d: commit failed on rank %d", self.round.number, self.rank)
+            self.core.close(f"rank {self.rank} failed to commit: {exc}")
+            self.health_bits |= HEALTH_COMMIT_FAILED  # the next round closes every rank
+            return RoundReport(round=self.round.number, closed_reason=self.core.closed_reason)
+        return report
+
+    def step(self) -> RoundReport:
+        """One round: exactly one all-reduce, issued by every rank whatever happened locally."""
+        if self.collective is None:
+            raise RuntimeError("this driver has no collective: the caller exchanges vectors (begin/end)")
+        vector = self.begin()
+        try:
+            reduced: Sequence[int] | CollectiveError = self.collective.allreduce_min(vector, self.round_timeout_s)
+        except CollectiveError as exc:
+            reduced = exc
+        return self.end(reduced)
+
+    def _act(self) -> None:
+        """Hand the core's Ready to the I/O and acknowledge it."""
+        if not self.core.has_ready():
+            return
+        ready = self.core.ready()
+        try:
+            self.io.retire(ready.retired)
+            self.io.start(ready.transfers)
+        finally:
+            self.core.advance()
+        if ready.released and self.on_released is not None:
+            self.on_released(ready.released)
+
+
+class Operations:
+    """The engine-facing operations of one rank, each sequenced through its driver. ``TPCache`` and
+    the simulator's ranks share these, so both apply exactly the same calls."""
+
+    driver: Driver
+
+    @property
+    def core(self) -> CacheCore:
+        return self.driver.core
+
+    def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
+        """Match and pin the cached prefix for a request; returns (lease id, match)."""
+        return self.driver.apply(self.core.lock, tokens)
+
+    def alloc(self, lease: int, num_pages: int) -> list[int]:
+        """Device pages for the lease to compute KV into (evicting unpinned cache pages)."""
+        return self.driver.apply(self.core.alloc, lease, num_pages)
+
+    def insert(self, lease: int, tokens: TokenIds, device_pages: Sequence[int]) -> tuple[int, int]:
+        """Cache the full pages of ``tokens`` whose KV is in ``device_pages``."""
+        return self.driver.apply(self.core.insert, lease, tokens, list(device_pages))
+
+    def load(self, lease: int) -> Any:
+        """Start loading the lease's host hits to device; returns the prefix's device pages."""
+        return self.driver.apply(self.core.load, lease)
+
+    def prefetch(self, lease: int) -> bool:
+        """Look the continuation of the lease's tokens up in storage; read the agreed hit to host.
+        Follow with ``prefetch_status``/``admissible``, then ``load``."""
+        return self.driver.apply(self.core.prefetch, lease)
+
+    def prefetch_status(self, lease: int) -> tuple[str, int]:
+        return self.core.prefetch_status(lease)
+
+    def admissible(self, lease: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
+        """Whether to admit the lease's request now under the prefetch stop policy (pure, agreed state)."""
+        return self.core.admissible(lease, policy, timeout_rounds)
+
+    def release(self, lease: int) -> bool:
+        """Finish or abort a request. Parked until copies into its pages land."""
+        return self.driver.apply(self.core.release, lease)
+
+    def set_retention_cap(self, tokens: int) -> None:
+        self.driver.apply(self.core.set_retention_cap, tokens)
+
+    def request_flush(self) -> None:
+        """Ask for an agreed flush (raises ``GroupBroken`` if the round's collective failed)."""
+        self.driver.request_flush()
+
+    def match(self, tokens: TokenIds) -> MatchResult:
+        """A pure lookup (not sequenced; changes nothing)."""
+        return self.core.match(tokens)
