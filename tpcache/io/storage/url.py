@@ -131,9 +131,7 @@ def file_url(path: str | Path) -> str:
     return "file://" + quote(str(Path(path).resolve()))
 
 
-def open_storage(
-    url: str | StorageURL, *, shard: tuple[int, int], capacity_bytes: int = 1 << 30
-) -> StorageBackend:
+def open_storage(url: str | StorageURL, *, shard: tuple[int, int], capacity_bytes: int = 1 << 30) -> StorageBackend:
     """The backend ``url`` names, serving TP shard ``(rank, size)``.
 
     ``capacity_bytes`` bounds a file backend (``?capacity=`` overrides it); shared stores size
