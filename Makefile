@@ -7,16 +7,32 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+# Debian packages the store tests need: libibverbs1 (Mooncake's libraries link it even for TCP) and
+# redis-server. Installed as root when missing; without root, setup says what to install (README).
+SYSTEM_PACKAGES ?= libibverbs1 redis-server
 
-setup: $(VENV)/.installed
+.PHONY: setup system-packages demo test lint bench clean
+
+setup: system-packages $(VENV)/.installed
+
+system-packages:
+	@missing=""; \
+	for pkg in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q "ok installed" || missing="$$missing $$pkg"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian packages:$$missing"; \
+		apt-get -o DPkg::Lock::Timeout=300 update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them; see README, 'Shared storage')" >&2; \
+	fi
 
 $(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! $(BIN)/python -c "import torch" 2>/dev/null && [ -n "$(TORCH_SPEC)" ]; then \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,mooncake,redis]"
 	touch $@
 
 demo: setup
@@ -24,7 +40,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --timeout 600
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --timeout 600
 
 lint: setup
 	$(BIN)/python -m ruff check .

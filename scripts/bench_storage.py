@@ -1,6 +1,14 @@
-"""Benchmark: FileBackend batched put/get throughput against raw file I/O in the same directory.
+"""Benchmark: a storage backend's batched put/get against the same bytes moved by its floor.
 
-For each page size (64 KiB, 1 MiB) and each repeat, in a fresh subdirectory of ``--dir``:
+``--backend file`` (default): FileBackend against raw file I/O in the same directory.
+``--backend mooncake|redis``: the backend against the store's own client doing the same batched
+put/get of the same bytes in the same run (Mooncake: ``batch_put_from``/``batch_get_into`` on a
+registered buffer; Redis: pipelined ``SET``/``GET``). With ``--url`` it measures that store;
+without, it starts local servers as the tests do (``tpcache.testing.servers``; Mooncake in a
+private network namespace, which needs root). Each repeat alternates which side runs first;
+the median of the repeats is kept, with the spread of the per-repeat ratios.
+
+File backend, for each page size (64 KiB, 1 MiB) and each repeat, in a fresh subdirectory of ``--dir``:
 
 - floor put: the same bytes written sequentially to one file with ``os.write`` in page-sized
   writes and one ``fsync`` per batch (the durability the backend gives with ``fsync="batch"``);
@@ -14,7 +22,7 @@ The best of ``--repeats`` is kept for each of the four numbers (the device here 
 noisy). Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps",
 "ratio", ...}], ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
 
-Usage: ``python scripts/bench_storage.py --json [--dir D] [--total-mib 256]``
+Usage: ``python scripts/bench_storage.py --json [--backend file|mooncake|redis] [--url URL] [--total-mib N]``
 """
 
 from __future__ import annotations
@@ -177,11 +185,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     ap.add_argument("--dir", default=None, help="directory to measure in (default: system temp dir)")
-    ap.add_argument("--total-mib", type=int, default=256, help="bytes written and read per case")
+    ap.add_argument("--backend", choices=("file", "mooncake", "redis"), default="file")
+    ap.add_argument("--url", default="", help="an existing store's storage URL; default: start local servers")
+    ap.add_argument("--total-mib", type=int, default=0, help="bytes written and read per case (file 256, stores 128)")
     ap.add_argument("--batch-mib", type=int, default=16, help="bytes per put/get call")
     ap.add_argument("--repeats", type=int, default=4, help="keep the best of this many runs")
     ap.add_argument("--layouts", action="store_true", help="also time the one-file-per-page layout")
     args = ap.parse_args()
+    if args.backend != "file":
+        from bench_store import run_store_bench
+
+        print(json.dumps(run_store_bench(args, PAGE_SIZES)))
+        return 0
+    args.total_mib = args.total_mib or 256
 
     base = Path(tempfile.mkdtemp(prefix="tpcache-bench-storage-", dir=args.dir))
     batch_bytes = args.batch_mib << 20
@@ -228,7 +244,7 @@ def main() -> int:
                 )
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    result: dict[str, object] = {"cases": cases, "repeats": args.repeats, "dir": str(base.parent)}
+    result: dict[str, object] = {"backend": "file", "cases": cases, "repeats": args.repeats, "dir": str(base.parent)}
     if layouts:
         result["layouts"] = layouts
     print(json.dumps(result))

@@ -21,7 +21,7 @@ from tpcache.dist.collective import Collective
 from tpcache.engine.driver import Driver, Operations
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout
-from tpcache.io.storage import StorageBackend, StorageWorker
+from tpcache.io.storage import StorageBackend, StorageWorker, open_storage
 from tpcache.io.transfer import LoadHandle, TransferEngine
 
 log = logging.getLogger("tpcache.engine")
@@ -62,12 +62,16 @@ class TPCache(Operations):
         device_pool: DevicePool | None = None,
         host_layout: str = "page_first",
         device: Any = None,
-        storage: StorageBackend | None = None,
+        storage: StorageBackend | str | None = None,
         round_timeout_s: float = 30.0,
         transfer_threads: int | None = 1,
         transfer_delay: Any = None,
     ) -> None:
-        """``transfer_delay``: test hook passed to the TransferEngine (seconds, or op id -> seconds)."""
+        """``storage``: a backend, or a storage URL (file://, mooncake://, redis://) opened for this
+        rank's shard. ``transfer_delay``: test hook passed to the TransferEngine (seconds, or op id
+        -> seconds)."""
+        if isinstance(storage, str):
+            storage = open_storage(storage, shard=(collective.rank, collective.world_size))
         if storage is not None and not config.storage:
             config = CacheConfig(**{**config.to_dict(), "storage": True})
         if config.storage and storage is None:

@@ -67,6 +67,12 @@ class ServiceConfig:
         "(no KV bytes; copies complete at once)",
     )
     storage_dir: str = _opt("", "directory of the storage tier (L3, needs --kv-layout); empty: off")
+    storage_url: str = _opt(
+        "",
+        "storage tier (L3, needs --kv-layout) as a URL: file:///PATH (what --storage-dir means), "
+        "mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata, redis://HOST:PORT/DB; settings as query "
+        "parameters (README, 'Shared storage'); empty: off",
+    )
     storage_bytes: int = _opt(1 << 30, "capacity of the storage tier per rank, in bytes")
     # --- rounds and transport
     transport: str = _opt("auto", "round transport: auto (shared memory when possible), shm, torch")
@@ -90,8 +96,17 @@ class ServiceConfig:
             raise ConfigError("max_batch and max_pending_per_client must be >= 1")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.storage_dir and not self.kv_layout:
-            raise ConfigError("storage_dir needs kv_layout: the storage tier stores page bytes")
+        if self.storage_dir and self.storage_url:
+            raise ConfigError("give storage_dir or storage_url, not both (storage_dir D is storage_url file://D)")
+        if self.storage_location() and not self.kv_layout:
+            raise ConfigError("the storage tier needs kv_layout: it stores page bytes")
+        if self.storage_url:
+            from tpcache.io.storage.url import StorageURLError, parse_storage_url
+
+            try:
+                parse_storage_url(self.storage_url)
+            except StorageURLError as exc:
+                raise ConfigError(f"storage_url: {exc}") from None
         check_endpoint(self.endpoint, self.allow_remote, self.secret)
         if self.kv_layout:
             parse_kv_layout(self.kv_layout, self.page_size)
@@ -106,9 +121,17 @@ class ServiceConfig:
             retention_cap_tokens=self.retention_cap_tokens,
             eviction_policy=self.eviction_policy,
             namespace=self.namespace,
-            storage=bool(self.storage_dir),
+            storage=bool(self.storage_location()),
             mirror_release=self.mirror_release,
         )
+
+    def storage_location(self) -> str:
+        """The storage tier's URL ('' when off); ``storage_dir`` D is ``file://D``."""
+        if self.storage_dir:
+            from tpcache.io.storage.url import file_url
+
+            return file_url(self.storage_dir)
+        return self.storage_url
 
     def public_dict(self) -> dict[str, Any]:
         """Every setting except secrets (for logs and stats)."""

@@ -110,12 +110,13 @@ def serve(config: ServiceConfig) -> int:
     stop.install()
     rank, world, device = init_group(config.round_timeout_s)
     storage = None
-    if config.storage_dir:
-        from tpcache.io.storage import FileBackend
+    if config.storage_location():
+        from tpcache.io.storage import open_storage, parse_storage_url
 
-        storage = FileBackend(
-            Path(config.storage_dir) / f"rank{rank}", capacity_bytes=config.storage_bytes, shard=(rank, world)
-        )
+        spec = parse_storage_url(config.storage_location())
+        storage = open_storage(spec, shard=(rank, world), capacity_bytes=config.storage_bytes)
+        if rank == 0:
+            print(f"tpcache: storage tier: {spec.describe()}", flush=True)
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))

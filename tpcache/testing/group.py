@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -18,6 +19,8 @@ import traceback
 from typing import Any
 
 from tpcache.testing.registry import SCENARIOS, rank_rng, scenario
+
+SCENARIO_MODULES = ("tpcache.testing.scenarios", "tpcache.testing.store_scenarios")
 
 __all__ = ["SCENARIOS", "GroupFailed", "free_port", "rank_rng", "run_group", "scenario"]
 
@@ -44,8 +47,7 @@ def run_group(
 
     A rank process that exits without a result fails the run, unless ``allow_dead``: then its
     result is None and the others are still collected."""
-    import tpcache.testing.scenarios  # noqa: F401 - registers the scenarios
-
+    _register()
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     port = free_port()
@@ -88,9 +90,9 @@ def run_group(
 def _entry(rank: int, world: int, port: int, transport: str, name: str, args: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
-    import tpcache.testing.scenarios  # noqa: F401
     from tpcache.dist import make_collective
 
+    _register()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     collective = None
     try:
@@ -113,3 +115,8 @@ def _entry(rank: int, world: int, port: int, transport: str, name: str, args: di
             # A broken group cannot close cleanly; the process ends anyway.
             with contextlib.suppress(Exception):
                 collective.close()
+
+
+def _register() -> None:
+    for module in SCENARIO_MODULES:
+        importlib.import_module(module)  # each registers its scenarios

@@ -1,4 +1,8 @@
-"""Storage tier (L3): batched page backends with per-key results, and an async executor."""
+"""Storage tier (L3): batched page backends with per-key results, and an async executor.
+
+Backends: ``FileBackend`` (local disk), ``MooncakeBackend`` and ``RedisBackend`` (stores that span
+machines), ``MemoryBackend`` (tests); ``open_storage(url, shard=...)`` builds one from a storage URL.
+"""
 
 from tpcache.io.storage.base import (
     MISS_REASONS,
@@ -11,6 +15,9 @@ from tpcache.io.storage.buffers import StorageBufferError
 from tpcache.io.storage.file import FileBackend
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 from tpcache.io.storage.memory import MemoryBackend
+from tpcache.io.storage.mooncake_store import MooncakeBackend
+from tpcache.io.storage.redis_store import RedisBackend
+from tpcache.io.storage.url import StorageURL, StorageURLError, file_url, open_storage, parse_storage_url
 from tpcache.io.storage.worker import StorageCompletion, StorageWorker
 
 __all__ = [
@@ -18,6 +25,8 @@ __all__ = [
     "PUT_REASONS",
     "FileBackend",
     "MemoryBackend",
+    "MooncakeBackend",
+    "RedisBackend",
     "StorageBackend",
     "StorageBufferError",
     "StorageClosedError",
@@ -25,5 +34,10 @@ __all__ = [
     "StorageError",
     "StorageKey",
     "StorageKeyError",
+    "StorageURL",
+    "StorageURLError",
     "StorageWorker",
+    "file_url",
+    "open_storage",
+    "parse_storage_url",
 ]

@@ -1,4 +1,4 @@
-"""The on-disk record: fixed header, key echo, payload.
+"""The stored record: fixed header, key echo, payload (a file segment's entry, a store's value).
 
 Layout (little-endian)::
 
@@ -6,7 +6,8 @@ Layout (little-endian)::
     version      u16 RECORD_VERSION
     key_len      u16 bytes of the encoded key that follow the header
     flags        u32 reserved, 0
-    seq          u64 per-directory-owner write sequence (newest record of a key wins)
+    seq          u64 per-directory-owner write sequence (newest record of a key wins); 0 in
+                     key-value stores, which keep one value per key
     payload_len  u64
     payload_xxh  u64 xxh3_64 of the payload
     header_xxh   u64 xxh3_64 of header[4:36] + key bytes
@@ -95,3 +96,25 @@ def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:
 
 def read_key_echo(raw: bytes | memoryview, header: RecordHeader) -> bytes:
     return bytes(raw[HEADER_SIZE : HEADER_SIZE + header.key_len])
+
+
+def parse_value(value: bytes | memoryview, key: bytes, payload_len: int) -> RecordHeader:
+    """The header of a whole stored value (header, key echo, payload) that is this key's page.
+
+    Raises :class:`RecordError` with the miss reason (``short``, ``corrupt`` or ``foreign``: another
+    key, layout, rank or page size, a dead or other-format record). Checks everything but the
+    payload checksum, which the caller computes over the bytes it keeps (after copying them out of
+    a transfer buffer that a late transfer could still write).
+    """
+    if len(value) < HEADER_SIZE:
+        raise RecordError("short", "value is shorter than a record header")
+    key_len = int.from_bytes(value[6:8], "little")
+    head = decode_header(value[: HEADER_SIZE + min(key_len, MAX_KEY_BYTES)], key)
+    if not head.live:
+        raise RecordError("foreign", "value is a dead record")
+    if head.payload_len != payload_len:
+        raise RecordError("foreign", f"value holds a {head.payload_len}-byte page, expected {payload_len}")
+    if len(value) != head.record_len:
+        reason = "short" if len(value) < head.record_len else "corrupt"
+        raise RecordError(reason, f"value is {len(value)} bytes, its header says {head.record_len}")
+    return head

@@ -1,0 +1,170 @@
+"""The backend contract on real stores (Mooncake Store, redis-server): per-key results, verified
+reads, values that are not this key's page are counted misses, never served."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.storage.storage_helpers import make_keys, make_page
+from tests.store.conftest import BACKENDS, store_url
+from tpcache.io.storage import StorageBackend, StorageClosedError, StorageKey, StorageKeyError, open_storage
+from tpcache.io.storage.buffers import StorageBufferError
+from tpcache.io.storage.record import HEADER_SIZE, encode_header, payload_checksum
+from tpcache.testing.servers import RedisServer
+
+pytestmark = pytest.mark.xdist_group("store")
+PAGE = 4096
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[StorageBackend]:
+    b = open_storage(store_url(request, request.param) + _prefix(request), shard=(0, 1))
+    yield b
+    b.close()
+
+
+def _prefix(request: pytest.FixtureRequest) -> str:
+    sep = "&" if request.param == "mooncake" else "?"
+    return f"{sep}prefix={request.node.name.replace('[', '-').rstrip(']')}/"
+
+
+def _raw_put(b: StorageBackend, key: StorageKey, value: bytes) -> None:
+    """Write ``value`` under ``key``'s store name with the store's own client, behind tpcache."""
+    name = b._prefix + key.encode()  # type: ignore[attr-defined]
+    if hasattr(b, "_client"):
+        b._client.set(name, value)  # type: ignore[attr-defined]
+    else:
+        assert b._store.upsert(name, value) == 0  # type: ignore[attr-defined]
+
+
+def _record(key: StorageKey, payload: bytes) -> bytes:
+    echo = key.encode().encode()
+    return encode_header(echo, 0, len(payload), payload_checksum(payload)) + payload
+
+
+def test_round_trip_and_per_key_results(backend: StorageBackend) -> None:
+    keys = make_keys(6)
+    pages = [make_page(i, PAGE) for i in range(6)]
+    assert backend.put(keys[::2], pages[::2]) == [True] * 3
+    assert backend.exists(keys) == [True, False] * 3
+    out = [bytearray(PAGE) for _ in keys]
+    assert backend.get(keys, out) == [True, False] * 3
+    assert [bytes(o) for o in out[::2]] == pages[::2]
+    assert out[1] == bytearray(PAGE)
+    s = backend.stats()
+    assert (s["puts"], s["put_ok"], s["hits"], s["misses_missing"]) == (3, 3, 3, 3)
+    assert backend.delete(keys[:2]) == [True, False]
+    assert backend.exists(keys[:3]) == [False, False, True]
+
+
+def test_tensors_in_and_out_without_copies_of_the_caller(backend: StorageBackend) -> None:
+    keys = make_keys(3)
+    pages = [torch.arange(1024, dtype=torch.float32) * (i + 1) for i in range(3)]
+    assert backend.put(keys, pages) == [True] * 3
+    out = torch.zeros(3, 1024, dtype=torch.float32)
+    assert backend.get(keys, [out[0], out[1], out[2]]) == [True] * 3
+    assert all(torch.equal(out[i], pages[i]) for i in range(3))
+
+
+def test_a_put_replaces_an_older_value(backend: StorageBackend) -> None:
+    """The store's own put keeps the first writer's bytes; tpcache's put replaces them."""
+    key = make_keys(1)[0]
+    _raw_put(backend, key, _record(key, make_page(1, PAGE)))
+    assert backend.put([key], [make_page(2, PAGE)]) == [True]
+    out = [bytearray(PAGE)]
+    assert backend.get([key], out) == [True]
+    assert bytes(out[0]) == make_page(2, PAGE)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["other_rank", "other_layout", "other_page_size", "flipped_payload", "flipped_header", "truncated", "not_ours"],
+)
+def test_a_value_that_is_not_this_keys_page_is_a_counted_miss(backend: StorageBackend, case: str) -> None:
+    key = make_keys(1)[0]
+    page = make_page(7, PAGE)
+    value = bytearray(_record(key, page))
+    reason = "foreign"
+    if case == "other_rank":
+        value = bytearray(_record(StorageKey("ns", 1, 1, 2, key.page_hash), page))
+    elif case == "other_layout":
+        value = bytearray(_record(StorageKey("ns", 2, 0, 1, key.page_hash), page))
+    elif case == "other_page_size":
+        value = bytearray(_record(key, page[: PAGE // 2]))
+    elif case == "flipped_payload":
+        value[-5] ^= 0x40
+        reason = "corrupt"
+    elif case == "flipped_header":
+        value[20] ^= 0x01
+        reason = "corrupt"
+    elif case == "truncated":
+        value = value[: HEADER_SIZE + 40 + PAGE // 2]
+        reason = "short"
+    else:
+        value = bytearray(b"someone else's value")
+        reason = "short"
+    _raw_put(backend, key, bytes(value))
+    assert backend.exists([key]) == [True]  # only a hint
+    out = [bytearray(b"\xee" * PAGE)]
+    assert backend.get([key], out) == [False]
+    assert out[0] in (bytearray(PAGE), bytearray(b"\xee" * PAGE))  # never the stored bytes
+    s = backend.stats()
+    assert (s["hits"], s["misses"], s[f"misses_{reason}"]) == (0, 1, 1)
+
+
+def test_caller_bugs_are_typed_errors_before_any_io(backend: StorageBackend) -> None:
+    keys = make_keys(2)
+    with pytest.raises(ValueError):
+        backend.put(keys, [make_page(0, PAGE)])
+    with pytest.raises(StorageBufferError):
+        backend.get(keys[:1], [b"read-only"])
+    with pytest.raises(StorageKeyError):
+        backend.exists(["v1/n_ns/0/0of1/0000000000000001"])  # type: ignore[list-item]
+    assert backend.stats()["puts"] == 0
+
+
+def test_keys_of_another_shard_are_refused(request: pytest.FixtureRequest) -> None:
+    with open_storage(store_url(request, "redis"), shard=(0, 2)) as b, pytest.raises(StorageKeyError):
+        b.put([StorageKey("ns", 1, 1, 2, 5)], [make_page(0, PAGE)])
+
+
+def test_closed_backend_refuses(backend: StorageBackend) -> None:
+    backend.close()
+    with pytest.raises(StorageClosedError):
+        backend.get(make_keys(1), [bytearray(PAGE)])
+
+
+def test_a_stopped_server_fails_calls_cleanly_then_recovers(tmp_path) -> None:
+    with RedisServer(tmp_path) as server:
+        b = open_storage(server.url + "?timeout=2&retry_s=0.2", shard=(0, 1))
+        keys = make_keys(2)
+        assert b.put(keys, [make_page(0, PAGE), make_page(1, PAGE)]) == [True, True]
+        server.stop()
+        assert b.put(keys, [make_page(0, PAGE)] * 2) == [False, False]
+        assert b.get(keys, [bytearray(PAGE), bytearray(PAGE)]) == [False, False]  # fails fast meanwhile
+        assert b.exists(keys) == [False, False]
+        s = b.stats()
+        assert s["put_failures_io_error"] == 2 and s["misses_io_error"] == 2 and s["unavailable"] >= 2
+        server.start()  # empty: no persistence
+        deadline = 100
+        while not b.put(keys[:1], [make_page(5, PAGE)])[0] and deadline:
+            deadline -= 1
+            __import__("time").sleep(0.05)
+        out = [bytearray(PAGE), bytearray(PAGE)]
+        assert b.get(keys, out) == [True, False]
+        assert bytes(out[0]) == make_page(5, PAGE)
+        b.close()
+
+
+def test_a_full_server_is_no_space(tmp_path) -> None:
+    with RedisServer(tmp_path) as server:
+        b = open_storage(server.url, shard=(0, 1))
+        b._client.config_set("maxmemory", "4mb")  # type: ignore[attr-defined]
+        b._client.config_set("maxmemory-policy", "noeviction")  # type: ignore[attr-defined]
+        results = b.put(make_keys(16), [make_page(i, 1 << 20) for i in range(16)])
+        assert results[0] and not results[-1]
+        assert b.stats()["put_failures_no_space"] == results.count(False)
+        b.close()

@@ -1,0 +1,231 @@
+"""Mooncake Store backend: pages in a Mooncake distributed store (master + memory segments).
+
+Each call is one batched transfer through a staging buffer registered with the store
+(``register_buffer``): ``batch_upsert_from`` writes the records packed in it, ``batch_get_into``
+reads values into it. Reads are verified after their payload is copied out to the caller's
+buffer, never in the staging buffer: a transfer the store gave up on may still land there later,
+and the caller's host pages are never handed to the store, so no late write can reach them.
+
+Store semantics this relies on (``mooncake-transfer-engine`` 0.3.13, probed): ``put`` keeps the
+first writer's bytes, so writes use ``upsert``, which replaces them; a missing key reads -704; a
+key whose segment holder died still "exists" for the master's client TTL while every read fails
+(-800); the store evicts per key, so one rank's shard of a page can vanish while another's stays.
+All of those are misses here. A master that does not answer costs its RPC timeout (seconds) once,
+then calls fail fast (see ``remote``).
+
+This rank contributes ``segment_bytes`` of its own memory to the store (0 by default): pages
+kept in a rank's own segment vanish when the rank exits, so durable data belongs on segment
+holders that outlive the cache (Mooncake's ``mooncake_client`` or another engine's memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import mmap
+import os
+import socket
+from typing import Any
+
+from tpcache.io.storage.base import (
+    MISS_FOREIGN,
+    MISS_IO_ERROR,
+    MISS_MISSING,
+    PUT_IO_ERROR,
+    PUT_NO_SPACE,
+    PUT_TOO_LARGE,
+    StorageError,
+)
+from tpcache.io.storage.remote import DEFAULT_PREFIX, DEFAULT_RETRY_S, RemoteBackend, Sink, StoreUnavailable
+
+# Mooncake's ErrorCode values (mooncake-store types.h); Python sees plain ints.
+NO_AVAILABLE_HANDLE = -200  # no segment has room
+INVALID_PARAMS = -600  # e.g. the value is larger than the buffer given for it
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+TENANT_QUOTA_EXCEEDED = -1700
+_NO_SPACE = (NO_AVAILABLE_HANDLE, TENANT_QUOTA_EXCEEDED)
+_UNREACHABLE = (RPC_FAIL, RPC_TIMEOUT)
+_ALIGN = 64
+
+DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
+
+
+def _load_client() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ModuleNotFoundError:
+        raise StorageError(
+            "the Mooncake backend needs the Mooncake client: pip install 'tpcache[mooncake]' "
+            "(mooncake-transfer-engine-non-cuda, or the CUDA build on GPU hosts)"
+        ) from None
+    except ImportError as exc:
+        raise StorageError(
+            f"the Mooncake client cannot load ({exc}); its libraries need libibverbs even for TCP: "
+            "install libibverbs1 (Debian/Ubuntu: apt-get install libibverbs1)"
+        ) from None
+    return MooncakeDistributedStore
+
+
+def local_address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (loopback for a loopback master). A UDP
+    ``connect`` only picks the route; it sends nothing."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        if host == "localhost":
+            return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
+
+
+class MooncakeBackend(RemoteBackend):
+    """Pages in Mooncake Store; see the module docstring.
+
+    Args:
+        master: the master's RPC address, ``host:port``.
+        metadata: the transfer engine's metadata service (``http://host:port/metadata``, or
+            Mooncake's etcd/redis forms).
+        shard: ``(tp_rank, tp_size)`` this instance serves; keys of other shards are rejected.
+        local_hostname: the address other Mooncake clients reach this one at (default: this
+            host's address towards the master).
+        protocol, device: the transfer engine's protocol (``tcp``, ``rdma``) and RDMA devices.
+        segment_bytes: memory this rank contributes to the store (see the module docstring).
+        local_buffer_bytes: the client's own transfer buffer (Mooncake's ``local_buffer_size``).
+        staging_bytes: the registered buffer every call transfers through; a call larger than it
+            runs in several transfers, a page larger than it is refused (``too_large``).
+    """
+
+    scheme = "mooncake"
+
+    def __init__(
+        self,
+        master: str,
+        metadata: str,
+        *,
+        shard: tuple[int, int] | None = None,
+        local_hostname: str | None = None,
+        protocol: str = "tcp",
+        device: str = "",
+        segment_bytes: int = 0,
+        local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        prefix: str = DEFAULT_PREFIX,
+        retry_s: float = DEFAULT_RETRY_S,
+    ) -> None:
+        super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=f"{master} (metadata {metadata})")
+        if staging_bytes < 4096 or segment_bytes < 0 or local_buffer_bytes <= 0:
+            raise ValueError("staging_bytes must be >= 4096, segment_bytes >= 0, local_buffer_bytes > 0")
+        host = master.rpartition(":")[0] or master
+        hostname = local_hostname or local_address_towards(host)
+        # The transfer engine reads these when it starts; the user's own settings win.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        client_class = _load_client()
+        self._store = client_class()
+        rc = self._store.setup(hostname, metadata, segment_bytes, local_buffer_bytes, protocol, device, master)
+        if rc != 0:
+            raise StorageError(f"cannot join Mooncake Store at {self.where}: setup returned {rc}")
+        self._staging = mmap.mmap(-1, staging_bytes)
+        self._anchor = ctypes.c_char.from_buffer(self._staging)
+        self._base = ctypes.addressof(self._anchor)
+        self._view = memoryview(self._staging)
+        rc = self._store.register_buffer(self._base, staging_bytes)
+        if rc != 0:
+            self._release()
+            raise StorageError(f"Mooncake Store at {self.where} refused to register a transfer buffer: {rc}")
+
+    def _plan(self, sizes: list[int]) -> list[list[tuple[int, int]]]:
+        """Chunks of (key index, staging offset) whose records fit the staging buffer together;
+        a record larger than the buffer gets offset -1."""
+        chunks: list[list[tuple[int, int]]] = [[]]
+        off = 0
+        for i, size in enumerate(sizes):
+            if size > len(self._view):
+                chunks[-1].append((i, -1))
+                continue
+            if off + size > len(self._view):
+                chunks.append([])
+                off = 0
+            chunks[-1].append((i, off))
+            off += -(-size // _ALIGN) * _ALIGN
+        return chunks
+
+    @staticmethod
+    def _check_reachable(codes: list[int]) -> None:
+        if codes and all(c in _UNREACHABLE for c in codes):
+            raise StoreUnavailable(f"the master did not answer ({codes[0]})")
+
+    def _exists(self, names: list[str]) -> list[bool]:
+        codes = list(self._store.batch_is_exist(names))
+        self._check_reachable(codes)
+        return [c == 1 for c in codes]
+
+    def _put(self, names: list[str], heads: list[bytes], payloads: list[memoryview]) -> list[str | None]:
+        sizes = [len(h) + len(p) for h, p in zip(heads, payloads, strict=True)]
+        reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+        for chunk in self._plan(sizes):
+            todo = []
+            for i, off in chunk:
+                if off < 0:
+                    reasons[i] = PUT_TOO_LARGE
+                    continue
+                self._view[off : off + len(heads[i])] = heads[i]
+                self._view[off + len(heads[i]) : off + sizes[i]] = payloads[i]
+                todo.append((i, off))
+            if not todo:
+                continue
+            codes = list(
+                self._store.batch_upsert_from(
+                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
+                )
+            )
+            self._check_reachable(codes)
+            for (i, _), code in zip(todo, codes, strict=True):
+                reasons[i] = None if code == 0 else PUT_NO_SPACE if code in _NO_SPACE else PUT_IO_ERROR
+        return reasons
+
+    def _get(self, names: list[str], sizes: list[int], sink: Sink) -> None:
+        for chunk in self._plan(sizes):
+            todo = []
+            for i, off in chunk:
+                if off < 0:
+                    sink(i, None, MISS_FOREIGN)  # no page of this size is ever stored this large
+                else:
+                    todo.append((i, off))
+            if not todo:
+                continue
+            codes = list(
+                self._store.batch_get_into(
+                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
+                )
+            )
+            self._check_reachable(codes)
+            for (i, off), code in zip(todo, codes, strict=True):
+                if code >= 0:
+                    sink(i, self._view[off : off + code], None)
+                elif code == OBJECT_NOT_FOUND:
+                    sink(i, None, MISS_MISSING)
+                elif code == INVALID_PARAMS:
+                    sink(i, None, MISS_FOREIGN)  # larger than this key's record can be
+                else:
+                    sink(i, None, MISS_IO_ERROR)
+
+    def _delete(self, names: list[str]) -> list[bool]:
+        codes = list(self._store.batch_remove(names, True))
+        self._check_reachable(codes)
+        return [c == 0 for c in codes]
+
+    def _close(self) -> None:
+        self._store.unregister_buffer(self._base)
+        self._store.close()
+        self._release()
+
+    def _release(self) -> None:
+        self._view.release()
+        del self._anchor
+        self._staging.close()

@@ -1,0 +1,143 @@
+"""Redis protocol backend (Redis, Valkey, and anything speaking RESP): one string value per page.
+
+A call is pipelined (``SET``/``GET``/``EXISTS``/``DEL``, no transaction) in rounds of at most
+``batch_bytes``, one round trip each. A ``SET`` sends the record as one value, so a reader sees
+the old value or the new one, never a mix. The server's own eviction (``maxmemory-policy``)
+drops keys one by one, so one rank's shard of a page can vanish while another's stays: a miss;
+a server at ``maxmemory`` with ``noeviction`` refuses writes: ``no_space``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from tpcache.io.storage.base import MISS_FOREIGN, MISS_MISSING, PUT_IO_ERROR, PUT_NO_SPACE, StorageError
+from tpcache.io.storage.remote import DEFAULT_PREFIX, DEFAULT_RETRY_S, RemoteBackend, Sink, StoreUnavailable
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_BATCH_BYTES = 64 << 20
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ModuleNotFoundError:
+        raise StorageError("the Redis backend needs the redis client: pip install 'tpcache[redis]'") from None
+    return redis
+
+
+class RedisBackend(RemoteBackend):
+    """Pages in a Redis-protocol server; see the module docstring.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS), as redis-py
+            reads it.
+        shard: ``(tp_rank, tp_size)`` this instance serves; keys of other shards are rejected.
+        timeout_s: socket connect and read timeout; a server that does not answer within it
+            makes the call fail (and the next ``retry_s`` of calls fail at once).
+        batch_bytes: most value bytes in one pipelined round trip.
+    """
+
+    scheme = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        shard: tuple[int, int] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        prefix: str = DEFAULT_PREFIX,
+        retry_s: float = DEFAULT_RETRY_S,
+    ) -> None:
+        parts = urlsplit(url)
+        where = f"{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
+        super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=where)
+        if timeout_s <= 0 or batch_bytes <= 0:
+            raise ValueError("timeout_s and batch_bytes must be positive")
+        redis = _redis()
+        from redis.backoff import ExponentialWithJitterBackoff
+        from redis.retry import Retry
+
+        self._errors = redis.exceptions
+        self._batch_bytes = batch_bytes
+        # One quick retry: a pooled connection the server dropped (restart) fails once, then works.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.008, cap=0.128), 1),
+        )
+        try:
+            self._client.ping()
+        except (self._errors.ConnectionError, self._errors.TimeoutError) as exc:
+            self._client.close()
+            raise StorageError(f"cannot reach the Redis server at {where}: {exc}") from None
+        except self._errors.ResponseError as exc:
+            self._client.close()
+            raise StorageError(f"the Redis server at {where} refused us: {exc}") from None
+
+    def _rounds(self, sizes: list[int]) -> list[range]:
+        out: list[range] = []
+        start = total = 0
+        for i, size in enumerate(sizes):
+            if i > start and total + size > self._batch_bytes:
+                out.append(range(start, i))
+                start, total = i, 0
+            total += size
+        if start < len(sizes):
+            out.append(range(start, len(sizes)))
+        return out
+
+    def _run(self, fill: Any) -> list[Any]:
+        """One pipelined round trip; per-command errors come back as exception objects."""
+        pipe = self._client.pipeline(transaction=False)
+        fill(pipe)
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except (self._errors.ConnectionError, self._errors.TimeoutError) as exc:
+            raise StoreUnavailable(str(exc)) from None
+        finally:
+            pipe.reset()
+
+    def _exists(self, names: list[str]) -> list[bool]:
+        replies = self._run(lambda p: [p.exists(n) for n in names])
+        return [r == 1 for r in replies]
+
+    def _put(self, names: list[str], heads: list[bytes], payloads: list[memoryview]) -> list[str | None]:
+        reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+        sizes = [len(h) + len(p) for h, p in zip(heads, payloads, strict=True)]
+        for idx in self._rounds(sizes):
+
+            def fill(pipe: Any, idx: range = idx) -> None:
+                for i in idx:
+                    value = bytearray(sizes[i])
+                    value[: len(heads[i])] = heads[i]
+                    value[len(heads[i]) :] = payloads[i]
+                    pipe.set(names[i], value)
+
+            for i, reply in zip(idx, self._run(fill), strict=True):
+                if reply is True:
+                    reasons[i] = None
+                elif isinstance(reply, self._errors.OutOfMemoryError):
+                    reasons[i] = PUT_NO_SPACE
+        return reasons
+
+    def _get(self, names: list[str], sizes: list[int], sink: Sink) -> None:
+        for idx in self._rounds(sizes):
+            replies = self._run(lambda p, idx=idx: [p.get(names[i]) for i in idx])
+            for i, reply in zip(idx, replies, strict=True):
+                if reply is None:
+                    sink(i, None, MISS_MISSING)
+                elif isinstance(reply, bytes):
+                    sink(i, reply, None)
+                else:  # an error reply: WRONGTYPE, someone else's value of another kind
+                    sink(i, None, MISS_FOREIGN)
+
+    def _delete(self, names: list[str]) -> list[bool]:
+        replies = self._run(lambda p: [p.delete(n) for n in names])
+        return [r == 1 for r in replies]
+
+    def _close(self) -> None:
+        self._client.close()

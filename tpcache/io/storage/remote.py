@@ -1,0 +1,225 @@
+"""Key-value stores that span machines (Mooncake Store, Redis/Valkey) behind ``StorageBackend``.
+
+What is stored: one value per :class:`StorageKey`, under ``<prefix><key.encode()>`` (e.g.
+``tpcache/v1/n_llama/1234/0of2/00ab...``): the checksummed record of ``record`` (header, key echo,
+payload). Several tpcache groups with the same namespace and KV layout share what they store.
+
+Invariants (beyond the base contract):
+- ``get`` returns True only after the value named this exact key in its echo (so namespace,
+  layout version, TP rank and size), this page size and record format, and the payload bytes in
+  the caller's buffer match the header's checksum. Anything else (a missing or evicted key, a
+  value of another layout or rank, a damaged value, an unreadable one) is a counted miss and the
+  buffer is zero-filled where it was written;
+- the store's answers are hints: ``exists`` may say yes for a key whose read then fails; only a
+  verified read counts, and the round agrees a hit only after every rank's read verified;
+- a store that does not answer fails calls fast: after a connection-level failure, calls fail
+  for ``retry_s`` without waiting on the store (counted ``unavailable``), then one call tries it
+  again, so a dead server costs one timeout rather than one per queued op. This is rank-local
+  I/O timing, never cache state: what failed is agreed as failed in the round like any miss;
+- calls on one instance are serialised: its transfer buffers are per instance.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tpcache.io.storage.base import (
+    MISS_CORRUPT,
+    MISS_IO_ERROR,
+    PUT_IO_ERROR,
+    StorageBackend,
+    StorageClosedError,
+    StorageCounters,
+    check_keys,
+    check_pairs,
+)
+from tpcache.io.storage.buffers import byte_view
+from tpcache.io.storage.keys import StorageKey, StorageKeyError
+from tpcache.io.storage.record import HEADER_SIZE, RecordError, encode_header, parse_value, payload_checksum
+
+DEFAULT_PREFIX = "tpcache/"
+DEFAULT_RETRY_S = 1.0
+
+# sink(i, value, reason): the store's answer for key i: its whole value (valid only during the
+# call: it may live in a reused transfer buffer), or None and a miss reason.
+Sink = Callable[[int, Any, "str | None"], None]
+
+
+class StoreUnavailable(Exception):
+    """The store did not answer (connection refused or reset, timeout): a whole call failed."""
+
+
+class RemoteBackend(StorageBackend):
+    """The shared half of a key-value store backend; subclasses implement five primitives."""
+
+    scheme = ""
+
+    def __init__(self, *, shard: tuple[int, int] | None, prefix: str, retry_s: float, where: str) -> None:
+        if shard is not None:
+            StorageKey("", 0, shard[0], shard[1], 0)  # validates the pair with the keys' rules
+        if not isinstance(prefix, str) or any(c.isspace() for c in prefix):
+            raise ValueError(f"key prefix must be a string without whitespace, got {prefix!r}")
+        if retry_s < 0:
+            raise ValueError(f"retry_s must be >= 0, got {retry_s}")
+        self._shard = shard
+        self._prefix = prefix
+        self._retry_s = retry_s
+        self._retry_at = 0.0
+        self.where = where  # for logs: where the store is, never a password
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counters = StorageCounters(0)
+        for extra in ("unavailable", "bytes_written", "bytes_read"):
+            self._counters.set(extra, 0)
+
+    # ---- primitives (called with the lock held; raise StoreUnavailable when the store is gone)
+    @abstractmethod
+    def _exists(self, names: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _put(self, names: list[str], heads: list[bytes], payloads: list[memoryview]) -> list[str | None]:
+        """Store ``heads[i] + payloads[i]`` under ``names[i]``, replacing any value; None or a
+        put-failure reason per key."""
+
+    @abstractmethod
+    def _get(self, names: list[str], sizes: list[int], sink: Sink) -> None:
+        """Fetch each value (``sizes[i]`` is the record length expected) and hand it to ``sink``."""
+
+    @abstractmethod
+    def _delete(self, names: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    # ---- StorageBackend -----------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"{self.scheme} store at {self.where}"
+
+    def _echoes(self, keys: Sequence[StorageKey]) -> list[bytes]:
+        out = []
+        for k in keys:
+            if self._shard is not None and k.shard != self._shard:
+                raise StorageKeyError(
+                    f"key for shard {k.tp_rank}of{k.tp_size} given to the storage of shard "
+                    f"{self._shard[0]}of{self._shard[1]}"
+                )
+            out.append(k.encode().encode("ascii"))
+        return out
+
+    def _names(self, echoes: list[bytes]) -> list[str]:
+        return [self._prefix + e.decode("ascii") for e in echoes]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageClosedError(f"{self.describe()} is closed")
+
+    def _reachable(self) -> bool:
+        if time.monotonic() >= self._retry_at:
+            return True
+        self._counters.add("unavailable")
+        return False
+
+    def _unreachable(self) -> None:
+        self._retry_at = time.monotonic() + self._retry_s
+        self._counters.add("unavailable")
+
+    def exists(self, keys: Sequence[StorageKey]) -> list[bool]:
+        names = self._names(self._echoes(check_keys(keys)))
+        with self._lock:
+            self._check_open()
+            self._counters.add("exists_calls")
+            if not names or not self._reachable():
+                return [False] * len(names)
+            try:
+                return [bool(x) for x in self._exists(names)]
+            except StoreUnavailable:
+                self._unreachable()
+                return [False] * len(names)
+
+    def put(self, keys: Sequence[StorageKey], pages: Sequence[Any]) -> list[bool]:
+        echoes = self._echoes(check_pairs(keys, pages, "pages"))
+        views = [byte_view(p) for p in pages]
+        heads = [encode_header(e, 0, len(v), payload_checksum(v)) for e, v in zip(echoes, views, strict=True)]
+        with self._lock:
+            self._check_open()
+            self._counters.add("puts", len(views))
+            reasons: list[str | None] = [PUT_IO_ERROR] * len(views)
+            if views and self._reachable():
+                try:
+                    reasons = self._put(self._names(echoes), heads, views)
+                except StoreUnavailable:
+                    self._unreachable()
+            for reason, view in zip(reasons, views, strict=True):
+                if reason is None:
+                    self._counters.add("put_ok")
+                    self._counters.add("bytes_written", len(view))
+                else:
+                    self._counters.put_failure(reason)
+        return [r is None for r in reasons]
+
+    def get(self, keys: Sequence[StorageKey], out: Sequence[Any]) -> list[bool]:
+        echoes = self._echoes(check_pairs(keys, out, "output buffers"))
+        views = [byte_view(b, writable=True) for b in out]
+        results: list[bool | None] = [None] * len(views)
+
+        def sink(i: int, value: Any, reason: str | None) -> None:
+            if results[i] is not None:
+                return  # one answer per key
+            view = views[i]
+            if reason is None:
+                try:
+                    head = parse_value(value, echoes[i], len(view))
+                    view[:] = memoryview(value)[HEADER_SIZE + len(echoes[i]) :]
+                    if payload_checksum(view) != head.payload_xxh:
+                        view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
+                        reason = MISS_CORRUPT
+                except RecordError as exc:
+                    reason = exc.reason
+            results[i] = reason is None
+            if reason is None:
+                self._counters.add("hits")
+                self._counters.add("bytes_read", len(view))
+            else:
+                self._counters.miss(reason)
+
+        with self._lock:
+            self._check_open()
+            self._counters.add("gets", len(views))
+            if views and self._reachable():
+                sizes = [HEADER_SIZE + len(e) + len(v) for e, v in zip(echoes, views, strict=True)]
+                try:
+                    self._get(self._names(echoes), sizes, sink)
+                except StoreUnavailable:
+                    self._unreachable()
+            for i, r in enumerate(results):
+                if r is None:
+                    sink(i, None, MISS_IO_ERROR)
+        return [bool(r) for r in results]
+
+    def delete(self, keys: Sequence[StorageKey]) -> list[bool]:
+        names = self._names(self._echoes(check_keys(keys)))
+        with self._lock:
+            self._check_open()
+            if not names or not self._reachable():
+                return [False] * len(names)
+            try:
+                removed = [bool(x) for x in self._delete(names)]
+            except StoreUnavailable:
+                self._unreachable()
+                return [False] * len(names)
+            self._counters.add("deletes", sum(removed))
+            return removed
+
+    def stats(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close()
