@@ -41,7 +41,9 @@ def random_op(rng: random.Random, page_size: int, alphabet: int = 4, max_pages: 
         return ("insert", rng.randrange(8))
     if r < 0.64:
         return ("load", rng.randrange(8))
-    if r < 0.72:
+    if r < 0.68:  # a request with host hits: load them, then insert before the loads are agreed
+        return ("load_insert", rng.randrange(8))
+    if r < 0.74:
         return ("prefetch", rng.randrange(8))
     if r < 0.90:
         return ("release", rng.randrange(8))
@@ -66,9 +68,11 @@ def apply(
             tokens = tokens_for(op[1], core.page_size, op[2])
             lease_id, _ = target.lock(tokens)
             leases.append((lease_id, tokens))
-        elif kind in ("insert", "load", "release", "prefetch") and leases:
+        elif kind in ("insert", "load", "load_insert", "release", "prefetch") and leases:
             lease_id, tokens = leases[op[1] % len(leases)]
-            if kind == "insert":
+            if kind == "load_insert":
+                target.load(lease_id)
+            if kind in ("insert", "load_insert"):
                 match = target.match(tokens)
                 held = {n.node_id for n in core.lease(lease_id).device_nodes}
                 prefix = []

@@ -1,12 +1,9 @@
 """The default storage backend: append-only segment files in a directory, crash-safe.
 
-Why segments (measured on this machine, 256 MiB of 64 KiB pages, ext4 on virtio): one temp
-file + rename per page with fsync per page or per batch managed 0.085 GB/s (about 1,300
-pages/s; 180-280 pages/s under load, ``scripts/bench_storage.py --layouts``); without any fsync
-it reached 1.0 GB/s but then nothing is durable. Appending the same bytes to a segment with one
-fdatasync per batch reached 1.0 GB/s against 1.4 GB/s for raw sequential writes, and cold
-batched reads of a segment run at raw sequential speed (a batch is contiguous on disk), where
-one file per page read at 0.35-0.48 GB/s against 2.3-2.6 GB/s raw.
+Why segments: one temp file + rename per page has to sync every page (or give up durability) and
+reads back one small file per page; appending records to a segment with one fdatasync per batch
+writes at close to raw sequential speed, and a batch read back is contiguous on disk.
+``scripts/bench_storage.py --layouts`` measures both against raw sequential I/O.
 
 Layout: ``<root>/<owner>/<segno:010d>.seg`` plus ``<root>/<owner>/LOCK``, where the owner is
 ``r<rank>of<size>`` for an instance bound to one TP shard (ranks can share ``root``) or ``all``.
