@@ -7,7 +7,9 @@ Invariants (``invariants.check``):
 - a lease waits for exactly the in-flight ops into its pages or slots (``ops``), and is registered
   as a waiter of each;
 - a released lease with ops in flight is parked (``releasing``) and finishes in the commit that
-  completes its last op: nothing a copy still writes is ever freed or handed to another request.
+  completes its last op: nothing a copy still writes is ever freed or handed to another request,
+  whichever component's slot (full page, SWA page, Mamba state) the copy writes;
+- per component (``lease.parts``), the same: what it pins on device or host, the slots it holds.
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ class Leases:
                 self.ledger.update(node, device_pins=-1)
         lease.device_nodes = [n for n in lease.device_nodes if n.node_id not in dropped]
 
+    def drop_failed_part_loads(self, lease: Lease, part: int, nodes: list[Node]) -> None:
+        """The same for one component's data whose load failed."""
+        held = lease.parts.get(part)
+        if held is None:
+            return
+        dropped = {n.node_id for n in nodes}
+        for node in held.device_nodes:
+            if node.node_id in dropped:
+                self.ledger.update(node, part=part, device_pins=-1)
+        held.device_nodes = [n for n in held.device_nodes if n.node_id not in dropped]
+
     # ------------------------------------------------------------------ waits and release
 
     def wait_for(self, lease: Lease, op_id: int) -> None:
@@ -129,6 +142,12 @@ class Leases:
     def finish(self, lease: Lease) -> None:
         led = self.ledger
         led.forget_lease(lease)
+        for c, held in lease.parts.items():  # component pins first: a full page outlives its components
+            for node in held.device_nodes:
+                led.update(node, part=c, device_pins=-1)
+            for node in held.host_nodes:
+                led.update(node, part=c, host_pins=-1)
+            led.parts[c].device.free(held.pages)
         for node in lease.device_nodes:
             led.update(node, device_pins=-1)
         for node in lease.host_nodes:
