@@ -597,10 +597,11 @@ def _hybrid(seed: int, kind: str, config: CacheConfig, faults: Faults) -> tuple[
         raise ValueError(f"hybrid must be one of {HYBRIDS}, got {kind!r}")
     rng = random.Random(seed * 7919 + 17)
     page = config.page_size
-    extra: dict[str, object] = {"device_pages": min(config.device_pages, rng.randint(5, 12))}
-    extra["retention_cap_tokens"] = rng.choice([-1, -1, -1, 0, 2 * page])
-    if config.host_pages and rng.random() < 0.6:
-        extra.update(host_pages=24, write_policy="write_through")
+    extra: dict[str, object] = {"retention_cap_tokens": rng.choice([-1, -1, -1, 0, 2 * page])}
+    if faults.plan_diverge_at is None:  # (a plan fault keeps its host pressure: a small host pool)
+        extra["device_pages"] = min(config.device_pages, rng.randint(5, 12))
+        if config.host_pages and rng.random() < 0.6:
+            extra.update(host_pages=24, write_policy="write_through")
     if kind in ("swa", "both"):
         extra.update(
             swa_window=rng.choice([1, page, 2 * page + 1, 3 * page]),
