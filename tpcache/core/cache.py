@@ -38,6 +38,8 @@ from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready,
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.tree import Node, RadixTree
 
+_NO_BACKLOG = mix_ids([])
+
 
 class CacheCore:
     def __init__(self, config: CacheConfig) -> None:
@@ -119,20 +121,16 @@ class CacheCore:
     def state_digest(self) -> int:
         """The digest of every node and lease plus the scalars that decide what happens next."""
         led = self.ledger
+        backlog = mix_ids(list(led.backup_backlog)) if led.backup_backlog else _NO_BACKLOG
         extra = mix(
             led.clock,
             self.outbox.next_op,
             self.book.next_lease,
             int(self.flush_requested),
-            mix_ids(list(led.backup_backlog)),
+            backlog,
             self.evictor.retention_cap_tokens,
         )
         return (led.digest.value + extra) & DIGEST_MASK
-
-    def kept_leases_digest(self) -> int:
-        """A digest of what an agreed flush keeps: the live leases and the pages they hold."""
-        kept = [(x.lease_id, *x.pages) for x in self.leases.values() if not x.releasing]
-        return mix_ids([len(kept)] + [v for entry in kept for v in (len(entry), *entry)])
 
     # ------------------------------------------------------------------ Ready / Advance
 

@@ -12,6 +12,7 @@ Invariants (``invariants.check``):
 
 from __future__ import annotations
 
+from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, UnknownLease
@@ -26,6 +27,7 @@ class Leases:
         self.table: dict[int, Lease] = {}
         self.waiters: dict[int, list[int]] = {}  # op id -> leases waiting for it
         self.next_lease = 1
+        self.kept_digest = 0  # sum of ``lease.kept``: the leases a flush keeps, and their pages
 
     def new(self, tokens: bytes) -> Lease:
         lease = Lease(self.next_lease, tokens=tokens)
@@ -47,8 +49,11 @@ class Leases:
         return lease
 
     def refresh(self, lease: Lease) -> None:
-        """Re-record the lease in the state digest after any change to it."""
+        """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
         self.ledger.refresh_lease(lease, [] if lease.prefetch is None else lease.prefetch.fields())
+        kept = 0 if lease.releasing else mix(lease.lease_id, mix_ids(lease.pages))
+        self.kept_digest = (self.kept_digest - lease.kept + kept) & DIGEST_MASK
+        lease.kept = kept
 
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
@@ -129,6 +134,8 @@ class Leases:
     def finish(self, lease: Lease) -> None:
         led = self.ledger
         led.forget_lease(lease)
+        self.kept_digest = (self.kept_digest - lease.kept) & DIGEST_MASK
+        lease.kept = 0
         for node in lease.device_nodes:
             led.update(node, device_pins=-1)
         for node in lease.host_nodes:

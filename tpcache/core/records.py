@@ -99,7 +99,8 @@ class Lease:
     ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
     releasing: bool = False
     prefetch: PrefetchState | None = None
-    record: int = 0
+    record: int = 0  # its record in the state digest
+    kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
 
 
 @dataclass

@@ -91,8 +91,11 @@ class Round:
     # ------------------------------------------------------------------ prepare
 
     def state_digest(self) -> int:
-        plans = mix(self.plan_mismatches, mix_ids(sorted(mix_text(name) for name in self.disabled)))
-        return (self.core.state_digest() + plans) & DIGEST_MASK
+        """The core's state digest and the round's own state that decides (the plans' counters)."""
+        if self.plan_mismatches or self.disabled:
+            plans = mix(self.plan_mismatches, mix_ids(sorted(mix_text(name) for name in self.disabled)))
+            return (self.core.state_digest() + plans) & DIGEST_MASK
+        return self.core.state_digest()
 
     def prepare(self, seq: int, landed: Mapping[int, int], health: int, drained: bool) -> list[int]:
         """This rank's vector for the round. Pure with respect to the core.
@@ -102,6 +105,8 @@ class Round:
         if self._prepared:
             raise RuntimeError("prepare called twice without commit: one collective per round")
         core = self.core
+        inflight = core.outbox.inflight
+        idle = drained and not any(inflight.values())
         values = [
             self.layout_digest,
             self.number,
@@ -109,12 +114,12 @@ class Round:
             self.state_digest(),
             health,
             int(drained),
-            int(drained and not core.outbox.busy()),
+            int(idle),
             int(core.flush_requested),
-            core.kept_leases_digest(),
+            core.book.kept_digest,
         ]
         for kind in QUEUE_OF:  # per queue, in layout order
-            pending = core.inflight[kind]
+            pending = inflight[kind]
             if not pending:
                 values += (_EMPTY_QUEUE, 0, 0, 0)
                 continue
@@ -151,8 +156,9 @@ class Round:
         unanimous = agreement.unanimous and agreement.lo["health"] == 0
         if not unanimous:
             self._check_header(agreement, report)
+        inflight = core.outbox.inflight
         for kind, q in QUEUE_OF.items():
-            if core.inflight[kind] or not unanimous:
+            if inflight[kind] or not unanimous:
                 self._apply_queue(kind, q, agreement, report)
         if self.pending_plan is not None or not unanimous:
             self._apply_plan(agreement, report)
