@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+from tpcache.core import external
 from tpcache.core.allocator import OutOfPages
 from tpcache.core.config import CacheConfig
 from tpcache.core.hashing import TokenIds, as_token_bytes
@@ -261,6 +262,19 @@ class CacheCore(Ledger):
         self._account_lease(lease)
         return started
 
+    def save(self, lease_id: int, tokens: TokenIds, blocks: list[int]) -> Transfer | None:
+        """Engine-owned device pages: back up the pages of ``tokens`` the cache lacks from the
+        engine's ``blocks`` (tpcache/core/external.py)."""
+        return external.save(self, lease_id, tokens, blocks)
+
+    def load_into(self, lease_id: int, first_page: int, blocks: list[int]) -> Transfer | None:
+        """Engine-owned device pages: copy pages of the lease's hit into the engine's ``blocks``."""
+        return external.load_into(self, lease_id, first_page, blocks)
+
+    def hit_pages(self, lease_id: int) -> int:
+        """Leading pages of the lease's tokens it holds on host (its hit, prefetched pages included). Pure."""
+        return len(external.hit_nodes(self, self.lease(lease_id)))
+
     def prefetch_status(self, lease_id: int) -> tuple[str, int]:
         """(status, pages landed in host) of the lease's prefetch. Pure."""
         state = self.lease(lease_id).prefetch
@@ -414,6 +428,7 @@ class CacheCore(Ledger):
         """
         op = self.inflight[kind].popleft()
         ok = op.num_pages if acked_pages is None else max(0, min(acked_pages, op.num_pages))
+        op.acked = ok
         self.stats.failed_copy_pages += op.num_pages - ok
         waiters = [self.leases[lid] for lid in self.op_waiters.pop(op.op_id, ()) if lid in self.leases]
         for lease in waiters:
@@ -430,7 +445,7 @@ class CacheCore(Ledger):
                 else:
                     self.host.free([node.host_slot])
                     self._set_host(node, HostState.NONE, -1)
-            elif kind == OpKind.LOAD:
+            elif kind == OpKind.LOAD and not op.engine_pages:  # an engine load changes no tier state
                 node.host_pins -= 1
                 if i < ok:
                     self._set_device(node, DeviceState.VALID, node.device_page)

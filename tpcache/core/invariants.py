@@ -65,7 +65,7 @@ def check(core: CacheCore) -> None:
                 if kind == OpKind.BACKUP:
                     if n.host_state != HostState.WRITING:
                         fail(f"backup op {op.op_id}: node {n.node_id} host state {n.host_state.name}")
-                elif kind == OpKind.LOAD:
+                elif kind == OpKind.LOAD and not op.engine_pages:  # an engine load reads under its lease's pins
                     host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
                     if n.device_state != DeviceState.LOADING:
                         fail(f"load op {op.op_id}: node {n.node_id} device state {n.device_state.name}")

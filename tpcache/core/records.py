@@ -35,6 +35,9 @@ class Transfer:
     page_hashes: list[int]
     lease_id: int = -1
     pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
+    # The device side names the engine's own blocks, not tpcache's pages (tpcache/core/external.py).
+    engine_pages: bool = False
+    acked: int = -1  # pages agreed landed on every rank, set when the op completes (-1: not yet)
 
     @property
     def num_pages(self) -> int:
