@@ -1,0 +1,54 @@
+"""Faults to inject into one rank of a running vLLM, for tests (``fault_injection`` option).
+
+Each entry names the TP rank it hits; the others behave normally, which is what makes the fault
+a disagreement the round has to catch:
+
+- ``{"fail_loads": {"rank": R, "count": N}}``: the first N loads into vLLM's blocks fail on rank R;
+- ``{"hold_loads": {"rank": R, "steps": N}}``: rank R reports each load landed only N engine steps
+  after it was issued (a slow copy), so requests wait with their loads in flight;
+- ``{"diverge": {"rank": R, "step": S}}``: at engine step S rank R applies one operation the other
+  ranks do not (an extra lookup), so the ranks' trees differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tpcache.io.transfer import H2D
+from tpcache.service.config import ConfigError
+
+KNOWN = {"fail_loads": ("rank", "count"), "hold_loads": ("rank", "steps"), "diverge": ("rank", "step")}
+
+
+class InjectedFault(RuntimeError):
+    """A copy failed because a test asked it to."""
+
+
+class FaultPlan:
+    def __init__(self, spec: Mapping[str, Any], rank: int) -> None:
+        for name, args in spec.items():
+            if name not in KNOWN or not isinstance(args, Mapping) or set(args) != set(KNOWN[name]):
+                raise ConfigError(f"fault_injection: {name!r} needs {{{', '.join(KNOWN.get(name, ()))}}}, got {args!r}")
+        self.rank = rank
+        self.spec = {name: dict(args) for name, args in spec.items() if args["rank"] == rank}
+        self.step = 0  # the worker's engine step, advanced by the worker
+        self._failed = 0
+        self._issued: dict[int, int] = {}  # op id -> step it was issued at
+
+    def before_copy(self, op_id: int, direction: str) -> None:
+        fail = self.spec.get("fail_loads")
+        if direction == H2D and fail is not None and self._failed < fail["count"]:
+            self._failed += 1
+            raise InjectedFault(f"injected load failure on rank {self.rank}")
+
+    def hold(self, op_id: int, direction: str) -> bool:
+        held = self.spec.get("hold_loads")
+        if direction != H2D or held is None:
+            return False
+        issued = self._issued.setdefault(op_id, self.step)
+        return self.step < issued + held["steps"]
+
+    def diverges_now(self) -> bool:
+        d = self.spec.get("diverge")
+        return d is not None and d["step"] == self.step

@@ -1,0 +1,181 @@
+"""The worker side of the connector: one tpcache rank per vLLM worker (TP rank).
+
+Once per engine step, in ``wait_for_save`` (every worker calls it every step, empty steps included,
+after the forward pass), the worker applies the step's ``StepOps`` in order to its ``EngineCache``
+(lookups, loads, saves, releases: the same sequenced operations on every rank) and then runs exactly
+one round. What it reports for the step is read from the state that round agreed:
+
+- a lookup's hit (the pages its lease holds on host, storage prefetch included) once its prefetch
+  is done or timed out; a closed cache reports 0;
+- a load as finished once its outcome is agreed; pages past the agreed count, or every page when
+  the cache closed first, are invalid blocks, which vLLM recomputes;
+- a finished request as done sending once its lease is released, which waits for every copy of its
+  blocks to be agreed (or at once when the cache is closed: copies are synchronous, none is left
+  running into the blocks).
+
+After the cache fails closed the worker asks for an agreed flush (every rank does so in the same
+round), which reopens it empty; requests in flight then simply miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpcache.core import CacheClosed, Transfer
+from tpcache.engine.external import EngineCache
+from tpcache.integrations.vllm.faults import FaultPlan
+from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
+
+log = logging.getLogger("tpcache.vllm")
+
+
+@dataclass
+class _Lookup:
+    lease: int
+    tokens: list[int]
+    rounds: int = 0
+    reported: bool = False
+
+
+@dataclass
+class _Load:
+    op: Transfer | None
+    blocks: list[int]
+
+
+@dataclass
+class StepResult:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_blocks: set[int] = field(default_factory=set)
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        cache: EngineCache,
+        *,
+        lookup_timeout_rounds: int = 64,
+        reopen: bool = True,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        self.cache = cache
+        self.faults = faults
+        self.page_size = cache.config.page_size
+        self.lookup_timeout_rounds = lookup_timeout_rounds
+        self.reopen = reopen
+        self.requests: dict[str, _Lookup] = {}
+        self.loads: dict[str, _Load] = {}
+        self.sending: dict[str, int] = {}  # request -> lease being released
+        self.steps = 0
+        self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0}
+        self._flush_asked = False
+
+    # ------------------------------------------------------------------ one engine step
+
+    def run_step(self, meta: StepOps | None) -> StepResult:
+        """Apply the step's operations, run the round, collect what it agreed."""
+        if self.faults is not None:
+            self.faults.step = self.steps
+        for op in meta.ops if meta is not None else ():
+            try:
+                self._apply(op)
+            except CacheClosed:
+                pass  # a closed cache serves misses; loads that could not start are failed below
+            except Exception:  # noqa: BLE001 - a bad op must not kill the worker; the round checks ranks agree
+                log.exception("tpcache: could not apply %s for request %s", op[0], op[1])
+        if self.faults is not None and self.faults.diverges_now():
+            log.warning("tpcache: injecting a divergence on rank %d at step %d", self.cache.rank, self.steps)
+            self.cache.release(self.cache.lock([0] * self.page_size)[0])
+        report = self.cache.step()
+        self.steps += 1
+        if report.flushed:
+            self._flush_asked = False
+        closed = self.cache.core.closed
+        if closed and self.reopen and not self._flush_asked:
+            self._flush_asked = True
+            self.cache.request_flush()
+        return self._collect(closed)
+
+    def _apply(self, op: tuple) -> None:
+        kind, req = op[0], op[1]
+        cache = self.cache
+        if kind == LOOKUP:
+            old = self.requests.pop(req, None)
+            if old is not None:
+                cache.release(old.lease)
+            tokens = list(op[2])
+            lease, _ = cache.lock(tokens)
+            self.requests[req] = _Lookup(lease, tokens)
+            if cache.config.storage and not cache.core.closed:
+                cache.prefetch(lease)
+            self.counters["lookups"] += 1
+        elif kind == LOAD:
+            state = self.requests.get(req)
+            first, blocks = op[2], list(op[3])
+            self.loads[req] = _Load(None, blocks)  # failed unless the op is issued
+            if state is not None:
+                self.loads[req].op = cache.load_into(state.lease, first, blocks)
+        elif kind == SAVE:
+            state = self.requests.get(req)
+            if state is None:
+                return
+            state.tokens.extend(op[2])
+            pages, blocks = op[3], op[4]
+            cache.save(state.lease, state.tokens[: pages * self.page_size], blocks)
+        elif kind == RELEASE:
+            state = self.requests.pop(req, None)
+            if state is None:
+                return
+            cache.release(state.lease)
+            if op[2]:
+                self.sending[req] = state.lease
+        else:
+            raise ValueError(f"unknown connector op {kind!r}")
+
+    def _collect(self, closed: bool) -> StepResult:
+        cache = self.cache
+        out = StepResult(report=WorkerReport(closed=closed))
+        for req, state in self.requests.items():
+            if state.reported:
+                continue
+            state.rounds += 1
+            status, ready = cache.prefetch_status(state.lease)
+            if not closed and status not in ("none", "done") and state.rounds <= self.lookup_timeout_rounds:
+                continue
+            hit = 0 if closed else cache.hit_pages(state.lease) * self.page_size
+            storage = min(ready * self.page_size, hit)
+            out.report.hits[req] = (hit, storage)
+            state.reported = True
+            self.counters["hit_tokens"] += hit
+            self.counters["storage_hit_tokens"] += storage
+        for req in list(self.loads):
+            load = self.loads[req]
+            landed = cache.outcome(load.op) if load.op is not None else 0
+            if landed is None and not closed:
+                continue
+            landed = landed or 0
+            out.finished_recving.add(req)
+            bad = load.blocks[landed:]
+            out.invalid_blocks.update(bad)
+            self.counters["load_failed_blocks"] += len(bad)
+            del self.loads[req]
+        for req in list(self.sending):
+            if closed or not cache.lease_alive(self.sending[req]):
+                out.finished_sending.add(req)
+                del self.sending[req]
+        return out
+
+    def idle(self) -> bool:
+        """Nothing waits for a later round (no lookup, load or release to report)."""
+        return not self.loads and not self.sending and all(s.reported for s in self.requests.values())
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.cache.stats())
+        out.update(self.counters)
+        out["requests"] = len(self.requests)
+        out["host_pages"] = self.cache.config.host_pages
+        return out
