@@ -127,7 +127,7 @@ class TPCacheConnector(KVConnectorBase_V1):
             storage=storage is not None,
             mirror_release=False,
         )
-        faults = FaultPlan(opts.fault_injection, rank) if opts.fault_injection else None
+        faults = FaultPlan(opts.fault_injection, rank)
         collective = make_collective(opts.transport, group=tp.cpu_group)
         cache = EngineCache(
             config,
@@ -137,8 +137,8 @@ class TPCacheConnector(KVConnectorBase_V1):
             engine_format=engine_format,
             storage=storage,
             round_timeout_s=opts.round_timeout_s,
-            before_copy=faults.before_copy if faults else None,
-            hold=faults.hold if faults else None,
+            before_copy=faults.before_copy,
+            hold=faults.hold,
         )
         self.worker = WorkerSide(
             cache, lookup_timeout_rounds=opts.lookup_timeout_rounds, reopen=opts.reopen, faults=faults

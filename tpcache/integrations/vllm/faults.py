@@ -6,8 +6,8 @@ a disagreement the round has to catch:
 - ``{"fail_loads": {"rank": R, "count": N}}``: the first N loads into vLLM's blocks fail on rank R;
 - ``{"hold_loads": {"rank": R, "steps": N}}``: rank R reports each load landed only N engine steps
   after it was issued (a slow copy), so requests wait with their loads in flight;
-- ``{"diverge": {"rank": R, "step": S}}``: at engine step S rank R applies one operation the other
-  ranks do not (an extra lookup), so the ranks' trees differ.
+- ``{"diverge": {"rank": R, "step": S}}``: S engine steps after arming, rank R applies one
+  operation the other ranks do not (an extra lookup), so the ranks' trees differ.
 """
 
 from __future__ import annotations
@@ -27,12 +27,18 @@ class InjectedFault(RuntimeError):
 
 class FaultPlan:
     def __init__(self, spec: Mapping[str, Any], rank: int) -> None:
+        self.rank = rank
+        self.step = 0  # the worker's engine step, advanced by the worker
+        self.arm(spec)
+
+    def arm(self, spec: Mapping[str, Any]) -> None:
+        """Replace the faults (between engine steps, on every worker alike)."""
         for name, args in spec.items():
             if name not in KNOWN or not isinstance(args, Mapping) or set(args) != set(KNOWN[name]):
                 raise ConfigError(f"fault_injection: {name!r} needs {{{', '.join(KNOWN.get(name, ()))}}}, got {args!r}")
-        self.rank = rank
-        self.spec = {name: dict(args) for name, args in spec.items() if args["rank"] == rank}
-        self.step = 0  # the worker's engine step, advanced by the worker
+        self.spec = {name: dict(args) for name, args in spec.items() if args["rank"] == self.rank}
+        if "diverge" in self.spec:
+            self.spec["diverge"]["step"] += self.step  # counted from now
         self._failed = 0
         self._issued: dict[int, int] = {}  # op id -> step it was issued at
 
@@ -52,3 +58,14 @@ class FaultPlan:
     def diverges_now(self) -> bool:
         d = self.spec.get("diverge")
         return d is not None and d["step"] == self.step
+
+
+def arm_faults(worker: Any, spec: Mapping[str, Any]) -> int:
+    """Arm ``spec`` on this vLLM worker's connector (``LLM.collective_rpc(arm_faults, args=(spec,))``,
+    which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Returns the worker's TP rank."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group().worker
+    assert side is not None and side.faults is not None
+    side.faults.arm(spec)
+    return side.cache.rank

@@ -41,7 +41,9 @@ class ConnectorOptions:
         64, "rounds a lookup waits for its storage prefetch before it reports what has landed"
     )
     reopen: bool = _opt(True, "after the cache fails closed, reopen it by an agreed flush (all ranks together)")
-    fault_injection: dict = _opt({}, "tests only: faults to inject (tpcache.integrations.vllm.faults)")
+    fault_injection: dict = field(
+        default_factory=dict, metadata={"help": "tests only: faults to inject (tpcache.integrations.vllm.faults)"}
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -53,7 +55,7 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: unknown option(s) {unknown}; known: {sorted(fields)}")
         values: dict[str, Any] = {}
         for name, value in extra.items():
-            kind = type(fields[name].default)
+            kind = dict if name == "fault_injection" else type(fields[name].default)
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):

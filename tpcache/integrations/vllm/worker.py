@@ -177,5 +177,7 @@ class WorkerSide:
         out = dict(self.cache.stats())
         out.update(self.counters)
         out["requests"] = len(self.requests)
+        waiting = sum(not s.reported for s in self.requests.values())
+        out["pending"] = sum(map(len, self.cache.core.inflight.values())) + len(self.loads) + len(self.sending) + waiting
         out["host_pages"] = self.cache.config.host_pages
         return out

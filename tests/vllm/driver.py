@@ -1,0 +1,188 @@
+"""Runs vLLM engines one after another on a plan and writes what they produced as JSON.
+
+    python tests/vllm/driver.py PLAN.json OUT.json
+
+The plan names the model directory, the TP size and a list of engines, each with its connector
+settings (none: plain vLLM) and its steps. Engines run one at a time in this process (vLLM spawns
+its engine core and workers; this script is their ``__main__``). Steps:
+
+    {"op": "generate", "name": N, "prompts": [[ids...]], "max_tokens": K}
+    {"op": "conversation", "name": N, "users": [[[ids...] per turn] per conversation], "max_tokens": K}
+    {"op": "reset_prefix_cache"}
+    {"op": "arm", "spec": {...}}            faults on the workers (tpcache.integrations.vllm.faults)
+    {"op": "abort", "name": N, "prompts": [...], "max_tokens": K, "steps": S}
+                                            add the prompts, run S engine steps, abort them all
+    {"op": "settle"}                        step until every worker holds no lease and nothing pending
+    {"op": "corrupt", "dir": D}             flip a byte in the middle of every record file under D
+    {"op": "stats", "name": N}              every worker's tpcache statistics
+
+Results: {engine: {step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (stats, faults)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+}
+
+
+def _sampling(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(max_tokens), use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "cached": [o.num_cached_tokens or 0 for o in outs]}
+
+
+def _conversation(llm: Any, users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
+    """Every conversation's turn t at once: prompt = history + the user's turn t."""
+    history: list[list[int]] = [[] for _ in users]
+    tokens: list[list[int]] = []
+    cached: list[int] = []
+    for turn in range(max(len(u) for u in users)):
+        live = [i for i, u in enumerate(users) if turn < len(u)]
+        prompts = [history[i] + users[i][turn] for i in live]
+        out = _generate(llm, prompts, max_tokens)
+        for i, prompt, toks in zip(live, prompts, out["tokens"], strict=True):
+            history[i] = prompt + toks
+        tokens += out["tokens"]
+        cached += out["cached"]
+    return {"tokens": tokens, "cached": cached}
+
+
+def _stats(llm: Any) -> list[dict[str, Any]]:
+    from tpcache.integrations.vllm.connector import worker_stats
+
+    return llm.collective_rpc(worker_stats)
+
+
+def _settle(llm: Any, limit_s: float = 120.0) -> list[dict[str, Any]]:
+    """Run engine steps (a one-token request each) until no worker holds a lease or waits on a copy."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        stats = _stats(llm)
+        if all(s.get("leases", 1) == 0 and s.get("pending", 1) == 0 for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers still hold leases or copies after {limit_s} s: {stats}")
+        _generate(llm, [[7, 7]], 1)  # a step; its own lease is released a step later
+
+
+def _abort(llm: Any, prompts: list[list[int]], max_tokens: int, steps: int) -> dict[str, Any]:
+    engine = llm.llm_engine
+    ids = [f"abort-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, _sampling(max_tokens))
+    finished: list[str] = []
+    for _ in range(steps):
+        finished += [o.request_id for o in engine.step() if o.finished]
+    engine.abort_request(ids)
+    for _ in range(1000):  # bounded: the aborted requests leave the engine in a few steps
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return {"finished_before_abort": finished}
+
+
+def _corrupt(root: str) -> int:
+    n = 0
+    for path in sorted(Path(root).rglob("*")):
+        if path.is_file() and path.stat().st_size > 4096:
+            with open(path, "r+b") as f:
+                f.seek(path.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            n += 1
+    return n
+
+
+def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": plan["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": "bfloat16",
+        "block_size": plan.get("block_size", 32),
+        "tensor_parallel_size": plan["tp"],
+        "max_model_len": plan.get("max_model_len", 2048),
+        "enable_prefix_caching": engine.get("prefix_caching", True),
+        "seed": 0,
+    }
+    if engine.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = engine["max_num_seqs"]
+    if engine.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = engine["num_gpu_blocks_override"]
+    if engine.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "TPCacheConnector",
+            "kv_connector_module_path": "tpcache.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": engine["connector"],
+        }
+    started = time.monotonic()
+    llm = LLM(**kwargs)
+    out: dict[str, Any] = {"startup_s": time.monotonic() - started}
+    try:
+        for i, step in enumerate(engine["steps"]):
+            op, name = step["op"], step.get("name", f"{step['op']}{i}")
+            if op == "generate":
+                out[name] = _generate(llm, step["prompts"], step["max_tokens"])
+            elif op == "conversation":
+                out[name] = _conversation(llm, step["users"], step["max_tokens"])
+            elif op == "reset_prefix_cache":
+                out[name] = llm.reset_prefix_cache()
+            elif op == "arm":
+                from tpcache.integrations.vllm.faults import arm_faults
+
+                out[name] = llm.collective_rpc(arm_faults, args=(step["spec"],))
+            elif op == "abort":
+                out[name] = _abort(llm, step["prompts"], step["max_tokens"], step["steps"])
+            elif op == "settle":
+                out[name] = _settle(llm)
+            elif op == "corrupt":
+                out[name] = _corrupt(step["dir"])
+            elif op == "stats":
+                out[name] = _stats(llm)
+            else:
+                raise ValueError(f"unknown driver op {op!r}")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return out
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[1]).read_text())
+    os.environ.update(ENV)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.get("kv_space_gib", 1))
+    results: dict[str, Any] = {}
+    for engine in plan["engines"]:
+        if engine.get("corrupt_before"):
+            results.setdefault("corrupted", {})[engine["name"]] = _corrupt(engine["corrupt_before"])
+        results[engine["name"]] = run_engine(plan, engine)
+        Path(argv[2]).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
