@@ -24,7 +24,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --timeout 600
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --timeout 900
 
 lint: setup
 	$(BIN)/python -m ruff check .

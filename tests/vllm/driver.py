@@ -13,9 +13,9 @@ its engine core and workers; this script is their ``__main__``). Steps:
     {"op": "abort", "name": N, "prompts": [...], "max_tokens": K, "steps": S}
                                             add the prompts, run S engine steps, abort them all
     {"op": "settle"}                        step until every worker holds no lease and nothing pending
-    {"op": "corrupt", "dir": D}             flip a byte in the middle of every record file under D
     {"op": "stats", "name": N}              every worker's tpcache statistics
 
+An engine's ``corrupt_before`` ({"dir", "prompts", "page"}) damages stored pages before it starts.
 Results: {engine: {step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}.
 """
 
@@ -101,17 +101,36 @@ def _abort(llm: Any, prompts: list[list[int]], max_tokens: int, steps: int) -> d
     return {"finished_before_abort": finished}
 
 
-def _corrupt(root: str) -> int:
-    n = 0
-    for path in sorted(Path(root).rglob("*")):
-        if path.is_file() and path.stat().st_size > 4096:
-            with open(path, "r+b") as f:
-                f.seek(path.stat().st_size // 2)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0xFF]))
-            n += 1
-    return n
+def _corrupt(spec: dict[str, Any]) -> int:
+    """Flip one payload byte of every stored record of page ``spec["page"]`` of each of
+    ``spec["prompts"]`` under ``spec["dir"]``; returns how many records were hit."""
+    from tpcache.core.hashing import as_token_bytes, hash_chain
+    from tpcache.integrations.vllm.options import page_namespace
+    from tpcache.io.storage.keys import StorageKey
+    from tpcache.io.storage.record import HEADER_SIZE, decode_header, read_key_echo
+
+    namespace = page_namespace("", spec["model"])
+    targets = {hash_chain(as_token_bytes(p), spec["block_size"], namespace)[spec["page"]] for p in spec["prompts"]}
+    hit = 0
+    for path in sorted(Path(spec["dir"]).rglob("*")):
+        if not path.is_file():
+            continue
+        data = bytearray(path.read_bytes())
+        offset = 0
+        while offset + HEADER_SIZE <= len(data):
+            try:
+                head = decode_header(bytes(data[offset : offset + HEADER_SIZE + 1024]), None)
+            except ValueError:
+                break
+            key = StorageKey.decode(
+                read_key_echo(bytes(data[offset : offset + HEADER_SIZE + head.key_len]), head).decode()
+            )
+            if head.live and key.page_hash in targets:
+                data[offset + head.record_len - head.payload_len // 2] ^= 0xFF
+                hit += 1
+            offset += head.record_len
+        path.write_bytes(bytes(data))
+    return hit
 
 
 def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
@@ -159,8 +178,6 @@ def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
                 out[name] = _abort(llm, step["prompts"], step["max_tokens"], step["steps"])
             elif op == "settle":
                 out[name] = _settle(llm)
-            elif op == "corrupt":
-                out[name] = _corrupt(step["dir"])
             elif op == "stats":
                 out[name] = _stats(llm)
             else:
@@ -178,7 +195,8 @@ def main(argv: list[str]) -> int:
     results: dict[str, Any] = {}
     for engine in plan["engines"]:
         if engine.get("corrupt_before"):
-            results.setdefault("corrupted", {})[engine["name"]] = _corrupt(engine["corrupt_before"])
+            spec = {**engine["corrupt_before"], "model": plan["model"], "block_size": plan.get("block_size", 32)}
+            results.setdefault("corrupted", {})[engine["name"]] = _corrupt(spec)
         results[engine["name"]] = run_engine(plan, engine)
         Path(argv[2]).write_text(json.dumps(results))
     return 0

@@ -24,7 +24,7 @@ from tpcache.core.round import Round
 from tpcache.dist.collective import Collective
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.engine.tpcache import KV_FORMAT_VERSION, TPCache
-from tpcache.io.engine_kv import CopyHook, EngineKV, EngineTransfer, HoldHook
+from tpcache.io.engine_kv import AfterCopy, CopyHook, EngineKV, EngineTransfer, HoldHook
 from tpcache.io.kv_pool import HostPool, KVLayout
 from tpcache.io.storage import StorageBackend, StorageWorker
 
@@ -48,10 +48,12 @@ class EngineCache(TPCache):
         storage: StorageBackend | None = None,
         round_timeout_s: float = 30.0,
         before_copy: CopyHook = None,
+        after_copy: AfterCopy = None,
         hold: HoldHook = None,
     ) -> None:
         """``kv_layout`` describes one host page (this rank's shard of one engine block over every
-        layer); ``engine_format`` names the engine's byte order (part of every storage key)."""
+        layer); ``engine_format`` names the engine's byte order (part of every storage key).
+        ``before_copy``, ``after_copy``, ``hold``: test hooks of the transfer (``tpcache.io.engine_kv``)."""
         if config.device_pages != 0:
             raise ValueError("an engine-owned cache has no device tier of its own: set device_pages=0")
         if config.host_pages <= 0:
@@ -72,7 +74,9 @@ class EngineCache(TPCache):
         self.kv_layout = kv_layout
         self.engine_kv = engine_kv
         self.host_pool = HostPool(kv_layout, config.host_pages, "page_first")
-        transfer: Any = EngineTransfer(engine_kv, self.host_pool, before_copy=before_copy, hold=hold)
+        transfer: Any = EngineTransfer(
+            engine_kv, self.host_pool, before_copy=before_copy, after_copy=after_copy, hold=hold
+        )
         worker = key_of = None
         if storage is not None:
             worker = StorageWorker(storage)

@@ -28,6 +28,8 @@ from tpcache.io.transfer import D2H, DIRECTIONS, H2D, Completion, Direction, Loa
 
 CopyHook = Callable[[int, str], None] | None
 """Test hook: called as (op_id, direction) before a copy; if it raises, the op fails (ok=False)."""
+AfterCopy = Callable[[int, str, Sequence[int]], None] | None
+"""Test hook: called as (op_id, direction, destination pages) after a copy landed."""
 HoldHook = Callable[[int, str], bool] | None
 """Test hook: asked on every poll whether a finished op's completion is still withheld (an op that
 the engine sees as in flight, as a slow copy on one rank would be)."""
@@ -115,8 +117,17 @@ class EngineTransfer:
     ``submit_load`` loads host slots into blocks. Completions queue per direction in issue order
     until the caller pops the agreed count, as with ``TransferEngine``."""
 
-    def __init__(self, kv: EngineKV, host_pool: HostPool, *, before_copy: CopyHook = None, hold: HoldHook = None):
+    def __init__(
+        self,
+        kv: EngineKV,
+        host_pool: HostPool,
+        *,
+        before_copy: CopyHook = None,
+        after_copy: AfterCopy = None,
+        hold: HoldHook = None,
+    ) -> None:
         self.kv = kv
+        self._after_copy = after_copy
         self.host_pool = host_pool
         self._host = kv.check_host(host_pool)
         self._before_copy = before_copy
@@ -131,7 +142,7 @@ class EngineTransfer:
         """Copy engine blocks ``device_pages[i]`` -> host ``host_slots[i]`` now (queue "d2h")."""
         self._check_blocks(device_pages, host_slots)
         handle = OpHandle(op_id, D2H, 0)
-        return self._run(handle, lambda: self.kv.save(self._host, device_pages, host_slots))
+        return self._run(handle, lambda: self.kv.save(self._host, device_pages, host_slots), host_slots)
 
     def submit_load(self, op_id: int, host_slots: Sequence[int], device_pages: Sequence[int]) -> LoadHandle:
         """Copy host ``host_slots[i]`` -> engine blocks ``device_pages[i]`` now (queue "h2d")."""
@@ -143,14 +154,14 @@ class EngineTransfer:
             for layer in range(self._num_layers):
                 handle._layer_landed(layer, None)
 
-        self._run(handle, copy)
+        self._run(handle, copy, device_pages)
         return handle
 
     def _check_blocks(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         # Validated before the op is queued: a refused submit changes nothing (the shell reports it).
         self.kv._indices(self._host, blocks, slots)
 
-    def _run(self, handle: OpHandle, copy: Callable[[], None]) -> OpHandle:
+    def _run(self, handle: OpHandle, copy: Callable[[], None], dst: Sequence[int]) -> OpHandle:
         op_id = handle.op_id
         if isinstance(op_id, bool) or not isinstance(op_id, int):
             raise OpIdError(f"op id must be an int, got {op_id!r}")
@@ -165,6 +176,8 @@ class EngineTransfer:
             if self._before_copy is not None:
                 self._before_copy(op_id, handle.direction)
             copy()
+            if self._after_copy is not None:
+                self._after_copy(op_id, handle.direction, dst)
         except Exception as exc:  # a failed copy is a completion, reported to the round as such
             handle._finish(False, f"{type(exc).__name__}: {exc}")
         else:

@@ -23,7 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpcache.core import CacheConfig
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
-from tpcache.integrations.vllm.options import ConnectorOptions
+from tpcache.integrations.vllm.options import ConnectorOptions, page_namespace
 from tpcache.integrations.vllm.scheduler import SchedulerSide
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
 
@@ -123,11 +123,12 @@ class TPCacheConnector(KVConnectorBase_V1):
             device_pages=0,
             host_pages=host_pages,
             eviction_policy=opts.eviction_policy,
-            namespace=f"{opts.namespace}|vllm|{self.model_name}",
+            namespace=page_namespace(opts.namespace, self.model_name),
             storage=storage is not None,
             mirror_release=False,
         )
         faults = FaultPlan(opts.fault_injection, rank)
+        faults.kv = engine_kv
         collective = make_collective(opts.transport, group=tp.cpu_group)
         cache = EngineCache(
             config,
@@ -138,6 +139,7 @@ class TPCacheConnector(KVConnectorBase_V1):
             storage=storage,
             round_timeout_s=opts.round_timeout_s,
             before_copy=faults.before_copy,
+            after_copy=faults.after_copy,
             hold=faults.hold,
         )
         self.worker = WorkerSide(

@@ -111,3 +111,9 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def page_namespace(namespace: str, model: str) -> str:
+    """The namespace salt of page hashes: the user's, and the model's name, so two models never
+    share a page, in memory or in storage."""
+    return f"{namespace}|vllm|{model}"

@@ -178,6 +178,8 @@ class WorkerSide:
         out.update(self.counters)
         out["requests"] = len(self.requests)
         waiting = sum(not s.reported for s in self.requests.values())
-        out["pending"] = sum(map(len, self.cache.core.inflight.values())) + len(self.loads) + len(self.sending) + waiting
+        in_flight = sum(map(len, self.cache.core.inflight.values()))
+        out["pending"] = in_flight + len(self.loads) + len(self.sending) + waiting
         out["host_pages"] = self.cache.config.host_pages
+        out["storage"] = self.cache.storage.stats() if self.cache.storage is not None else {}
         return out
