@@ -19,8 +19,9 @@ from typing import Any
 import xxhash
 
 from tpcache.core import CacheConfig, CacheCore, Transfer
-from tpcache.core.hashing import TokenIds
+from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.round import Round
+from tpcache.core.tiers import HostState
 from tpcache.dist.collective import Collective
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.engine.tpcache import KV_FORMAT_VERSION, TPCache
@@ -96,6 +97,12 @@ class EngineCache(TPCache):
     def hit_pages(self, lease: int) -> int:
         """The lease's hit in pages: leading host pages it holds (pure; agreed once a round passed open)."""
         return self.core.hit_pages(lease)
+
+    def filling(self, tokens: TokenIds, page: int) -> bool:
+        """Whether page ``page`` of ``tokens`` is being copied into host (a save or another
+        request's storage read) and may become a hit shortly. Pure."""
+        nodes = self.core.tree.walk(as_token_bytes(tokens)).nodes
+        return page < len(nodes) and nodes[page].host_state == HostState.WRITING
 
     def lease_alive(self, lease: int) -> bool:
         return lease in self.core.leases

@@ -54,6 +54,11 @@ class TPCacheConnector(KVConnectorBase_V1):
         self._result: StepResult | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.block_size)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # A cache never fails a request: pages that did not load on every rank are computed
+                # again. vLLM reads this policy right after creating the scheduler's connector.
+                log.info("tpcache: kv_load_failure_policy set to 'recompute' (a missed page is recomputed)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -94,6 +99,10 @@ class TPCacheConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids), None
+
+    def reset_cache(self) -> bool | None:
+        assert self.scheduler is not None
+        return self.scheduler.reset()
 
     # ================================================================== worker side
 
@@ -181,7 +190,12 @@ class TPCacheConnector(KVConnectorBase_V1):
         if self._result is None:
             assert self.worker is not None, "register_kv_caches was not called"
             meta = self._connector_metadata if isinstance(self._connector_metadata, StepOps) else None
-            self._result = self.worker.run_step(meta)
+            try:
+                self._result = self.worker.run_step(meta)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not take vLLM down with it
+                log.exception("tpcache: engine step failed on this rank; the cache closes")
+                self.worker.fail(f"engine step failed: {exc}")
+                self._result = StepResult()
             if self.metrics is not None:
                 self.metrics.publish(self.worker.stats(), self.worker.cache.health(), force=True)
         return self._result

@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 #   ("load", req_id, first_page, block_ids)           copy hit pages first_page.. into the request's blocks
 #   ("save", req_id, new_token_ids, pages, block_ids) the request's first `pages` pages are in block_ids
 #   ("release", req_id, delayed)                      the request finished; `delayed`: vLLM waits to free blocks
-LOOKUP, LOAD, SAVE, RELEASE = "lookup", "load", "save", "release"
+#   ("flush", "")                                     empty the cache (an agreed flush on every rank)
+LOOKUP, LOAD, SAVE, RELEASE, FLUSH = "lookup", "load", "save", "release", "flush"
 
 
 @dataclass

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
+from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
 log = logging.getLogger("tpcache.vllm")
 
@@ -113,6 +113,12 @@ class SchedulerSide:
             self._save(state, request.num_computed_tokens, block_ids)
         self.ops.append((RELEASE, request.request_id, delayed))
         return delayed
+
+    def reset(self) -> bool:
+        """Empty tpcache (``LLM.reset_prefix_cache(reset_connector=True)``): every rank flushes in
+        the same round, once none has a copy in flight; lookups meanwhile miss."""
+        self.ops.append((FLUSH, ""))
+        return True
 
     # ------------------------------------------------------------------ internals
 

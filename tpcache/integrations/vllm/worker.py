@@ -23,12 +23,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.round_vector import HEALTH_TRANSFER_ERROR
 from tpcache.core import CacheClosed, Transfer
 from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.faults import FaultPlan
-from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
+from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
 log = logging.getLogger("tpcache.vllm")
+
+# A lookup whose prefix another request is bringing in starts over under a new lease at most this
+# often (each time from a longer prefix), so a lookup always ends.
+MAX_RELOCKS = 4
 
 
 @dataclass
@@ -36,6 +41,7 @@ class _Lookup:
     lease: int
     tokens: list[int]
     rounds: int = 0
+    relocks: int = 0
     reported: bool = False
 
 
@@ -133,6 +139,8 @@ class WorkerSide:
             cache.release(state.lease)
             if op[2]:
                 self.sending[req] = state.lease
+        elif kind == FLUSH:
+            cache.request_flush()
         else:
             raise ValueError(f"unknown connector op {kind!r}")
 
@@ -144,8 +152,21 @@ class WorkerSide:
                 continue
             state.rounds += 1
             status, ready = cache.prefetch_status(state.lease)
-            if not closed and status not in ("none", "done") and state.rounds <= self.lookup_timeout_rounds:
+            waiting = state.rounds <= self.lookup_timeout_rounds and not closed
+            if waiting and status not in ("none", "done"):
                 continue
+            if not closed:
+                held = cache.hit_pages(state.lease)
+                if waiting and cache.filling(state.tokens, held):
+                    continue  # another request is bringing the next page in (its own fetch or save)
+                if cache.match(state.tokens).host_pages > held and state.relocks < MAX_RELOCKS:
+                    # Pages another request fetched meanwhile: pin them under a fresh lease, and
+                    # look for the rest of the prompt in storage from there.
+                    state.relocks += 1
+                    cache.release(state.lease)
+                    state.lease = cache.lock(state.tokens)[0]
+                    if cache.config.storage and waiting and cache.prefetch(state.lease):
+                        continue
             hit = 0 if closed else cache.hit_pages(state.lease) * self.page_size
             storage = min(ready * self.page_size, hit)
             out.report.hits[req] = (hit, storage)
@@ -169,6 +190,12 @@ class WorkerSide:
                 del self.sending[req]
         return out
 
+    def fail(self, reason: str) -> None:
+        """Close this rank's cache and tell the others in the next round (a health bit): from then
+        on every rank reports its loads failed and its lookups as misses."""
+        self.cache.core.close(reason)
+        self.cache.shell.health_bits |= HEALTH_TRANSFER_ERROR
+
     def idle(self) -> bool:
         """Nothing waits for a later round (no lookup, load or release to report)."""
         return not self.loads and not self.sending and all(s.reported for s in self.requests.values())
@@ -181,5 +208,6 @@ class WorkerSide:
         in_flight = sum(map(len, self.cache.core.inflight.values()))
         out["pending"] = in_flight + len(self.loads) + len(self.sending) + waiting
         out["host_pages"] = self.cache.config.host_pages
+        out["page_size"] = self.page_size
         out["storage"] = self.cache.storage.stats() if self.cache.storage is not None else {}
         return out
