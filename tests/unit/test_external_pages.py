@@ -187,3 +187,22 @@ def test_storage_writes_follow_an_agreed_save() -> None:
     g.step()
     assert all(n.host_state == HostState.VALID for n in g.cores[0].match(toks(1, 2)).nodes)
     assert g.cores[0].stats.storage_written_pages == 2
+
+
+def test_a_flush_after_ranks_counted_different_ops_reopens_them_equal() -> None:
+    g = Group()
+    (lease, _), _ = g.op("lock", toks(1))
+    extra, _ = g.cores[1].lock(toks(9))  # rank 1 alone: its lease and op counters run ahead
+    g.cores[1].release(extra)
+    g.land()
+    g.step()
+    assert all(c.closed for c in g.cores)
+    g.op("request_flush")
+    g.land()
+    g.step()  # every rank asked and nothing is in flight: the agreed flush
+    assert not any(c.closed for c in g.cores)
+    g.land()
+    g.step()  # the ranks stay equal (step() checks the digests) and open
+    assert not any(c.closed for c in g.cores)
+    (again, _), _ = g.op("lock", toks(1))
+    assert again > lease  # ids never repeat across the flush

@@ -484,12 +484,14 @@ class CacheCore(Ledger):
         if self.closed_reason is None:
             self.closed_reason = reason
 
-    def reset(self) -> None:
+    def reset(self, id_base: int = 0) -> None:
         """Drop the cached state (an agreed flush, once every rank has no copy in flight).
 
         What outlives it: lease and op ids keep counting (a stale id never names a new lease), the
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release.
+        ``id_base`` (from agreed data, above every id issued so far) restarts both id counters
+        there: ranks whose op counts diverged, the usual reason for a flush, count alike again.
         """
         next_lease, next_op, cap = self._next_lease, self._next_op, self.retention_cap_tokens
         held = [
@@ -497,6 +499,8 @@ class CacheCore(Ledger):
         ]
         self.__init__(self.config)  # type: ignore[misc]
         self._next_lease, self._next_op, self.retention_cap_tokens = next_lease, next_op, cap
+        if id_base > max(next_lease, next_op):
+            self._next_lease = self._next_op = id_base
         for lease_id, tokens, pages in held:
             self.device.take(pages)
             lease = Lease(lease_id, tokens=tokens, pages=pages)

@@ -29,6 +29,7 @@ log = logging.getLogger("tpcache.round")
 
 QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=True))
 _EMPTY_QUEUE = mix_ids([])
+FLUSH_ID_SHIFT = 24  # a flush restarts lease and op ids at round << 24: above any id issued before
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ class Round:
         return None
 
     def _flush(self, report: RoundReport) -> None:
-        self.core.reset()
+        # Ids restart from the agreed round number, spaced far above what a round can issue.
+        self.core.reset(id_base=self.number << FLUSH_ID_SHIFT)
         self.pending_plan = None
         report.flushed = True
         log.warning("round %d: agreed flush: every rank reset; cache open", report.round)
