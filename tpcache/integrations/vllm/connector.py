@@ -100,6 +100,10 @@ class TPCacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids), None
 
+    def has_pending_push_work(self) -> bool:
+        # Keep vLLM stepping while a worker has copies or releases to agree: each step is a round.
+        return self.scheduler is not None and (self.scheduler.workers_busy or bool(self.scheduler.ops))
+
     def reset_cache(self) -> bool | None:
         assert self.scheduler is not None
         return self.scheduler.reset()

@@ -36,6 +36,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     # req_id -> (hit tokens, of which read from storage): lookups agreed in this step's round
     hits: dict[str, tuple[int, int]] = field(default_factory=dict)
     closed: bool = False
+    busy: bool = False  # a worker still has copies or releases to agree: vLLM should keep stepping
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         if not isinstance(other, WorkerReport):
@@ -45,4 +46,4 @@ class WorkerReport(KVConnectorWorkerMetadata):
             a, b = self.hits.get(req, (0, 0)), other.hits.get(req, (0, 0))
             total = min(a[0], b[0])
             hits[req] = (total, min(max(a[1], b[1]), total))
-        return WorkerReport(hits=hits, closed=self.closed or other.closed)
+        return WorkerReport(hits=hits, closed=self.closed or other.closed, busy=self.busy or other.busy)

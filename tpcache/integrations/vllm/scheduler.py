@@ -43,6 +43,7 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.ops: list[tuple] = []
         self.step = 0
+        self.workers_busy = False  # the last report said some worker has copies or releases to agree
         self.stats = {"lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0, "loads": 0, "saves": 0}
 
     # ------------------------------------------------------------------ vLLM hooks
@@ -91,6 +92,7 @@ class SchedulerSide:
         return meta
 
     def update_from_output(self, report: WorkerReport | None, finished_recving: set[str] | None) -> None:
+        self.workers_busy = report is not None and report.busy
         if report is not None:
             for req_id, (hit, storage) in report.hits.items():
                 state = self.requests.get(req_id)

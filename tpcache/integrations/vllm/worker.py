@@ -188,6 +188,7 @@ class WorkerSide:
             if closed or not cache.lease_alive(self.sending[req]):
                 out.finished_sending.add(req)
                 del self.sending[req]
+        out.report.busy = not self.idle()
         return out
 
     def fail(self, reason: str) -> None:
@@ -197,8 +198,10 @@ class WorkerSide:
         self.cache.shell.health_bits |= HEALTH_TRANSFER_ERROR
 
     def idle(self) -> bool:
-        """Nothing waits for a later round (no lookup, load or release to report)."""
-        return not self.loads and not self.sending and all(s.reported for s in self.requests.values())
+        """Nothing waits for a later round: no copy in flight, no lookup, load or release to report."""
+        if self.loads or self.sending or any(not s.reported for s in self.requests.values()):
+            return False
+        return not any(self.cache.core.inflight.values()) or self.cache.core.closed
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.cache.stats())
