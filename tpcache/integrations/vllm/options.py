@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpcache.core.eviction import make_policy
 from tpcache.service.config import ConfigError, ServiceConfig
 
 DEFAULT_HOST_FRACTION = 0.1  # of the memory available at start, over all TP ranks of the host
@@ -70,6 +71,10 @@ class ConnectorOptions:
             raise ConfigError("host_pages and host_bytes must be >= 0")
         if self.lookup_timeout_rounds < 0:
             raise ConfigError("lookup_timeout_rounds must be >= 0")
+        try:
+            make_policy(self.eviction_policy)
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         try:
             # The service's checks for the settings it shares (kv_layout stands in for the engine's).
             self.service_config(page_size, max(self.host_pages, 1), "layers=1,heads=1,head_dim=1").validate()
