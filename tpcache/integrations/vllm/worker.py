@@ -38,7 +38,7 @@ MAX_RELOCKS = 4
 
 @dataclass
 class _Lookup:
-    lease: int
+    lease: int | None  # None: the request holds nothing (dropped when the cache closed)
     tokens: list[int]
     rounds: int = 0
     relocks: int = 0
@@ -75,7 +75,7 @@ class WorkerSide:
         self.reopen = reopen
         self.requests: dict[str, _Lookup] = {}
         self.loads: dict[str, _Load] = {}
-        self.sending: dict[str, int] = {}  # request -> lease being released
+        self.sending: dict[str, int | None] = {}  # request -> lease being released (None: nothing held)
         self.steps = 0
         self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0}
         self._flush_asked = False
@@ -101,10 +101,22 @@ class WorkerSide:
         if report.flushed:
             self._flush_asked = False
         closed = self.cache.core.closed
-        if closed and self.reopen and not self._flush_asked:
-            self._flush_asked = True
-            self.cache.request_flush()
+        if closed:
+            self._drop_leases()
+            if self.reopen and not self._flush_asked:
+                self._flush_asked = True
+                self.cache.request_flush()
         return self._collect(closed)
+
+    def _drop_leases(self) -> None:
+        """A closed cache serves nothing, so requests let go of what they hold. Its ranks may have
+        counted different operations (why it closed): a lease kept across the flush would carry a
+        different id on each rank and keep their states apart after it. Nothing new is locked
+        until the cache is open again."""
+        for state in self.requests.values():
+            if state.lease is not None:
+                self.cache.release(state.lease)
+                state.lease = None
 
     def _apply(self, op: tuple) -> None:
         kind, req = op[0], op[1]
@@ -114,16 +126,18 @@ class WorkerSide:
             if old is not None:
                 cache.release(old.lease)
             tokens = list(op[2])
-            lease, _ = cache.lock(tokens)
-            self.requests[req] = _Lookup(lease, tokens)
-            if cache.config.storage and not cache.core.closed:
-                cache.prefetch(lease)
+            state = self.requests[req] = _Lookup(None, tokens)
             self.counters["lookups"] += 1
+            if cache.core.closed:
+                return
+            state.lease = cache.lock(tokens)[0]
+            if cache.config.storage:
+                cache.prefetch(state.lease)
         elif kind == LOAD:
             state = self.requests.get(req)
             first, blocks = op[2], list(op[3])
             self.loads[req] = _Load(None, blocks)  # failed unless the op is issued
-            if state is not None:
+            if state is not None and state.lease is not None:
                 self.loads[req].op = cache.load_into(state.lease, first, blocks)
         elif kind == SAVE:
             state = self.requests.get(req)
@@ -131,12 +145,17 @@ class WorkerSide:
                 return
             state.tokens.extend(op[2])
             pages, blocks = op[3], op[4]
+            if cache.core.closed:
+                return
+            if state.lease is None:  # dropped while the cache was closed: hold the saves anew
+                state.lease = cache.lock(state.tokens)[0]
             cache.save(state.lease, state.tokens[: pages * self.page_size], blocks)
         elif kind == RELEASE:
             state = self.requests.pop(req, None)
             if state is None:
                 return
-            cache.release(state.lease)
+            if state.lease is not None:
+                cache.release(state.lease)
             if op[2]:
                 self.sending[req] = state.lease
         elif kind == FLUSH:
@@ -151,11 +170,11 @@ class WorkerSide:
             if state.reported:
                 continue
             state.rounds += 1
-            status, ready = cache.prefetch_status(state.lease)
+            status, ready = ("none", 0) if state.lease is None else cache.prefetch_status(state.lease)
             waiting = state.rounds <= self.lookup_timeout_rounds and not closed
             if waiting and status not in ("none", "done"):
                 continue
-            if not closed:
+            if not closed and state.lease is not None:
                 held = cache.hit_pages(state.lease)
                 if waiting and cache.filling(state.tokens, held):
                     continue  # another request is bringing the next page in (its own fetch or save)
@@ -167,7 +186,7 @@ class WorkerSide:
                     state.lease = cache.lock(state.tokens)[0]
                     if cache.config.storage and waiting and cache.prefetch(state.lease):
                         continue
-            hit = 0 if closed else cache.hit_pages(state.lease) * self.page_size
+            hit = 0 if closed or state.lease is None else cache.hit_pages(state.lease) * self.page_size
             storage = min(ready * self.page_size, hit)
             out.report.hits[req] = (hit, storage)
             state.reported = True
@@ -185,7 +204,8 @@ class WorkerSide:
             self.counters["load_failed_blocks"] += len(bad)
             del self.loads[req]
         for req in list(self.sending):
-            if closed or not cache.lease_alive(self.sending[req]):
+            lease = self.sending[req]
+            if closed or lease is None or not cache.lease_alive(lease):
                 out.finished_sending.add(req)
                 del self.sending[req]
         out.report.busy = not self.idle()
@@ -212,5 +232,8 @@ class WorkerSide:
         out["pending"] = in_flight + len(self.loads) + len(self.sending) + waiting
         out["host_pages"] = self.cache.config.host_pages
         out["page_size"] = self.page_size
+        out["closed_reason"] = self.cache.core.closed_reason or ""
+        out["flush_requested"] = int(self.cache.core.flush_requested)
+        out["drained"] = int(self.cache.shell.drained())
         out["storage"] = self.cache.storage.stats() if self.cache.storage is not None else {}
         return out
