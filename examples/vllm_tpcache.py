@@ -63,7 +63,9 @@ def main() -> None:
         again = llm.generate(prompts, params, use_tqdm=False)
         for a, b in zip(first, again, strict=True):
             same = list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-            print(f"cached tokens: first run {a.num_cached_tokens:4d}, after reset {b.num_cached_tokens:4d}, same: {same}")
+            print(
+                f"cached tokens: first run {a.num_cached_tokens:4d}, after reset {b.num_cached_tokens:4d}, same: {same}"
+            )
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard keeps it from running this again

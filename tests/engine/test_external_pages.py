@@ -96,6 +96,9 @@ def test_a_failed_copy_is_agreed_as_failed_and_the_lease_waits_for_it() -> None:
     cache.step()
     assert cache.outcome(op) == 0
     assert cache.stats()["leases"] == 0
+    cache.request_flush()  # a failed copy is finished: nothing is in flight, the flush goes through
+    cache.step()
+    assert cache.health()["state"] == "open"
 
 
 def test_a_held_completion_keeps_the_load_in_flight() -> None:

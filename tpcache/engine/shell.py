@@ -91,7 +91,8 @@ class Shell:
             for direction in (D2H, H2D):
                 for c in self.transfer.poll(direction):
                     if c.op_id in self.sizes:
-                        self.results[c.op_id] = self.sizes.pop(c.op_id) if c.ok else 0
+                        size = self.sizes.pop(c.op_id)  # finished either way: no longer in flight
+                        self.results[c.op_id] = size if c.ok else 0
                         if not c.ok:
                             log.warning("copy op %d (%s) failed on this rank: %s", c.op_id, direction, c.error)
         if self.storage is not None:

@@ -200,7 +200,7 @@ class TPCacheConnector(KVConnectorBase_V1):
                 log.exception("tpcache: engine step failed on this rank; the cache closes")
                 self.worker.fail(f"engine step failed: {exc}")
                 self._result = StepResult()
-            if self.metrics is not None:
+            if self.metrics is not None and self.metrics.due():
                 self.metrics.publish(self.worker.stats(), self.worker.cache.health(), force=True)
         return self._result
 

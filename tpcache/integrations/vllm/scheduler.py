@@ -44,7 +44,6 @@ class SchedulerSide:
         self.ops: list[tuple] = []
         self.step = 0
         self.workers_busy = False  # the last report said some worker has copies or releases to agree
-        self.stats = {"lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0, "loads": 0, "saves": 0}
 
     # ------------------------------------------------------------------ vLLM hooks
 
@@ -54,7 +53,6 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             self.requests[request.request_id] = _Request(request, sent_tokens=len(tokens))
             self.ops.append((LOOKUP, request.request_id, tokens))
-            self.stats["lookups"] += 1
             return None, False
         if state.hit is None or state.loading:
             return None, False
@@ -72,7 +70,6 @@ class SchedulerSide:
         pages = num_external_tokens // self.block_size
         self.ops.append((LOAD, request.request_id, first, list(block_ids[first : first + pages])))
         state.loading = True
-        self.stats["loads"] += 1
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(host, storage) split of a load's tokens: storage pages are the hit's tail."""
@@ -98,8 +95,6 @@ class SchedulerSide:
                 state = self.requests.get(req_id)
                 if state is not None and state.hit is None:
                     state.hit, state.storage_hit = hit, storage
-                    self.stats["hit_tokens"] += hit
-                    self.stats["storage_hit_tokens"] += storage
         for req_id in finished_recving or ():
             state = self.requests.get(req_id)
             if state is not None:
@@ -143,4 +138,3 @@ class SchedulerSide:
         state.sent_tokens = max(state.sent_tokens, end)
         state.saved_pages = pages
         self.ops.append((SAVE, request.request_id, new, pages, list(block_ids[:pages])))
-        self.stats["saves"] += 1

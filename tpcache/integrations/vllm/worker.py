@@ -235,5 +235,6 @@ class WorkerSide:
         out["closed_reason"] = self.cache.core.closed_reason or ""
         out["flush_requested"] = int(self.cache.core.flush_requested)
         out["drained"] = int(self.cache.shell.drained())
+        out["copies_in_flight"] = sorted(self.cache.shell.sizes)  # op ids not finished on this rank
         out["storage"] = self.cache.storage.stats() if self.cache.storage is not None else {}
         return out
