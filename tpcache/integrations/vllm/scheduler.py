@@ -83,6 +83,10 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None and not state.loading:
                 self._save(state, state.request.num_computed_tokens + n)
+        if self.step and self.step % 5000 == 0:
+            waiting = [r for r, s in self.requests.items() if s.hit is None or s.loading]
+            if waiting:
+                log.warning("tpcache scheduler, step %d: requests waiting on lookups or loads: %s", self.step, waiting)
         meta = StepOps(step=self.step, ops=self.ops)
         self.ops = []
         self.step += 1

@@ -34,6 +34,7 @@ log = logging.getLogger("tpcache.vllm")
 # A lookup whose prefix another request is bringing in starts over under a new lease at most this
 # often (each time from a longer prefix), so a lookup always ends.
 MAX_RELOCKS = 4
+STALL_LOG_STEPS = 5000  # a rank still waiting on something this many steps in logs what it waits for
 
 
 @dataclass
@@ -98,6 +99,8 @@ class WorkerSide:
             self.cache.release(self.cache.lock([0] * self.page_size)[0])
         report = self.cache.step()
         self.steps += 1
+        if self.steps % STALL_LOG_STEPS == 0 and not self.idle():
+            log.warning("tpcache rank %d, step %d: still waiting: %s", self.cache.rank, self.steps, self.waiting())
         if report.flushed:
             self._flush_asked = False
         closed = self.cache.core.closed
@@ -210,6 +213,17 @@ class WorkerSide:
                 del self.sending[req]
         out.report.busy = not self.idle()
         return out
+
+    def waiting(self) -> dict[str, Any]:
+        """What this rank still has to report (for logs when an engine seems stuck)."""
+        return {
+            "lookups": [r for r, s in self.requests.items() if not s.reported],
+            "loads": list(self.loads),
+            "sending": list(self.sending),
+            "copies_in_flight": sorted(self.cache.shell.sizes),
+            "ops_to_agree": {k.name: len(q) for k, q in self.cache.core.inflight.items() if q},
+            "closed": self.cache.core.closed_reason,
+        }
 
     def fail(self, reason: str) -> None:
         """Close this rank's cache and tell the others in the next round (a health bit): from then
