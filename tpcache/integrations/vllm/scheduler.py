@@ -24,6 +24,8 @@ from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAV
 
 log = logging.getLogger("tpcache.vllm")
 
+STALL_LOG_STEPS = 5000  # requests still waiting on the same lookups or loads after this many steps are logged
+
 
 @dataclass
 class _Request:
@@ -43,6 +45,7 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.ops: list[tuple] = []
         self.step = 0
+        self._waiting: list[str] = []  # requests waiting at the last stall check
         self.workers_busy = False  # the last report said some worker has copies or releases to agree
 
     # ------------------------------------------------------------------ vLLM hooks
@@ -83,10 +86,11 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None and not state.loading:
                 self._save(state, state.request.num_computed_tokens + n)
-        if self.step and self.step % 5000 == 0:
+        if self.step % STALL_LOG_STEPS == 0:
             waiting = [r for r, s in self.requests.items() if s.hit is None or s.loading]
-            if waiting:
-                log.warning("tpcache scheduler, step %d: requests waiting on lookups or loads: %s", self.step, waiting)
+            if waiting and waiting == self._waiting:
+                log.warning("tpcache: requests waiting on lookups or loads since step %d: %s", self.step, waiting)
+            self._waiting = waiting
         meta = StepOps(step=self.step, ops=self.ops)
         self.ops = []
         self.step += 1

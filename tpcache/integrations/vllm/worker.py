@@ -34,7 +34,7 @@ log = logging.getLogger("tpcache.vllm")
 # A lookup whose prefix another request is bringing in starts over under a new lease at most this
 # often (each time from a longer prefix), so a lookup always ends.
 MAX_RELOCKS = 4
-STALL_LOG_STEPS = 5000  # a rank still waiting on something this many steps in logs what it waits for
+STALL_LOG_STEPS = 5000  # a rank busy this many steps in a row logs what it waits for
 
 
 @dataclass
@@ -80,6 +80,7 @@ class WorkerSide:
         self.steps = 0
         self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0}
         self._flush_asked = False
+        self._busy_steps = 0  # consecutive steps that ended with something still to report
 
     # ------------------------------------------------------------------ one engine step
 
@@ -99,8 +100,10 @@ class WorkerSide:
             self.cache.release(self.cache.lock([0] * self.page_size)[0])
         report = self.cache.step()
         self.steps += 1
-        if self.steps % STALL_LOG_STEPS == 0 and not self.idle():
-            log.warning("tpcache rank %d, step %d: still waiting: %s", self.cache.rank, self.steps, self.waiting())
+        self._busy_steps = 0 if self.idle() else self._busy_steps + 1
+        if self._busy_steps and self._busy_steps % STALL_LOG_STEPS == 0:
+            rank, waiting = self.cache.rank, self.waiting()
+            log.warning("tpcache rank %d: busy for %d steps, waiting on %s", rank, self._busy_steps, waiting)
         if report.flushed:
             self._flush_asked = False
         closed = self.cache.core.closed
