@@ -129,7 +129,7 @@ class WorkerSide:
         cache = self.cache
         if kind == LOOKUP:
             old = self.requests.pop(req, None)
-            if old is not None:
+            if old is not None and old.lease is not None:
                 cache.release(old.lease)
             tokens = list(op[2])
             state = self.requests[req] = _Lookup(None, tokens)
