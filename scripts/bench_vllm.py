@@ -38,6 +38,7 @@ ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(worker_stats)
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries only the result
 }
 
 
@@ -189,7 +190,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    os.environ.update(ENV)
+    for name, value in ENV.items():
+        os.environ.setdefault(name, value)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from tpcache.testing.tiny_model import make_tiny_llama
