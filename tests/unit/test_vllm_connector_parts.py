@@ -85,6 +85,17 @@ def test_a_request_finished_while_its_load_is_pending_is_freed_by_vllm() -> None
     assert side.request_finished(Req("never", [1]), []) is False
 
 
+def test_a_failed_load_is_recomputed_not_retried() -> None:
+    r = Req("a", list(range(13)), blocks=[1, 2, 3, 4])
+    side = SchedulerSide(B, Manager(r))
+    side.num_new_matched_tokens(r, 0)
+    side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
+    assert side.num_new_matched_tokens(r, 0) == (12, True)
+    side.update_state_after_alloc(r, r.blocks, 12)
+    side.update_from_output(WorkerReport(), {"a"}, {3})  # block 3 did not land on some rank
+    assert side.num_new_matched_tokens(r, 0) == (0, False)
+
+
 def test_worker_reports_merge_to_the_minimum() -> None:
     a = WorkerReport(hits={"x": (64, 32), "y": (32, 0)})
     b = WorkerReport(hits={"x": (32, 32)}, busy=True)

@@ -93,7 +93,9 @@ class TPCacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         report = connector_output.kv_connector_worker_meta
         self.scheduler.update_from_output(
-            report if isinstance(report, WorkerReport) else None, connector_output.finished_recving
+            report if isinstance(report, WorkerReport) else None,
+            connector_output.finished_recving,
+            connector_output.invalid_block_ids,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -35,6 +35,7 @@ class _Request:
     storage_hit: int = 0  # of which read from storage
     local: int = 0  # vLLM's own (block-aligned) prefix hit at the last ask
     loading: bool = False  # a load was sent and its outcome not reported yet
+    load_blocks: tuple[int, ...] = ()  # the blocks of the last load
     saved_pages: int = 0  # pages named in a save already
 
 
@@ -71,8 +72,10 @@ class SchedulerSide:
             return
         first = state.local // self.block_size
         pages = num_external_tokens // self.block_size
-        self.ops.append((LOAD, request.request_id, first, list(block_ids[first : first + pages])))
+        blocks = list(block_ids[first : first + pages])
+        self.ops.append((LOAD, request.request_id, first, blocks))
         state.loading = True
+        state.load_blocks = tuple(blocks)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(host, storage) split of a load's tokens: storage pages are the hit's tail."""
@@ -96,7 +99,9 @@ class SchedulerSide:
         self.step += 1
         return meta
 
-    def update_from_output(self, report: WorkerReport | None, finished_recving: set[str] | None) -> None:
+    def update_from_output(
+        self, report: WorkerReport | None, finished_recving: set[str] | None, invalid_blocks: set[int] | None = None
+    ) -> None:
         self.workers_busy = report is not None and report.busy
         if report is not None:
             for req_id, (hit, storage) in report.hits.items():
@@ -107,6 +112,10 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None:
                 state.loading = False
+                if invalid_blocks and not invalid_blocks.isdisjoint(state.load_blocks):
+                    # Some rank did not get the pages: vLLM recomputes them, and is not offered the
+                    # hit again (a retried load would hit the same fault).
+                    state.hit = 0
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         """Queue the last save and the release; True when vLLM must wait for the workers to free."""
