@@ -29,6 +29,7 @@ from tpcache.core.completions import Completions
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.eviction import Candidates, Evictor
+from tpcache.core.external import EnginePages, check_blocks, require_engine_mode
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.leases import Leases
 from tpcache.core.ledger import Ledger
@@ -57,6 +58,7 @@ class CacheCore:
         self.evictor.back_up = self.backup.back_up
         self.prefetcher = Prefetcher(config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed)
         self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher)
+        self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
         self.flush_requested = False
@@ -331,6 +333,21 @@ class CacheCore:
         self.book.refresh(lease)
         return started
 
+    def save(self, lease_id: int, tokens: TokenIds, blocks: list[int]) -> Transfer | None:
+        """Engine-owned device pages: back up the pages of ``tokens`` the cache lacks from the
+        engine's ``blocks`` (``external.py``)."""
+        lease, blocks = self._engine_op(lease_id, blocks)
+        return self.engine_pages.save(lease, as_token_bytes(tokens), blocks)
+
+    def load_into(self, lease_id: int, first_page: int, blocks: list[int]) -> Transfer | None:
+        """Engine-owned device pages: copy pages of the lease's hit into the engine's ``blocks``."""
+        lease, blocks = self._engine_op(lease_id, blocks)
+        return self.engine_pages.load_into(lease, first_page, blocks)
+
+    def hit_pages(self, lease_id: int) -> int:
+        """Leading pages of the lease's tokens it holds on host (its hit, prefetched pages included). Pure."""
+        return len(self.engine_pages.hit_nodes(self.lease(lease_id)))
+
     def release(self, lease_id: int) -> bool:
         """Release (finish or abort) a lease. Returns True when released now; a lease with copies
         into its pages in flight is parked and released by the commit that completes the last."""
@@ -397,6 +414,11 @@ class CacheCore:
             lease = Lease(lease_id, tokens=tokens, pages=pages)
             self.book.table[lease_id] = lease
             self.book.refresh(lease)
+
+    def _engine_op(self, lease_id: int, blocks: list[int]) -> tuple[Lease, list[int]]:
+        self._refuse_if_closed()
+        require_engine_mode(self.config)
+        return self.book.live(lease_id), check_blocks(blocks)  # the op ticks once it is valid
 
     def _refuse_if_closed(self) -> None:
         if self.closed_reason is not None:

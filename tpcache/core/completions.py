@@ -62,6 +62,9 @@ class Completions:
 
     def _load(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
+        if op.engine_pages:  # into the engine's blocks: no tier state changes, the lease holds the slots
+            led.stats.loads_done_pages += ok
+            return
         for i, node in enumerate(op.nodes):
             if i < ok:
                 led.update(node, device=(DeviceState.VALID, node.device_page), host_pins=-1)

@@ -23,15 +23,24 @@ class Outbox:
         self._ready = Ready()
         self._handed_out = False
 
-    def issue(self, kind: OpKind, nodes: list[Node], lease_id: int, page_hashes: list[int] | None = None) -> Transfer:
+    def issue(
+        self,
+        kind: OpKind,
+        nodes: list[Node],
+        lease_id: int,
+        page_hashes: list[int] | None = None,
+        engine_pages: list[int] | None = None,
+    ) -> Transfer:
+        """A new op over ``nodes``; ``engine_pages``: its device side is these engine blocks instead."""
         op = Transfer(
             op_id=self.next_op,
             kind=kind,
             nodes=list(nodes),
-            device_pages=[n.device_page for n in nodes],
+            device_pages=[n.device_page for n in nodes] if engine_pages is None else list(engine_pages),
             host_slots=[n.host_slot for n in nodes],
             page_hashes=[n.hash for n in nodes] if page_hashes is None else list(page_hashes),
             lease_id=lease_id,
+            engine_pages=engine_pages is not None,
         )
         self.next_op += 1
         if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):

@@ -36,6 +36,7 @@ class Transfer:
     lease_id: int = -1
     pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
     acked: int = -1  # agreed pages landed on every rank, once retired
+    engine_pages: bool = False  # the device side names the engine's own blocks (core/external.py)
 
     @property
     def num_pages(self) -> int:
