@@ -34,9 +34,12 @@ from protocol.errors import (
 from protocol.ids import as_id_array, pack_ids, unpack_ids
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
+    GATHERED,
+    LOCAL,
     PROTOCOL_VERSION,
     REQUEST_TYPES,
     RESULT_TYPES,
+    SEQUENCED,
     AbortRequest,
     AbortResult,
     AllocRequest,
@@ -77,9 +80,12 @@ from protocol.messages import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "GATHERED",
+    "LOCAL",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",
     "RESULT_TYPES",
+    "SEQUENCED",
     "AbortRequest",
     "AbortResult",
     "AllocRequest",

@@ -9,9 +9,7 @@ over the torch.distributed group at startup.
 Batch (msgpack map, leader -> followers):
     {"b": batch number (= the round it ends in, counted by the service),
      "s": sequence number of its first request, "n": number of requests,
-     "e": [[kind, token, data], ...] in apply order, "x": true to stop}
-    kind 0: a client request, token its sequence number, data the client's frame (decoded again);
-    kind 1: the commit (data true) or discard of the staged buffers of registration ``token``.
+     "e": [[kind, token, conn, data], ...] in apply order (``batch.Entry``), "x": true to stop}
 Answer (follower -> leader): {"b": batch, "r": rank, "a": [[token, payload], ...]} or {"stop": rank}.
 """
 
@@ -26,7 +24,6 @@ import zmq
 
 log = logging.getLogger("tpcache.service")
 
-REQUEST, ACTIVATE = 0, 1
 MAX_INTERNAL_BYTES = 1 << 30  # a batch of max_batch requests of up to 16 MiB each is still bounded
 
 

@@ -18,9 +18,10 @@ from typing import Any
 import zmq
 
 import protocol as p
-from tpcache.service.channels import ACTIVATE, Channels, unpack
+from tpcache.service.batch import REQUEST, Entry, apply_batch
+from tpcache.service.channels import Channels, unpack
 from tpcache.service.config import ServiceConfig
-from tpcache.service.handlers import GATHER_OPS, Deferred, RankHandler, to_protocol_error
+from tpcache.service.handlers import RankHandler, gathered_payload
 from tpcache.service.metrics import RankMetrics
 
 log = logging.getLogger("tpcache.service")
@@ -91,39 +92,16 @@ class Follower:
         if int(msg["s"]) != self.expected_seq:
             log.error("rank %d: requests %d..%d are missing", rank, self.expected_seq, int(msg["s"]) - 1)
         self.expected_seq = int(msg["s"]) + int(msg["n"])
-        gathered: list[tuple[int, p.Body, Any]] = []
-        entries = [] if b == self.drop_batch else msg["e"]
-        for kind, token, data in entries:
-            if kind == ACTIVATE:
-                try:
-                    self.h.activate(token, bool(data))
-                except p.ProtocolError as exc:
-                    log.warning("rank %d: registration %d: %s", rank, token, exc.message)
-                continue
-            try:
-                body = p.decode_request(data).body
-            except p.ProtocolError as exc:
-                log.error("rank %d: request %d could not be decoded (%s); skipped", rank, token, exc)
-                continue
-            try:
-                outcome: Any = self.h.apply(body, token)
-            except p.ProtocolError as exc:
-                outcome = exc
-            if body.OP in GATHER_OPS:
-                gathered.append((token, body, outcome))
-        start = time.perf_counter()
-        report = self.h.tp.step()
-        self.metrics.observe_round(time.perf_counter() - start, len(entries))
+        wire = [] if b == self.drop_batch else msg["e"]
+        entries = [Entry(kind, token, conn, data) for kind, token, conn, data in wire]
+        apply_batch(self.h, self.metrics, entries)
         self.expected_batch = b + 1
-        if gathered:
-            answers = []
-            for token, body, outcome in gathered:
-                if isinstance(outcome, Deferred):
-                    try:
-                        outcome = outcome.finish(report)
-                    except Exception as exc:  # noqa: BLE001
-                        outcome = to_protocol_error(exc)
-                answers.append([token, self.h.rank_payload(body, outcome)])
+        answers = [
+            [e.token, gathered_payload(e.body, e.outcome)]
+            for e in entries
+            if e.kind == REQUEST and e.body is not None and e.body.route() == p.GATHERED
+        ]
+        if answers:
             self.ch.send_up({"b": b, "r": rank, "a": answers})
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())

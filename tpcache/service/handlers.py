@@ -1,9 +1,13 @@
-"""Apply one protocol request to this rank's TPCache.
+"""Apply one protocol request to this rank's TPCache: one handler per op.
 
 Every rank runs the same requests in the same order through ``RankHandler.apply``; because the
 core is deterministic, every rank computes the same result (or raises the same error), so the
 leader's answer speaks for the group. Results that depend on the round (step, flush, stats) are
 returned as a ``Deferred`` and finished after the batch's round committed.
+
+Adding an op: declare its request and result bodies (and its route) in protocol/messages.py, and
+write its handler here with ``@handles(RequestBody)``. A gathered op's handler also names what a
+follower sends back (``payload``) and how the leader joins the answers (``merge``).
 
 Exceptions from the engine map to protocol errors: OutOfPages -> NO_SPACE, CacheClosed ->
 CACHE_CLOSED, UnknownLease -> NOT_FOUND, ValueError -> BAD_ARGUMENT, anything else -> INTERNAL
@@ -29,20 +33,46 @@ log = logging.getLogger("tpcache.service")
 
 SERVER_NAME = "tpcache 0.1.0"
 
-# Ops every rank applies (sequenced, or needing a per-rank answer). The rest run on the leader only.
-FANOUT_OPS = frozenset(
-    ("lock", "alloc", "insert", "load", "release", "abort", "step", "flush", "set_config", "stats")
-    + ("register_buffers", "put_pages", "get_pages")
-)
-# Ops whose reply waits for every rank's own answer (sent back over the internal channel).
-GATHER_OPS = frozenset(("stats", "register_buffers", "put_pages", "get_pages"))
-
 
 @dataclass
 class Deferred:
     """A result finished after the round that covers the request committed."""
 
     finish: Callable[[RoundReport], p.Body]
+
+
+@dataclass(frozen=True, slots=True)
+class Ctx:
+    """What a handler knows of its request besides the body: identical on every rank."""
+
+    token: int  # the request's sequence number (0: answered by the leader alone)
+    conn: int  # the connection that sent it
+
+
+@dataclass(frozen=True)
+class Op:
+    """How one op is served. ``apply`` runs on every rank the op's route reaches; a gathered op
+    also has ``payload`` (a follower's outcome -> the small map it sends the leader) and ``merge``
+    (the leader's outcome and every follower's map -> the reply)."""
+
+    apply: Callable[[RankHandler, Any, Ctx], Any]
+    payload: Callable[[Any], dict[str, Any]] | None = None
+    merge: Callable[[Any, dict[int, dict[str, Any]]], Any] | None = None
+
+
+OPS: dict[str, Op] = {}
+
+
+def handles(body_type: type[p.Body], **hooks: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the decorated function as the handler of ``body_type``'s op."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if body_type.OP in OPS:
+            raise ValueError(f"op {body_type.OP!r} has two handlers")
+        OPS[body_type.OP] = Op(fn, **hooks)
+        return fn
+
+    return decorate
 
 
 def to_protocol_error(exc: BaseException) -> p.ProtocolError:
@@ -66,6 +96,22 @@ def layout_descriptor(tp: TPCache) -> str:
         return "metadata"
     dtype = str(layout.dtype).removeprefix("torch.")
     return f"L{layout.num_layers}xH{layout.heads_per_rank}xD{layout.head_dim}:{dtype}:P{layout.page_size}"
+
+
+def error_payload(outcome: Any) -> dict[str, Any] | None:
+    """A follower's answer for a failed gathered op, or None when it succeeded."""
+    if isinstance(outcome, p.ProtocolError):
+        return {"error": int(outcome.code), "message": outcome.message[:512]}
+    return None
+
+
+def first_failure(answers: dict[int, dict[str, Any]]) -> p.ProtocolError | None:
+    """The error of the lowest rank whose answer is one (the leader's reply for the group)."""
+    for rank in sorted(answers):
+        answer = answers[rank]
+        if "error" in answer:
+            return p.exception_for(answer["error"], f"rank {rank}: {answer.get('message', '')}")
+    return None
 
 
 class RankHandler:
@@ -106,63 +152,16 @@ class RankHandler:
 
     # ------------------------------------------------------------------ apply
 
-    def apply(self, body: p.Body, token: int) -> p.Body | Deferred:
-        """Run ``body`` on this rank. ``token`` names the request (its sequence number) for
-        two-phase operations. Raises ProtocolError."""
+    def apply(self, body: p.Body, ctx: Ctx) -> Any:
+        """Run ``body`` on this rank: its op's handler's result (a Body, or a Deferred finished
+        after the round). Raises ProtocolError."""
+        op = OPS.get(body.OP)
+        if op is None:
+            raise p.UnknownOp(f"op {body.OP!r} is not served")
         try:
-            return self._apply(body, token)
+            return op.apply(self, body, ctx)
         except Exception as exc:  # mapped: every rank raises alike, the leader replies with it
             raise to_protocol_error(exc) from None
-
-    def _apply(self, body: p.Body, token: int) -> p.Body | Deferred:
-        tp = self.tp
-        ps = tp.config.page_size
-        # Match and lock results come from this rank's own tree (counts and page numbers it
-        # allocated), so they skip the per-field checks a client's input gets.
-        if isinstance(body, p.MatchRequest):
-            m = tp.match(body.tokens)
-            hit = (m.device_pages + m.host_pages) * ps
-            return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
-        if isinstance(body, p.LockRequest):
-            lease, m = tp.lock(body.tokens)
-            hit = (m.device_pages + m.host_pages) * ps
-            return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, m.device_page_array)
-        if isinstance(body, p.AllocRequest):
-            return p.AllocResult(tp.alloc(body.lease, body.num_pages))
-        if isinstance(body, p.InsertRequest):
-            inserted, dup = tp.insert(body.lease, body.tokens, body.device_page_ids)
-            return p.InsertResult(inserted, dup)
-        if isinstance(body, p.LoadRequest):
-            return p.LoadResult(tp.load(body.lease).device_pages)
-        if isinstance(body, p.ReleaseRequest):
-            tp.release(body.lease)
-            return p.ReleaseResult()
-        if isinstance(body, p.AbortRequest):
-            tp.release(body.lease)  # pages allocated and not inserted go back with the lease
-            return p.AbortResult()
-        if isinstance(body, p.StepRequest):
-            return Deferred(lambda report: p.StepResult(report.round))
-        if isinstance(body, p.FlushRequest):
-            tp.request_flush()
-            return Deferred(lambda report: p.FlushResult(report.round))
-        if isinstance(body, p.SetConfigRequest):
-            if body.retention_cap_tokens is not None:
-                tp.set_retention_cap(body.retention_cap_tokens)
-            return p.SetConfigResult(self.settings())
-        if isinstance(body, p.StatsRequest):
-            return Deferred(lambda report: p.StatsResult(self.stats_values()))
-        if isinstance(body, p.HealthRequest):
-            h = tp.health()
-            return p.HealthResult(h["state"], h["reason"], h["round"])
-        if isinstance(body, p.HelloRequest):
-            return self.hello()
-        if isinstance(body, p.RegisterBuffersRequest):
-            return self._stage(body, token)
-        if isinstance(body, p.PutPagesRequest):
-            return self._put_pages(body)
-        if isinstance(body, p.GetPagesRequest):
-            return self._get_pages(body)
-        raise p.UnknownOp(f"op {body.OP!r} is not served")
 
     def hello(self) -> p.HelloResult:
         return p.HelloResult(
@@ -207,18 +206,6 @@ class RankHandler:
 
     # ------------------------------------------------------------------ data plane
 
-    def _stage(self, body: p.RegisterBuffersRequest, token: int) -> p.Body:
-        mine = [d for d in body.descriptors if d.get("rank") == self.rank]
-        if len(mine) != 1:
-            raise p.InvalidArgument(f"expected one descriptor for rank {self.rank}, got {len(mine)}")
-        if self.tp.kv_layout is None:
-            raise p.InvalidArgument("registering buffers needs a KV layout: start the service with --kv-layout")
-        try:
-            self.staged[token] = stage_buffer(mine[0], self.tp.kv_layout, self.tp.config.device_pages)
-        except KVBufferError as exc:
-            raise p.InvalidArgument(f"rank {self.rank}: {exc}") from None
-        return p.RegisterBuffersResult(len(body.descriptors))
-
     def activate(self, token: int, commit: bool) -> p.Body:
         """Second phase of register_buffers, run by every rank at the same point of the sequence:
         swap in the staged buffer (commit) or drop it. Raises ProtocolError when the cache holds
@@ -243,54 +230,13 @@ class RankHandler:
             old_buffer.close()
         return p.RegisterBuffersResult(self.tp.world_size)  # one buffer per rank, all swapped in
 
-    def _pages(self, page_ids: Any) -> list[int]:
+    def pages(self, page_ids: Any) -> list[int]:
         pool = self.tp.device_pool
-        assert pool is not None
+        if pool is None:
+            raise p.InvalidArgument("this cache is metadata only")
         pages = list(page_ids)
         pool.check_pages(pages, "page_ids")
         return pages
-
-    def _put_pages(self, body: p.PutPagesRequest) -> p.Body:
-        """``data`` holds every rank's share, rank-major; each share is its pages in order."""
-        pool = self.tp.device_pool
-        if pool is None:
-            raise p.InvalidArgument("this cache is metadata only")
-        pages = self._pages(body.page_ids)
-        size = pool.layout.page_bytes
-        world = self.tp.world_size
-        if len(body.data) != size * len(pages) * world:
-            raise p.InvalidArgument(
-                f"put_pages: {len(body.data)} bytes; {world} rank shares of {len(pages)} pages of {size} bytes "
-                f"need {size * len(pages) * world}"
-            )
-        share = size * len(pages)
-        view = memoryview(body.data)[self.rank * share : (self.rank + 1) * share]
-        for i, page in enumerate(pages):
-            pool.write_page(page, view[i * size : (i + 1) * size])
-        return p.PutPagesResult(len(pages))
-
-    def _get_pages(self, body: p.GetPagesRequest) -> p.Body:
-        """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them)."""
-        pool = self.tp.device_pool
-        if pool is None:
-            raise p.InvalidArgument("this cache is metadata only")
-        pages = self._pages(body.page_ids)
-        size = pool.layout.page_bytes * len(pages) * self.tp.world_size
-        if size > p.DEFAULT_LIMITS.max_inline_bytes:
-            raise p.MessageTooLarge(f"get_pages: {size} bytes, more than {p.DEFAULT_LIMITS.max_inline_bytes}")
-        return p.GetPagesResult(b"".join(pool.read_page(page).numpy().tobytes() for page in pages))
-
-    # ------------------------------------------------------------------ per-rank answers
-
-    def rank_payload(self, body: p.Body, outcome: p.Body | p.ProtocolError) -> dict[str, Any]:
-        """What this rank sends the leader for a GATHER_OPS request (small scalars only)."""
-        if isinstance(outcome, p.ProtocolError):
-            return {"error": int(outcome.code), "message": outcome.message[:512]}
-        if isinstance(outcome, p.StatsResult):
-            return {"values": dict(outcome.values)}
-        if isinstance(outcome, p.GetPagesResult):
-            return {"data": outcome.data}
-        return {}
 
     def close(self) -> None:
         for staged in self.staged.values():
@@ -300,3 +246,170 @@ class RankHandler:
         if self.active_buffer is not None:
             self.active_buffer.close()
             self.active_buffer = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The handlers, one per op. Match and lock results come from this rank's own tree (counts and
+# page numbers it allocated), so they skip the per-field checks a client's input gets.
+
+
+@handles(p.HelloRequest)
+def _hello(h: RankHandler, body: p.HelloRequest, ctx: Ctx) -> p.Body:
+    return h.hello()
+
+
+@handles(p.MatchRequest)
+def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body:
+    m = h.tp.match(body.tokens)
+    hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
+    return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
+
+
+@handles(p.LockRequest)
+def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body:
+    lease, m = h.tp.lock(body.tokens)
+    hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
+    return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, m.device_page_array)
+
+
+@handles(p.AllocRequest)
+def _alloc(h: RankHandler, body: p.AllocRequest, ctx: Ctx) -> p.Body:
+    return p.AllocResult(h.tp.alloc(body.lease, body.num_pages))
+
+
+@handles(p.InsertRequest)
+def _insert(h: RankHandler, body: p.InsertRequest, ctx: Ctx) -> p.Body:
+    inserted, dup = h.tp.insert(body.lease, body.tokens, body.device_page_ids)
+    return p.InsertResult(inserted, dup)
+
+
+@handles(p.LoadRequest)
+def _load(h: RankHandler, body: p.LoadRequest, ctx: Ctx) -> p.Body:
+    return p.LoadResult(h.tp.load(body.lease).device_pages)
+
+
+@handles(p.ReleaseRequest)
+def _release(h: RankHandler, body: p.ReleaseRequest, ctx: Ctx) -> p.Body:
+    h.tp.release(body.lease)
+    return p.ReleaseResult()
+
+
+@handles(p.AbortRequest)
+def _abort(h: RankHandler, body: p.AbortRequest, ctx: Ctx) -> p.Body:
+    h.tp.release(body.lease)  # pages allocated and not inserted go back with the lease
+    return p.AbortResult()
+
+
+@handles(p.StepRequest)
+def _step(h: RankHandler, body: p.StepRequest, ctx: Ctx) -> Deferred:
+    return Deferred(lambda report: p.StepResult(report.round))
+
+
+@handles(p.FlushRequest)
+def _flush(h: RankHandler, body: p.FlushRequest, ctx: Ctx) -> Deferred:
+    h.tp.request_flush()
+    return Deferred(lambda report: p.FlushResult(report.round))
+
+
+@handles(p.SetConfigRequest)
+def _set_config(h: RankHandler, body: p.SetConfigRequest, ctx: Ctx) -> p.Body:
+    if body.retention_cap_tokens is not None:
+        h.tp.set_retention_cap(body.retention_cap_tokens)
+    return p.SetConfigResult(h.settings())
+
+
+@handles(p.HealthRequest)
+def _health(h: RankHandler, body: p.HealthRequest, ctx: Ctx) -> p.Body:
+    health = h.tp.health()
+    return p.HealthResult(health["state"], health["reason"], health["round"])
+
+
+def _merge_stats(outcome: p.StatsResult, answers: dict[int, dict[str, Any]]) -> p.Body:
+    values = dict(outcome.values)
+    per_rank = {0: values, **{r: a.get("values", {}) for r, a in answers.items()}}
+    for r in sorted(per_rank):
+        for key in ("digest", "rounds", "seq", "closed", "leases", "device_pages_used", "host_pages_used"):
+            values[f"rank{r}.{key}"] = per_rank[r].get(key)
+    digests = {per_rank[r].get("digest") for r in per_rank}
+    values["digests_equal"] = len(digests) == 1 and None not in digests
+    return p.StatsResult(values)
+
+
+@handles(
+    p.StatsRequest,
+    payload=lambda outcome: {"values": dict(outcome.values)},
+    merge=_merge_stats,
+)
+def _stats(h: RankHandler, body: p.StatsRequest, ctx: Ctx) -> Deferred:
+    return Deferred(lambda report: p.StatsResult(h.stats_values()))
+
+
+@handles(p.RegisterBuffersRequest, payload=lambda outcome: {}, merge=lambda outcome, answers: outcome)
+def _register_buffers(h: RankHandler, body: p.RegisterBuffersRequest, ctx: Ctx) -> p.Body:
+    """First phase: map this rank's buffer; the leader commits every rank's in a later batch."""
+    mine = [d for d in body.descriptors if d.get("rank") == h.rank]
+    if len(mine) != 1:
+        raise p.InvalidArgument(f"expected one descriptor for rank {h.rank}, got {len(mine)}")
+    if h.tp.kv_layout is None:
+        raise p.InvalidArgument("registering buffers needs a KV layout: start the service with --kv-layout")
+    try:
+        h.staged[ctx.token] = stage_buffer(mine[0], h.tp.kv_layout, h.tp.config.device_pages)
+    except KVBufferError as exc:
+        raise p.InvalidArgument(f"rank {h.rank}: {exc}") from None
+    return p.RegisterBuffersResult(len(body.descriptors))
+
+
+@handles(p.PutPagesRequest, payload=lambda outcome: {}, merge=lambda outcome, answers: outcome)
+def _put_pages(h: RankHandler, body: p.PutPagesRequest, ctx: Ctx) -> p.Body:
+    """``data`` holds every rank's share, rank-major; each share is its pages in order."""
+    pages = h.pages(body.page_ids)
+    pool = h.tp.device_pool
+    assert pool is not None
+    size = pool.layout.page_bytes
+    world = h.tp.world_size
+    if len(body.data) != size * len(pages) * world:
+        raise p.InvalidArgument(
+            f"put_pages: {len(body.data)} bytes; {world} rank shares of {len(pages)} pages of {size} bytes "
+            f"need {size * len(pages) * world}"
+        )
+    share = size * len(pages)
+    view = memoryview(body.data)[h.rank * share : (h.rank + 1) * share]
+    for i, page in enumerate(pages):
+        pool.write_page(page, view[i * size : (i + 1) * size])
+    return p.PutPagesResult(len(pages))
+
+
+def _join_pages(outcome: p.GetPagesResult, answers: dict[int, dict[str, Any]]) -> p.Body:
+    return p.GetPagesResult(b"".join([outcome.data] + [answers[r].get("data", b"") for r in sorted(answers)]))
+
+
+@handles(p.GetPagesRequest, payload=lambda outcome: {"data": outcome.data}, merge=_join_pages)
+def _get_pages(h: RankHandler, body: p.GetPagesRequest, ctx: Ctx) -> p.Body:
+    """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them)."""
+    pages = h.pages(body.page_ids)
+    pool = h.tp.device_pool
+    assert pool is not None
+    size = pool.layout.page_bytes * len(pages) * h.tp.world_size
+    if size > p.DEFAULT_LIMITS.max_inline_bytes:
+        raise p.MessageTooLarge(f"get_pages: {size} bytes, more than {p.DEFAULT_LIMITS.max_inline_bytes}")
+    return p.GetPagesResult(b"".join(pool.read_page(page).numpy().tobytes() for page in pages))
+
+
+def gathered_payload(body: p.Body, outcome: Any) -> dict[str, Any]:
+    """What a follower sends the leader for a gathered request (its error, or the op's payload)."""
+    failed = error_payload(outcome)
+    if failed is not None:
+        return failed
+    payload = OPS[body.OP].payload
+    return payload(outcome) if payload is not None else {}
+
+
+def merge_gathered(body: p.Body, outcome: Any, answers: dict[int, dict[str, Any]]) -> Any:
+    """The reply to a gathered request from the leader's outcome and every follower's answer."""
+    if isinstance(outcome, p.ProtocolError):
+        return outcome
+    failed = first_failure(answers)
+    if failed is not None:
+        return failed
+    merge = OPS[body.OP].merge
+    return merge(outcome, answers) if merge is not None else outcome

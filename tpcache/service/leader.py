@@ -2,11 +2,13 @@
 
 Loop: wait for client frames (or answers from followers, or a heartbeat); take everything
 waiting, up to ``max_batch``; decode each frame (a bad one gets its error reply at once and never
-reaches the cache); number the requests that every rank must apply; send the ordered batch to
-every follower; apply it here in the same order; run the round; then reply. A reply is sent only
-after the round covering its request committed; if that round closed the cache, replies that
-would report a hit become CACHE_CLOSED errors. Requests that need every rank's own answer
-(stats, buffers, inline pages) wait for the followers' answers, with a deadline.
+reaches the cache); route each request as its message declares (``protocol.messages``): a
+``local`` one is answered here alone, a ``sequenced`` or ``gathered`` one is numbered and sent to
+every follower in the ordered batch; apply the batch here in the same order (``batch.apply_batch``,
+the code every rank shares); run the round; then reply. A reply is sent only after the round
+covering its request committed; if that round closed the cache, replies that would report a hit
+become CACHE_CLOSED errors. Gathered requests (stats, buffers, inline pages) also wait for every
+follower's own answer, with a deadline.
 
 Rounds: one per batch. The leader also runs (empty) rounds while copies are in flight, so they
 complete, and at least every ``heartbeat_s`` when idle, so a dead rank is noticed.
@@ -25,9 +27,10 @@ from typing import Any
 import zmq
 
 import protocol as p
-from tpcache.service.channels import ACTIVATE, REQUEST, Channels, pack, unpack
+from tpcache.service.batch import ACTIVATE, REQUEST, Entry, apply_batch
+from tpcache.service.channels import Channels, pack, unpack
 from tpcache.service.config import ServiceConfig
-from tpcache.service.handlers import FANOUT_OPS, GATHER_OPS, Deferred, RankHandler, to_protocol_error
+from tpcache.service.handlers import RankHandler, merge_gathered
 from tpcache.service.metrics import RankMetrics
 
 log = logging.getLogger("tpcache.service")
@@ -46,14 +49,20 @@ class Item:
 
     envelope: list[bytes]
     request: p.Request
-    frame: bytes = b""  # the client's frame, forwarded as is (it passed every check here)
-    token: int = 0  # sequence number when fanned out
-    outcome: Any = None  # Body, Deferred or ProtocolError
+    entry: Entry  # what every rank applies (the client's frame, forwarded as is: it passed every check here)
+
+    @property
+    def outcome(self) -> Any:
+        return self.entry.outcome
+
+    @outcome.setter
+    def outcome(self, value: Any) -> None:
+        self.entry.outcome = value
 
 
 @dataclass
 class Waiter:
-    """A reply waiting for every follower's own answer (GATHER_OPS)."""
+    """A reply waiting for every follower's own answer (gathered ops)."""
 
     item: Item
     need: set[int]
@@ -92,7 +101,7 @@ class Leader:
         self.secret = config.secret.encode()
         self.next_seq = 1
         self.batch_no = 0
-        self.internal: list[list[Any]] = []  # entries decided by the leader, sent with the next batch
+        self.internal: list[Entry] = []  # entries decided by the leader, sent with the next batch
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
         self.stop_requested = False
@@ -179,13 +188,13 @@ class Leader:
             if self.in_flight > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
             if request.op == "hello":
-                self._reply(Item(envelope, request, outcome=self.h.hello()))
+                self._reply(Item(envelope, request, Entry(REQUEST, 0, 0, frame, outcome=self.h.hello())))
                 return None
             self.h.precheck(request.body)
         except p.ProtocolError as exc:
-            self._reply(Item(envelope, request, outcome=exc))
+            self._reply(Item(envelope, request, Entry(REQUEST, 0, 0, frame, outcome=exc)))
             return None
-        return Item(envelope, request, frame)
+        return Item(envelope, request, Entry(REQUEST, 0, 0, frame, request.body))
 
     def _authorize(self, identity: bytes, request: p.Request) -> None:
         if not self.secret:
@@ -209,68 +218,51 @@ class Leader:
     # ------------------------------------------------------------------ one batch, one round
 
     def _run_batch(self, items: list[Item]) -> None:
-        entries: list[list[Any]] = list(self.internal)
+        entries: list[Entry] = self.internal
         self.internal = []
         first_seq = self.next_seq
         for item in items:
-            if item.request.op in FANOUT_OPS:
-                item.token = self.next_seq
+            entry = item.entry
+            if entry.body is not None and entry.body.route() != p.LOCAL:
+                entry.token = self.next_seq
                 self.next_seq += 1
-        for item in items:
-            if item.token:
-                entries.append([REQUEST, item.token, item.frame])
+                entries.append(entry)
         count = self.next_seq - first_seq
-        batch = {"b": self.batch_no, "s": first_seq, "n": count, "e": entries, "x": False}
+        batch = {"b": self.batch_no, "s": first_seq, "n": count, "e": [e.wire() for e in entries], "x": False}
         # Send first, even a batch of leader-only lookups: followers apply their part in parallel
         # and are already waiting in the round (asleep, no CPU) when rank 0 gets there, instead of
         # rank 0 waiting for them to wake (measured: round p50 about 840 -> 470 us under load).
         if self.ch.outs:
             self.ch.broadcast(pack(batch))
-        activated: list[tuple[int, Any]] = []
-        for kind, token, data in entries:
-            if kind == ACTIVATE:
-                try:
-                    activated.append((token, self.h.activate(token, bool(data))))
-                except p.ProtocolError as exc:
-                    activated.append((token, exc))
-        for item in items:
-            try:
-                item.outcome = self.h.apply(item.request.body, item.token)
-            except p.ProtocolError as exc:
-                item.outcome = exc
-        start = time.perf_counter()
-        report = self.h.tp.step()
-        self.metrics.observe_round(time.perf_counter() - start, len(items))
+        # Here every request applies, local ones in their place: a client's match after its own
+        # lock in the same batch sees the lock.
+        internal = [e for e in entries if e.kind != REQUEST]
+        report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items])
         self.batch_no += 1
         self.last_round = time.monotonic()
         self.last_progress = bool(report.completed)
         closed = self.h.tp.core.closed
         for item in items:
             self._finish(item, report, closed)
-        for token, outcome in activated:
-            waiter = self.activations.pop(token, None)
+        for entry in internal:
+            waiter = self.activations.pop(entry.token, None) if entry.kind == ACTIVATE else None
             if waiter is not None:
-                waiter.item.outcome = outcome
+                waiter.item.outcome = entry.outcome
                 self._reply(waiter.item)
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())
 
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
-        if isinstance(outcome, Deferred):
-            try:
-                outcome = outcome.finish(report)
-            except Exception as exc:  # noqa: BLE001 - mapped to a typed error
-                outcome = to_protocol_error(exc)
         hit = isinstance(outcome, (p.MatchResult, p.LockResult)) and outcome.hit_tokens > 0
         if closed and (hit or isinstance(outcome, p.LoadResult)):
             # Never a hit from a closed cache: the round that covers this reply did not agree.
             outcome = p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
         item.outcome = outcome
-        if item.request.op in GATHER_OPS:
+        if item.request.body.route() == p.GATHERED:
             waiter = Waiter(item, set(range(1, self.ch.world)), time.monotonic() + self.config.round_timeout_s + 5.0)
             if waiter.need:
-                self.waiters[item.token] = waiter
+                self.waiters[item.entry.token] = waiter
             else:
                 self._complete(waiter)
             return
@@ -310,38 +302,17 @@ class Leader:
         if item.request.op == "register_buffers":
             self._decide_registration(waiter)
             return
-        outcome = item.outcome
-        failed = sorted((r, a) for r, a in waiter.answers.items() if "error" in a)
-        if isinstance(outcome, p.ProtocolError):
-            pass
-        elif failed:
-            rank, answer = failed[0]
-            outcome = p.exception_for(answer["error"], f"rank {rank}: {answer.get('message', '')}")
-        elif isinstance(outcome, p.StatsResult):
-            outcome = p.StatsResult(self._merge_stats(dict(outcome.values), waiter.answers))
-        elif isinstance(outcome, p.GetPagesResult):
-            parts = [outcome.data] + [waiter.answers[r].get("data", b"") for r in sorted(waiter.answers)]
-            outcome = p.GetPagesResult(b"".join(parts))
-        item.outcome = outcome
+        item.outcome = merge_gathered(item.request.body, item.outcome, waiter.answers)
         self._reply(item)
-
-    def _merge_stats(self, values: dict[str, Any], answers: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        per_rank = {0: values, **{r: a.get("values", {}) for r, a in answers.items()}}
-        for r in sorted(per_rank):
-            for key in ("digest", "rounds", "seq", "closed", "leases", "device_pages_used", "host_pages_used"):
-                values[f"rank{r}.{key}"] = per_rank[r].get(key)
-        digests = {per_rank[r].get("digest") for r in per_rank}
-        values["digests_equal"] = len(digests) == 1 and None not in digests
-        return values
 
     def _decide_registration(self, waiter: Waiter) -> None:
         """All ranks staged (or failed to): commit or discard in the next batch, on every rank."""
         item = waiter.item
         failures = [f"rank {r}: {a.get('message', '')}" for r, a in sorted(waiter.answers.items()) if "error" in a]
         ok = not isinstance(item.outcome, p.ProtocolError) and not failures
-        self.internal.append([ACTIVATE, item.token, ok])
+        self.internal.append(Entry(ACTIVATE, item.entry.token, 0, ok))
         if ok:
-            self.activations[item.token] = waiter
+            self.activations[item.entry.token] = waiter
             return
         if not isinstance(item.outcome, p.ProtocolError):
             item.outcome = p.InvalidArgument("; ".join(failures))
@@ -357,7 +328,7 @@ class Leader:
             del self.waiters[token]
             missing = ", ".join(str(r) for r in sorted(waiter.need))
             if waiter.item.request.op == "register_buffers":
-                self.internal.append([ACTIVATE, token, False])
+                self.internal.append(Entry(ACTIVATE, token, 0, False))
             waiter.item.outcome = p.RequestTimeout(f"rank(s) {missing} did not answer in time")
             self._reply(waiter.item)
 
