@@ -18,8 +18,8 @@ from typing import Any
 import zmq
 
 import protocol as p
-from tpcache.service.batch import REQUEST, Entry, apply_batch
-from tpcache.service.channels import Channels, unpack
+from tpcache.service.batch import REQUEST, apply_batch
+from tpcache.service.channels import MAX_ANSWER_BYTES, Batch, Channels
 from tpcache.service.config import ServiceConfig
 from tpcache.service.handlers import RankHandler, gathered_payload
 from tpcache.service.metrics import RankMetrics
@@ -27,6 +27,7 @@ from tpcache.service.metrics import RankMetrics
 log = logging.getLogger("tpcache.service")
 
 EXIT_LEADER_GONE = 3
+MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
 
 
 def _fault_drop_batch() -> int:
@@ -64,36 +65,34 @@ class Follower:
                 log.error("rank %d: no stop from the leader after a signal; exiting", self.ch.rank)
                 return 1
             if inbox.poll(100, zmq.POLLIN):
-                last = time.monotonic()
-                try:
-                    msg = unpack(inbox.recv())
-                except Exception:  # noqa: BLE001 - a corrupt batch: skip it, the round will disagree
-                    log.error("rank %d: unreadable batch skipped", self.ch.rank)
+                batch = self.ch.receive_batch()  # None: a foreign frame, dropped and counted
+                self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
+                if batch is None:
                     continue
-                if msg.get("x"):
+                last = time.monotonic()  # only the leader's own batches prove it is alive
+                if batch.stop:
                     return 0
-                self._batch(msg)
+                self._batch(batch)
             elif now - last > orphan_s:
                 reason = f"no batch from the leader (rank 0) for {orphan_s:.0f} s: it is gone"
                 self.h.tp.core.close(reason)
                 log.error("rank %d: %s; exiting", self.ch.rank, reason)
                 return EXIT_LEADER_GONE
 
-    def _batch(self, msg: dict[str, Any]) -> None:
+    def _batch(self, batch: Batch) -> None:
         rank = self.ch.rank
-        b = int(msg["b"])
+        b = batch.number
         if b < self.expected_batch:
             log.error("rank %d: batch %d arrived after batch %d; ignored", rank, b, self.expected_batch - 1)
             return
-        for missed in range(self.expected_batch, b):
+        for missed in range(self.expected_batch, min(b, self.expected_batch + MAX_MISSED_BATCHES)):
             # Keep the round count aligned; this rank's sequence now lags and the round says so.
             log.error("rank %d: batch %d never arrived; running its round without it", rank, missed)
             self.h.tp.step()
-        if int(msg["s"]) != self.expected_seq:
-            log.error("rank %d: requests %d..%d are missing", rank, self.expected_seq, int(msg["s"]) - 1)
-        self.expected_seq = int(msg["s"]) + int(msg["n"])
-        wire = [] if b == self.drop_batch else msg["e"]
-        entries = [Entry(kind, token, conn, data) for kind, token, conn, data in wire]
+        if batch.first_seq != self.expected_seq:
+            log.error("rank %d: requests %d..%d are missing", rank, self.expected_seq, batch.first_seq - 1)
+        self.expected_seq = batch.first_seq + batch.count
+        entries = [] if b == self.drop_batch else batch.entries
         apply_batch(self.h, self.metrics, entries)
         self.expected_batch = b + 1
         answers = [
@@ -101,7 +100,20 @@ class Follower:
             for e in entries
             if e.kind == REQUEST and e.body is not None and e.body.route() == p.GATHERED
         ]
-        if answers:
-            self.ch.send_up({"b": b, "r": rank, "a": answers})
+        self._send_answers(b, answers)
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())
+
+    def _send_answers(self, b: int, answers: list[list[Any]]) -> None:
+        """The gathered answers of batch ``b``, in frames of at most MAX_ANSWER_BYTES of page data."""
+        chunk: list[list[Any]] = []
+        size = 0
+        for answer in answers:
+            data = len(answer[1].get("data", b""))
+            if chunk and size + data > MAX_ANSWER_BYTES:
+                self.ch.send_up({"b": b, "r": self.ch.rank, "a": chunk})
+                chunk, size = [], 0
+            chunk.append(answer)
+            size += data
+        if chunk:
+            self.ch.send_up({"b": b, "r": self.ch.rank, "a": chunk})

@@ -123,6 +123,7 @@ class RankHandler:
         self.make_cache = make_cache  # device pool (or None) -> a new TPCache on the same collective
         self.staged: dict[int, StagedBuffer] = {}
         self.active_buffer: StagedBuffer | None = None
+        self.service_counters: dict[str, int] = {}  # the service loop's own counts, shown in stats
 
     @property
     def rank(self) -> int:
@@ -194,6 +195,7 @@ class RankHandler:
                     out[f"{key}.{k}"] = v
             elif value is None or isinstance(value, (bool, int, float, str)):
                 out[key] = value
+        out.update(self.service_counters)
         out["rank"] = self.rank
         out["world_size"] = self.tp.world_size
         out["transport"] = self.tp.collective.name
@@ -324,11 +326,15 @@ def _health(h: RankHandler, body: p.HealthRequest, ctx: Ctx) -> p.Body:
     return p.HealthResult(health["state"], health["reason"], health["round"])
 
 
+RANK_KEYS = ("digest", "rounds", "seq", "closed", "leases", "device_pages_used", "host_pages_used")
+RANK_KEYS += ("internal_rejected_frames",)  # stats shows these for every rank as rank<r>.<key>
+
+
 def _merge_stats(outcome: p.StatsResult, answers: dict[int, dict[str, Any]]) -> p.Body:
     values = dict(outcome.values)
     per_rank = {0: values, **{r: a.get("values", {}) for r, a in answers.items()}}
     for r in sorted(per_rank):
-        for key in ("digest", "rounds", "seq", "closed", "leases", "device_pages_used", "host_pages_used"):
+        for key in RANK_KEYS:
             values[f"rank{r}.{key}"] = per_rank[r].get(key)
     digests = {per_rank[r].get("digest") for r in per_rank}
     values["digests_equal"] = len(digests) == 1 and None not in digests
