@@ -16,6 +16,7 @@ import zmq
 import protocol as p
 from tests.service.checks import cache_round_trip, fresh_tokens
 from tests.service.harness import listening_sockets, pid_alive, running_service, wait_for
+from tpcache.service.config import ConfigError, build_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -92,3 +93,8 @@ def test_every_rank_listens_on_loopback_only(tmp_path: Path) -> None:
             for addr, port in sockets:
                 assert ipaddress.ip_address(addr).is_loopback, (pid, addr, port)
 
+
+def test_a_non_loopback_internal_host_needs_allow_remote() -> None:
+    with pytest.raises(ConfigError, match="--allow-remote"):
+        build_config(env={}, cli={"internal_host": "0.0.0.0"})
+    assert build_config(env={}, cli={"internal_host": "0.0.0.0", "allow_remote": True}).internal_host == "0.0.0.0"
