@@ -533,7 +533,7 @@ class PutPagesResult(Body):
 @dataclass(frozen=True, slots=True)
 class PutPagesRequest(Body):
     """Inline page payload, for tests: ``data`` is the pages' bytes in ``page_ids`` order, an
-    equal share per page."""
+    equal share per page, into pages ``lease`` allocated (a server refuses any other page)."""
 
     page_ids: array = _field(Ids())
     data: bytes = _field(Blob())
@@ -553,7 +553,10 @@ class GetPagesResult(Body):
 @register("get_pages", GetPagesResult, GATHERED)
 @dataclass(frozen=True, slots=True)
 class GetPagesRequest(Body):
+    """Inline read, for tests: pages cached on every rank, or pages the caller's ``lease`` holds."""
+
     page_ids: array = _field(Ids())
+    lease: int | None = _field(Maybe(U64), None)
 
 
 # ---------------------------------------------------------------------------------------------

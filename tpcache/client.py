@@ -81,8 +81,8 @@ class _Ops:
     def put_pages(self, page_ids: Iterable[int], data: bytes, lease: int | None = None) -> Any:
         return self.call(p.PutPagesRequest(page_ids=page_ids, data=data, lease=lease))
 
-    def get_pages(self, page_ids: Iterable[int]) -> Any:
-        return self.call(p.GetPagesRequest(page_ids=page_ids))
+    def get_pages(self, page_ids: Iterable[int], lease: int | None = None) -> Any:
+        return self.call(p.GetPagesRequest(page_ids=page_ids, lease=lease))
 
 
 class Client(_Ops):

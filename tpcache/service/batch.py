@@ -10,7 +10,9 @@ Entry kinds:
 - ``REQUEST``: a client request; ``token`` is its sequence number (0 for a request the leader
   answers alone, which never leaves rank 0), ``conn`` the connection that sent it, ``data`` the
   client's frame (followers decode it; the leader passes the body it already decoded);
-- ``ACTIVATE``: commit (``data`` true) or discard the staged buffers of registration ``token``.
+- ``ACTIVATE``: commit (``data`` true) or discard the staged buffers of registration ``token``;
+- ``EXPIRE``: release the leases listed in ``data``, decided by the leader (their connection is
+  gone, or they sat idle past the lease TTL): the only way a lease ends without its owner.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from tpcache.service.metrics import RankMetrics
 
 log = logging.getLogger("tpcache.service")
 
-REQUEST, ACTIVATE = 0, 1
-KINDS = (REQUEST, ACTIVATE)
+REQUEST, ACTIVATE, EXPIRE = 0, 1, 2
+KINDS = (REQUEST, ACTIVATE, EXPIRE)
 
 
 @dataclass(slots=True)
@@ -65,12 +67,14 @@ def apply_batch(handler: RankHandler, metrics: RankMetrics, entries: Sequence[En
                 entry.outcome = handler.apply(body, Ctx(entry.token, entry.conn))
             except p.ProtocolError as exc:
                 entry.outcome = exc
-        else:
+        elif entry.kind == ACTIVATE:
             try:
                 entry.outcome = handler.activate(entry.token, bool(entry.data))
             except p.ProtocolError as exc:
                 log.warning("rank %d: registration %d: %s", rank, entry.token, exc.message)
                 entry.outcome = exc
+        else:
+            handler.expire(entry.data)
     start = time.perf_counter()
     report = handler.tp.step()
     metrics.observe_round(time.perf_counter() - start, len(entries))

@@ -37,7 +37,7 @@ import zmq
 from protocol.codec import scan
 from protocol.errors import ProtocolError
 from protocol.limits import Limits
-from tpcache.service.batch import ACTIVATE, KINDS, REQUEST, Entry
+from tpcache.service.batch import ACTIVATE, EXPIRE, KINDS, REQUEST, Entry
 
 log = logging.getLogger("tpcache.service")
 
@@ -143,6 +143,8 @@ def parse_batch(obj: Any) -> Batch:
             raise ForeignFrame("a request entry carries the client's frame as bin")
         if kind == ACTIVATE and type(data) is not bool:
             raise ForeignFrame("an activation entry carries a bool")
+        if kind == EXPIRE and (type(data) is not list or not all(_is_int(v, 0, 2**64 - 1) for v in data)):
+            raise ForeignFrame("an expiry entry carries a list of lease ids")
         entries.append(Entry(kind, token, conn, data))
     if sum(1 for entry in entries if entry.kind == REQUEST) != n:
         raise ForeignFrame("a batch's request count does not match its entries")

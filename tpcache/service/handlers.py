@@ -25,9 +25,11 @@ import protocol as p
 from tpcache.core import CacheClosed as CoreClosed
 from tpcache.core import OutOfPages, UnknownLease
 from tpcache.core.round import RoundReport
+from tpcache.core.tiers import DeviceState
 from tpcache.engine import TPCache
 from tpcache.service.buffers import KVBufferError, StagedBuffer, stage_buffer
 from tpcache.service.config import ServiceConfig
+from tpcache.service.leases import LeaseBook
 
 log = logging.getLogger("tpcache.service")
 
@@ -124,6 +126,7 @@ class RankHandler:
         self.staged: dict[int, StagedBuffer] = {}
         self.active_buffer: StagedBuffer | None = None
         self.service_counters: dict[str, int] = {}  # the service loop's own counts, shown in stats
+        self.book = LeaseBook(config.max_leases_per_client, config.max_leases)
 
     @property
     def rank(self) -> int:
@@ -138,6 +141,8 @@ class RankHandler:
             raise p.InvalidArgument(f"this server serves namespace {self.config.namespace!r}, not {ns!r}")
         if isinstance(body, p.InsertRequest) and body.lease is None:
             raise p.InvalidArgument("insert needs a lease (lock, then alloc pages under it)")
+        if isinstance(body, p.PutPagesRequest) and body.lease is None:
+            raise p.InvalidArgument("put_pages writes only pages a lease allocated: give that lease")
         if isinstance(body, p.SetConfigRequest) and (
             body.mirror_release is not None or body.storage_prefetch is not None
         ):
@@ -240,6 +245,36 @@ class RankHandler:
         pool.check_pages(pages, "page_ids")
         return pages
 
+    def leased(self, lease: int, ctx: Ctx) -> Any:
+        """The core's lease ``lease`` if ``ctx``'s connection owns it; else NOT_FOUND."""
+        self.book.check(lease, ctx.conn)
+        return self.tp.core.lease(lease)
+
+    def expire(self, leases: list[int]) -> None:
+        """Release leases the leader found abandoned (their connection left, or they sat idle past
+        the TTL); a lease already released meanwhile is skipped. Every rank alike."""
+        expired = 0
+        for lease in leases:
+            if self.book.drop(lease) is not None:
+                expired += 1
+                try:
+                    self.tp.release(lease)
+                except UnknownLease:
+                    log.error("rank %d: lease %d was in the book but not in the cache", self.rank, lease)
+        self.service_counters["expired_leases"] = self.service_counters.get("expired_leases", 0) + expired
+
+    def reply_bytes(self, body: p.Body) -> int:
+        """The bytes a reply to ``body`` will carry when that is more than a few KiB (inline pages)."""
+        pool = self.tp.device_pool
+        if isinstance(body, p.GetPagesRequest) and pool is not None:
+            return len(body.page_ids) * pool.layout.page_bytes * self.tp.world_size
+        return 0
+
+    def valid_pages(self) -> set[int]:
+        """Device pages that hold agreed cached KV (VALID in the tree)."""
+        valid = DeviceState.VALID
+        return {n.device_page for n in self.tp.core.tree.nodes.values() if n.device_state == valid}
+
     def close(self) -> None:
         for staged in self.staged.values():
             staged.close()
@@ -269,35 +304,45 @@ def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body:
 
 @handles(p.LockRequest)
 def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body:
+    h.book.admit(ctx.conn)
     lease, m = h.tp.lock(body.tokens)
+    h.book.add(lease, ctx.conn)
     hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
     return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, m.device_page_array)
 
 
 @handles(p.AllocRequest)
 def _alloc(h: RankHandler, body: p.AllocRequest, ctx: Ctx) -> p.Body:
+    h.leased(body.lease, ctx)
     return p.AllocResult(h.tp.alloc(body.lease, body.num_pages))
 
 
 @handles(p.InsertRequest)
 def _insert(h: RankHandler, body: p.InsertRequest, ctx: Ctx) -> p.Body:
+    assert body.lease is not None  # precheck
+    h.leased(body.lease, ctx)
     inserted, dup = h.tp.insert(body.lease, body.tokens, body.device_page_ids)
     return p.InsertResult(inserted, dup)
 
 
 @handles(p.LoadRequest)
 def _load(h: RankHandler, body: p.LoadRequest, ctx: Ctx) -> p.Body:
+    h.leased(body.lease, ctx)
     return p.LoadResult(h.tp.load(body.lease).device_pages)
 
 
 @handles(p.ReleaseRequest)
 def _release(h: RankHandler, body: p.ReleaseRequest, ctx: Ctx) -> p.Body:
+    h.leased(body.lease, ctx)
+    h.book.drop(body.lease)
     h.tp.release(body.lease)
     return p.ReleaseResult()
 
 
 @handles(p.AbortRequest)
 def _abort(h: RankHandler, body: p.AbortRequest, ctx: Ctx) -> p.Body:
+    h.leased(body.lease, ctx)
+    h.book.drop(body.lease)
     h.tp.release(body.lease)  # pages allocated and not inserted go back with the lease
     return p.AbortResult()
 
@@ -367,8 +412,14 @@ def _register_buffers(h: RankHandler, body: p.RegisterBuffersRequest, ctx: Ctx) 
 
 @handles(p.PutPagesRequest, payload=lambda outcome: {}, merge=lambda outcome, answers: outcome)
 def _put_pages(h: RankHandler, body: p.PutPagesRequest, ctx: Ctx) -> p.Body:
-    """``data`` holds every rank's share, rank-major; each share is its pages in order."""
+    """``data`` holds every rank's share, rank-major; each share is its pages in order. Only pages
+    the lease allocated and has not inserted: cached bytes never change through the protocol."""
+    assert body.lease is not None  # precheck
     pages = h.pages(body.page_ids)
+    owned = set(h.leased(body.lease, ctx).pages)
+    foreign = [page for page in pages if page not in owned]
+    if foreign:
+        raise p.InvalidArgument(f"put_pages: page {foreign[0]} is not a page lease {body.lease} allocated and holds")
     pool = h.tp.device_pool
     assert pool is not None
     size = pool.layout.page_bytes
@@ -391,8 +442,19 @@ def _join_pages(outcome: p.GetPagesResult, answers: dict[int, dict[str, Any]]) -
 
 @handles(p.GetPagesRequest, payload=lambda outcome: {"data": outcome.data}, merge=_join_pages)
 def _get_pages(h: RankHandler, body: p.GetPagesRequest, ctx: Ctx) -> p.Body:
-    """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them)."""
+    """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them).
+    Only pages cached and agreed (VALID) while the cache is open, or held by the caller's lease."""
     pages = h.pages(body.page_ids)
+    owned = set(h.leased(body.lease, ctx).pages) if body.lease is not None else set()
+    if any(page not in owned for page in pages):
+        if h.tp.core.closed:
+            raise p.CacheClosed(f"the cache is closed ({h.tp.core.closed_reason}): cached pages are not served")
+        valid = h.valid_pages()
+        unreadable = [page for page in pages if page not in owned and page not in valid]
+        if unreadable:
+            raise p.InvalidArgument(
+                f"get_pages: page {unreadable[0]} is neither cached (and agreed) nor held by the caller's lease"
+            )
     pool = h.tp.device_pool
     assert pool is not None
     size = pool.layout.page_bytes * len(pages) * h.tp.world_size

@@ -12,44 +12,46 @@ follower's own answer, with a deadline.
 
 Rounds: one per batch. The leader also runs (empty) rounds while copies are in flight, so they
 complete, and at least every ``heartbeat_s`` when idle, so a dead rank is noticed.
+
+Clients are connections (``frontdoor``): authentication, requests in flight and leases belong to
+one connection. The leader alone decides when a lease is abandoned (its connection is gone, or
+it sat unused past ``lease_ttl_s`` by rank 0's clock) and sequences its release as an ``EXPIRE``
+entry that every rank applies; no other rank ever looks at a clock to change the cache.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 import protocol as p
-from tpcache.service.batch import ACTIVATE, REQUEST, Entry, apply_batch
+from tpcache.service.batch import ACTIVATE, EXPIRE, REQUEST, Entry, apply_batch
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
+from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
 from tpcache.service.handlers import RankHandler, merge_gathered
 from tpcache.service.metrics import RankMetrics
 
 log = logging.getLogger("tpcache.service")
 
-MAX_ENVELOPE_FRAMES = 4
-MAX_PEERS = 65_536  # authenticated identities remembered (oldest forgotten first)
 MAX_TOTAL_PENDING = 262_144
-# Socket flags as plain ints: pyzmq's send_multipart combines enum flags per call (~1.4 us a reply).
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+MAX_EXPIRE_PER_ENTRY = 4096  # lease ids in one EXPIRE entry
+TTL_SCAN_S = 1.0  # how often rank 0 looks for leases idle past the TTL
 
 
 @dataclass
 class Item:
     """One accepted client request on its way through a batch."""
 
-    envelope: list[bytes]
+    msg: Message
     request: p.Request
     entry: Entry  # what every rank applies (the client's frame, forwarded as is: it passed every check here)
+    reply_bytes: int = 0  # counted against its connection's large replies in flight
 
     @property
     def outcome(self) -> Any:
@@ -85,53 +87,52 @@ class Leader:
         self.config = config
         self.metrics = metrics
         self.request_counts: dict[tuple[str, str], int] = {}
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, p.DEFAULT_LIMITS.max_message_bytes + 1024)
-        self.router.setsockopt(zmq.RCVHWM, 100_000)
-        self.router.setsockopt(zmq.SNDHWM, 100_000)
-        self.endpoint = self._bind(config.endpoint)
+        self.door = FrontDoor(ctx, config.endpoint, config.max_pending_per_client)
+        self.endpoint = self.door.endpoint
         self.poller = zmq.Poller()
-        self.poller.register(self.router, zmq.POLLIN)
+        for sock in self.door.sockets():
+            self.poller.register(sock, zmq.POLLIN)
         assert channels.inbox is not None
         self.poller.register(channels.inbox, zmq.POLLIN)
-        self.peers: dict[bytes, p.ServerConnection] = {}
         self.in_flight = 0  # accepted requests not yet answered, over all clients
-        self.authed: OrderedDict[bytes, None] = OrderedDict()
         self.secret = config.secret.encode()
         self.next_seq = 1
         self.batch_no = 0
         self.internal: list[Entry] = []  # entries decided by the leader, sent with the next batch
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
+        self.gone: list[Conn] = []  # connections that left, until their leases are expired
+        self.expiring: set[int] = set()  # leases in an EXPIRE entry not yet applied
+        self.lease_used: dict[int, float] = {}  # lease -> when a request last named it (rank 0's clock)
+        self.last_ttl_scan = time.monotonic()
         self.stop_requested = False
         self.last_round = time.monotonic()
         self.last_progress = True
-
-    def _bind(self, endpoint: str) -> str:
-        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-            port = self.router.bind_to_random_port(endpoint[: endpoint.rindex(":")])
-            return f"{endpoint[: endpoint.rindex(':')]}:{port}"
-        self.router.bind(endpoint)
-        return str(self.router.getsockopt(zmq.LAST_ENDPOINT).decode())
 
     # ------------------------------------------------------------------ main loop
 
     def run(self, should_stop: Any) -> None:
         cfg = self.config
+        door = self.door
         while not should_stop() and not self.stop_requested:
             timeout_ms = self._poll_timeout_ms()
             ready = dict(self.poller.poll(timeout_ms))
+            if door.zap in ready:
+                door.answer_zap()
+            if door.monitor in ready:
+                door.read_monitor()
             items: list[Item] = []
-            if self.router in ready:
+            if door.router in ready:
                 items = self._read_clients()
             if self.ch.inbox in ready:
                 self._read_answers()
                 self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
+            self._expire_abandoned()
             due = time.monotonic() - self.last_round >= cfg.heartbeat_s
             if items or self.internal or self._copies_in_flight() or due:
                 self._run_batch(items)
             self._expire_waiters()
+            door.flush()
             self._flush_request_counts()
         self.stop()
 
@@ -148,6 +149,8 @@ class Leader:
     def _poll_timeout_ms(self) -> int:
         if self.internal:
             return 0
+        if self.door.backlogged:
+            return 1  # replies wait for a client's socket queue: look again soon
         if self._copies_in_flight():
             return 0 if self.last_progress else 1
         left = self.config.heartbeat_s - (time.monotonic() - self.last_round)
@@ -161,62 +164,101 @@ class Leader:
         items: list[Item] = []
         size = 0  # bytes of the batch's client frames: every rank holds the batch at once
         while len(items) < self.config.max_batch and size < MAX_BATCH_BYTES:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            msg = self.door.receive()
+            if msg is None:
                 break
-            if len(frames) < 2 or len(frames) > MAX_ENVELOPE_FRAMES:
-                continue  # not a DEALER/REQ envelope: nothing sensible to answer
-            envelope, frame = frames[:-1], frames[-1]
-            item = self._accept(envelope, frame)
+            item = self._accept(msg)
             if item is not None:
                 items.append(item)
-                size += len(frame)
+                size += len(msg.frame)
         return items
 
-    def _accept(self, envelope: list[bytes], frame: bytes) -> Item | None:
-        identity = envelope[0]
-        conn = self.peers.get(identity)
-        if conn is None:
-            conn = p.ServerConnection(max_pending=self.config.max_pending_per_client)
+    def _accept(self, msg: Message) -> Item | None:
+        conn = msg.conn
         try:
-            request = conn.receive(frame)
+            request = conn.server.receive(msg.frame)
         except p.ProtocolError as exc:
-            self._send(envelope, conn.reject(exc), None, "error")
+            self._send(msg, conn.server.reject(exc), None, "error")
             return None
-        self.peers[identity] = conn
         self.in_flight += 1  # accepted: exactly one _reply ends it
+        entry = Entry(REQUEST, 0, conn.id, msg.frame, request.body)
+        item = Item(msg, request, entry)
         try:
-            self._authorize(identity, request)
+            self._authorize(conn, request)
             if self.in_flight > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
             if request.op == "hello":
-                self._reply(Item(envelope, request, Entry(REQUEST, 0, 0, frame, outcome=self.h.hello())))
+                item.outcome = self.h.hello()
+                self._reply(item)
                 return None
             self.h.precheck(request.body)
+            self._reserve_reply(item)
         except p.ProtocolError as exc:
-            self._reply(Item(envelope, request, Entry(REQUEST, 0, 0, frame, outcome=exc)))
+            item.outcome = exc
+            self._reply(item)
             return None
-        return Item(envelope, request, Entry(REQUEST, 0, 0, frame, request.body))
+        return item
 
-    def _authorize(self, identity: bytes, request: p.Request) -> None:
+    def _reserve_reply(self, item: Item) -> None:
+        """Count a large reply against its connection before the request runs (OVERLOADED past the
+        bound): a client that never reads cannot make every rank build replies for it without end."""
+        size = self.h.reply_bytes(item.request.body)
+        if not size:
+            return
+        conn = item.msg.conn
+        if conn.reply_bytes + size > MAX_REPLY_BYTES_IN_FLIGHT:
+            raise p.Overloaded(
+                f"this connection's replies in flight would carry {conn.reply_bytes + size} bytes, more than "
+                f"{MAX_REPLY_BYTES_IN_FLIGHT}; read them, then retry"
+            )
+        conn.reply_bytes += size
+        item.reply_bytes = size
+
+    def _authorize(self, conn: Conn, request: p.Request) -> None:
+        """A server with a secret serves a connection only after its own hello gave the secret."""
         if not self.secret:
             return
-        if not identity.startswith(b"\x00"):
-            # libzmq's generated identities start with a zero byte and are never reused; a
-            # client-chosen one could take over an authenticated peer's identity after it left.
-            raise p.Unauthorized("clients may not choose their routing id on a server that needs a secret")
         if request.op == "hello":
             token = request.body.token or ""
-            if not hmac.compare_digest(token.encode(), self.secret):
-                self.authed.pop(identity, None)
+            conn.authed = hmac.compare_digest(token.encode(), self.secret)
+            if not conn.authed:
                 raise p.Unauthorized("wrong or missing shared secret")
-            self.authed[identity] = None
-            self.authed.move_to_end(identity)
-            while len(self.authed) > MAX_PEERS:
-                self.authed.popitem(last=False)
-        elif identity not in self.authed:
-            raise p.Unauthorized("send hello with the shared secret first")
+        elif not conn.authed:
+            raise p.Unauthorized("send hello with the shared secret first (on this connection)")
+
+    # ------------------------------------------------------------------ abandoned leases
+
+    def _expire_abandoned(self) -> None:
+        """Sequence the release of leases whose connection left or that sat idle past the TTL."""
+        self.gone.extend(self.door.take_gone())
+        if self.gone:
+            book = self.h.book
+            still: list[Conn] = []
+            for conn in self.gone:
+                self._expire([lease for lease in book.leases_of(conn.id) if lease not in self.expiring])
+                if conn.server.num_pending:
+                    still.append(conn)  # a lock of its may still be on its way: look again later
+            self.gone = still
+        ttl = self.config.lease_ttl_s
+        now = time.monotonic()
+        if ttl > 0 and now - self.last_ttl_scan >= min(TTL_SCAN_S, ttl):
+            self.last_ttl_scan = now
+            book = self.h.book
+            idle = []
+            for lease, used in list(self.lease_used.items()):
+                if lease not in book:
+                    del self.lease_used[lease]
+                elif now - used > ttl and lease not in self.expiring:
+                    idle.append(lease)
+            if idle:
+                log.info("expiring %d lease(s) unused for more than %g s", len(idle), ttl)
+            self._expire(idle)
+
+    def _expire(self, leases: list[int]) -> None:
+        for i in range(0, len(leases), MAX_EXPIRE_PER_ENTRY):
+            chunk = leases[i : i + MAX_EXPIRE_PER_ENTRY]
+            self.internal.append(Entry(EXPIRE, 0, 0, chunk))
+            self.expiring.update(chunk)
 
     # ------------------------------------------------------------------ one batch, one round
 
@@ -240,7 +282,18 @@ class Leader:
         # Here every request applies, local ones in their place: a client's match after its own
         # lock in the same batch sees the lock.
         internal = [e for e in entries if e.kind != REQUEST]
+        self.h.service_counters.update(self.door.counters)
         report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items])
+        now = time.monotonic()
+        for entry in internal:
+            if entry.kind == EXPIRE:
+                self.expiring.difference_update(entry.data)
+        for item in items:  # leases named by this batch were used now
+            lease = getattr(item.request.body, "lease", None)
+            if lease is None and isinstance(item.outcome, p.LockResult):
+                lease = item.outcome.lease
+            if lease is not None and lease in self.h.book:
+                self.lease_used[lease] = now
         self.batch_no += 1
         self.last_round = time.monotonic()
         self.last_progress = bool(report.completed)
@@ -330,34 +383,31 @@ class Leader:
     def _reply(self, item: Item) -> None:
         outcome = item.outcome
         rid = item.request.id
-        identity = item.envelope[0]
-        conn = self.peers.get(identity)
-        if conn is not None and conn.is_pending(rid):
+        conn = item.msg.conn
+        server = conn.server
+        if server.is_pending(rid):
             self.in_flight -= 1
+        conn.reply_bytes -= item.reply_bytes
+        item.reply_bytes = 0
         try:
             if isinstance(outcome, p.ProtocolError):
                 label = outcome.code.name.lower()
-                response = p.error_response(rid, outcome)
-                frame = conn.send(response) if conn is not None else p.encode_response(response)
+                frame = server.send(p.error_response(rid, outcome))
             else:
                 label = "ok"
-                frame = conn.send_ok(rid, outcome) if conn is not None else p.encode_ok(rid, outcome)
+                frame = server.send_ok(rid, outcome)
         except p.ProtocolError as exc:  # the result itself is too large to send
             frame = p.encode_response(p.error_response(rid, exc))
             label = "too_large"
-        if conn is not None and not conn.num_pending:
-            del self.peers[identity]  # nothing in flight: the per-peer state is not needed
-        self._send(item.envelope, frame, item.request.op, label)
+        if conn.gone and isinstance(outcome, p.LockResult):
+            # The client left before its lease reached it: nobody can ever release it.
+            self._expire([outcome.lease] if outcome.lease not in self.expiring else [])
+        self._send(item.msg, frame, item.request.op, label)
 
-    def _send(self, envelope: list[bytes], frame: bytes, op: str | None, label: str) -> None:
+    def _send(self, msg: Message, frame: bytes, op: str | None, label: str) -> None:
         key = (op or "invalid", label)
         self.request_counts[key] = self.request_counts.get(key, 0) + 1  # to Prometheus once per loop
-        with contextlib.suppress(zmq.ZMQError):  # the client is gone or not reading: reply dropped
-            # as send_multipart does, part by part (a ROUTER drops what it cannot route, whole)
-            send = self.router.send
-            for part in envelope:
-                send(part, _MORE_NOBLOCK)
-            send(frame, _NOBLOCK)
+        self.door.send(msg.conn, msg.envelope, frame)  # dropped if the client is gone or not reading
 
     # ------------------------------------------------------------------ shutdown
 
@@ -366,4 +416,4 @@ class Leader:
         self._flush_request_counts()
         if self.ch.outs:
             self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True})
-        self.router.close()
+        self.door.close()
