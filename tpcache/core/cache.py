@@ -247,8 +247,9 @@ class CacheCore(Ledger):
         self._account_lease(lease)
         return [n.device_page for n in prefix + todo]
 
-    def prefetch(self, lease_id: int) -> bool:
-        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host.
+    def prefetch(self, lease_id: int, read: bool = True) -> bool:
+        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host
+        (``read=False``: only agree on the hit).
 
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
         self._refuse_if_closed()
@@ -257,7 +258,7 @@ class CacheCore(Ledger):
         if not self.config.storage:
             return False
         self._unaccount_lease(lease)
-        started = self.prefetcher.start(lease, lease.tokens)
+        started = self.prefetcher.start(lease, lease.tokens, read)
         self._account_lease(lease)
         return started
 

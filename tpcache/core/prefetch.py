@@ -44,6 +44,7 @@ class PrefetchState:
     start: int = 0  # page index the current attempt's hit starts at
     nodes: list[Node] = field(default_factory=list)
     anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
+    read: bool = True  # False: a lookup only (the agreed hit, nothing read to host)
 
     def code(self) -> int:
         return ("querying", "deferred", "reading", "retry_wait", "done").index(self.status)
@@ -55,11 +56,12 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ sequenced
 
-    def start(self, lease: Lease, token_bytes: bytes) -> bool:
-        """Begin a prefetch for the lease's continuation. False when there is nothing to fetch."""
+    def start(self, lease: Lease, token_bytes: bytes, read: bool = True) -> bool:
+        """Begin a prefetch for the lease's continuation (``read=False``: only look it up). False
+        when there is nothing to fetch."""
         if lease.prefetch is not None and lease.prefetch.status != "done":
             return True
-        lease.prefetch = PrefetchState(token_bytes)
+        lease.prefetch = PrefetchState(token_bytes, read=read)
         return self._query(lease)
 
     def admissible(self, lease: Lease, policy: str, timeout_rounds: int) -> bool:
@@ -84,7 +86,7 @@ class Prefetcher:
             return
         state.hit_pages = hit
         self.core.stats.prefetch_hit_pages += hit
-        if hit == 0:
+        if hit == 0 or not state.read:
             state.status = "done"
             return
         self._read(lease)

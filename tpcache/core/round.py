@@ -28,6 +28,7 @@ from tpcache.core.plans import MirrorRelease, Plan, PlanFeature
 log = logging.getLogger("tpcache.round")
 
 QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=True))
+FEATURES = {"mirror_release": MirrorRelease}  # plan features by name (``set_feature``)
 _EMPTY_QUEUE = mix_ids([])
 
 
@@ -167,6 +168,18 @@ class Round:
             core.enforce_retention()
         report.closed_reason = core.closed_reason
         return report
+
+    def set_feature(self, name: str, enabled: bool) -> None:
+        """Switch a plan feature on or off at runtime (a sequenced op: every rank at once). On again
+        also clears the switch-off after repeated plan mismatches, by the operator's choice."""
+        if not enabled:
+            self.disabled.add(name)
+            return
+        if not any(f.name == name for f in self.features):
+            self.features.append(FEATURES[name]())
+        self.disabled.discard(name)
+        self.plans_disabled = self.plans_disabled and bool(self.disabled)
+        self.plan_mismatches = 0
 
     def fail(self, reason: str) -> None:
         """The collective failed (timeout, dead rank): close without mutating anything else."""

@@ -126,10 +126,11 @@ class TPCache:
         handles = self.shell.handles
         return LoadResult(pages, [handles[op] for op in self.core.lease(lease).ops if op in handles])
 
-    def prefetch(self, lease: int) -> bool:
+    def prefetch(self, lease: int, read: bool = True) -> bool:
         """Look the continuation of the lease's tokens up in storage; read the agreed hit to host
-        (seed 003). Follow with ``prefetch_status``/``admissible``, then ``load``."""
-        return self._sequenced(self.core.prefetch, lease)
+        (seed 003; ``read=False``: only agree on the hit). Follow with ``prefetch_status``/
+        ``admissible``, then ``load``."""
+        return self._sequenced(self.core.prefetch, lease, read)
 
     def prefetch_status(self, lease: int) -> tuple[str, int]:
         return self.core.prefetch_status(lease)
@@ -144,6 +145,10 @@ class TPCache:
 
     def set_retention_cap(self, tokens: int) -> None:
         self._sequenced(self.core.set_retention_cap, tokens)
+
+    def set_mirror_release(self, enabled: bool) -> None:
+        """Switch mirror release (seed 002) on or off; sequenced, so every rank switches at once."""
+        self._sequenced(self.round.set_feature, "mirror_release", enabled)
 
     def request_flush(self) -> None:
         self._sequenced(self.core.request_flush)
