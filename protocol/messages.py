@@ -343,8 +343,16 @@ class MatchResult(Body):
 @register("match", MatchResult, LOCAL)
 @dataclass(frozen=True, slots=True)
 class MatchRequest(Body):
+    """The cached prefix of ``tokens``. With ``storage``, also the continuation every rank finds
+    in storage (a lookup through the storage tier: sequenced, answered after the round that
+    agreed it); without, ``storage_pages`` is 0 and rank 0 answers alone."""
+
     tokens: array = _field(Ids())
     namespace: str = _field(NAMESPACE, "")
+    storage: bool | None = _field(Maybe(Flag()), None)
+
+    def route(self) -> str:
+        return SEQUENCED if self.storage else LOCAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,13 +365,20 @@ class LockResult(Body):
     device_page_ids: array = _field(Ids())
 
 
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # when a storage read lets a reply go
+
+
 @register("lock", LockResult)
 @dataclass(frozen=True, slots=True)
 class LockRequest(Body):
-    """Match and pin the matched prefix under a new lease, atomically."""
+    """Match and pin the matched prefix under a new lease, atomically. ``prefetch`` (a policy, or
+    "none") also looks the rest up in storage and reads what every rank holds to host, replying
+    as the policy says (see PrefetchRequest); unset: the server's ``storage_prefetch`` setting."""
 
     tokens: array = _field(Ids())
     namespace: str = _field(NAMESPACE, "")
+    prefetch: str | None = _field(Maybe(Text(16, choices=(*PREFETCH_POLICIES, "none"))), None)
+    timeout_rounds: int | None = _field(Maybe(Int(0, 2**31 - 1)), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +449,26 @@ class LoadRequest(Body):
     """Start loading the lease's host-resident pages back to the device."""
 
     lease: int = _field(U64)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult(Body):
+    status: str = _field(Text(16, choices=("none", "running", "done")))  # "none": nothing to fetch
+    storage_pages: int = _field(COUNT)  # the continuation every rank found in storage (agreed)
+    ready_pages: int = _field(COUNT)  # of those, pages landed in host (``load`` brings them to device)
+
+
+@register("prefetch", PrefetchResult)
+@dataclass(frozen=True, slots=True)
+class PrefetchRequest(Body):
+    """Look the rest of the lease's prefix up in storage and read what every rank holds to host,
+    with paced, capped retries. The reply comes after the lookup was agreed, and then as
+    ``policy`` says: ``best_effort`` at once, ``wait_complete`` once every read landed or gave
+    up, ``timeout`` at the latest after ``timeout_rounds`` rounds. Then ``load`` the lease."""
+
+    lease: int = _field(U64)
+    policy: str = _field(Text(16, choices=PREFETCH_POLICIES), "wait_complete")
+    timeout_rounds: int = _field(Int(0, 2**31 - 1), 8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,11 +37,20 @@ class _Ops:
     def hello(self, token: str | None = None, client: str = "") -> Any:
         return self.call(p.HelloRequest(token=token, client=client))
 
-    def match(self, tokens: Iterable[int], namespace: str = "") -> Any:
-        return self.call(p.MatchRequest(tokens=tokens, namespace=namespace))
+    def match(self, tokens: Iterable[int], namespace: str = "", storage: bool | None = None) -> Any:
+        """The cached prefix; ``storage=True`` also looks the rest up in storage (``storage_pages``)."""
+        return self.call(p.MatchRequest(tokens=tokens, namespace=namespace, storage=storage))
 
-    def lock(self, tokens: Iterable[int], namespace: str = "") -> Any:
-        return self.call(p.LockRequest(tokens=tokens, namespace=namespace))
+    def lock(
+        self, tokens: Iterable[int], namespace: str = "", prefetch: str | None = None, timeout_rounds: int | None = None
+    ) -> Any:
+        """Match and pin; ``prefetch`` (a stop policy, or "none") reads the storage continuation."""
+        return self.call(
+            p.LockRequest(tokens=tokens, namespace=namespace, prefetch=prefetch, timeout_rounds=timeout_rounds)
+        )
+
+    def prefetch(self, lease: int, policy: str = "wait_complete", timeout_rounds: int = 8) -> Any:
+        return self.call(p.PrefetchRequest(lease=lease, policy=policy, timeout_rounds=timeout_rounds))
 
     def alloc(self, lease: int, num_pages: int) -> Any:
         return self.call(p.AllocRequest(lease=lease, num_pages=num_pages))

@@ -39,7 +39,27 @@ def test_inline_pages_and_registered_shm_buffers(tmp_path: Path) -> None:
                 c.put_pages(mine[:1], data, lease=lk.lease)  # wrong size for one page
             with pytest.raises(p.InvalidArgument):
                 c.get_pages([PAGES], lease=lk.lease)  # out of range
-            c.abort(lk.lease)
+            # Cached bytes never change through the protocol; only agreed or own pages are read.
+            c.insert(list(range(100, 108)), mine, lease=lk.lease)
+            c.release(lk.lease)
+            assert c.get_pages(mine).data == data  # cached and agreed: readable by anyone
+            other = c.lock(list(range(300, 304)))
+            theirs = list(c.alloc(other.lease, 1).device_page_ids)
+            with pytest.raises(p.InvalidArgument, match="not a page lease"):
+                c.put_pages(mine[:1], os.urandom(2 * size), lease=other.lease)  # a cached page
+            with pytest.raises(p.InvalidArgument, match="give that lease"):
+                c.put_pages(theirs, os.urandom(2 * size))  # no lease
+            with service.client() as stranger:
+                with pytest.raises(p.NotFound):
+                    stranger.put_pages(theirs, os.urandom(2 * size), lease=other.lease)
+                with pytest.raises(p.InvalidArgument, match="neither cached"):
+                    stranger.get_pages(theirs)  # another client's page, not inserted
+            free = sorted(set(range(PAGES)) - set(mine) - set(theirs))[:1]
+            with pytest.raises(p.InvalidArgument, match="neither cached"):
+                c.get_pages(free)
+            assert c.get_pages(mine).data == data
+            c.abort(other.lease)
+            c.flush()  # registration needs an empty cache
             # A bad descriptor on one rank: refused with that rank named, nothing swapped.
             bad = [buffers[0].descriptor(0), {"rank": 1, "kind": "shm", "name": "no-such-seg", "pages": PAGES}]
             with pytest.raises(p.InvalidArgument, match="rank 1"):

@@ -176,21 +176,26 @@ class FrontDoor:
         """The next client message, or None when none is waiting. Messages that cannot be
         answered (no request frame, a connection libzmq did not name) are dropped; an envelope
         past the limits gets an error reply without it."""
+        recv = self.router.recv
         while True:
             try:
-                identity = self.router.recv(_NOBLOCK)
+                head = recv(_NOBLOCK, copy=False)  # the routing id, prepended by the ROUTER
             except zmq.Again:
                 return None
             parts: list[zmq.Frame] = []
-            while self.router.getsockopt(zmq.RCVMORE):
-                parts.append(self.router.recv(copy=False))
+            more = head.more  # (a frame's own flag: getsockopt(RCVMORE) costs several microseconds)
+            while more:
+                part = recv(copy=False)
+                parts.append(part)
+                more = part.more
             if not parts:
                 continue  # a routing id alone: nothing to answer
-            last = parts[-1]
             try:
-                conn_id = int(last.get("User-Id"))
+                conn_id = int(head.get("User-Id"))
             except (ValueError, TypeError, zmq.ZMQError):
                 continue  # not named by our ZAP handler: cannot be told apart from another connection
+            identity = head.bytes
+            last = parts[-1]
             conn = self._conn(conn_id, identity, last)
             if conn is None:
                 continue
@@ -198,7 +203,7 @@ class FrontDoor:
             # A frame of a connection that is gone by now still counts (it was sent before the
             # connection closed, as TCP delivers it); only its reply has nowhere to go.
             envelope = parts[:-1]
-            if len(envelope) > MAX_ENVELOPE_FRAMES or sum(len(f) for f in envelope) > MAX_ENVELOPE_BYTES:
+            if envelope and (len(envelope) > MAX_ENVELOPE_FRAMES or sum(map(len, envelope)) > MAX_ENVELOPE_BYTES):
                 self.counters["refused_envelopes"] += 1
                 error = p.MessageTooLarge(
                     f"at most {MAX_ENVELOPE_FRAMES} envelope frames of {MAX_ENVELOPE_BYTES} bytes in all may "

@@ -29,7 +29,7 @@ from tpcache.core.tiers import DeviceState
 from tpcache.engine import TPCache
 from tpcache.service.buffers import KVBufferError, StagedBuffer, stage_buffer
 from tpcache.service.config import ServiceConfig
-from tpcache.service.leases import LeaseBook
+from tpcache.service.leases import LEADER, LeaseBook, not_found
 
 log = logging.getLogger("tpcache.service")
 
@@ -41,6 +41,18 @@ class Deferred:
     """A result finished after the round that covers the request committed."""
 
     finish: Callable[[RoundReport], p.Body]
+
+
+@dataclass
+class Watch:
+    """A reply that waits on the leader, round after round, until the lease's storage prefetch
+    lets it go (``RankHandler.watched``). Followers apply the request and drop the watch."""
+
+    lease: int
+    policy: str
+    timeout_rounds: int
+    reply: Callable[[str, int, int], p.Body]  # (status, storage pages, pages landed) -> the result
+    transient: bool = False  # a lease taken for this lookup alone: the leader expires it after the reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +139,7 @@ class RankHandler:
         self.active_buffer: StagedBuffer | None = None
         self.service_counters: dict[str, int] = {}  # the service loop's own counts, shown in stats
         self.book = LeaseBook(config.max_leases_per_client, config.max_leases)
+        self.storage_prefetch = config.storage_prefetch and tp.config.storage  # set_config changes it
 
     @property
     def rank(self) -> int:
@@ -143,10 +156,18 @@ class RankHandler:
             raise p.InvalidArgument("insert needs a lease (lock, then alloc pages under it)")
         if isinstance(body, p.PutPagesRequest) and body.lease is None:
             raise p.InvalidArgument("put_pages writes only pages a lease allocated: give that lease")
-        if isinstance(body, p.SetConfigRequest) and (
-            body.mirror_release is not None or body.storage_prefetch is not None
-        ):
-            raise p.InvalidArgument("only retention_cap_tokens can be changed at runtime by this server")
+        storage = self.tp.config.storage
+        wants_storage = (
+            isinstance(body, p.MatchRequest)
+            and body.storage
+            or isinstance(body, p.LockRequest)
+            and body.prefetch not in (None, "none")
+            or isinstance(body, p.PrefetchRequest)
+            or isinstance(body, p.SetConfigRequest)
+            and body.storage_prefetch
+        )
+        if wants_storage and not storage:
+            raise p.InvalidArgument("this server has no storage tier (start it with --storage-dir)")
         if isinstance(body, (p.PutPagesRequest, p.GetPagesRequest)) and self.tp.device_pool is None:
             raise p.InvalidArgument("this cache is metadata only: start it with --kv-layout or register buffers")
         if isinstance(body, p.RegisterBuffersRequest):
@@ -181,10 +202,13 @@ class RankHandler:
 
     def settings(self) -> dict[str, Any]:
         c = self.tp.config
+        round_ = self.tp.round
+        mirror = any(f.name == "mirror_release" for f in round_.features) and "mirror_release" not in round_.disabled
         return {
             "retention_cap_tokens": self.tp.core.retention_cap_tokens,
-            "mirror_release": c.mirror_release,
-            "storage_prefetch": False,
+            "mirror_release": mirror,
+            "storage_prefetch": self.storage_prefetch,
+            "storage": c.storage,
             "write_policy": c.write_policy,
             "page_size": c.page_size,
             "device_pages": c.device_pages,
@@ -201,6 +225,7 @@ class RankHandler:
             elif value is None or isinstance(value, (bool, int, float, str)):
                 out[key] = value
         out.update(self.service_counters)
+        out["storage_hit_tokens"] = out.get("prefetch_hit_pages", 0) * self.tp.config.page_size
         out["rank"] = self.rank
         out["world_size"] = self.tp.world_size
         out["transport"] = self.tp.collective.name
@@ -263,6 +288,28 @@ class RankHandler:
                     log.error("rank %d: lease %d was in the book but not in the cache", self.rank, lease)
         self.service_counters["expired_leases"] = self.service_counters.get("expired_leases", 0) + expired
 
+    def watched(self, watch: Watch, now: bool = False) -> p.Body | None:
+        """The reply of ``watch`` once its prefetch lets it go (or ``now``: with what is agreed so
+        far), else None. Reads only agreed state: a prefetch moves only by agreed completions and
+        the round count."""
+        lease = watch.lease
+        if lease not in self.book:
+            raise not_found(lease)  # released or expired while it waited
+        status, ready = self.tp.prefetch_status(lease)
+        if status == "none":
+            return watch.reply("none", 0, 0)
+        waiting = status == "querying" and watch.policy != "timeout"  # the hit is not agreed yet
+        if not now and (waiting or not self.tp.admissible(lease, watch.policy, watch.timeout_rounds)):
+            return None
+        hit = getattr(self.tp.core.lease(lease).prefetch, "hit_pages", 0)  # the agreed storage hit
+        return watch.reply("done" if status == "done" else "running", hit, ready)
+
+    def start_prefetch(self, lease: int, read: bool = True) -> bool:
+        started = self.tp.prefetch(lease, read)
+        if started:
+            self.service_counters["storage_lookups"] = self.service_counters.get("storage_lookups", 0) + 1
+        return started
+
     def reply_bytes(self, body: p.Body) -> int:
         """The bytes a reply to ``body`` will carry when that is more than a few KiB (inline pages)."""
         pool = self.tp.device_pool
@@ -296,19 +343,56 @@ def _hello(h: RankHandler, body: p.HelloRequest, ctx: Ctx) -> p.Body:
 
 
 @handles(p.MatchRequest)
-def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body:
+def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
     m = h.tp.match(body.tokens)
     hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
-    return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
+    result = p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
+    if not body.storage or h.tp.core.closed:
+        return result
+    # A storage lookup needs a lease to hang from: a transient one of the leader's, every rank alike.
+    h.book.admit(LEADER)
+    lease, _ = h.tp.lock(body.tokens)
+    h.book.add(lease, LEADER)
+    if not h.start_prefetch(lease, read=False):
+        h.book.drop(lease)
+        h.tp.release(lease)
+        return result
+    return Watch(
+        lease,
+        "wait_complete",
+        0,
+        lambda status, pages, ready: p.MatchResult.unchecked(
+            hit, m.device_pages, m.host_pages, pages, m.device_page_array
+        ),
+        transient=True,
+    )
 
 
 @handles(p.LockRequest)
-def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body:
+def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body | Watch:
     h.book.admit(ctx.conn)
     lease, m = h.tp.lock(body.tokens)
     h.book.add(lease, ctx.conn)
     hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
-    return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, m.device_page_array)
+    ids = m.device_page_array
+    policy = body.prefetch or ("best_effort" if h.storage_prefetch else "none")
+    if policy == "none" or h.tp.core.closed or not h.start_prefetch(lease):
+        return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids)
+    return Watch(
+        lease,
+        policy,
+        8 if body.timeout_rounds is None else body.timeout_rounds,
+        lambda status, pages, ready: p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, pages, ids),
+    )
+
+
+@handles(p.PrefetchRequest)
+def _prefetch(h: RankHandler, body: p.PrefetchRequest, ctx: Ctx) -> p.Body | Watch:
+    h.leased(body.lease, ctx)
+    if h.tp.core.closed:
+        raise p.CacheClosed(f"the cache is closed ({h.tp.core.closed_reason}): nothing is read from storage")
+    h.start_prefetch(body.lease)
+    return Watch(body.lease, body.policy, body.timeout_rounds, p.PrefetchResult)
 
 
 @handles(p.AllocRequest)
@@ -360,8 +444,13 @@ def _flush(h: RankHandler, body: p.FlushRequest, ctx: Ctx) -> Deferred:
 
 @handles(p.SetConfigRequest)
 def _set_config(h: RankHandler, body: p.SetConfigRequest, ctx: Ctx) -> p.Body:
+    """Every rank changes its settings at the same point of the sequence: agreed by construction."""
     if body.retention_cap_tokens is not None:
         h.tp.set_retention_cap(body.retention_cap_tokens)
+    if body.mirror_release is not None:
+        h.tp.set_mirror_release(body.mirror_release)
+    if body.storage_prefetch is not None:
+        h.storage_prefetch = body.storage_prefetch
     return p.SetConfigResult(h.settings())
 
 
@@ -372,7 +461,7 @@ def _health(h: RankHandler, body: p.HealthRequest, ctx: Ctx) -> p.Body:
 
 
 RANK_KEYS = ("digest", "rounds", "seq", "closed", "leases", "device_pages_used", "host_pages_used")
-RANK_KEYS += ("internal_rejected_frames",)  # stats shows these for every rank as rank<r>.<key>
+RANK_KEYS += ("internal_rejected_frames", "storage_written_pages")  # stats shows these per rank: rank<r>.<key>
 
 
 def _merge_stats(outcome: p.StatsResult, answers: dict[int, dict[str, Any]]) -> p.Body:

@@ -34,13 +34,14 @@ from tpcache.service.batch import ACTIVATE, EXPIRE, REQUEST, Entry, apply_batch
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
 from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
-from tpcache.service.handlers import RankHandler, merge_gathered
+from tpcache.service.handlers import RankHandler, Watch, merge_gathered, to_protocol_error
 from tpcache.service.metrics import RankMetrics
 
 log = logging.getLogger("tpcache.service")
 
 MAX_TOTAL_PENDING = 262_144
 MAX_EXPIRE_PER_ENTRY = 4096  # lease ids in one EXPIRE entry
+WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
 TTL_SCAN_S = 1.0  # how often rank 0 looks for leases idle past the TTL
 
 
@@ -101,6 +102,7 @@ class Leader:
         self.internal: list[Entry] = []  # entries decided by the leader, sent with the next batch
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
+        self.watches: list[tuple[Item, Watch, float]] = []  # replies waiting on a storage prefetch
         self.gone: list[Conn] = []  # connections that left, until their leases are expired
         self.expiring: set[int] = set()  # leases in an EXPIRE entry not yet applied
         self.lease_used: dict[int, float] = {}  # lease -> when a request last named it (rank 0's clock)
@@ -128,7 +130,8 @@ class Leader:
                 self._read_answers()
                 self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
             self._expire_abandoned()
-            due = time.monotonic() - self.last_round >= cfg.heartbeat_s
+            idle = time.monotonic() - self.last_round
+            due = idle >= cfg.heartbeat_s or self.watches and idle >= WATCH_ROUND_S
             if items or self.internal or self._copies_in_flight() or due:
                 self._run_batch(items)
             self._expire_waiters()
@@ -154,6 +157,8 @@ class Leader:
         if self._copies_in_flight():
             return 0 if self.last_progress else 1
         left = self.config.heartbeat_s - (time.monotonic() - self.last_round)
+        if self.watches:
+            left = min(left, WATCH_ROUND_S - (time.monotonic() - self.last_round))
         if self.waiters:
             left = min(left, 0.05)
         return max(0, min(int(left * 1000) + 1, 100))
@@ -300,6 +305,8 @@ class Leader:
         closed = self.h.tp.core.closed
         for item in items:
             self._finish(item, report, closed)
+        if self.watches:
+            self._check_watches(report, closed)
         for entry in internal:
             waiter = self.activations.pop(entry.token, None) if entry.kind == ACTIVATE else None
             if waiter is not None:
@@ -308,13 +315,22 @@ class Leader:
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())
 
+    def _guard(self, outcome: Any, report: Any, closed: bool) -> Any:
+        """Never a hit from a closed cache: the round that covers this reply did not agree."""
+        hit = isinstance(outcome, (p.MatchResult, p.LockResult)) and (outcome.hit_tokens or outcome.storage_pages)
+        hit = (
+            hit or isinstance(outcome, p.LoadResult) or isinstance(outcome, p.PrefetchResult) and outcome.storage_pages
+        )
+        if closed and hit:
+            return p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
+        return outcome
+
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
-        hit = isinstance(outcome, (p.MatchResult, p.LockResult)) and outcome.hit_tokens > 0
-        if closed and (hit or isinstance(outcome, p.LoadResult)):
-            # Never a hit from a closed cache: the round that covers this reply did not agree.
-            outcome = p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
-        item.outcome = outcome
+        if isinstance(outcome, Watch):
+            self.watches.append((item, outcome, time.monotonic() + 2 * self.config.round_timeout_s + 5.0))
+            return
+        item.outcome = self._guard(outcome, report, closed)
         if item.request.body.route() == p.GATHERED:
             waiter = Waiter(item, set(range(1, self.ch.world)), time.monotonic() + self.config.round_timeout_s + 5.0)
             if waiter.need:
@@ -323,6 +339,25 @@ class Leader:
                 self._complete(waiter)
             return
         self._reply(item)
+
+    def _check_watches(self, report: Any, closed: bool) -> None:
+        """Reply to every request whose storage prefetch now lets it go (after this round)."""
+        now = time.monotonic()
+        waiting = []
+        for item, watch, deadline in self.watches:
+            try:
+                # Past the deadline (storage never answered): reply with what is agreed so far.
+                outcome = self.h.watched(watch, now=now >= deadline)
+            except Exception as exc:  # noqa: BLE001 - the lease went away: a typed error
+                outcome = to_protocol_error(exc)
+            if outcome is None:
+                waiting.append((item, watch, deadline))
+                continue
+            if watch.transient:
+                self._expire([watch.lease])
+            item.outcome = self._guard(outcome, report, closed)
+            self._reply(item)
+        self.watches = waiting
 
     # ------------------------------------------------------------------ per-rank answers
 
