@@ -1,9 +1,13 @@
-"""The rendezvous store of a single-host group, listening on loopback only.
+"""The rendezvous store of a group: loopback only on one host, one key space per torchrun attempt.
 
 ``torch.distributed``'s TCPStore server listens on every interface whatever host it is given, so
 any machine that can reach the port could read or set the group's keys. A group whose ranks all
 run on this host needs none of that: rank 0 binds the listening socket to the loopback address
 itself and hands it to the store (``master_listen_fd``); the other ranks connect as usual.
+
+Under torchrun the agent's store outlives a restart of the workers, keys included: a restarted
+rank could read a peer's address from the attempt before and connect to a port nobody listens
+on. Each attempt therefore works under its own prefix (``TORCHELASTIC_RESTART_COUNT``).
 """
 
 from __future__ import annotations
@@ -51,14 +55,18 @@ def loopback_store(host: str, port: int, world_size: int, rank: int, timeout_s: 
     return store
 
 
-def single_host_store(timeout_s: float) -> Any:
-    """The loopback store for this process's group as the environment describes it (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or None where torch should make its own: under
-    torchrun's agent store, or with a rendezvous address that is not loopback."""
+def group_store(timeout_s: float) -> Any:
+    """The store for this process's group as the environment describes it (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT): torchrun's agent store under this attempt's prefix, the loopback
+    store for a loopback rendezvous address, or None where torch should make its own."""
+    import torch.distributed as dist
+
     host = os.environ.get("MASTER_ADDR", "")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or not is_loopback_host(host):
+    port, world, rank = int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        timeout = datetime.timedelta(seconds=timeout_s)
+        agent = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"tpcache/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    if not is_loopback_host(host):
         return None
-    if host == "localhost":
-        host = "127.0.0.1"
-    port = int(os.environ["MASTER_PORT"])
-    return loopback_store(host, port, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), timeout_s)
+    return loopback_store("127.0.0.1" if host == "localhost" else host, port, world, rank, timeout_s)

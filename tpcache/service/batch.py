@@ -32,6 +32,7 @@ log = logging.getLogger("tpcache.service")
 
 REQUEST, ACTIVATE, EXPIRE = 0, 1, 2
 KINDS = (REQUEST, ACTIVATE, EXPIRE)
+EXIT_GROUP_BROKEN = 4  # a rank's exit code once its round collective failed: restart the group
 
 
 @dataclass(slots=True)

@@ -5,7 +5,9 @@ exactly one round per batch, so every rank runs the same number of rounds. What 
 (a request it cannot decode, a batch it lost) it skips: its sequence number then differs from the
 other ranks' and the round's sequence check closes the cache everywhere, which health reports.
 A follower that hears nothing from the leader for longer than a round can take (the leader sends
-a heartbeat batch when idle) closes its cache and exits: the leader is gone.
+a heartbeat batch when idle) closes its cache and exits: the leader is gone. A follower whose
+round collective failed exits at once (``EXIT_GROUP_BROKEN``): the group can never agree again
+and must be restarted (torchrun ``--max-restarts`` does it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import zmq
 
 import protocol as p
-from tpcache.service.batch import REQUEST, apply_batch
+from tpcache.service.batch import EXIT_GROUP_BROKEN, REQUEST, apply_batch
 from tpcache.service.channels import MAX_ANSWER_BYTES, Batch, Channels
 from tpcache.service.config import ServiceConfig
 from tpcache.service.handlers import RankHandler, gathered_payload
@@ -73,6 +75,13 @@ class Follower:
                 if batch.stop:
                     return 0
                 self._batch(batch)
+                if self.h.tp.collective.closed:
+                    log.error(
+                        "rank %d: the group is broken and must be restarted: %s",
+                        self.ch.rank,
+                        self.h.tp.core.closed_reason,
+                    )
+                    return EXIT_GROUP_BROKEN
             elif now - last > orphan_s:
                 reason = f"no batch from the leader (rank 0) for {orphan_s:.0f} s: it is gone"
                 self.h.tp.core.close(reason)

@@ -13,6 +13,12 @@ follower's own answer, with a deadline.
 Rounds: one per batch. The leader also runs (empty) rounds while copies are in flight, so they
 complete, and at least every ``heartbeat_s`` when idle, so a dead rank is noticed.
 
+A round whose collective failed (a rank died or stalled past the round timeout) breaks the group
+for good: its ranks can no longer agree, and an agreed flush cannot reopen it. Rank 0 then answers
+every request that needs a round with CACHE_CLOSED ("the group must be restarted"), lookups with
+misses, and after ``broken_group_exit_s`` returns ``EXIT_GROUP_BROKEN`` so that the process exits
+non-zero and torchrun (``--max-restarts``) starts the group again; followers exit at once.
+
 Clients are connections (``frontdoor``): authentication, requests in flight and leases belong to
 one connection. The leader alone decides when a lease is abandoned (its connection is gone, or
 it sat unused past ``lease_ttl_s`` by rank 0's clock) and sequences its release as an ``EXPIRE``
@@ -30,11 +36,11 @@ from typing import Any
 import zmq
 
 import protocol as p
-from tpcache.service.batch import ACTIVATE, EXPIRE, REQUEST, Entry, apply_batch
+from tpcache.service.batch import ACTIVATE, EXIT_GROUP_BROKEN, EXPIRE, REQUEST, Entry, apply_batch
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
 from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
-from tpcache.service.handlers import RankHandler, Watch, merge_gathered, to_protocol_error
+from tpcache.service.handlers import Ctx, RankHandler, Watch, merge_gathered, to_protocol_error
 from tpcache.service.metrics import RankMetrics
 
 log = logging.getLogger("tpcache.service")
@@ -108,15 +114,22 @@ class Leader:
         self.lease_used: dict[int, float] = {}  # lease -> when a request last named it (rank 0's clock)
         self.last_ttl_scan = time.monotonic()
         self.stop_requested = False
+        self.broken: str | None = None  # why the group can no longer agree (its collective failed)
+        self.broken_since = 0.0
         self.last_round = time.monotonic()
         self.last_progress = True
 
     # ------------------------------------------------------------------ main loop
 
-    def run(self, should_stop: Any) -> None:
+    def run(self, should_stop: Any) -> int:
+        """Serve until stopped; returns the process exit code."""
         cfg = self.config
         door = self.door
         while not should_stop() and not self.stop_requested:
+            if self.broken is not None and 0 <= cfg.broken_group_exit_s <= time.monotonic() - self.broken_since:
+                log.error("exiting so that the group is restarted: %s", self.broken)
+                self.stop()
+                return EXIT_GROUP_BROKEN
             timeout_ms = self._poll_timeout_ms()
             ready = dict(self.poller.poll(timeout_ms))
             if door.zap in ready:
@@ -138,6 +151,7 @@ class Leader:
             door.flush()
             self._flush_request_counts()
         self.stop()
+        return EXIT_GROUP_BROKEN if self.broken is not None else 0
 
     def _flush_request_counts(self) -> None:
         """Replies are counted per loop, not per request: a labelled Prometheus inc costs ~2 us."""
@@ -268,6 +282,9 @@ class Leader:
     # ------------------------------------------------------------------ one batch, one round
 
     def _run_batch(self, items: list[Item]) -> None:
+        if self.broken is not None:
+            self._answer_broken(items)
+            return
         entries: list[Entry] = self.internal
         self.internal = []
         first_seq = self.next_seq
@@ -303,6 +320,8 @@ class Leader:
         self.last_round = time.monotonic()
         self.last_progress = bool(report.completed)
         closed = self.h.tp.core.closed
+        if self.h.tp.collective.closed:
+            self._break(report)
         for item in items:
             self._finish(item, report, closed)
         if self.watches:
@@ -314,6 +333,38 @@ class Leader:
                 self._reply(waiter.item)
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())
+
+    def _break(self, report: Any) -> None:
+        """The collective failed: no round can run again. Everything waiting gets its answer now."""
+        self.broken = f"{self.h.tp.core.closed_reason or 'the round collective failed'}"
+        self.broken_since = time.monotonic()
+        log.error("the group is broken and must be restarted: %s", self.broken)
+        error = self._broken_error()
+        waiting = [w.item for w in self.waiters.values()] + [w.item for w in self.activations.values()]
+        waiting += [item for item, _, _ in self.watches]
+        self.waiters, self.activations, self.watches, self.internal = {}, {}, [], []
+        for item in waiting:
+            item.outcome = error
+            self._reply(item)
+
+    def _broken_error(self) -> p.CacheClosed:
+        return p.CacheClosed(
+            f"{self.broken}; the ranks can no longer agree, so the group must be restarted (a flush cannot "
+            "reopen it; under torchrun --max-restarts the ranks exit and are started again)"
+        )
+
+    def _answer_broken(self, items: list[Item]) -> None:
+        """Without rounds: lookups answer from this rank (a closed cache: misses), the rest is refused."""
+        for item in items:
+            body = item.request.body
+            if body.route() == p.LOCAL:
+                try:
+                    item.outcome = self.h.apply(body, Ctx(0, item.msg.conn.id))
+                except p.ProtocolError as exc:
+                    item.outcome = exc
+            else:
+                item.outcome = self._broken_error()
+            self._reply(item)
 
     def _guard(self, outcome: Any, report: Any, closed: bool) -> Any:
         """Never a hit from a closed cache: the round that covers this reply did not agree."""

@@ -65,11 +65,11 @@ def init_group(round_timeout_s: float) -> tuple[int, int, Any]:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        from tpcache.dist.store import single_host_store
+        from tpcache.dist.store import group_store
 
         backend = "nccl" if device is not None else "gloo"
         timeout = datetime.timedelta(seconds=max(60.0, 2 * round_timeout_s))
-        store = single_host_store(timeout.total_seconds())  # a loopback rendezvous listens on loopback only
+        store = group_store(timeout.total_seconds())  # loopback only on one host; per torchrun attempt
         if store is None:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
@@ -152,7 +152,7 @@ def serve(config: ServiceConfig) -> int:
             if config.ready_file:
                 write_ready_file(config.ready_file, info)
             print(f"tpcache: serving on {leader.endpoint} ({world} ranks, {tp.collective.name})", flush=True)
-            leader.run(stop)
+            code = leader.run(stop)
         else:
             code = Follower(handler, channels, config, metrics).run(stop)
     finally:
