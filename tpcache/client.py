@@ -98,7 +98,9 @@ class Client(_Ops):
     """A synchronous connection to a tpcache service.
 
     ``token`` is the shared secret (servers started with one refuse every op until hello sends
-    it). The constructor sends hello and keeps the result in ``info`` (page size, world size)."""
+    it). The constructor sends hello and keeps the result in ``info`` (page size, world size).
+    ZMQ reconnects to a restarted server by itself; requests in flight then are lost (they time
+    out), and a client with a token says hello again when the new server asks for it."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class Client(_Ops):
         self._sock = _open_socket(self._ctx, endpoint)
         self._conn = p.ClientConnection()
         self._done: dict[int, p.Response] = {}
+        self._token, self._name = token, name
         self.info: p.HelloResult | None = None
         if hello:
             try:
@@ -168,7 +171,15 @@ class Client(_Ops):
             self._done[response.id] = response
 
     def call(self, body: p.Body, timeout_s: float | None = None) -> Any:
-        return self.wait(self.submit(body), timeout_s)
+        try:
+            return self.wait(self.submit(body), timeout_s)
+        except p.Unauthorized:
+            # A server restarted behind the endpoint (ZMQ reconnects by itself) knows this client as
+            # a new connection, which must say hello again: once, then the refused request again.
+            if self._token is None or isinstance(body, p.HelloRequest):
+                raise
+            self.info = self.hello(token=self._token, client=self._name)
+            return self.wait(self.submit(body), timeout_s)
 
     # ------------------------------------------------------------------ lifetime
 

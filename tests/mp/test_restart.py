@@ -22,6 +22,14 @@ pytestmark = pytest.mark.multiprocess
 
 LAYOUT = "layers=2,heads=2,head_dim=8,dtype=fp32"
 PAGE, PAGES = 4, 8
+SECRET = "a secret the restarted group knows too"
+
+
+def healthy(c: Client) -> bool:
+    try:
+        return c.call(p.HealthRequest(), timeout_s=5).state == "open"
+    except p.RequestTimeout:  # sent to the group that died
+        return False
 
 
 def test_torchrun_restarts_a_group_that_lost_a_rank(tmp_path: Path) -> None:
@@ -35,10 +43,11 @@ def test_torchrun_restarts_a_group_that_lost_a_rank(tmp_path: Path) -> None:
     args += ("--endpoint", endpoint)  # a restarted group comes back where clients know to look
     ready = tmp_path / "ready.json"
     tokens = fresh_tokens(PAGES * PAGE)
-    with running_service(tmp_path, *args, command=command) as service:
+    with running_service(tmp_path, *args, command=command, env={"TPCACHE_SECRET": SECRET}) as service:
         assert service.endpoint == endpoint
         first = service.pids
-        with Client(endpoint, timeout_s=30) as c:
+        survivor = Client(endpoint, token=SECRET, timeout_s=30)  # stays connected through the restart
+        with Client(endpoint, token=SECRET, timeout_s=30) as c:
             lk = c.lock(tokens, prefetch="none")
             pages = list(c.alloc(lk.lease, PAGES).device_page_ids)
             data = os.urandom(len(c.get_pages(pages, lease=lk.lease).data))
@@ -57,7 +66,9 @@ def test_torchrun_restarts_a_group_that_lost_a_rank(tmp_path: Path) -> None:
         info = wait_for(lambda: ready.exists() and (i := json.loads(ready.read_text()))["pids"] != first and i, 120)
         assert info, service.log()
         assert not any(pid_alive(pid) for pid in first)
-        with Client(endpoint, timeout_s=30) as c:  # the same endpoint, a new group behind it
+        assert wait_for(lambda: healthy(survivor), timeout_s=60)  # reconnected, said hello again
+        survivor.close()
+        with Client(endpoint, token=SECRET, timeout_s=30) as c:  # the same endpoint, a new group behind it
             assert c.health().state == "open"
             assert c.match(tokens).hit_tokens == 0  # the tree is new ...
             lk = c.lock(tokens, prefetch="wait_complete")
