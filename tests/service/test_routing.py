@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import protocol as p
-from tpcache.service.handlers import OPS
+from tpcache.service.ops import OPS
 
 
 def test_every_op_in_the_catalogue_has_one_handler() -> None:

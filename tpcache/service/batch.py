@@ -25,8 +25,9 @@ from typing import Any
 
 import protocol as p
 from tpcache.core.round import RoundReport
-from tpcache.service.handlers import Ctx, Deferred, RankHandler, to_protocol_error
+from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
+from tpcache.service.ops import Ctx, Deferred, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 

@@ -23,8 +23,9 @@ import protocol as p
 from tpcache.service.batch import EXIT_GROUP_BROKEN, REQUEST, apply_batch
 from tpcache.service.channels import MAX_ANSWER_BYTES, Batch, Channels
 from tpcache.service.config import ServiceConfig
-from tpcache.service.handlers import RankHandler, gathered_payload
+from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
+from tpcache.service.ops import gathered_payload
 
 log = logging.getLogger("tpcache.service")
 

@@ -39,16 +39,16 @@ import protocol as p
 from tpcache.service.batch import ACTIVATE, EXIT_GROUP_BROKEN, EXPIRE, REQUEST, Entry, apply_batch
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
+from tpcache.service.expiry import LeaseExpiry
 from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
-from tpcache.service.handlers import Ctx, RankHandler, Watch, merge_gathered, to_protocol_error
+from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
+from tpcache.service.ops import Ctx, Watch, merge_gathered, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 
 MAX_TOTAL_PENDING = 262_144
-MAX_EXPIRE_PER_ENTRY = 4096  # lease ids in one EXPIRE entry
 WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
-TTL_SCAN_S = 1.0  # how often rank 0 looks for leases idle past the TTL
 
 
 @dataclass
@@ -109,10 +109,7 @@ class Leader:
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
         self.watches: list[tuple[Item, Watch, float]] = []  # replies waiting on a storage prefetch
-        self.gone: list[Conn] = []  # connections that left, until their leases are expired
-        self.expiring: set[int] = set()  # leases in an EXPIRE entry not yet applied
-        self.lease_used: dict[int, float] = {}  # lease -> when a request last named it (rank 0's clock)
-        self.last_ttl_scan = time.monotonic()
+        self.expiry = LeaseExpiry(handler.book, config.lease_ttl_s, time.monotonic())
         self.stop_requested = False
         self.broken: str | None = None  # why the group can no longer agree (its collective failed)
         self.broken_since = 0.0
@@ -249,35 +246,9 @@ class Leader:
 
     def _expire_abandoned(self) -> None:
         """Sequence the release of leases whose connection left or that sat idle past the TTL."""
-        self.gone.extend(self.door.take_gone())
-        if self.gone:
-            book = self.h.book
-            still: list[Conn] = []
-            for conn in self.gone:
-                self._expire([lease for lease in book.leases_of(conn.id) if lease not in self.expiring])
-                if conn.server.num_pending:
-                    still.append(conn)  # a lock of its may still be on its way: look again later
-            self.gone = still
-        ttl = self.config.lease_ttl_s
-        now = time.monotonic()
-        if ttl > 0 and now - self.last_ttl_scan >= min(TTL_SCAN_S, ttl):
-            self.last_ttl_scan = now
-            book = self.h.book
-            idle = []
-            for lease, used in list(self.lease_used.items()):
-                if lease not in book:
-                    del self.lease_used[lease]
-                elif now - used > ttl and lease not in self.expiring:
-                    idle.append(lease)
-            if idle:
-                log.info("expiring %d lease(s) unused for more than %g s", len(idle), ttl)
-            self._expire(idle)
-
-    def _expire(self, leases: list[int]) -> None:
-        for i in range(0, len(leases), MAX_EXPIRE_PER_ENTRY):
-            chunk = leases[i : i + MAX_EXPIRE_PER_ENTRY]
-            self.internal.append(Entry(EXPIRE, 0, 0, chunk))
-            self.expiring.update(chunk)
+        self.expiry.connections_gone(self.door.take_gone())
+        for leases in self.expiry.scan(time.monotonic()):
+            self.internal.append(Entry(EXPIRE, 0, 0, leases))
 
     # ------------------------------------------------------------------ one batch, one round
 
@@ -309,13 +280,13 @@ class Leader:
         now = time.monotonic()
         for entry in internal:
             if entry.kind == EXPIRE:
-                self.expiring.difference_update(entry.data)
+                self.expiry.applied(entry.data)
         for item in items:  # leases named by this batch were used now
             lease = getattr(item.request.body, "lease", None)
             if lease is None and isinstance(item.outcome, p.LockResult):
                 lease = item.outcome.lease
-            if lease is not None and lease in self.h.book:
-                self.lease_used[lease] = now
+            if lease is not None:
+                self.expiry.touch(lease, now)
         self.batch_no += 1
         self.last_round = time.monotonic()
         self.last_progress = bool(report.completed)
@@ -405,7 +376,7 @@ class Leader:
                 waiting.append((item, watch, deadline))
                 continue
             if watch.transient:
-                self._expire([watch.lease])
+                self.expiry.expire([watch.lease])
             item.outcome = self._guard(outcome, report, closed)
             self._reply(item)
         self.watches = waiting
@@ -487,7 +458,7 @@ class Leader:
             label = "too_large"
         if conn.gone and isinstance(outcome, p.LockResult):
             # The client left before its lease reached it: nobody can ever release it.
-            self._expire([outcome.lease] if outcome.lease not in self.expiring else [])
+            self.expiry.expire([outcome.lease])
         self._send(item.msg, frame, item.request.op, label)
 
     def _send(self, msg: Message, frame: bytes, op: str | None, label: str) -> None:
