@@ -17,16 +17,20 @@ for the old one can reach it.
 Memory per connection is bounded: envelope frames (everything before the request frame) beyond
 ``MAX_ENVELOPE_FRAMES`` or ``MAX_ENVELOPE_BYTES`` are refused, not echoed; requests whose replies
 would carry more than ``MAX_REPLY_BYTES_IN_FLIGHT`` at once (inline pages) are OVERLOADED; replies
-to a client that does not read wait in the socket (at most ``REPLY_HWM`` of them) and then here
-(at most ``MAX_QUEUED_REPLY_BYTES``); past that they are dropped and counted. A client that does
-not read its replies loses them, never the server's memory.
+to a client that does not read wait in the socket (at most ``REPLY_HWM`` of them, and of those
+past ``SMALL_REPLY`` bytes at most ``MAX_SOCKET_REPLY_BYTES`` until the connection's kernel send
+queue is seen drained) and then here (at most ``MAX_QUEUED_REPLY_BYTES``); past that they are
+dropped and counted. A client that does not read its replies loses them, never the server's
+memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import struct
+import termios
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +44,9 @@ log = logging.getLogger("tpcache.service")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 MAX_ENVELOPE_FRAMES = 2  # after the routing id: a REQ's empty delimiter, or one DEALER frame
 MAX_ENVELOPE_BYTES = 256
-REPLY_HWM = 64  # replies ZMQ holds for one connection before rank 0 queues them itself
+REPLY_HWM = 1024  # replies ZMQ holds for one connection before rank 0 queues them itself
+SMALL_REPLY = 4096  # replies below this count only against REPLY_HWM in the socket
+MAX_SOCKET_REPLY_BYTES = 8 << 20  # larger ones: at most this many bytes in one connection's socket
 MAX_QUEUED_REPLY_BYTES = 8 << 20  # per connection, counting each reply's bookkeeping as well as its bytes
 MAX_REPLY_BYTES_IN_FLIGHT = 16 << 20  # per connection: large replies (inline pages) not yet sent
 _QUEUED_OVERHEAD = 128
@@ -64,6 +70,7 @@ class Conn:
     gone: bool = False
     queue: deque[tuple[list[bytes], bytes]] = field(default_factory=deque)  # replies waiting for the socket
     queued_bytes: int = 0
+    socket_bytes: int = 0  # large replies put in the socket since its kernel queue was last seen drained
     reply_bytes: int = 0  # what the replies to its requests in flight will carry (large ones only)
 
 
@@ -264,7 +271,12 @@ class FrontDoor:
         return True
 
     def _try_send(self, conn: Conn, envelope: list[bytes], frame: bytes) -> bool:
-        """One reply into the socket; False when the connection's socket queue is full."""
+        """One reply into the socket; False when the connection's socket queue is full (in replies,
+        or, for a large reply, in bytes the kernel has not yet handed to the client)."""
+        if len(frame) >= SMALL_REPLY:
+            if conn.socket_bytes + len(frame) > MAX_SOCKET_REPLY_BYTES and not self._drained(conn):
+                return False
+            conn.socket_bytes += len(frame)
         send = self.router.send
         try:
             for part in envelope:
@@ -275,6 +287,19 @@ class FrontDoor:
         except zmq.ZMQError:  # EHOSTUNREACH: the peer left
             self._lose(conn)
             return False
+        return True
+
+    @staticmethod
+    def _drained(conn: Conn) -> bool:
+        """Whether the connection's kernel send queue is nearly empty: the client reads, so what
+        rank 0 put in the socket before has left it. Resets the count of large reply bytes."""
+        try:
+            unsent = struct.unpack("i", fcntl.ioctl(conn.fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):  # no descriptor known (or not a socket): nothing to go by
+            unsent = 0
+        if unsent >= SMALL_REPLY * 16:
+            return False
+        conn.socket_bytes = 0
         return True
 
     def flush(self) -> None:
