@@ -74,7 +74,7 @@ class Conn:
     reply_bytes: int = 0  # what the replies to its requests in flight will carry (large ones only)
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
     """A client frame from a live connection, with what it takes to answer it."""
 
@@ -218,7 +218,7 @@ class FrontDoor:
                 )
                 self.send(conn, [identity], conn.server.reject(error))
                 continue
-            return Message(conn, [identity, *(f.bytes for f in envelope)], last.bytes)
+            return Message(conn, [identity, *(f.bytes for f in envelope)] if envelope else [identity], last.bytes)
 
     def _conn(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
         conn = self.conns.get(conn_id)

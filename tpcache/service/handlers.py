@@ -57,30 +57,9 @@ class RankHandler:
         ns = getattr(body, "namespace", "")
         if ns and ns != self.config.namespace:
             raise p.InvalidArgument(f"this server serves namespace {self.config.namespace!r}, not {ns!r}")
-        if isinstance(body, p.InsertRequest) and body.lease is None:
-            raise p.InvalidArgument("insert needs a lease (lock, then alloc pages under it)")
-        if isinstance(body, p.PutPagesRequest) and body.lease is None:
-            raise p.InvalidArgument("put_pages writes only pages a lease allocated: give that lease")
-        storage = self.tp.config.storage
-        wants_storage = (
-            isinstance(body, p.MatchRequest)
-            and body.storage
-            or isinstance(body, p.LockRequest)
-            and body.prefetch not in (None, "none")
-            or isinstance(body, p.PrefetchRequest)
-            or isinstance(body, p.SetConfigRequest)
-            and body.storage_prefetch
-        )
-        if wants_storage and not storage:
-            raise p.InvalidArgument("this server has no storage tier (start it with --storage-dir)")
-        if isinstance(body, (p.PutPagesRequest, p.GetPagesRequest)) and self.tp.device_pool is None:
-            raise p.InvalidArgument("this cache is metadata only: start it with --kv-layout or register buffers")
-        if isinstance(body, p.RegisterBuffersRequest):
-            ranks = [d.get("rank") for d in body.descriptors]
-            if sorted(r for r in ranks if type(r) is int) != list(range(self.tp.world_size)):
-                raise p.InvalidArgument(
-                    f"register_buffers needs exactly one descriptor per rank 0..{self.tp.world_size - 1}"
-                )
+        op = OPS.get(body.OP)
+        if op is not None and op.precheck is not None:
+            op.precheck(self, body)
 
     # ------------------------------------------------------------------ apply
 
@@ -217,10 +196,8 @@ class RankHandler:
 
     def reply_bytes(self, body: p.Body) -> int:
         """The bytes a reply to ``body`` will carry when that is more than a few KiB (inline pages)."""
-        pool = self.tp.device_pool
-        if isinstance(body, p.GetPagesRequest) and pool is not None:
-            return len(body.page_ids) * pool.layout.page_bytes * self.tp.world_size
-        return 0
+        op = OPS.get(body.OP)
+        return 0 if op is None or op.reply_bytes is None else op.reply_bytes(self, body)
 
     def valid_pages(self) -> set[int]:
         """Device pages that hold agreed cached KV (VALID in the tree)."""

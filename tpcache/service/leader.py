@@ -59,6 +59,7 @@ class Item:
     request: p.Request
     entry: Entry  # what every rank applies (the client's frame, forwarded as is: it passed every check here)
     reply_bytes: int = 0  # counted against its connection's large replies in flight
+    route: str = p.LOCAL  # as its message declares (``Body.route``)
 
     @property
     def outcome(self) -> Any:
@@ -198,7 +199,7 @@ class Leader:
             return None
         self.in_flight += 1  # accepted: exactly one _reply ends it
         entry = Entry(REQUEST, 0, conn.id, msg.frame, request.body)
-        item = Item(msg, request, entry)
+        item = Item(msg, request, entry, 0, request.body.route())
         try:
             self._authorize(conn, request)
             if self.in_flight > MAX_TOTAL_PENDING:
@@ -260,8 +261,8 @@ class Leader:
         self.internal = []
         first_seq = self.next_seq
         for item in items:
-            entry = item.entry
-            if entry.body is not None and entry.body.route() != p.LOCAL:
+            if item.route != p.LOCAL:
+                entry = item.entry
                 entry.token = self.next_seq
                 self.next_seq += 1
                 entries.append(entry)
@@ -282,6 +283,8 @@ class Leader:
             if entry.kind == EXPIRE:
                 self.expiry.applied(entry.data)
         for item in items:  # leases named by this batch were used now
+            if item.route == p.LOCAL:
+                continue
             lease = getattr(item.request.body, "lease", None)
             if lease is None and isinstance(item.outcome, p.LockResult):
                 lease = item.outcome.lease
@@ -353,7 +356,7 @@ class Leader:
             self.watches.append((item, outcome, time.monotonic() + 2 * self.config.round_timeout_s + 5.0))
             return
         item.outcome = self._guard(outcome, report, closed)
-        if item.request.body.route() == p.GATHERED:
+        if item.route == p.GATHERED:
             waiter = Waiter(item, set(range(1, self.ch.world)), time.monotonic() + self.config.round_timeout_s + 5.0)
             if waiter.need:
                 self.waiters[item.entry.token] = waiter

@@ -7,7 +7,8 @@ result body, a ``Deferred`` finished after the batch's round committed (step, fl
 ``Watch`` the leader answers once a storage prefetch lets it go.
 
 Adding an op: declare its request and result bodies (and its route) in protocol/messages.py, and
-write its handler here. A gathered op's handler also names what a follower sends back
+write its handler here, with the hooks it needs (``Op``): a ``precheck`` that refuses before
+sequencing, the size of a large reply, and for a gathered op what a follower sends back
 (``payload``) and how the leader joins the answers (``merge``).
 
 Exceptions from the engine map to protocol errors: OutOfPages -> NO_SPACE, CacheClosed ->
@@ -64,11 +65,15 @@ class Ctx:
 
 @dataclass(frozen=True)
 class Op:
-    """How one op is served. ``apply`` runs on every rank the op's route reaches; a gathered op
+    """How one op is served. ``apply`` runs on every rank the op's route reaches. ``precheck``
+    (rank 0, before sequencing) refuses what every rank would refuse alike; ``reply_bytes``
+    names a large reply's size before the request runs (for the per-client bound). A gathered op
     also has ``payload`` (a follower's outcome -> the small map it sends the leader) and ``merge``
     (the leader's outcome and every follower's map -> the reply)."""
 
     apply: Callable[[RankHandler, Any, Ctx], Any]
+    precheck: Callable[[RankHandler, Any], None] | None = None
+    reply_bytes: Callable[[RankHandler, Any], int] | None = None
     payload: Callable[[Any], dict[str, Any]] | None = None
     merge: Callable[[Any, dict[int, dict[str, Any]]], Any] | None = None
 
@@ -119,6 +124,16 @@ def first_failure(answers: dict[int, dict[str, Any]]) -> p.ProtocolError | None:
     return None
 
 
+def _needs_storage(h: RankHandler) -> None:
+    if not h.tp.config.storage:
+        raise p.InvalidArgument("this server has no storage tier (start it with --storage-dir)")
+
+
+def _needs_pages(h: RankHandler) -> None:
+    if h.tp.device_pool is None:
+        raise p.InvalidArgument("this cache is metadata only: start it with --kv-layout or register buffers")
+
+
 # ---------------------------------------------------------------------------------------------
 # The handlers, one per op. Match and lock results come from this rank's own tree (counts and
 # page numbers it allocated), so they skip the per-field checks a client's input gets.
@@ -129,7 +144,12 @@ def _hello(h: RankHandler, body: p.HelloRequest, ctx: Ctx) -> p.Body:
     return h.hello()
 
 
-@handles(p.MatchRequest)
+def _match_precheck(h: RankHandler, body: p.MatchRequest) -> None:
+    if body.storage:
+        _needs_storage(h)
+
+
+@handles(p.MatchRequest, precheck=_match_precheck)
 def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
     m = h.tp.match(body.tokens)
     hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
@@ -155,7 +175,12 @@ def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
     )
 
 
-@handles(p.LockRequest)
+def _lock_precheck(h: RankHandler, body: p.LockRequest) -> None:
+    if body.prefetch not in (None, "none"):
+        _needs_storage(h)
+
+
+@handles(p.LockRequest, precheck=_lock_precheck)
 def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body | Watch:
     h.book.admit(ctx.conn)
     lease, m = h.tp.lock(body.tokens)
@@ -173,7 +198,7 @@ def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body | Watch:
     )
 
 
-@handles(p.PrefetchRequest)
+@handles(p.PrefetchRequest, precheck=lambda h, body: _needs_storage(h))
 def _prefetch(h: RankHandler, body: p.PrefetchRequest, ctx: Ctx) -> p.Body | Watch:
     h.leased(body.lease, ctx)
     if h.tp.core.closed:
@@ -188,7 +213,12 @@ def _alloc(h: RankHandler, body: p.AllocRequest, ctx: Ctx) -> p.Body:
     return p.AllocResult(h.tp.alloc(body.lease, body.num_pages))
 
 
-@handles(p.InsertRequest)
+def _insert_precheck(h: RankHandler, body: p.InsertRequest) -> None:
+    if body.lease is None:
+        raise p.InvalidArgument("insert needs a lease (lock, then alloc pages under it)")
+
+
+@handles(p.InsertRequest, precheck=_insert_precheck)
 def _insert(h: RankHandler, body: p.InsertRequest, ctx: Ctx) -> p.Body:
     assert body.lease is not None  # precheck
     h.leased(body.lease, ctx)
@@ -229,7 +259,12 @@ def _flush(h: RankHandler, body: p.FlushRequest, ctx: Ctx) -> Deferred:
     return Deferred(lambda report: p.FlushResult(report.round))
 
 
-@handles(p.SetConfigRequest)
+def _set_config_precheck(h: RankHandler, body: p.SetConfigRequest) -> None:
+    if body.storage_prefetch:
+        _needs_storage(h)
+
+
+@handles(p.SetConfigRequest, precheck=_set_config_precheck)
 def _set_config(h: RankHandler, body: p.SetConfigRequest, ctx: Ctx) -> p.Body:
     """Every rank changes its settings at the same point of the sequence: agreed by construction."""
     if body.retention_cap_tokens is not None:
@@ -271,7 +306,18 @@ def _stats(h: RankHandler, body: p.StatsRequest, ctx: Ctx) -> Deferred:
     return Deferred(lambda report: p.StatsResult(h.stats_values()))
 
 
-@handles(p.RegisterBuffersRequest, payload=lambda outcome: {}, merge=lambda outcome, answers: outcome)
+def _register_precheck(h: RankHandler, body: p.RegisterBuffersRequest) -> None:
+    ranks = [d.get("rank") for d in body.descriptors]
+    if sorted(r for r in ranks if type(r) is int) != list(range(h.tp.world_size)):
+        raise p.InvalidArgument(f"register_buffers needs exactly one descriptor per rank 0..{h.tp.world_size - 1}")
+
+
+@handles(
+    p.RegisterBuffersRequest,
+    precheck=_register_precheck,
+    payload=lambda outcome: {},
+    merge=lambda outcome, answers: outcome,
+)
 def _register_buffers(h: RankHandler, body: p.RegisterBuffersRequest, ctx: Ctx) -> p.Body:
     """First phase: map this rank's buffer; the leader commits every rank's in a later batch."""
     mine = [d for d in body.descriptors if d.get("rank") == h.rank]
@@ -286,7 +332,18 @@ def _register_buffers(h: RankHandler, body: p.RegisterBuffersRequest, ctx: Ctx) 
     return p.RegisterBuffersResult(len(body.descriptors))
 
 
-@handles(p.PutPagesRequest, payload=lambda outcome: {}, merge=lambda outcome, answers: outcome)
+def _put_pages_precheck(h: RankHandler, body: p.PutPagesRequest) -> None:
+    _needs_pages(h)
+    if body.lease is None:
+        raise p.InvalidArgument("put_pages writes only pages a lease allocated: give that lease")
+
+
+@handles(
+    p.PutPagesRequest,
+    precheck=_put_pages_precheck,
+    payload=lambda outcome: {},
+    merge=lambda outcome, answers: outcome,
+)
 def _put_pages(h: RankHandler, body: p.PutPagesRequest, ctx: Ctx) -> p.Body:
     """``data`` holds every rank's share, rank-major; each share is its pages in order. Only pages
     the lease allocated and has not inserted: cached bytes never change through the protocol."""
@@ -316,7 +373,18 @@ def _join_pages(outcome: p.GetPagesResult, answers: dict[int, dict[str, Any]]) -
     return p.GetPagesResult(b"".join([outcome.data] + [answers[r].get("data", b"") for r in sorted(answers)]))
 
 
-@handles(p.GetPagesRequest, payload=lambda outcome: {"data": outcome.data}, merge=_join_pages)
+def _get_pages_bytes(h: RankHandler, body: p.GetPagesRequest) -> int:
+    pool = h.tp.device_pool
+    return 0 if pool is None else len(body.page_ids) * pool.layout.page_bytes * h.tp.world_size
+
+
+@handles(
+    p.GetPagesRequest,
+    precheck=lambda h, body: _needs_pages(h),
+    reply_bytes=_get_pages_bytes,
+    payload=lambda outcome: {"data": outcome.data},
+    merge=_join_pages,
+)
 def _get_pages(h: RankHandler, body: p.GetPagesRequest, ctx: Ctx) -> p.Body:
     """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them).
     Only pages cached and agreed (VALID) while the cache is open, or held by the caller's lease."""
