@@ -320,8 +320,9 @@ class CacheCore:
         self.book.refresh(lease)
         return [n.device_page for n in prefix + todo]
 
-    def prefetch(self, lease_id: int) -> bool:
-        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host.
+    def prefetch(self, lease_id: int, read: bool = True) -> bool:
+        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host
+        (``read=False``: only agree on the hit).
 
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
         self._refuse_if_closed()
@@ -329,7 +330,7 @@ class CacheCore:
         self.ledger.tick()
         if not self.config.storage:
             return False
-        started = self.prefetcher.start(lease)
+        started = self.prefetcher.start(lease, read)
         self.book.refresh(lease)
         return started
 

@@ -80,12 +80,13 @@ class PrefetchState:
     start: int = 0  # page index the current attempt's hit starts at
     nodes: list[Node] = field(default_factory=list)
     anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
+    read: bool = True  # False: a lookup only (agree on the hit, read nothing to host)
 
     def fields(self) -> list[int]:
         """What the state digest covers of it."""
         code = PREFETCH_STATES.index(self.status)
         counts = (self.attempts, self.hit_pages, self.ready_pages, self.rounds, self.deferrals, self.retry_at)
-        return [code, self.op_id, *counts, self.start]
+        return [code, self.op_id, *counts, self.start, int(self.read)]
 
 
 @dataclass

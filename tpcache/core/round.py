@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from tpcache.core.backup import MirrorRelease
 from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
 from tpcache.core.plans import Plan, PlanFeature
@@ -29,6 +30,7 @@ from tpcache.core.plans import Plan, PlanFeature
 log = logging.getLogger("tpcache.round")
 
 QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=True))
+FEATURES = {"mirror_release": MirrorRelease}  # plan features by name (``set_feature``)
 _EMPTY_QUEUE = mix_ids([])
 
 
@@ -75,6 +77,7 @@ class Round:
         self.layout_digest = mix_text(json.dumps([LAYOUT_VERSION, self.layout.fields, core.config.to_dict()]))
         self.number = 0
         self.features: list[PlanFeature] = list(core.plan_features if features is None else features)
+        self._configured = [f.name for f in self.features]
         self.pending_plan: Plan | None = None  # prepared last commit, checked this round
         self.plan_mismatches = 0  # consecutive rounds whose plans disagreed
         self.disabled: set[str] = set()
@@ -84,16 +87,18 @@ class Round:
         self._index = {name: self.layout.index(name) for name in ("layout", "round", "seq", "health")}
 
     def rebind(self, core: CacheCore) -> None:
-        """After an agreed flush the core starts over: plans act on the new one."""
+        """After an agreed flush the core starts over: the features (as switched at runtime) act on it."""
         self.core = core
-        self.features = list(core.plan_features)
+        self.features = [FEATURES[f.name](core.backup) for f in self.features]
 
     # ------------------------------------------------------------------ prepare
 
     def state_digest(self) -> int:
         """The core's state digest and the round's own state that decides (the plans' counters)."""
-        if self.plan_mismatches or self.disabled:
-            plans = mix(self.plan_mismatches, mix_ids(sorted(mix_text(name) for name in self.disabled)))
+        names = [f.name for f in self.features]
+        if self.plan_mismatches or self.disabled or names != self._configured:
+            off = mix_ids(sorted(mix_text(name) for name in self.disabled))
+            plans = mix(self.plan_mismatches, off, mix_ids([mix_text(name) for name in names]))
             return (self.core.state_digest() + plans) & DIGEST_MASK
         return self.core.state_digest()
 
@@ -180,6 +185,17 @@ class Round:
             core.enforce_retention()
         report.closed_reason = core.closed_reason
         return report
+
+    def set_feature(self, name: str, enabled: bool) -> None:
+        """Switch a plan feature on or off at runtime (a sequenced op: every rank at once). On again
+        also clears a switch-off after repeated plan mismatches, by the operator's choice."""
+        if name not in FEATURES:
+            raise ValueError(f"unknown plan feature {name!r}; choose one of {sorted(FEATURES)}")
+        self.features = [f for f in self.features if f.name != name]
+        if enabled:
+            self.features.append(FEATURES[name](self.core.backup))
+        self.disabled.discard(name)
+        self.plan_mismatches = 0
 
     def fail(self, reason: str) -> None:
         """The collective failed (timeout, dead rank): close for good, mutating nothing else. The
