@@ -5,6 +5,11 @@ VENV ?= .venv
 # torch install when the venv (e.g. created with --system-site-packages) already imports torch.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
+# With the CPU torch, also vLLM's CPU build (the vLLM ring runs on it); a GPU user brings their own.
+comma := ,
+EXTRAS ?= $(if $(TORCH_SPEC),test$(comma)mooncake$(comma)redis$(comma)vllm,test$(comma)mooncake$(comma)redis)
+# CUDA builds pip pulls in beside vLLM's CPU build; they break `import vllm` and nothing here needs them.
+CUDA_ONLY_EXTRAS := torchvision torchaudio torchcodec
 BIN := $(VENV)/bin
 
 # Debian packages the store tests need: libibverbs1 (Mooncake's libraries link it even for TCP) and
@@ -32,7 +37,8 @@ $(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! $(BIN)/python -c "import torch" 2>/dev/null && [ -n "$(TORCH_SPEC)" ]; then \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q -e ".[test,mooncake,redis]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip uninstall -q -y $(CUDA_ONLY_EXTRAS) 2>/dev/null || true; fi
 	touch $@
 
 demo: setup
@@ -40,7 +46,7 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --timeout 600
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --timeout 900
 
 lint: setup
 	$(BIN)/python -m ruff check .

@@ -34,9 +34,12 @@ from protocol.errors import (
 from protocol.ids import as_id_array, pack_ids, unpack_ids
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
+    GATHERED,
+    LOCAL,
     PROTOCOL_VERSION,
     REQUEST_TYPES,
     RESULT_TYPES,
+    SEQUENCED,
     AbortRequest,
     AbortResult,
     AllocRequest,
@@ -59,6 +62,8 @@ from protocol.messages import (
     LockResult,
     MatchRequest,
     MatchResult,
+    PrefetchRequest,
+    PrefetchResult,
     PutPagesRequest,
     PutPagesResult,
     RegisterBuffersRequest,
@@ -77,9 +82,12 @@ from protocol.messages import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "GATHERED",
+    "LOCAL",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",
     "RESULT_TYPES",
+    "SEQUENCED",
     "AbortRequest",
     "AbortResult",
     "AllocRequest",
@@ -115,6 +123,8 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "ProtocolError",
+    "PrefetchRequest",
+    "PrefetchResult",
     "PutPagesRequest",
     "PutPagesResult",
     "RegisterBuffersRequest",

@@ -39,7 +39,11 @@ static PyObject *ids_non_negative(PyObject *self, PyObject *arg) {
 /* scan(buffer, max_str, max_bin, max_array, max_map, max_depth, max_objects) -> None or a tuple
 naming the first problem, exactly as protocol.codec.scan_py finds it (codec.py raises from it):
 ("truncated",) ("too_large", kind, length, cap) ("depth",) ("objects",) ("ext",) ("invalid", byte)
-("trailing", count). kind: 1 str, 2 bin, 3 array, 4 map. */
+("trailing", count) ("key_type",) ("duplicate_key",). kind: 1 str, 2 bin, 3 array, 4 map.
+
+Every open map keeps its keys seen so far in an open-addressing table (FNV-1a over the key's
+bytes, twice as many slots as the map has pairs), taken from one arena in stack order: a map's
+table is dropped when the map closes, so the arena never holds more than the open maps' tables. */
 enum { K_SCALAR, K_STR, K_BIN, K_ARRAY, K_MAP, K_EXT, K_INVALID };
 
 static void header(unsigned char b, int *kind, int *size_bytes, int64_t *length) {
@@ -83,6 +87,62 @@ static void header(unsigned char b, int *kind, int *size_bytes, int64_t *length)
 
 #define MAX_STACK 64 /* deeper than any max_depth a server sets; a larger one is refused below */
 
+typedef struct {
+    int64_t off; /* key payload offset in the frame; -1: empty slot */
+    int64_t len;
+} key_slot;
+
+typedef struct {
+    key_slot *slots;
+    int64_t top, cap;
+} key_arena;
+
+/* A table of 2**k >= 2 * pairs slots on top of the arena; returns its first index, -1 on no memory. */
+static int64_t table_open(key_arena *a, int64_t pairs, int64_t *mask) {
+    int64_t size = 8;
+    while (size < 2 * pairs) {
+        size <<= 1;
+    }
+    if (a->top + size > a->cap) {
+        int64_t cap = a->cap ? a->cap : 256;
+        while (cap < a->top + size) {
+            cap <<= 1;
+        }
+        key_slot *grown = PyMem_Realloc(a->slots, (size_t)cap * sizeof(key_slot));
+        if (grown == NULL) {
+            return -1;
+        }
+        a->slots = grown;
+        a->cap = cap;
+    }
+    int64_t base = a->top;
+    for (int64_t i = 0; i < size; i++) {
+        a->slots[base + i].off = -1;
+    }
+    a->top += size;
+    *mask = size - 1;
+    return base;
+}
+
+/* Insert the key d[off, off + len) into the table at base; 1 when it was already there. */
+static int table_insert(key_arena *a, int64_t base, int64_t mask, const unsigned char *d, int64_t off, int64_t len) {
+    uint64_t h = 1469598103934665603ULL;
+    for (int64_t i = 0; i < len; i++) {
+        h = (h ^ d[off + i]) * 1099511628211ULL;
+    }
+    for (int64_t i = (int64_t)(h & (uint64_t)mask);; i = (i + 1) & mask) {
+        key_slot *slot = &a->slots[base + i];
+        if (slot->off < 0) {
+            slot->off = off;
+            slot->len = len;
+            return 0;
+        }
+        if (slot->len == len && memcmp(d + slot->off, d + off, (size_t)len) == 0) {
+            return 1;
+        }
+    }
+}
+
 static PyObject *scan(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
@@ -100,6 +160,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     const unsigned char *d = (const unsigned char *)view.buf;
     int64_t n = view.len, pos = 0, objects = 1, remaining = 1;
     int64_t stack[MAX_STACK];
+    /* per level: the table of the open map's keys (base -1: not a map), as in codec.scan_py */
+    int64_t key_base = -1, key_mask = 0;
+    int64_t base_stack[MAX_STACK], mask_stack[MAX_STACK];
+    key_arena arena = {NULL, 0, 0};
     int depth = 0;
     PyObject *problem = NULL;
     for (;;) {
@@ -107,9 +171,17 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             if (!depth) {
                 break;
             }
-            remaining = stack[--depth];
+            if (key_base >= 0) {
+                arena.top = key_base; /* the closed map's table goes */
+            }
+            depth--;
+            remaining = stack[depth];
+            key_base = base_stack[depth];
+            key_mask = mask_stack[depth];
             continue;
         }
+        /* a map's items alternate key, value; its count is even exactly at a key */
+        int is_key = key_base >= 0 && !(remaining & 1);
         remaining--;
         if (pos >= n) {
             problem = Py_BuildValue("(s)", "truncated");
@@ -130,6 +202,16 @@ static PyObject *scan(PyObject *self, PyObject *args) {
             }
             pos += size_bytes;
         }
+        if (is_key) {
+            if (kind != K_STR) {
+                problem = Py_BuildValue("(s)", "key_type");
+                goto done;
+            }
+            if (length <= cap[K_STR] && length <= n - pos && table_insert(&arena, key_base, key_mask, d, pos, length)) {
+                problem = Py_BuildValue("(s)", "duplicate_key");
+                goto done;
+            }
+        }
         if (kind <= K_BIN) {
             if (kind && length > cap[kind]) {
                 problem = Py_BuildValue("(siLL)", "too_large", kind, (long long)length, cap[kind]);
@@ -146,6 +228,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                 goto done;
             }
             if (length) {
+                int64_t pairs = length;
                 if (kind == K_MAP) {
                     length *= 2;
                 }
@@ -154,8 +237,19 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                     problem = Py_BuildValue("(s)", "objects");
                     goto done;
                 }
-                stack[depth++] = remaining;
+                stack[depth] = remaining;
+                base_stack[depth] = key_base;
+                mask_stack[depth] = key_mask;
+                depth++;
                 remaining = length;
+                key_base = -1;
+                if (kind == K_MAP) {
+                    key_base = table_open(&arena, pairs, &key_mask);
+                    if (key_base < 0) {
+                        PyErr_NoMemory();
+                        goto done;
+                    }
+                }
             }
         } else if (kind == K_EXT) {
             problem = Py_BuildValue("(s)", "ext");
@@ -171,6 +265,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         problem = Py_BuildValue("(sL)", "trailing", (long long)(n - pos));
     }
 done:
+    PyMem_Free(arena.slots);
     PyBuffer_Release(&view);
     if (problem == NULL && !PyErr_Occurred()) {
         Py_RETURN_NONE;

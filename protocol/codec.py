@@ -4,7 +4,9 @@ Decoding runs in three steps, each refusing input before it costs memory:
 
 1. the frame's length against ``Limits.max_message_bytes``;
 2. a scan of the msgpack headers (no objects built) that bounds nesting depth, object count and
-   every string, bin, array and map length, refuses extension types and finds truncation;
+   every string, bin, array and map length, refuses extension types, map keys that are not
+   strings and duplicate keys in one map (msgpack would keep the last: ``{"op": "health", ...,
+   "op": "flush"}`` must not run flush), and finds truncation;
 3. ``msgpack.unpackb`` with the same bounds, then the envelope and the op's schema.
 
 Whatever the input, a decoder raises only ``ProtocolError`` subclasses. A decode error raised
@@ -116,7 +118,8 @@ _C_SCAN_MAX_BOUND = 2**62
 
 def scan(data: bytes | memoryview, limits: Limits) -> None:
     """Walk the msgpack headers of one frame without building objects. Raises MalformedMessage
-    (truncated, trailing bytes, invalid byte, extension type) or MessageTooLarge (a bound).
+    (truncated, trailing bytes, invalid byte, extension type, a map key that is not a str or is
+    repeated in its map) or MessageTooLarge (a bound).
 
     Objects are counted when their container's header is read, so a frame that declares too
     many is refused before any of them is looked at. Runs in C where that was built (the same
@@ -140,6 +143,10 @@ def scan(data: bytes | memoryview, limits: Limits) -> None:
         raise MalformedMessage("msgpack extension types are not allowed")
     if what == "invalid":
         raise MalformedMessage(f"invalid msgpack byte 0x{problem[1]:02x}")
+    if what == "key_type":
+        raise MalformedMessage("map keys must be strings")
+    if what == "duplicate_key":
+        raise MalformedMessage("duplicate map key")
     if what == "trailing":
         raise MalformedMessage(f"{problem[1]} trailing bytes after the message")
     raise MalformedMessage("truncated frame")
@@ -154,13 +161,16 @@ def scan_py(data: bytes | memoryview, limits: Limits) -> None:
     pos = 0
     objects = 1
     remaining = 1  # objects still to read in the innermost open container
-    stack: list[int] = []  # ``remaining`` of each enclosing container
+    keys: set[bytes] | None = None  # the innermost open map's keys so far (None: not in a map)
+    stack: list[tuple[int, set[bytes] | None]] = []  # ``remaining`` and ``keys`` of each enclosing container
     while True:
         if not remaining:
             if not stack:
                 break
-            remaining = stack.pop()
+            remaining, keys = stack.pop()
             continue
+        # A map's items alternate key, value; its ``remaining`` count is even exactly at a key.
+        is_key = keys is not None and not remaining & 1
         remaining -= 1
         if pos >= n:
             raise MalformedMessage("truncated frame")
@@ -172,6 +182,14 @@ def scan_py(data: bytes | memoryview, limits: Limits) -> None:
                 raise MalformedMessage("truncated frame")
             length = int.from_bytes(data[pos:end], "big")
             pos = end
+        if is_key:
+            if kind != _STR:
+                raise MalformedMessage("map keys must be strings")
+            if length <= caps[_STR] and pos + length <= n:  # else: too large or truncated, below
+                key = bytes(data[pos : pos + length])
+                if key in keys:  # type: ignore[operator]
+                    raise MalformedMessage("duplicate map key")
+                keys.add(key)  # type: ignore[union-attr]
         if kind <= _BIN:  # scalar, str, bin: skip the payload
             if kind and length > caps[kind]:
                 raise MessageTooLarge(f"{_WHAT[kind].format(length)}, more than {caps[kind]}")
@@ -187,8 +205,9 @@ def scan_py(data: bytes | memoryview, limits: Limits) -> None:
                 objects += length
                 if objects > max_objects:
                     raise MessageTooLarge(f"more than {max_objects} msgpack objects in one frame")
-                stack.append(remaining)
+                stack.append((remaining, keys))
                 remaining = length
+                keys = set() if kind == _MAP else None
         elif kind == _EXT:
             raise MalformedMessage("msgpack extension types are not allowed")
         else:

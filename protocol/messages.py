@@ -27,6 +27,13 @@ from protocol.ids import as_id_array, pack_ids, unpack_ids
 from protocol.limits import Limits
 
 PROTOCOL_VERSION = 1
+
+# How a server routes each op; the catalogue below declares it per request body.
+LOCAL = "local"  # answered by the leader alone from its own state; never sequenced
+SEQUENCED = "sequenced"  # numbered and applied by every rank in order; the leader's answer speaks for all
+GATHERED = "gathered"  # sequenced, and the reply joins every rank's own answer
+ROUTES = (LOCAL, SEQUENCED, GATHERED)
+
 U64_MAX = 2**64 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 COUNT_MAX = I64_MAX  # page and token counts in results
@@ -215,6 +222,7 @@ class Body:
     WHERE: ClassVar[str] = ""  # prefix of error messages: "match" or "match result"
     SPEC: ClassVar[tuple[tuple[str, Kind, Any, str], ...]] = ()  # name, kind, default, "op.name"
     NAMES: ClassVar[frozenset[str]] = frozenset()
+    ROUTE: ClassVar[str] = SEQUENCED  # request bodies: how a server routes the op (LOCAL, ...)
 
     def __post_init__(self) -> None:
         for name, kind, _, where in self.SPEC:
@@ -226,6 +234,11 @@ class Body:
 
     def validate(self) -> None:
         """Checks that span fields; raises InvalidArgument. Runs after construction and decode."""
+
+    def route(self) -> str:
+        """How a server routes this request (``ROUTE``; an op whose route depends on its
+        arguments overrides this)."""
+        return self.ROUTE
 
     @classmethod
     def unchecked(cls, *values: Any) -> Body:
@@ -283,13 +296,17 @@ def _describe(cls: type[Body], op: str, where: str) -> None:
     cls.NAMES = frozenset(spec[0] for spec in cls.SPEC)
 
 
-def register(op: str, result: type[Body]) -> Callable[[B], B]:
-    """Class decorator: ``cls`` is the request body of ``op`` and ``result`` its result body."""
+def register(op: str, result: type[Body], route: str = SEQUENCED) -> Callable[[B], B]:
+    """Class decorator: ``cls`` is the request body of ``op``, ``result`` its result body and
+    ``route`` how a server routes it (one of ``ROUTES``)."""
 
     def decorate(cls: B) -> B:
         if op in REQUEST_TYPES:
             raise ValueError(f"op {op!r} registered twice")
+        if route not in ROUTES:
+            raise ValueError(f"op {op!r}: route {route!r} is not one of {ROUTES}")
         _describe(cls, op, op)
+        cls.ROUTE = route
         _describe(result, op, f"{op} result")
         REQUEST_TYPES[op], RESULT_TYPES[op] = cls, result
         return cls
@@ -307,7 +324,7 @@ class HelloResult(Body):
     max_message_bytes: int = _field(Int(1, U64_MAX))
 
 
-@register("hello", HelloResult)
+@register("hello", HelloResult, LOCAL)
 @dataclass(frozen=True, slots=True)
 class HelloRequest(Body):
     token: str | None = _field(Maybe(Text(1024)), None)  # shared secret, when the server needs one
@@ -323,11 +340,19 @@ class MatchResult(Body):
     device_page_ids: array = _field(Ids())  # the device-resident prefix, in order
 
 
-@register("match", MatchResult)
+@register("match", MatchResult, LOCAL)
 @dataclass(frozen=True, slots=True)
 class MatchRequest(Body):
+    """The cached prefix of ``tokens``. With ``storage``, also the continuation every rank finds
+    in storage (a lookup through the storage tier: sequenced, answered after the round that
+    agreed it); without, ``storage_pages`` is 0 and rank 0 answers alone."""
+
     tokens: array = _field(Ids())
     namespace: str = _field(NAMESPACE, "")
+    storage: bool | None = _field(Maybe(Flag()), None)
+
+    def route(self) -> str:
+        return SEQUENCED if self.storage else LOCAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,13 +365,20 @@ class LockResult(Body):
     device_page_ids: array = _field(Ids())
 
 
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # when a storage read lets a reply go
+
+
 @register("lock", LockResult)
 @dataclass(frozen=True, slots=True)
 class LockRequest(Body):
-    """Match and pin the matched prefix under a new lease, atomically."""
+    """Match and pin the matched prefix under a new lease, atomically. ``prefetch`` (a policy, or
+    "none") also looks the rest up in storage and reads what every rank holds to host, replying
+    as the policy says (see PrefetchRequest); unset: the server's ``storage_prefetch`` setting."""
 
     tokens: array = _field(Ids())
     namespace: str = _field(NAMESPACE, "")
+    prefetch: str | None = _field(Maybe(Text(16, choices=(*PREFETCH_POLICIES, "none"))), None)
+    timeout_rounds: int | None = _field(Maybe(Int(0, 2**31 - 1)), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,6 +452,26 @@ class LoadRequest(Body):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchResult(Body):
+    status: str = _field(Text(16, choices=("none", "running", "done")))  # "none": nothing to fetch
+    storage_pages: int = _field(COUNT)  # the continuation every rank found in storage (agreed)
+    ready_pages: int = _field(COUNT)  # of those, pages landed in host (``load`` brings them to device)
+
+
+@register("prefetch", PrefetchResult)
+@dataclass(frozen=True, slots=True)
+class PrefetchRequest(Body):
+    """Look the rest of the lease's prefix up in storage and read what every rank holds to host,
+    with paced, capped retries. The reply comes after the lookup was agreed, and then as
+    ``policy`` says: ``best_effort`` at once, ``wait_complete`` once every read landed or gave
+    up, ``timeout`` at the latest after ``timeout_rounds`` rounds. Then ``load`` the lease."""
+
+    lease: int = _field(U64)
+    policy: str = _field(Text(16, choices=PREFETCH_POLICIES), "wait_complete")
+    timeout_rounds: int = _field(Int(0, 2**31 - 1), 8)
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult(Body):
     round: int = _field(U64)  # the round that just committed
 
@@ -446,7 +498,7 @@ class StatsResult(Body):
     values: Mapping[str, Any] = _field(ScalarMap(max_items=1024))
 
 
-@register("stats", StatsResult)
+@register("stats", StatsResult, GATHERED)
 @dataclass(frozen=True, slots=True)
 class StatsRequest(Body):
     pass
@@ -459,7 +511,7 @@ class HealthResult(Body):
     round: int = _field(U64)
 
 
-@register("health", HealthResult)
+@register("health", HealthResult, LOCAL)
 @dataclass(frozen=True, slots=True)
 class HealthRequest(Body):
     pass
@@ -490,7 +542,7 @@ class RegisterBuffersResult(Body):
     registered: int = _field(COUNT)
 
 
-@register("register_buffers", RegisterBuffersResult)
+@register("register_buffers", RegisterBuffersResult, GATHERED)
 @dataclass(frozen=True, slots=True)
 class RegisterBuffersRequest(Body):
     """Data plane: the client's KV buffers, one descriptor per rank (and per buffer), e.g.
@@ -512,11 +564,11 @@ class PutPagesResult(Body):
     written_pages: int = _field(COUNT)
 
 
-@register("put_pages", PutPagesResult)
+@register("put_pages", PutPagesResult, GATHERED)
 @dataclass(frozen=True, slots=True)
 class PutPagesRequest(Body):
     """Inline page payload, for tests: ``data`` is the pages' bytes in ``page_ids`` order, an
-    equal share per page."""
+    equal share per page, into pages ``lease`` allocated (a server refuses any other page)."""
 
     page_ids: array = _field(Ids())
     data: bytes = _field(Blob())
@@ -533,10 +585,13 @@ class GetPagesResult(Body):
     data: bytes = _field(Blob())
 
 
-@register("get_pages", GetPagesResult)
+@register("get_pages", GetPagesResult, GATHERED)
 @dataclass(frozen=True, slots=True)
 class GetPagesRequest(Body):
+    """Inline read, for tests: pages cached on every rank, or pages the caller's ``lease`` holds."""
+
     page_ids: array = _field(Ids())
+    lease: int | None = _field(Maybe(U64), None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ decodes each request with msgpack and answers with a reply of the service's shap
 ZMQ and msgpack alone. The two are measured in alternating slices and each side keeps its best,
 so both see the same machine load. ``ratio`` = service requests/s / echo requests/s (target >= 0.5
 with enough in flight: the service applies every waiting request in one round).
+``rank0_cpu_us_per_request`` (and rank 1's) is the CPU time each rank process spent per request
+in its least costly slice: steadier than the rates on a shared machine.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def drive(endpoint: str, tokens: bytes, window: int, seconds: float) -> dict[str
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stop_echo(echo: subprocess.Popen, port: int) -> None:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -175,9 +184,15 @@ def main() -> int:
                 # side's best slice (a shared machine only ever makes a slice slower).
                 best: dict[str, float] | None = None
                 floor: dict[str, float] | None = None
+                cpu_per_request = [float("inf")] * len(info["pids"])
                 for _ in range(args.slices):
                     rounds0 = c.stats().values["rounds"]
+                    cpu0 = [cpu_seconds(pid) for pid in info["pids"]]
                     served = drive(info["endpoint"], pack_ids(tokens), args.window, args.seconds)
+                    requests = served["requests_per_s"] * args.seconds
+                    for r, pid in enumerate(info["pids"]):
+                        spent = (cpu_seconds(pid) - cpu0[r]) * 1e6 / max(requests, 1)
+                        cpu_per_request[r] = min(cpu_per_request[r], spent)
                     stats = c.stats().values
                     served["rounds_per_s"] = round((stats["rounds"] - rounds0) / args.seconds, 1)
                     served["round_us_p50"] = stats.get("round_p50_us")
@@ -188,6 +203,8 @@ def main() -> int:
                         floor = echoed
                 assert best is not None and floor is not None
                 out.update(best)
+                for r, spent in enumerate(cpu_per_request):
+                    out[f"rank{r}_cpu_us_per_request"] = spent
         finally:
             stop_ranks(procs)
             stop_echo(echo, port)

@@ -37,11 +37,20 @@ class _Ops:
     def hello(self, token: str | None = None, client: str = "") -> Any:
         return self.call(p.HelloRequest(token=token, client=client))
 
-    def match(self, tokens: Iterable[int], namespace: str = "") -> Any:
-        return self.call(p.MatchRequest(tokens=tokens, namespace=namespace))
+    def match(self, tokens: Iterable[int], namespace: str = "", storage: bool | None = None) -> Any:
+        """The cached prefix; ``storage=True`` also looks the rest up in storage (``storage_pages``)."""
+        return self.call(p.MatchRequest(tokens=tokens, namespace=namespace, storage=storage))
 
-    def lock(self, tokens: Iterable[int], namespace: str = "") -> Any:
-        return self.call(p.LockRequest(tokens=tokens, namespace=namespace))
+    def lock(
+        self, tokens: Iterable[int], namespace: str = "", prefetch: str | None = None, timeout_rounds: int | None = None
+    ) -> Any:
+        """Match and pin; ``prefetch`` (a stop policy, or "none") reads the storage continuation."""
+        return self.call(
+            p.LockRequest(tokens=tokens, namespace=namespace, prefetch=prefetch, timeout_rounds=timeout_rounds)
+        )
+
+    def prefetch(self, lease: int, policy: str = "wait_complete", timeout_rounds: int = 8) -> Any:
+        return self.call(p.PrefetchRequest(lease=lease, policy=policy, timeout_rounds=timeout_rounds))
 
     def alloc(self, lease: int, num_pages: int) -> Any:
         return self.call(p.AllocRequest(lease=lease, num_pages=num_pages))
@@ -81,15 +90,17 @@ class _Ops:
     def put_pages(self, page_ids: Iterable[int], data: bytes, lease: int | None = None) -> Any:
         return self.call(p.PutPagesRequest(page_ids=page_ids, data=data, lease=lease))
 
-    def get_pages(self, page_ids: Iterable[int]) -> Any:
-        return self.call(p.GetPagesRequest(page_ids=page_ids))
+    def get_pages(self, page_ids: Iterable[int], lease: int | None = None) -> Any:
+        return self.call(p.GetPagesRequest(page_ids=page_ids, lease=lease))
 
 
 class Client(_Ops):
     """A synchronous connection to a tpcache service.
 
     ``token`` is the shared secret (servers started with one refuse every op until hello sends
-    it). The constructor sends hello and keeps the result in ``info`` (page size, world size)."""
+    it). The constructor sends hello and keeps the result in ``info`` (page size, world size).
+    ZMQ reconnects to a restarted server by itself; requests in flight then are lost (they time
+    out), and a client with a token says hello again when the new server asks for it."""
 
     def __init__(
         self,
@@ -107,6 +118,7 @@ class Client(_Ops):
         self._sock = _open_socket(self._ctx, endpoint)
         self._conn = p.ClientConnection()
         self._done: dict[int, p.Response] = {}
+        self._token, self._name = token, name
         self.info: p.HelloResult | None = None
         if hello:
             try:
@@ -159,7 +171,15 @@ class Client(_Ops):
             self._done[response.id] = response
 
     def call(self, body: p.Body, timeout_s: float | None = None) -> Any:
-        return self.wait(self.submit(body), timeout_s)
+        try:
+            return self.wait(self.submit(body), timeout_s)
+        except p.Unauthorized:
+            # A server restarted behind the endpoint (ZMQ reconnects by itself) knows this client as
+            # a new connection, which must say hello again: once, then the refused request again.
+            if self._token is None or isinstance(body, p.HelloRequest):
+                raise
+            self.info = self.hello(token=self._token, client=self._name)
+            return self.wait(self.submit(body), timeout_s)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -8,6 +8,7 @@ wait, SIGKILLs the whole group. Nothing outlives the test, even when it fails.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -137,3 +138,31 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> Any:
         if time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket process ``pid`` listens on, read from /proc (no
+    ss or netstat needed): what a local process looking for the service's ports would find."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                addr_hex, port_hex = fields[1].split(":")
+                raw = bytes.fromhex(addr_hex)
+                if width == 8:
+                    addr = ".".join(str(b) for b in raw[::-1])
+                else:
+                    words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]
+                    addr = ipaddress.IPv6Address(b"".join(words)).compressed
+                found.append((addr, int(port_hex, 16)))
+    return sorted(found)

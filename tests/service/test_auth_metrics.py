@@ -13,7 +13,7 @@ import zmq
 
 import protocol as p
 from tests.service.checks import cache_round_trip
-from tests.service.harness import REPO, repo_env, running_service
+from tests.service.harness import REPO, repo_env, running_service, wait_for
 from tpcache.client import Client
 
 pytestmark = pytest.mark.multiprocess
@@ -53,17 +53,15 @@ def test_secret_and_metrics(tmp_path: Path) -> None:
             with pytest.raises(p.Unauthorized):
                 c.call(body)
         c.close()
-        # A client-chosen routing id is refused even with the secret: it could take over the
-        # identity of an authenticated connection once that one left.
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, b"mallory")
-        sock.connect(service.endpoint)
-        sock.send(p.encode_request(p.Request(1, p.HelloRequest(token=SECRET))))
-        assert sock.poll(10_000)
-        error = p.decode_response(sock.recv()).error
-        assert error is not None and error.code == p.ErrorCode.UNAUTHORIZED
-        sock.close()
+        # Authentication belongs to the connection: a later connection that picks the routing id
+        # of one that authenticated and left must send hello again, whatever id it picks.
+        for routing_id in (b"alice", b"\x00\x80\x00\x00\x29"):
+            first = raw_dealer(service.endpoint, routing_id)
+            assert request(first, p.HelloRequest(token=SECRET)).ok
+            assert request(first, p.HealthRequest()).ok
+            first.close()
+            second = wait_for(lambda rid=routing_id: reconnect_unauthorized(service.endpoint, rid), timeout_s=30)
+            assert second, "a new connection with a used routing id was served without hello"
         with Client(service.endpoint, token=SECRET, timeout_s=10) as good:
             assert good.health().state == "open"
         cache_round_trip_with_secret(service)
@@ -83,6 +81,35 @@ def test_secret_and_metrics(tmp_path: Path) -> None:
             ):
                 assert name in text, (rank, name)
         assert 'tpcache_requests_total{op="match",outcome="ok"}' in scrape(port)
+
+
+def raw_dealer(endpoint: str, routing_id: bytes) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(endpoint)
+    return sock
+
+
+def request(sock: zmq.Socket, body: p.Body, timeout_s: float = 10.0) -> p.Response:
+    sock.send(p.encode_request(p.Request(1, body)))
+    assert sock.poll(int(timeout_s * 1000)), "no reply"
+    return p.decode_response(sock.recv())
+
+
+def reconnect_unauthorized(endpoint: str, routing_id: bytes) -> bool:
+    """A fresh connection with ``routing_id`` asks for health without hello: refused? (A reply
+    that never comes means the server still had the first connection under that id.)"""
+    sock = raw_dealer(endpoint, routing_id)
+    try:
+        sock.send(p.encode_request(p.Request(2, p.HealthRequest())))
+        if not sock.poll(2000):
+            return False
+        error = p.decode_response(sock.recv()).error
+        assert error is not None and error.code == p.ErrorCode.UNAUTHORIZED, error
+        return True
+    finally:
+        sock.close()
 
 
 def cache_round_trip_with_secret(service: object) -> None:

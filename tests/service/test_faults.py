@@ -31,7 +31,7 @@ def insert(c: object, tokens: list[int]) -> None:
 
 
 def test_dead_rank_closes_the_cache_with_a_reason(tmp_path: Path) -> None:
-    args = (*FAST, "--round-timeout", "2", "--heartbeat", "0.2")
+    args = (*FAST, "--round-timeout", "2", "--heartbeat", "0.2", "--broken-group-exit", "120")
     with running_service(tmp_path, *args) as service, service.client(timeout_s=20) as c:
         tokens = fresh_tokens(16)
         insert(c, tokens)
@@ -41,13 +41,46 @@ def test_dead_rank_closes_the_cache_with_a_reason(tmp_path: Path) -> None:
         assert health, "the survivors did not fail closed"
         assert "collective failed" in health.reason, health.reason
         assert pid_alive(service.pids[0])
-        # A closed cache serves misses and refuses writes; it never reports a hit.
+        # A closed cache serves misses and never reports a hit; what needs a round is refused,
+        # saying the group must be restarted (no round can run without every rank).
         assert c.match(tokens).hit_tokens == 0
-        lk = c.lock(tokens)
-        assert lk.hit_tokens == 0
-        with pytest.raises(p.CacheClosed):
-            c.alloc(lk.lease, 1)
+        with pytest.raises(p.CacheClosed, match="must be restarted"):
+            c.lock(tokens)
+        with pytest.raises(p.CacheClosed, match="flush cannot reopen it"):
+            c.flush()
+        assert c.health().state == "closed"
     assert not pid_alive(service.pids[0])
+
+
+def test_a_stalled_rank_breaks_the_group_for_good(tmp_path: Path) -> None:
+    """A rank stopped past the round timeout: rank 0's collective fails, and even once the rank
+    runs again the group cannot agree: flush is refused (restart needed), never "ok" on a cache
+    that stays closed."""
+    args = (*FAST, "--round-timeout", "2", "--heartbeat", "0.2", "--broken-group-exit", "120")
+    with running_service(tmp_path, *args) as service, service.client(timeout_s=20) as c:
+        insert(c, fresh_tokens(8))
+        os.kill(service.pids[1], signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: c.health().state == "closed", timeout_s=30)
+        finally:
+            os.kill(service.pids[1], signal.SIGCONT)
+        for _ in range(3):
+            with pytest.raises(p.CacheClosed, match="must be restarted"):
+                c.flush()
+            health = c.health()
+            assert health.state == "closed" and "collective failed" in health.reason, health
+
+
+def test_a_broken_group_exits_for_a_restart(tmp_path: Path) -> None:
+    """By default the ranks of a broken group exit non-zero soon after, for torchrun to restart."""
+    args = (*FAST, "--round-timeout", "2", "--heartbeat", "0.2", "--broken-group-exit", "1")
+    with running_service(tmp_path, *args) as service:
+        with service.client(timeout_s=20) as c:
+            insert(c, fresh_tokens(8))
+        os.kill(service.pids[1], signal.SIGKILL)
+        assert service.proc.wait(60) != 0, service.log()
+        assert not pid_alive(service.pids[0])
+        assert "must be restarted" in service.log() and "Traceback" not in service.log(), service.log()
 
 
 def test_a_rank_that_misses_a_batch_fails_the_group_closed(tmp_path: Path) -> None:

@@ -63,7 +63,11 @@ def test_garbage_frames_get_bad_message(raw: zmq.Socket) -> None:
 def test_empty_frame_and_extra_envelope_frames(raw: zmq.Socket) -> None:
     raw.send(b"")
     assert error_of(reply(raw)) == p.ErrorCode.BAD_MESSAGE
-    raw.send_multipart([b"a", b"b", b"c", b"d", b"e"])  # not an envelope the server speaks: dropped
+    # Envelope frames past the limit are refused, not echoed: the error comes without them.
+    raw.send_multipart([b"a", b"b", b"c", b"d", p.encode_request(p.Request(4, p.HealthRequest()))])
+    assert error_of(reply(raw)) == p.ErrorCode.TOO_LARGE
+    raw.send_multipart([bytes(1024), p.encode_request(p.Request(4, p.HealthRequest()))])
+    assert error_of(reply(raw)) == p.ErrorCode.TOO_LARGE
     raw.send(p.encode_request(p.Request(5, p.HealthRequest())))
     r = reply(raw)
     assert r.ok and r.id == 5

@@ -75,8 +75,11 @@ def test_set_config_and_step(service: Service) -> None:
         c.step()
         assert c.stats().values["evictable_device_tokens"] <= 8
         assert c.set_config(retention_cap_tokens=-1).settings["retention_cap_tokens"] == -1
-        with pytest.raises(p.InvalidArgument):
-            c.set_config(mirror_release=False)
+        assert c.set_config(mirror_release=False).settings["mirror_release"] is False
+        assert c.set_config(mirror_release=True).settings["mirror_release"] is True
+        with pytest.raises(p.InvalidArgument, match="no storage tier"):
+            c.set_config(storage_prefetch=True)  # this service has none
+        assert c.stats().values["digests_equal"] is True
     cache_round_trip(service)
 
 

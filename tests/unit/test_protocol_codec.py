@@ -182,9 +182,41 @@ def test_deep_nesting() -> None:
 def test_invalid_utf8_and_non_str_map_keys() -> None:
     bad_utf8 = b"\x84\xa1v\x01\xa2id\x05\xa2op\xa2\xff\xfe\xa4args\x80"
     raises(p.MalformedMessage, bad_utf8)
-    raises(p.MalformedMessage, b"\x81\x01\x02")  # int map key: refused by strict_map_key
-    err = raises(p.InvalidArgument, frame({"v": 1, "id": 5, "op": "step", "args": {b"k": 1}}))
-    assert "unknown argument" in err.message
+    err = raises(p.MalformedMessage, b"\x81\x01\x02")  # an int map key
+    assert "keys must be strings" in err.message
+    err = raises(p.MalformedMessage, frame({"v": 1, "id": 5, "op": "step", "args": {b"k": 1}}))
+    assert "keys must be strings" in err.message
+
+
+def raw_map(*pairs: tuple[bytes, Any]) -> bytes:
+    """A msgpack map written pair by pair (a dict cannot hold the same key twice)."""
+    assert len(pairs) < 16
+    return bytes([0x80 | len(pairs)]) + b"".join(key + frame(value) for key, value in pairs)
+
+
+def test_duplicate_map_keys_are_refused_at_every_level() -> None:
+    # Last key wins in msgpack: without the check this health request would run flush.
+    envelope = [(frame("v"), 1), (frame("id"), 9), (frame("op"), "health"), (frame("args"), {})]
+    err = raises(p.MalformedMessage, raw_map(*envelope, (frame("op"), "flush")))
+    assert "duplicate map key" in err.message
+    args = raw_map((frame("tokens"), pack_ids([1])), (frame("tokens"), pack_ids([2])))
+    head = raw_map((frame("v"), 1), (frame("id"), 3), (frame("op"), "match"))
+    nested = bytes([0x84]) + head[1:] + frame("args") + args
+    assert "duplicate map key" in raises(p.MalformedMessage, nested).message
+    # The same key in two encodings (fixstr and str8) is the same key.
+    assert "duplicate" in raises(p.MalformedMessage, raw_map((b"\xa1a", 1), (b"\xd9\x01a", 2))).message
+    # Equal keys in different maps, and a large map of distinct keys, are fine.
+    scan(frame({"a": {"a": 1}, "b": [{"a": 1}, {"a": 2}]}), p.DEFAULT_LIMITS)
+    scan(frame({f"k{i}": i for i in range(256)}), p.DEFAULT_LIMITS)
+    wide = frame({f"k{i}": i for i in range(255)})
+    wide = b"\xde\x01\x00" + wide[3:] + frame("k200") + frame(0)  # 256 pairs, the last repeats k200
+    with pytest.raises(p.MalformedMessage, match="duplicate"):
+        scan(wide, p.DEFAULT_LIMITS)
+    with pytest.raises(p.MalformedMessage, match="duplicate"):
+        codec_module.scan_py(wide, p.DEFAULT_LIMITS)
+    reply = raw_map((frame("v"), 1), (frame("id"), 1), (frame("ok"), False), (frame("ok"), True))
+    with pytest.raises(p.MalformedMessage, match="duplicate"):
+        p.decode_response(reply)
 
 
 def test_huge_declared_lengths_do_not_allocate() -> None:
@@ -309,21 +341,36 @@ def _scan_outcome(fn: Any, data: bytes, limits: p.Limits) -> tuple[str, str] | N
 
 
 _TIGHT = p.Limits(max_depth=3, max_objects=12, max_array_len=5, max_map_len=3, max_str_len=6, max_bin_len=8)
-_values = st.recursive(
+_scalars = (
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**64 - 1)
     | st.floats()
     | st.text(max_size=9)
-    | st.binary(max_size=12),
+    | st.binary(max_size=12)
+)
+_values = st.recursive(
+    _scalars,
     lambda inner: st.lists(inner, max_size=7) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
     max_leaves=20,
+)
+# Maps written pair by pair: keys repeat (few key names, some in two encodings) or are not strings.
+_keys = st.sampled_from(["a", "b", ""]).map(frame) | st.sampled_from([b"\xd9\x01a", b"\xc4\x01a", b"\x01"])
+_raw_maps = st.recursive(
+    _scalars.map(frame),
+    lambda inner: st.lists(st.tuples(_keys, inner), max_size=5).map(
+        lambda pairs: bytes([0x80 | len(pairs)]) + b"".join(k + v for k, v in pairs)
+    ),
+    max_leaves=12,
 )
 
 
 @pytest.mark.skipif(codec_module._c_scan is None, reason="the C scan was not built")
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(_values.map(lambda v: msgpack.packb(v, use_bin_type=True)), st.binary(max_size=40)), st.integers(0, 6))
+@given(
+    st.one_of(_values.map(lambda v: msgpack.packb(v, use_bin_type=True)), st.binary(max_size=40), _raw_maps),
+    st.integers(0, 6),
+)
 def test_the_c_scan_agrees_with_the_python_scan(data: bytes, cut: int) -> None:
     for frame in (data, data[: len(data) - cut], data + b"\xc0" * cut):
         for limits in (p.DEFAULT_LIMITS, _TIGHT):

@@ -31,12 +31,16 @@ SAMPLES: dict[str, tuple[p.Body, p.Body]] = {
         ),
     ),
     "match": (
-        p.MatchRequest(tokens=array("i", [5, 0, 2**31 - 1, 7]), namespace="tenant-a"),
+        p.MatchRequest(tokens=array("i", [5, 0, 2**31 - 1, 7]), namespace="tenant-a", storage=True),
         p.MatchResult(hit_tokens=32, device_pages=1, host_pages=1, storage_pages=0, device_page_ids=[9]),
     ),
     "lock": (
-        p.LockRequest(tokens=[1, 2, 3]),
-        p.LockResult(lease=U64_MAX, hit_tokens=0, device_pages=0, host_pages=0, storage_pages=0, device_page_ids=[]),
+        p.LockRequest(tokens=[1, 2, 3], prefetch="timeout", timeout_rounds=4),
+        p.LockResult(lease=U64_MAX, hit_tokens=0, device_pages=0, host_pages=0, storage_pages=3, device_page_ids=[]),
+    ),
+    "prefetch": (
+        p.PrefetchRequest(lease=3, policy="best_effort"),
+        p.PrefetchResult(status="running", storage_pages=4, ready_pages=1),
     ),
     "release": (p.ReleaseRequest(lease=0), p.ReleaseResult()),
     "abort": (p.AbortRequest(lease=12), p.AbortResult()),
@@ -67,7 +71,7 @@ SAMPLES: dict[str, tuple[p.Body, p.Body]] = {
         p.PutPagesRequest(page_ids=[1, 2], data=b"ab" * 8, lease=None),
         p.PutPagesResult(written_pages=2),
     ),
-    "get_pages": (p.GetPagesRequest(page_ids=[1, 2]), p.GetPagesResult(data=bytearray(b"ab" * 8))),
+    "get_pages": (p.GetPagesRequest(page_ids=[1, 2], lease=5), p.GetPagesResult(data=bytearray(b"ab" * 8))),
 }
 
 

@@ -32,6 +32,7 @@ from tpcache.core.completions import Completions
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.eviction import Candidates, Evictor
+from tpcache.core.external import EnginePages, check_blocks, require_engine_mode
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.hybrid import Hybrid
 from tpcache.core.inserts import Inserter
@@ -44,6 +45,8 @@ from tpcache.core.prefetch import Prefetcher
 from tpcache.core.records import CacheClosed, Lease, LeasePart, MatchResult, OpKind, Ready, Stats, Transfer
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.tree import Node, RadixTree
+
+_NO_BACKLOG = mix_ids([])
 
 
 class CacheCore:
@@ -69,6 +72,7 @@ class CacheCore:
             config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed, self.hybrid
         )
         self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher)
+        self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
         self.flush_requested = False
@@ -133,23 +137,19 @@ class CacheCore:
     def state_digest(self) -> int:
         """The digest of every node and lease plus the scalars that decide what happens next."""
         led = self.ledger
+        backlog = mix_ids(list(led.backup_backlog)) if led.backup_backlog else _NO_BACKLOG
         extra = mix(
             led.clock,
             self.outbox.next_op,
             self.book.next_lease,
             int(self.flush_requested),
-            mix_ids(list(led.backup_backlog)),
+            backlog,
             self.evictor.retention_cap_tokens,
         )
         if led.parts:  # each component's backlog and the SWA waiting to be freed decide what comes next
             ids = [v for p in led.parts.values() for v in (p.index, len(p.backlog), *p.backlog, *p.behind)]
             extra = mix(extra, mix_ids(ids))
         return (led.digest.value + extra) & DIGEST_MASK
-
-    def kept_leases_digest(self) -> int:
-        """A digest of what an agreed flush keeps: the live leases and the pages they hold."""
-        kept = [(x.lease_id, *x.pages) for x in self.leases.values() if not x.releasing]
-        return mix_ids([len(kept)] + [v for entry in kept for v in (len(entry), *entry)])
 
     # ------------------------------------------------------------------ Ready / Advance
 
@@ -273,8 +273,9 @@ class CacheCore:
         self.ledger.tick()
         return self.loader.load(lease)
 
-    def prefetch(self, lease_id: int) -> bool:
-        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host.
+    def prefetch(self, lease_id: int, read: bool = True) -> bool:
+        """Look up the continuation of the lease's tokens in storage; read the agreed hit to host
+        (``read=False``: only agree on the hit).
 
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
         self._refuse_if_closed()
@@ -282,9 +283,24 @@ class CacheCore:
         self.ledger.tick()
         if not self.config.storage:
             return False
-        started = self.prefetcher.start(lease)
+        started = self.prefetcher.start(lease, read)
         self.book.refresh(lease)
         return started
+
+    def save(self, lease_id: int, tokens: TokenIds, blocks: list[int]) -> Transfer | None:
+        """Engine-owned device pages: back up the pages of ``tokens`` the cache lacks from the
+        engine's ``blocks`` (``external.py``)."""
+        lease, blocks = self._engine_op(lease_id, blocks)
+        return self.engine_pages.save(lease, as_token_bytes(tokens), blocks)
+
+    def load_into(self, lease_id: int, first_page: int, blocks: list[int]) -> Transfer | None:
+        """Engine-owned device pages: copy pages of the lease's hit into the engine's ``blocks``."""
+        lease, blocks = self._engine_op(lease_id, blocks)
+        return self.engine_pages.load_into(lease, first_page, blocks)
+
+    def hit_pages(self, lease_id: int) -> int:
+        """Leading pages of the lease's tokens it holds on host (its hit, prefetched pages included). Pure."""
+        return len(self.engine_pages.hit_nodes(self.lease(lease_id)))
 
     def release(self, lease_id: int) -> bool:
         """Release (finish or abort) a lease. Returns True when released now; a lease with copies
@@ -366,6 +382,11 @@ class CacheCore:
                 lease.parts[c] = LeasePart(pages=slots)
             self.book.table[lease_id] = lease
             self.book.refresh(lease)
+
+    def _engine_op(self, lease_id: int, blocks: list[int]) -> tuple[Lease, list[int]]:
+        self._refuse_if_closed()
+        require_engine_mode(self.config)
+        return self.book.live(lease_id), check_blocks(blocks)  # the op ticks once it is valid
 
     def _refuse_if_closed(self) -> None:
         if self.closed_reason is not None:

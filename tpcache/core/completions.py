@@ -105,6 +105,9 @@ class Completions:
 
     def _load(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
+        if op.engine_pages:  # into the engine's blocks: no tier state changes, the lease holds the slots
+            led.stats.loads_done_pages += ok
+            return
         failed: list[Node] = []
         for i, node in op.full_moves():
             if i < ok:

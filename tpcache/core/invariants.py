@@ -175,6 +175,10 @@ def _check_ops(
                 if n.parent is None:
                     fail(f"op {op.op_id} references a removed node {n.node_id}")
             for _, n in op.full_moves():
+                if op.engine_pages and kind == OpKind.LOAD:
+                    if n.host_state != HostState.VALID:  # reads under its lease's pins, into engine blocks
+                        fail(f"engine load op {op.op_id}: node {n.node_id} is {n!r}")
+                    continue
                 if kind in (OpKind.LOAD, OpKind.STORAGE_WRITE):
                     host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1  # the op reads the host slot
                 if not expect[kind](n):

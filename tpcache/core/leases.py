@@ -14,6 +14,7 @@ Invariants (``invariants.check``):
 
 from __future__ import annotations
 
+from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, UnknownLease
@@ -28,6 +29,7 @@ class Leases:
         self.table: dict[int, Lease] = {}
         self.waiters: dict[int, list[int]] = {}  # op id -> leases waiting for it
         self.next_lease = 1
+        self.kept_digest = 0  # sum of ``lease.kept``: the leases a flush keeps, and their pages
 
     def new(self, tokens: bytes) -> Lease:
         lease = Lease(self.next_lease, tokens=tokens)
@@ -49,8 +51,14 @@ class Leases:
         return lease
 
     def refresh(self, lease: Lease) -> None:
-        """Re-record the lease in the state digest after any change to it."""
+        """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
         self.ledger.refresh_lease(lease, [] if lease.prefetch is None else lease.prefetch.fields())
+        kept = 0 if lease.releasing else mix(lease.lease_id, mix_ids(lease.pages))
+        if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
+            slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
+            kept = mix(kept, mix_ids(slots))
+        self.kept_digest = (self.kept_digest - lease.kept + kept) & DIGEST_MASK
+        lease.kept = kept
 
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
@@ -142,6 +150,8 @@ class Leases:
     def finish(self, lease: Lease) -> None:
         led = self.ledger
         led.forget_lease(lease)
+        self.kept_digest = (self.kept_digest - lease.kept) & DIGEST_MASK
+        lease.kept = 0
         for c, held in lease.parts.items():  # component pins first: a full page outlives its components
             for node in held.device_nodes:
                 led.update(node, part=c, device_pins=-1)

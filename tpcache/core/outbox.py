@@ -35,20 +35,23 @@ class Outbox:
         full_index: list[int] | None = None,
         parts: dict[int, list[int]] | None = None,
         query: QueryPlan | None = None,
+        engine_pages: list[int] | None = None,
     ) -> Transfer:
         """A new op over ``nodes`` (their slots as they are now). ``full_index``: the positions whose
-        full page it moves (None: all); ``parts``: per component, the positions whose data it moves."""
+        full page it moves (None: all); ``parts``: per component, the positions whose data it moves;
+        ``engine_pages``: its device side is these engine blocks instead (full attention only)."""
         movers = nodes if full_index is None else [nodes[i] for i in full_index]
         op = Transfer(
             op_id=self.next_op,
             kind=kind,
             nodes=list(nodes),
-            device_pages=[n.device_page for n in movers],
+            device_pages=[n.device_page for n in movers] if engine_pages is None else list(engine_pages),
             host_slots=[n.host_slot for n in movers],
             page_hashes=[n.hash for n in nodes] if page_hashes is None else list(page_hashes),
             lease_id=lease_id,
             full_index=full_index,
             query=query,
+            engine_pages=engine_pages is not None,
         )
         for c, index in (parts or {}).items():
             base = self.ledger.parts[c].base

@@ -39,6 +39,7 @@ STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 TRANSITIONS: dict[str, dict[str, str]] = {
     "querying": {
         "hit": "reading",
+        "looked_up": "done",
         "no_slots": "deferred",
         "give_up": "done",
         "miss": "done",
@@ -84,11 +85,12 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ sequenced
 
-    def start(self, lease: Lease) -> bool:
-        """Begin a prefetch of the lease's continuation. False when there is nothing to fetch."""
+    def start(self, lease: Lease, read: bool = True) -> bool:
+        """Begin a prefetch of the lease's continuation (``read=False``: only agree on the hit).
+        False when there is nothing to fetch."""
         if lease.prefetch is not None and lease.prefetch.status != "done":
             return True
-        lease.prefetch = PrefetchState(lease.tokens, status="done")
+        lease.prefetch = PrefetchState(lease.tokens, status="done", read=read)
         _to(lease.prefetch, "start")
         return self._query(lease)
 
@@ -119,6 +121,9 @@ class Prefetcher:
         self.ledger.stats.prefetch_hit_pages += hit
         if hit == 0:
             _to(state, "miss")
+            return
+        if not state.read:
+            _to(state, "looked_up")
             return
         self._read(lease)
 

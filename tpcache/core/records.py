@@ -56,6 +56,7 @@ class Transfer:
     full_index: list[int] | None = None  # positions of the nodes whose full page moves (None: all)
     parts: list[PartCopy] = field(default_factory=list)
     query: QueryPlan | None = None  # a hybrid storage lookup: how the I/O layer computes its hit
+    engine_pages: bool = False  # the device side names the engine's own blocks (core/external.py)
 
     @property
     def num_pages(self) -> int:
@@ -105,12 +106,13 @@ class PrefetchState:
     start: int = 0  # page index the current attempt's hit starts at
     nodes: list[Node] = field(default_factory=list)
     anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
+    read: bool = True  # False: a lookup only (agree on the hit, read nothing to host)
 
     def fields(self) -> list[int]:
         """What the state digest covers of it."""
         code = PREFETCH_STATES.index(self.status)
         counts = (self.attempts, self.hit_pages, self.ready_pages, self.rounds, self.deferrals, self.retry_at)
-        return [code, self.op_id, *counts, self.start]
+        return [code, self.op_id, *counts, self.start, int(self.read)]
 
 
 @dataclass
@@ -134,7 +136,8 @@ class Lease:
     ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
     releasing: bool = False
     prefetch: PrefetchState | None = None
-    record: int = 0
+    record: int = 0  # its record in the state digest
+    kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
     parts: dict[int, LeasePart] = field(default_factory=dict)  # by component (hybrid configurations)
     hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
 

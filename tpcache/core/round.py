@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from tpcache.core.backup import MirrorRelease
 from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
 from tpcache.core.plans import Plan, PlanFeature
@@ -29,6 +30,7 @@ from tpcache.core.plans import Plan, PlanFeature
 log = logging.getLogger("tpcache.round")
 
 QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=True))
+FEATURES = {"mirror_release": MirrorRelease}  # plan features by name (``set_feature``)
 _EMPTY_QUEUE = mix_ids([])
 
 
@@ -78,6 +80,7 @@ class Round:
         self.layout_digest = mix_text(json.dumps(described))
         self.number = 0
         self.features: list[PlanFeature] = list(core.plan_features if features is None else features)
+        self._configured = [f.name for f in self.features]
         self.pending_plan: Plan | None = None  # prepared last commit, checked this round
         self.plan_mismatches = 0  # consecutive rounds whose plans disagreed
         self.disabled: set[str] = set()
@@ -87,15 +90,20 @@ class Round:
         self._index = {name: self.layout.index(name) for name in ("layout", "round", "seq", "health")}
 
     def rebind(self, core: CacheCore) -> None:
-        """After an agreed flush the core starts over: plans act on the new one."""
+        """After an agreed flush the core starts over: the features (as switched at runtime) act on it."""
         self.core = core
-        self.features = list(core.plan_features)
+        self.features = [FEATURES[f.name](core.backup) for f in self.features]
 
     # ------------------------------------------------------------------ prepare
 
     def state_digest(self) -> int:
-        plans = mix(self.plan_mismatches, mix_ids(sorted(mix_text(name) for name in self.disabled)))
-        return (self.core.state_digest() + plans) & DIGEST_MASK
+        """The core's state digest and the round's own state that decides (the plans' counters)."""
+        names = [f.name for f in self.features]
+        if self.plan_mismatches or self.disabled or names != self._configured:
+            off = mix_ids(sorted(mix_text(name) for name in self.disabled))
+            plans = mix(self.plan_mismatches, off, mix_ids([mix_text(name) for name in names]))
+            return (self.core.state_digest() + plans) & DIGEST_MASK
+        return self.core.state_digest()
 
     def prepare(self, seq: int, landed: Mapping[int, int], health: int, drained: bool) -> list[int]:
         """This rank's vector for the round. Pure with respect to the core.
@@ -105,6 +113,8 @@ class Round:
         if self._prepared:
             raise RuntimeError("prepare called twice without commit: one collective per round")
         core = self.core
+        inflight = core.outbox.inflight
+        idle = drained and not any(inflight.values())
         values = [
             self.layout_digest,
             self.number,
@@ -112,12 +122,12 @@ class Round:
             self.state_digest(),
             health,
             int(drained),
-            int(drained and not core.outbox.busy()),
+            int(idle),
             int(core.flush_requested),
-            core.kept_leases_digest(),
+            core.book.kept_digest,
         ]
         for kind in QUEUE_OF:  # per queue, in layout order
-            pending = core.inflight[kind]
+            pending = inflight[kind]
             if not pending:
                 values += (_EMPTY_QUEUE, 0, 0, 0)
                 continue
@@ -155,8 +165,9 @@ class Round:
         unanimous = agreement.unanimous and agreement.lo["health"] == 0
         if not unanimous:
             self._check_header(agreement, report)
+        inflight = core.outbox.inflight
         for kind, q in QUEUE_OF.items():
-            if core.inflight[kind] or not unanimous:
+            if inflight[kind] or not unanimous:
                 self._apply_queue(kind, q, agreement, report)
         if self.pending_plan is not None or not unanimous:
             self._apply_plan(agreement, report)
@@ -178,6 +189,17 @@ class Round:
             core.enforce_retention()
         report.closed_reason = core.closed_reason
         return report
+
+    def set_feature(self, name: str, enabled: bool) -> None:
+        """Switch a plan feature on or off at runtime (a sequenced op: every rank at once). On again
+        also clears a switch-off after repeated plan mismatches, by the operator's choice."""
+        if name not in FEATURES:
+            raise ValueError(f"unknown plan feature {name!r}; choose one of {sorted(FEATURES)}")
+        self.features = [f for f in self.features if f.name != name]
+        if enabled:
+            self.features.append(FEATURES[name](self.core.backup))
+        self.disabled.discard(name)
+        self.plan_mismatches = 0
 
     def fail(self, reason: str) -> None:
         """The collective failed (timeout, dead rank): close for good, mutating nothing else. The

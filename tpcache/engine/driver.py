@@ -201,10 +201,11 @@ class Operations:
         """Start loading the lease's host hits to device; returns the prefix's device pages."""
         return self.driver.apply(self.core.load, lease)
 
-    def prefetch(self, lease: int) -> bool:
-        """Look the continuation of the lease's tokens up in storage; read the agreed hit to host.
-        Follow with ``prefetch_status``/``admissible``, then ``load``."""
-        return self.driver.apply(self.core.prefetch, lease)
+    def prefetch(self, lease: int, read: bool = True) -> bool:
+        """Look the continuation of the lease's tokens up in storage; read the agreed hit to host
+        (``read=False``: only agree on the hit). Follow with ``prefetch_status``/``admissible``,
+        then ``load``."""
+        return self.driver.apply(self.core.prefetch, lease, read)
 
     def prefetch_status(self, lease: int) -> tuple[str, int]:
         return self.core.prefetch_status(lease)
@@ -219,6 +220,10 @@ class Operations:
 
     def set_retention_cap(self, tokens: int) -> None:
         self.driver.apply(self.core.set_retention_cap, tokens)
+
+    def set_mirror_release(self, enabled: bool) -> None:
+        """Switch mirror release on or off; sequenced, so every rank switches at once."""
+        self.driver.apply(self.driver.round.set_feature, "mirror_release", enabled)
 
     def request_flush(self) -> None:
         """Ask for an agreed flush (raises ``GroupBroken`` if the round's collective failed)."""

@@ -101,8 +101,7 @@ class Shell:
         return self.health_bits
 
     def drained(self) -> bool:
-        """No copy is physically in flight on this rank."""
-        self._collect()
+        """No copy is physically in flight on this rank (as of the last ``landed``)."""
         return not self.running
 
     def reset(self) -> None:

@@ -213,7 +213,7 @@ class TPCache(Operations):
         broken collective no round can agree: wait for this rank's own copies instead."""
         for n in range(max_rounds):
             if self.driver.broken is not None:
-                while not self.shell.drained() and n < max_rounds:
+                while self.shell.landed() is not None and not self.shell.drained() and n < max_rounds:
                     time.sleep(pause_s or 0.0005)
                     n += 1
                 return n

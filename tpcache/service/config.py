@@ -8,7 +8,6 @@ drift apart. Precedence: command line > environment > file > defaults.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from urllib.parse import urlparse
 
 from tpcache.core import CacheConfig
 from tpcache.core.config import WRITE_POLICIES
+from tpcache.dist.store import is_loopback_host
 
 ENV_PREFIX = "TPCACHE_"
 
@@ -48,8 +48,8 @@ class ServiceConfig:
     )
     internal_host: str = _opt(
         "127.0.0.1",
-        "address each rank binds its internal fan-out socket on; set it to a trusted interface "
-        "when ranks span hosts (the internal channel carries no authentication)",
+        "address each rank binds its internal fan-out socket on (loopback unless --allow-remote); "
+        "every internal frame carries a MAC under a key the group draws at startup",
     )
     # --- cache
     page_size: int = _opt(16, "tokens per page")
@@ -80,6 +80,29 @@ class ServiceConfig:
     heartbeat_s: float = _opt(1.0, "an idle leader runs a round at least this often (detects dead ranks)")
     max_batch: int = _opt(1024, "most client requests applied in one round")
     max_pending_per_client: int = _opt(4096, "requests one client may have in flight before OVERLOADED")
+    # --- leases
+    lease_ttl_s: float = _opt(
+        600.0,
+        "seconds a lease may go unused (no request names it) before rank 0 releases it; 0 = never. "
+        "Set it above your longest request. A client's leases are also released when it disconnects",
+    )
+    max_leases_per_client: int = _opt(4096, "leases one connection may hold before lock answers OVERLOADED")
+    max_leases: int = _opt(65536, "leases all clients together may hold before lock answers OVERLOADED")
+    # --- storage reads
+    storage_prefetch: bool = _opt(
+        True,
+        "with a storage tier: lock also looks the rest of its prefix up in storage and reads what "
+        "every rank holds to host (the reply waits for the lookup); a request may choose otherwise; "
+        "set_config changes it at runtime",
+    )
+    # --- failure
+    broken_group_exit_s: float = _opt(
+        2.0,
+        "after the round's collective failed (a rank died or stalled past --round-timeout) the group "
+        "cannot agree again: rank 0 keeps answering (CACHE_CLOSED: restart needed) for this long, "
+        "then every rank exits with code 4 so that torchrun --max-restarts restarts the group; "
+        "negative: keep answering until stopped",
+    )
     # --- operations
     metrics_port: int = _opt(0, "Prometheus metrics on 127.0.0.1:PORT+rank; 0 = off")
     ready_file: str = _opt("", "rank 0 writes {endpoint, pids, ...} as JSON here once serving")
@@ -94,6 +117,10 @@ class ServiceConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.max_batch < 1 or self.max_pending_per_client < 1:
             raise ConfigError("max_batch and max_pending_per_client must be >= 1")
+        if self.lease_ttl_s < 0:
+            raise ConfigError("lease_ttl_s must be >= 0 (0: leases never expire by age)")
+        if self.max_leases_per_client < 1 or self.max_leases < 1:
+            raise ConfigError("max_leases_per_client and max_leases must be >= 1")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.storage_dir and self.storage_url:
@@ -108,6 +135,11 @@ class ServiceConfig:
             except StorageURLError as exc:
                 raise ConfigError(f"storage_url: {exc}") from None
         check_endpoint(self.endpoint, self.allow_remote, self.secret)
+        if not is_loopback_host(self.internal_host) and not self.allow_remote:
+            raise ConfigError(
+                f"internal_host {self.internal_host} is not a loopback address: pass --allow-remote to let "
+                "ranks on other hosts reach the internal channel"
+            )
         if self.kv_layout:
             parse_kv_layout(self.kv_layout, self.page_size)
 
@@ -139,15 +171,6 @@ class ServiceConfig:
 
     def replace(self, **changes: Any) -> ServiceConfig:
         return dataclasses.replace(self, **changes)
-
-
-def is_loopback_host(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_endpoint(endpoint: str, allow_remote: bool, secret: str) -> None:

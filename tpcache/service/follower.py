@@ -5,7 +5,9 @@ exactly one round per batch, so every rank runs the same number of rounds. What 
 (a request it cannot decode, a batch it lost) it skips: its sequence number then differs from the
 other ranks' and the round's sequence check closes the cache everywhere, which health reports.
 A follower that hears nothing from the leader for longer than a round can take (the leader sends
-a heartbeat batch when idle) closes its cache and exits: the leader is gone.
+a heartbeat batch when idle) closes its cache and exits: the leader is gone. A follower whose
+round collective failed exits at once (``EXIT_GROUP_BROKEN``): the group can never agree again
+and must be restarted (torchrun ``--max-restarts`` does it).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from typing import Any
 import zmq
 
 import protocol as p
-from tpcache.service.channels import ACTIVATE, Channels, unpack
+from tpcache.service.batch import EXIT_GROUP_BROKEN, REQUEST, apply_batch
+from tpcache.service.channels import MAX_ANSWER_BYTES, Batch, Channels
 from tpcache.service.config import ServiceConfig
-from tpcache.service.handlers import GATHER_OPS, Deferred, RankHandler, to_protocol_error
+from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
+from tpcache.service.ops import gathered_payload
 
 log = logging.getLogger("tpcache.service")
 
 EXIT_LEADER_GONE = 3
+MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
 
 
 def _fault_drop_batch() -> int:
@@ -63,67 +68,62 @@ class Follower:
                 log.error("rank %d: no stop from the leader after a signal; exiting", self.ch.rank)
                 return 1
             if inbox.poll(100, zmq.POLLIN):
-                last = time.monotonic()
-                try:
-                    msg = unpack(inbox.recv())
-                except Exception:  # noqa: BLE001 - a corrupt batch: skip it, the round will disagree
-                    log.error("rank %d: unreadable batch skipped", self.ch.rank)
+                batch = self.ch.receive_batch()  # None: a foreign frame, dropped and counted
+                self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
+                if batch is None:
                     continue
-                if msg.get("x"):
+                last = time.monotonic()  # only the leader's own batches prove it is alive
+                if batch.stop:
                     return 0
-                self._batch(msg)
+                self._batch(batch)
+                if self.h.tp.collective.closed:
+                    log.error(
+                        "rank %d: the group is broken and must be restarted: %s",
+                        self.ch.rank,
+                        self.h.tp.core.closed_reason,
+                    )
+                    return EXIT_GROUP_BROKEN
             elif now - last > orphan_s:
                 reason = f"no batch from the leader (rank 0) for {orphan_s:.0f} s: it is gone"
                 self.h.tp.core.close(reason)
                 log.error("rank %d: %s; exiting", self.ch.rank, reason)
                 return EXIT_LEADER_GONE
 
-    def _batch(self, msg: dict[str, Any]) -> None:
+    def _batch(self, batch: Batch) -> None:
         rank = self.ch.rank
-        b = int(msg["b"])
+        b = batch.number
         if b < self.expected_batch:
             log.error("rank %d: batch %d arrived after batch %d; ignored", rank, b, self.expected_batch - 1)
             return
-        for missed in range(self.expected_batch, b):
+        for missed in range(self.expected_batch, min(b, self.expected_batch + MAX_MISSED_BATCHES)):
             # Keep the round count aligned; this rank's sequence now lags and the round says so.
             log.error("rank %d: batch %d never arrived; running its round without it", rank, missed)
             self.h.tp.step()
-        if int(msg["s"]) != self.expected_seq:
-            log.error("rank %d: requests %d..%d are missing", rank, self.expected_seq, int(msg["s"]) - 1)
-        self.expected_seq = int(msg["s"]) + int(msg["n"])
-        gathered: list[tuple[int, p.Body, Any]] = []
-        entries = [] if b == self.drop_batch else msg["e"]
-        for kind, token, data in entries:
-            if kind == ACTIVATE:
-                try:
-                    self.h.activate(token, bool(data))
-                except p.ProtocolError as exc:
-                    log.warning("rank %d: registration %d: %s", rank, token, exc.message)
-                continue
-            try:
-                body = p.decode_request(data).body
-            except p.ProtocolError as exc:
-                log.error("rank %d: request %d could not be decoded (%s); skipped", rank, token, exc)
-                continue
-            try:
-                outcome: Any = self.h.apply(body, token)
-            except p.ProtocolError as exc:
-                outcome = exc
-            if body.OP in GATHER_OPS:
-                gathered.append((token, body, outcome))
-        start = time.perf_counter()
-        report = self.h.tp.step()
-        self.metrics.observe_round(time.perf_counter() - start, len(entries))
+        if batch.first_seq != self.expected_seq:
+            log.error("rank %d: requests %d..%d are missing", rank, self.expected_seq, batch.first_seq - 1)
+        self.expected_seq = batch.first_seq + batch.count
+        entries = [] if b == self.drop_batch else batch.entries
+        apply_batch(self.h, self.metrics, entries)
         self.expected_batch = b + 1
-        if gathered:
-            answers = []
-            for token, body, outcome in gathered:
-                if isinstance(outcome, Deferred):
-                    try:
-                        outcome = outcome.finish(report)
-                    except Exception as exc:  # noqa: BLE001
-                        outcome = to_protocol_error(exc)
-                answers.append([token, self.h.rank_payload(body, outcome)])
-            self.ch.send_up({"b": b, "r": rank, "a": answers})
+        answers = [
+            [e.token, gathered_payload(e.body, e.outcome)]
+            for e in entries
+            if e.kind == REQUEST and e.body is not None and e.body.route() == p.GATHERED
+        ]
+        self._send_answers(b, answers)
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())
+
+    def _send_answers(self, b: int, answers: list[list[Any]]) -> None:
+        """The gathered answers of batch ``b``, in frames of at most MAX_ANSWER_BYTES of page data."""
+        chunk: list[list[Any]] = []
+        size = 0
+        for answer in answers:
+            data = len(answer[1].get("data", b""))
+            if chunk and size + data > MAX_ANSWER_BYTES:
+                self.ch.send_up({"b": b, "r": self.ch.rank, "a": chunk})
+                chunk, size = [], 0
+            chunk.append(answer)
+            size += data
+        if chunk:
+            self.ch.send_up({"b": b, "r": self.ch.rank, "a": chunk})

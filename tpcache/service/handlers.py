@@ -1,63 +1,28 @@
-"""Apply one protocol request to this rank's TPCache.
+"""One rank's request executor: the cache it serves, the leases it handed out, its settings.
 
-Every rank runs the same requests in the same order through ``RankHandler.apply``; because the
-core is deterministic, every rank computes the same result (or raises the same error), so the
-leader's answer speaks for the group. Results that depend on the round (step, flush, stats) are
-returned as a ``Deferred`` and finished after the batch's round committed.
-
-Exceptions from the engine map to protocol errors: OutOfPages -> NO_SPACE, CacheClosed ->
-CACHE_CLOSED, UnknownLease -> NOT_FOUND, ValueError -> BAD_ARGUMENT, anything else -> INTERNAL
-(type name only, logged here).
+``RankHandler.apply`` runs a request through its op's handler (``ops.py``); the helpers here are
+what those handlers share (lease ownership, storage prefetch, page checks, the data plane's
+buffer swap). ``tp`` may be rebuilt by a buffer registration.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import protocol as p
-from tpcache.core import CacheClosed as CoreClosed
-from tpcache.core import OutOfPages, UnknownLease
-from tpcache.core.round import RoundReport
+from tpcache.core import UnknownLease
+from tpcache.core.tiers import DeviceState
 from tpcache.engine import TPCache
-from tpcache.service.buffers import KVBufferError, StagedBuffer, stage_buffer
+from tpcache.service.buffers import StagedBuffer
 from tpcache.service.config import ServiceConfig
+from tpcache.service.leases import LeaseBook, not_found
+from tpcache.service.ops import OPS, Ctx, Watch, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 
 SERVER_NAME = "tpcache 0.1.0"
-
-# Ops every rank applies (sequenced, or needing a per-rank answer). The rest run on the leader only.
-FANOUT_OPS = frozenset(
-    ("lock", "alloc", "insert", "load", "release", "abort", "step", "flush", "set_config", "stats")
-    + ("register_buffers", "put_pages", "get_pages")
-)
-# Ops whose reply waits for every rank's own answer (sent back over the internal channel).
-GATHER_OPS = frozenset(("stats", "register_buffers", "put_pages", "get_pages"))
-
-
-@dataclass
-class Deferred:
-    """A result finished after the round that covers the request committed."""
-
-    finish: Callable[[RoundReport], p.Body]
-
-
-def to_protocol_error(exc: BaseException) -> p.ProtocolError:
-    if isinstance(exc, p.ProtocolError):
-        return exc
-    if isinstance(exc, OutOfPages):
-        return p.NoSpace(f"no free device pages: {exc}")
-    if isinstance(exc, CoreClosed):
-        return p.CacheClosed(str(exc))
-    if isinstance(exc, UnknownLease):
-        return p.NotFound(str(exc.args[0]) if exc.args else "unknown lease")
-    if isinstance(exc, ValueError):
-        return p.InvalidArgument(str(exc))
-    log.exception("internal error while applying a request", exc_info=exc)
-    return p.InternalError(f"internal error ({type(exc).__name__})")
 
 
 def layout_descriptor(tp: TPCache) -> str:
@@ -77,6 +42,9 @@ class RankHandler:
         self.make_cache = make_cache  # device pool (or None) -> a new TPCache on the same collective
         self.staged: dict[int, StagedBuffer] = {}
         self.active_buffer: StagedBuffer | None = None
+        self.service_counters: dict[str, int] = {}  # the service loop's own counts, shown in stats
+        self.book = LeaseBook(config.max_leases_per_client, config.max_leases)
+        self.storage_prefetch = config.storage_prefetch and tp.config.storage  # set_config changes it
 
     @property
     def rank(self) -> int:
@@ -89,80 +57,22 @@ class RankHandler:
         ns = getattr(body, "namespace", "")
         if ns and ns != self.config.namespace:
             raise p.InvalidArgument(f"this server serves namespace {self.config.namespace!r}, not {ns!r}")
-        if isinstance(body, p.InsertRequest) and body.lease is None:
-            raise p.InvalidArgument("insert needs a lease (lock, then alloc pages under it)")
-        if isinstance(body, p.SetConfigRequest) and (
-            body.mirror_release is not None or body.storage_prefetch is not None
-        ):
-            raise p.InvalidArgument("only retention_cap_tokens can be changed at runtime by this server")
-        if isinstance(body, (p.PutPagesRequest, p.GetPagesRequest)) and self.tp.device_pool is None:
-            raise p.InvalidArgument("this cache is metadata only: start it with --kv-layout or register buffers")
-        if isinstance(body, p.RegisterBuffersRequest):
-            ranks = [d.get("rank") for d in body.descriptors]
-            if sorted(r for r in ranks if type(r) is int) != list(range(self.tp.world_size)):
-                raise p.InvalidArgument(
-                    f"register_buffers needs exactly one descriptor per rank 0..{self.tp.world_size - 1}"
-                )
+        op = OPS.get(body.OP)
+        if op is not None and op.precheck is not None:
+            op.precheck(self, body)
 
     # ------------------------------------------------------------------ apply
 
-    def apply(self, body: p.Body, token: int) -> p.Body | Deferred:
-        """Run ``body`` on this rank. ``token`` names the request (its sequence number) for
-        two-phase operations. Raises ProtocolError."""
+    def apply(self, body: p.Body, ctx: Ctx) -> Any:
+        """Run ``body`` on this rank: its op's handler's result (a Body, or a Deferred finished
+        after the round). Raises ProtocolError."""
+        op = OPS.get(body.OP)
+        if op is None:
+            raise p.UnknownOp(f"op {body.OP!r} is not served")
         try:
-            return self._apply(body, token)
+            return op.apply(self, body, ctx)
         except Exception as exc:  # mapped: every rank raises alike, the leader replies with it
             raise to_protocol_error(exc) from None
-
-    def _apply(self, body: p.Body, token: int) -> p.Body | Deferred:
-        tp = self.tp
-        ps = tp.config.page_size
-        # Match and lock results come from this rank's own tree (counts and page numbers it
-        # allocated), so they skip the per-field checks a client's input gets.
-        if isinstance(body, p.MatchRequest):
-            m = tp.match(body.tokens)
-            hit = (m.device_pages + m.host_pages) * ps
-            return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
-        if isinstance(body, p.LockRequest):
-            lease, m = tp.lock(body.tokens)
-            hit = (m.device_pages + m.host_pages) * ps
-            return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, m.device_page_array)
-        if isinstance(body, p.AllocRequest):
-            return p.AllocResult(tp.alloc(body.lease, body.num_pages))
-        if isinstance(body, p.InsertRequest):
-            inserted, dup = tp.insert(body.lease, body.tokens, body.device_page_ids)
-            return p.InsertResult(inserted, dup)
-        if isinstance(body, p.LoadRequest):
-            return p.LoadResult(tp.load(body.lease).device_pages)
-        if isinstance(body, p.ReleaseRequest):
-            tp.release(body.lease)
-            return p.ReleaseResult()
-        if isinstance(body, p.AbortRequest):
-            tp.release(body.lease)  # pages allocated and not inserted go back with the lease
-            return p.AbortResult()
-        if isinstance(body, p.StepRequest):
-            return Deferred(lambda report: p.StepResult(report.round))
-        if isinstance(body, p.FlushRequest):
-            tp.request_flush()
-            return Deferred(lambda report: p.FlushResult(report.round))
-        if isinstance(body, p.SetConfigRequest):
-            if body.retention_cap_tokens is not None:
-                tp.set_retention_cap(body.retention_cap_tokens)
-            return p.SetConfigResult(self.settings())
-        if isinstance(body, p.StatsRequest):
-            return Deferred(lambda report: p.StatsResult(self.stats_values()))
-        if isinstance(body, p.HealthRequest):
-            h = tp.health()
-            return p.HealthResult(h["state"], h["reason"], h["round"])
-        if isinstance(body, p.HelloRequest):
-            return self.hello()
-        if isinstance(body, p.RegisterBuffersRequest):
-            return self._stage(body, token)
-        if isinstance(body, p.PutPagesRequest):
-            return self._put_pages(body)
-        if isinstance(body, p.GetPagesRequest):
-            return self._get_pages(body)
-        raise p.UnknownOp(f"op {body.OP!r} is not served")
 
     def hello(self) -> p.HelloResult:
         return p.HelloResult(
@@ -176,10 +86,13 @@ class RankHandler:
 
     def settings(self) -> dict[str, Any]:
         c = self.tp.config
+        round_ = self.tp.round
+        mirror = any(f.name == "mirror_release" for f in round_.features) and "mirror_release" not in round_.disabled
         return {
             "retention_cap_tokens": self.tp.core.retention_cap_tokens,
-            "mirror_release": c.mirror_release,
-            "storage_prefetch": False,
+            "mirror_release": mirror,
+            "storage_prefetch": self.storage_prefetch,
+            "storage": c.storage,
             "write_policy": c.write_policy,
             "page_size": c.page_size,
             "device_pages": c.device_pages,
@@ -195,6 +108,8 @@ class RankHandler:
                     out[f"{key}.{k}"] = v
             elif value is None or isinstance(value, (bool, int, float, str)):
                 out[key] = value
+        out.update(self.service_counters)
+        out["storage_hit_tokens"] = out.get("prefetch_hit_pages", 0) * self.tp.config.page_size
         out["rank"] = self.rank
         out["world_size"] = self.tp.world_size
         out["transport"] = self.tp.collective.name
@@ -206,18 +121,6 @@ class RankHandler:
         return out
 
     # ------------------------------------------------------------------ data plane
-
-    def _stage(self, body: p.RegisterBuffersRequest, token: int) -> p.Body:
-        mine = [d for d in body.descriptors if d.get("rank") == self.rank]
-        if len(mine) != 1:
-            raise p.InvalidArgument(f"expected one descriptor for rank {self.rank}, got {len(mine)}")
-        if self.tp.kv_layout is None:
-            raise p.InvalidArgument("registering buffers needs a KV layout: start the service with --kv-layout")
-        try:
-            self.staged[token] = stage_buffer(mine[0], self.tp.kv_layout, self.tp.config.device_pages)
-        except KVBufferError as exc:
-            raise p.InvalidArgument(f"rank {self.rank}: {exc}") from None
-        return p.RegisterBuffersResult(len(body.descriptors))
 
     def activate(self, token: int, commit: bool) -> p.Body:
         """Second phase of register_buffers, run by every rank at the same point of the sequence:
@@ -243,54 +146,63 @@ class RankHandler:
             old_buffer.close()
         return p.RegisterBuffersResult(self.tp.world_size)  # one buffer per rank, all swapped in
 
-    def _pages(self, page_ids: Any) -> list[int]:
+    def pages(self, page_ids: Any) -> list[int]:
         pool = self.tp.device_pool
-        assert pool is not None
+        if pool is None:
+            raise p.InvalidArgument("this cache is metadata only")
         pages = list(page_ids)
         pool.check_pages(pages, "page_ids")
         return pages
 
-    def _put_pages(self, body: p.PutPagesRequest) -> p.Body:
-        """``data`` holds every rank's share, rank-major; each share is its pages in order."""
-        pool = self.tp.device_pool
-        if pool is None:
-            raise p.InvalidArgument("this cache is metadata only")
-        pages = self._pages(body.page_ids)
-        size = pool.layout.page_bytes
-        world = self.tp.world_size
-        if len(body.data) != size * len(pages) * world:
-            raise p.InvalidArgument(
-                f"put_pages: {len(body.data)} bytes; {world} rank shares of {len(pages)} pages of {size} bytes "
-                f"need {size * len(pages) * world}"
-            )
-        share = size * len(pages)
-        view = memoryview(body.data)[self.rank * share : (self.rank + 1) * share]
-        for i, page in enumerate(pages):
-            pool.write_page(page, view[i * size : (i + 1) * size])
-        return p.PutPagesResult(len(pages))
+    def leased(self, lease: int, ctx: Ctx) -> Any:
+        """The core's lease ``lease`` if ``ctx``'s connection owns it; else NOT_FOUND."""
+        self.book.check(lease, ctx.conn)
+        return self.tp.core.lease(lease)
 
-    def _get_pages(self, body: p.GetPagesRequest) -> p.Body:
-        """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them)."""
-        pool = self.tp.device_pool
-        if pool is None:
-            raise p.InvalidArgument("this cache is metadata only")
-        pages = self._pages(body.page_ids)
-        size = pool.layout.page_bytes * len(pages) * self.tp.world_size
-        if size > p.DEFAULT_LIMITS.max_inline_bytes:
-            raise p.MessageTooLarge(f"get_pages: {size} bytes, more than {p.DEFAULT_LIMITS.max_inline_bytes}")
-        return p.GetPagesResult(b"".join(pool.read_page(page).numpy().tobytes() for page in pages))
+    def expire(self, leases: list[int]) -> None:
+        """Release leases the leader found abandoned (their connection left, or they sat idle past
+        the TTL); a lease already released meanwhile is skipped. Every rank alike."""
+        expired = 0
+        for lease in leases:
+            if self.book.drop(lease) is not None:
+                expired += 1
+                try:
+                    self.tp.release(lease)
+                except UnknownLease:
+                    log.error("rank %d: lease %d was in the book but not in the cache", self.rank, lease)
+        self.service_counters["expired_leases"] = self.service_counters.get("expired_leases", 0) + expired
 
-    # ------------------------------------------------------------------ per-rank answers
+    def watched(self, watch: Watch, now: bool = False) -> p.Body | None:
+        """The reply of ``watch`` once its prefetch lets it go (or ``now``: with what is agreed so
+        far), else None. Reads only agreed state: a prefetch moves only by agreed completions and
+        the round count."""
+        lease = watch.lease
+        if lease not in self.book:
+            raise not_found(lease)  # released or expired while it waited
+        status, ready = self.tp.prefetch_status(lease)
+        if status == "none":
+            return watch.reply("none", 0, 0)
+        waiting = status == "querying" and watch.policy != "timeout"  # the hit is not agreed yet
+        if not now and (waiting or not self.tp.admissible(lease, watch.policy, watch.timeout_rounds)):
+            return None
+        hit = getattr(self.tp.core.lease(lease).prefetch, "hit_pages", 0)  # the agreed storage hit
+        return watch.reply("done" if status == "done" else "running", hit, ready)
 
-    def rank_payload(self, body: p.Body, outcome: p.Body | p.ProtocolError) -> dict[str, Any]:
-        """What this rank sends the leader for a GATHER_OPS request (small scalars only)."""
-        if isinstance(outcome, p.ProtocolError):
-            return {"error": int(outcome.code), "message": outcome.message[:512]}
-        if isinstance(outcome, p.StatsResult):
-            return {"values": dict(outcome.values)}
-        if isinstance(outcome, p.GetPagesResult):
-            return {"data": outcome.data}
-        return {}
+    def start_prefetch(self, lease: int, read: bool = True) -> bool:
+        started = self.tp.prefetch(lease, read)
+        if started:
+            self.service_counters["storage_lookups"] = self.service_counters.get("storage_lookups", 0) + 1
+        return started
+
+    def reply_bytes(self, body: p.Body) -> int:
+        """The bytes a reply to ``body`` will carry when that is more than a few KiB (inline pages)."""
+        op = OPS.get(body.OP)
+        return 0 if op is None or op.reply_bytes is None else op.reply_bytes(self, body)
+
+    def valid_pages(self) -> set[int]:
+        """Device pages that hold agreed cached KV (VALID in the tree)."""
+        valid = DeviceState.VALID
+        return {n.device_page for n in self.tp.core.tree.nodes.values() if n.device_state == valid}
 
     def close(self) -> None:
         for staged in self.staged.values():

@@ -2,58 +2,77 @@
 
 Loop: wait for client frames (or answers from followers, or a heartbeat); take everything
 waiting, up to ``max_batch``; decode each frame (a bad one gets its error reply at once and never
-reaches the cache); number the requests that every rank must apply; send the ordered batch to
-every follower; apply it here in the same order; run the round; then reply. A reply is sent only
-after the round covering its request committed; if that round closed the cache, replies that
-would report a hit become CACHE_CLOSED errors. Requests that need every rank's own answer
-(stats, buffers, inline pages) wait for the followers' answers, with a deadline.
+reaches the cache); route each request as its message declares (``protocol.messages``): a
+``local`` one is answered here alone, a ``sequenced`` or ``gathered`` one is numbered and sent to
+every follower in the ordered batch; apply the batch here in the same order (``batch.apply_batch``,
+the code every rank shares); run the round; then reply. A reply is sent only after the round
+covering its request committed; if that round closed the cache, replies that would report a hit
+become CACHE_CLOSED errors. Gathered requests (stats, buffers, inline pages) also wait for every
+follower's own answer, with a deadline.
 
 Rounds: one per batch. The leader also runs (empty) rounds while copies are in flight, so they
 complete, and at least every ``heartbeat_s`` when idle, so a dead rank is noticed.
+
+A round whose collective failed (a rank died or stalled past the round timeout) breaks the group
+for good: its ranks can no longer agree, and an agreed flush cannot reopen it. Rank 0 then answers
+every request that needs a round with CACHE_CLOSED ("the group must be restarted"), lookups with
+misses, and after ``broken_group_exit_s`` returns ``EXIT_GROUP_BROKEN`` so that the process exits
+non-zero and torchrun (``--max-restarts``) starts the group again; followers exit at once.
+
+Clients are connections (``frontdoor``): authentication, requests in flight and leases belong to
+one connection. The leader alone decides when a lease is abandoned (its connection is gone, or
+it sat unused past ``lease_ttl_s`` by rank 0's clock) and sequences its release as an ``EXPIRE``
+entry that every rank applies; no other rank ever looks at a clock to change the cache.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 import protocol as p
-from tpcache.service.channels import ACTIVATE, REQUEST, Channels, pack, unpack
+from tpcache.service.batch import ACTIVATE, EXIT_GROUP_BROKEN, EXPIRE, REQUEST, Entry, apply_batch
+from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
-from tpcache.service.handlers import FANOUT_OPS, GATHER_OPS, Deferred, RankHandler, to_protocol_error
+from tpcache.service.expiry import LeaseExpiry
+from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
+from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
+from tpcache.service.ops import Ctx, Watch, merge_gathered, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 
-MAX_ENVELOPE_FRAMES = 4
-MAX_PEERS = 65_536  # authenticated identities remembered (oldest forgotten first)
 MAX_TOTAL_PENDING = 262_144
-# Socket flags as plain ints: pyzmq's send_multipart combines enum flags per call (~1.4 us a reply).
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
 
 
 @dataclass
 class Item:
     """One accepted client request on its way through a batch."""
 
-    envelope: list[bytes]
+    msg: Message
     request: p.Request
-    frame: bytes = b""  # the client's frame, forwarded as is (it passed every check here)
-    token: int = 0  # sequence number when fanned out
-    outcome: Any = None  # Body, Deferred or ProtocolError
+    entry: Entry  # what every rank applies (the client's frame, forwarded as is: it passed every check here)
+    reply_bytes: int = 0  # counted against its connection's large replies in flight
+    route: str = p.LOCAL  # as its message declares (``Body.route``)
+
+    @property
+    def outcome(self) -> Any:
+        return self.entry.outcome
+
+    @outcome.setter
+    def outcome(self, value: Any) -> None:
+        self.entry.outcome = value
 
 
 @dataclass
 class Waiter:
-    """A reply waiting for every follower's own answer (GATHER_OPS)."""
+    """A reply waiting for every follower's own answer (gathered ops)."""
 
     item: Item
     need: set[int]
@@ -76,54 +95,61 @@ class Leader:
         self.config = config
         self.metrics = metrics
         self.request_counts: dict[tuple[str, str], int] = {}
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, p.DEFAULT_LIMITS.max_message_bytes + 1024)
-        self.router.setsockopt(zmq.RCVHWM, 100_000)
-        self.router.setsockopt(zmq.SNDHWM, 100_000)
-        self.endpoint = self._bind(config.endpoint)
+        self.door = FrontDoor(ctx, config.endpoint, config.max_pending_per_client)
+        self.endpoint = self.door.endpoint
         self.poller = zmq.Poller()
-        self.poller.register(self.router, zmq.POLLIN)
+        for sock in self.door.sockets():
+            self.poller.register(sock, zmq.POLLIN)
         assert channels.inbox is not None
         self.poller.register(channels.inbox, zmq.POLLIN)
-        self.peers: dict[bytes, p.ServerConnection] = {}
         self.in_flight = 0  # accepted requests not yet answered, over all clients
-        self.authed: OrderedDict[bytes, None] = OrderedDict()
         self.secret = config.secret.encode()
         self.next_seq = 1
         self.batch_no = 0
-        self.internal: list[list[Any]] = []  # entries decided by the leader, sent with the next batch
+        self.internal: list[Entry] = []  # entries decided by the leader, sent with the next batch
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
+        self.watches: list[tuple[Item, Watch, float]] = []  # replies waiting on a storage prefetch
+        self.expiry = LeaseExpiry(handler.book, config.lease_ttl_s, time.monotonic())
         self.stop_requested = False
+        self.broken: str | None = None  # why the group can no longer agree (its collective failed)
+        self.broken_since = 0.0
         self.last_round = time.monotonic()
         self.last_progress = True
 
-    def _bind(self, endpoint: str) -> str:
-        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-            port = self.router.bind_to_random_port(endpoint[: endpoint.rindex(":")])
-            return f"{endpoint[: endpoint.rindex(':')]}:{port}"
-        self.router.bind(endpoint)
-        return str(self.router.getsockopt(zmq.LAST_ENDPOINT).decode())
-
     # ------------------------------------------------------------------ main loop
 
-    def run(self, should_stop: Any) -> None:
+    def run(self, should_stop: Any) -> int:
+        """Serve until stopped; returns the process exit code."""
         cfg = self.config
+        door = self.door
         while not should_stop() and not self.stop_requested:
+            if self.broken is not None and 0 <= cfg.broken_group_exit_s <= time.monotonic() - self.broken_since:
+                log.error("exiting so that the group is restarted: %s", self.broken)
+                self.stop()
+                return EXIT_GROUP_BROKEN
             timeout_ms = self._poll_timeout_ms()
             ready = dict(self.poller.poll(timeout_ms))
+            if door.zap in ready:
+                door.answer_zap()
+            if door.monitor in ready:
+                door.read_monitor()
             items: list[Item] = []
-            if self.router in ready:
+            if door.router in ready:
                 items = self._read_clients()
             if self.ch.inbox in ready:
                 self._read_answers()
-            due = time.monotonic() - self.last_round >= cfg.heartbeat_s
+                self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
+            self._expire_abandoned()
+            idle = time.monotonic() - self.last_round
+            due = idle >= cfg.heartbeat_s or self.watches and idle >= WATCH_ROUND_S
             if items or self.internal or self._copies_in_flight() or due:
                 self._run_batch(items)
             self._expire_waiters()
+            door.flush()
             self._flush_request_counts()
         self.stop()
+        return EXIT_GROUP_BROKEN if self.broken is not None else 0
 
     def _flush_request_counts(self) -> None:
         """Replies are counted per loop, not per request: a labelled Prometheus inc costs ~2 us."""
@@ -138,9 +164,13 @@ class Leader:
     def _poll_timeout_ms(self) -> int:
         if self.internal:
             return 0
+        if self.door.backlogged:
+            return 1  # replies wait for a client's socket queue: look again soon
         if self._copies_in_flight():
             return 0 if self.last_progress else 1
         left = self.config.heartbeat_s - (time.monotonic() - self.last_round)
+        if self.watches:
+            left = min(left, WATCH_ROUND_S - (time.monotonic() - self.last_round))
         if self.waiters:
             left = min(left, 0.05)
         return max(0, min(int(left * 1000) + 1, 100))
@@ -149,158 +179,226 @@ class Leader:
 
     def _read_clients(self) -> list[Item]:
         items: list[Item] = []
-        while len(items) < self.config.max_batch:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+        size = 0  # bytes of the batch's client frames: every rank holds the batch at once
+        while len(items) < self.config.max_batch and size < MAX_BATCH_BYTES:
+            msg = self.door.receive()
+            if msg is None:
                 break
-            if len(frames) < 2 or len(frames) > MAX_ENVELOPE_FRAMES:
-                continue  # not a DEALER/REQ envelope: nothing sensible to answer
-            envelope, frame = frames[:-1], frames[-1]
-            item = self._accept(envelope, frame)
+            item = self._accept(msg)
             if item is not None:
                 items.append(item)
+                size += len(msg.frame)
         return items
 
-    def _accept(self, envelope: list[bytes], frame: bytes) -> Item | None:
-        identity = envelope[0]
-        conn = self.peers.get(identity)
-        if conn is None:
-            conn = p.ServerConnection(max_pending=self.config.max_pending_per_client)
+    def _accept(self, msg: Message) -> Item | None:
+        conn = msg.conn
         try:
-            request = conn.receive(frame)
+            request = conn.server.receive(msg.frame)
         except p.ProtocolError as exc:
-            self._send(envelope, conn.reject(exc), None, "error")
+            self._send(msg, conn.server.reject(exc), None, "error")
             return None
-        self.peers[identity] = conn
         self.in_flight += 1  # accepted: exactly one _reply ends it
+        entry = Entry(REQUEST, 0, conn.id, msg.frame, request.body)
+        item = Item(msg, request, entry, 0, request.body.route())
         try:
-            self._authorize(identity, request)
+            self._authorize(conn, request)
             if self.in_flight > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
             if request.op == "hello":
-                self._reply(Item(envelope, request, outcome=self.h.hello()))
+                item.outcome = self.h.hello()
+                self._reply(item)
                 return None
             self.h.precheck(request.body)
+            self._reserve_reply(item)
         except p.ProtocolError as exc:
-            self._reply(Item(envelope, request, outcome=exc))
+            item.outcome = exc
+            self._reply(item)
             return None
-        return Item(envelope, request, frame)
+        return item
 
-    def _authorize(self, identity: bytes, request: p.Request) -> None:
+    def _reserve_reply(self, item: Item) -> None:
+        """Count a large reply against its connection before the request runs (OVERLOADED past the
+        bound): a client that never reads cannot make every rank build replies for it without end."""
+        size = self.h.reply_bytes(item.request.body)
+        if not size:
+            return
+        conn = item.msg.conn
+        if conn.reply_bytes + size > MAX_REPLY_BYTES_IN_FLIGHT:
+            raise p.Overloaded(
+                f"this connection's replies in flight would carry {conn.reply_bytes + size} bytes, more than "
+                f"{MAX_REPLY_BYTES_IN_FLIGHT}; read them, then retry"
+            )
+        conn.reply_bytes += size
+        item.reply_bytes = size
+
+    def _authorize(self, conn: Conn, request: p.Request) -> None:
+        """A server with a secret serves a connection only after its own hello gave the secret."""
         if not self.secret:
             return
-        if not identity.startswith(b"\x00"):
-            # libzmq's generated identities start with a zero byte and are never reused; a
-            # client-chosen one could take over an authenticated peer's identity after it left.
-            raise p.Unauthorized("clients may not choose their routing id on a server that needs a secret")
         if request.op == "hello":
             token = request.body.token or ""
-            if not hmac.compare_digest(token.encode(), self.secret):
-                self.authed.pop(identity, None)
+            conn.authed = hmac.compare_digest(token.encode(), self.secret)
+            if not conn.authed:
                 raise p.Unauthorized("wrong or missing shared secret")
-            self.authed[identity] = None
-            self.authed.move_to_end(identity)
-            while len(self.authed) > MAX_PEERS:
-                self.authed.popitem(last=False)
-        elif identity not in self.authed:
-            raise p.Unauthorized("send hello with the shared secret first")
+        elif not conn.authed:
+            raise p.Unauthorized("send hello with the shared secret first (on this connection)")
+
+    # ------------------------------------------------------------------ abandoned leases
+
+    def _expire_abandoned(self) -> None:
+        """Sequence the release of leases whose connection left or that sat idle past the TTL."""
+        self.expiry.connections_gone(self.door.take_gone())
+        for leases in self.expiry.scan(time.monotonic()):
+            self.internal.append(Entry(EXPIRE, 0, 0, leases))
 
     # ------------------------------------------------------------------ one batch, one round
 
     def _run_batch(self, items: list[Item]) -> None:
-        entries: list[list[Any]] = list(self.internal)
+        if self.broken is not None:
+            self._answer_broken(items)
+            return
+        entries: list[Entry] = self.internal
         self.internal = []
         first_seq = self.next_seq
         for item in items:
-            if item.request.op in FANOUT_OPS:
-                item.token = self.next_seq
+            if item.route != p.LOCAL:
+                entry = item.entry
+                entry.token = self.next_seq
                 self.next_seq += 1
-        for item in items:
-            if item.token:
-                entries.append([REQUEST, item.token, item.frame])
+                entries.append(entry)
         count = self.next_seq - first_seq
-        batch = {"b": self.batch_no, "s": first_seq, "n": count, "e": entries, "x": False}
+        batch = {"b": self.batch_no, "s": first_seq, "n": count, "e": [e.wire() for e in entries], "x": False}
         # Send first, even a batch of leader-only lookups: followers apply their part in parallel
         # and are already waiting in the round (asleep, no CPU) when rank 0 gets there, instead of
         # rank 0 waiting for them to wake (measured: round p50 about 840 -> 470 us under load).
         if self.ch.outs:
-            self.ch.broadcast(pack(batch))
-        activated: list[tuple[int, Any]] = []
-        for kind, token, data in entries:
-            if kind == ACTIVATE:
-                try:
-                    activated.append((token, self.h.activate(token, bool(data))))
-                except p.ProtocolError as exc:
-                    activated.append((token, exc))
-        for item in items:
-            try:
-                item.outcome = self.h.apply(item.request.body, item.token)
-            except p.ProtocolError as exc:
-                item.outcome = exc
-        start = time.perf_counter()
-        report = self.h.tp.step()
-        self.metrics.observe_round(time.perf_counter() - start, len(items))
+            self.ch.broadcast(batch)
+        # Here every request applies, local ones in their place: a client's match after its own
+        # lock in the same batch sees the lock.
+        internal = [e for e in entries if e.kind != REQUEST]
+        self.h.service_counters.update(self.door.counters)
+        report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items])
+        now = time.monotonic()
+        for entry in internal:
+            if entry.kind == EXPIRE:
+                self.expiry.applied(entry.data)
+        for item in items:  # leases named by this batch were used now
+            if item.route == p.LOCAL:
+                continue
+            lease = getattr(item.request.body, "lease", None)
+            if lease is None and isinstance(item.outcome, p.LockResult):
+                lease = item.outcome.lease
+            if lease is not None:
+                self.expiry.touch(lease, now)
         self.batch_no += 1
         self.last_round = time.monotonic()
         self.last_progress = bool(report.completed)
         closed = self.h.tp.core.closed
+        if self.h.tp.collective.closed:
+            self._break(report)
         for item in items:
             self._finish(item, report, closed)
-        for token, outcome in activated:
-            waiter = self.activations.pop(token, None)
+        if self.watches:
+            self._check_watches(report, closed)
+        for entry in internal:
+            waiter = self.activations.pop(entry.token, None) if entry.kind == ACTIVATE else None
             if waiter is not None:
-                waiter.item.outcome = outcome
+                waiter.item.outcome = entry.outcome
                 self._reply(waiter.item)
         if self.metrics.due():
             self.metrics.publish(self.h.stats_values(), self.h.tp.health())
 
+    def _break(self, report: Any) -> None:
+        """The collective failed: no round can run again. Everything waiting gets its answer now."""
+        self.broken = f"{self.h.tp.core.closed_reason or 'the round collective failed'}"
+        self.broken_since = time.monotonic()
+        log.error("the group is broken and must be restarted: %s", self.broken)
+        error = self._broken_error()
+        waiting = [w.item for w in self.waiters.values()] + [w.item for w in self.activations.values()]
+        waiting += [item for item, _, _ in self.watches]
+        self.waiters, self.activations, self.watches, self.internal = {}, {}, [], []
+        for item in waiting:
+            item.outcome = error
+            self._reply(item)
+
+    def _broken_error(self) -> p.CacheClosed:
+        return p.CacheClosed(
+            f"{self.broken}; the ranks can no longer agree, so the group must be restarted (a flush cannot "
+            "reopen it; under torchrun --max-restarts the ranks exit and are started again)"
+        )
+
+    def _answer_broken(self, items: list[Item]) -> None:
+        """Without rounds: lookups answer from this rank (a closed cache: misses), the rest is refused."""
+        for item in items:
+            body = item.request.body
+            if body.route() == p.LOCAL:
+                try:
+                    item.outcome = self.h.apply(body, Ctx(0, item.msg.conn.id))
+                except p.ProtocolError as exc:
+                    item.outcome = exc
+            else:
+                item.outcome = self._broken_error()
+            self._reply(item)
+
+    def _guard(self, outcome: Any, report: Any, closed: bool) -> Any:
+        """Never a hit from a closed cache: the round that covers this reply did not agree."""
+        hit = isinstance(outcome, (p.MatchResult, p.LockResult)) and (outcome.hit_tokens or outcome.storage_pages)
+        hit = (
+            hit or isinstance(outcome, p.LoadResult) or isinstance(outcome, p.PrefetchResult) and outcome.storage_pages
+        )
+        if closed and hit:
+            return p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
+        return outcome
+
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
-        if isinstance(outcome, Deferred):
-            try:
-                outcome = outcome.finish(report)
-            except Exception as exc:  # noqa: BLE001 - mapped to a typed error
-                outcome = to_protocol_error(exc)
-        hit = isinstance(outcome, (p.MatchResult, p.LockResult)) and outcome.hit_tokens > 0
-        if closed and (hit or isinstance(outcome, p.LoadResult)):
-            # Never a hit from a closed cache: the round that covers this reply did not agree.
-            outcome = p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
-        item.outcome = outcome
-        if item.request.op in GATHER_OPS:
+        if isinstance(outcome, Watch):
+            self.watches.append((item, outcome, time.monotonic() + 2 * self.config.round_timeout_s + 5.0))
+            return
+        item.outcome = self._guard(outcome, report, closed)
+        if item.route == p.GATHERED:
             waiter = Waiter(item, set(range(1, self.ch.world)), time.monotonic() + self.config.round_timeout_s + 5.0)
             if waiter.need:
-                self.waiters[item.token] = waiter
+                self.waiters[item.entry.token] = waiter
             else:
                 self._complete(waiter)
             return
         self._reply(item)
 
+    def _check_watches(self, report: Any, closed: bool) -> None:
+        """Reply to every request whose storage prefetch now lets it go (after this round)."""
+        now = time.monotonic()
+        waiting = []
+        for item, watch, deadline in self.watches:
+            try:
+                # Past the deadline (storage never answered): reply with what is agreed so far.
+                outcome = self.h.watched(watch, now=now >= deadline)
+            except Exception as exc:  # noqa: BLE001 - the lease went away: a typed error
+                outcome = to_protocol_error(exc)
+            if outcome is None:
+                waiting.append((item, watch, deadline))
+                continue
+            if watch.transient:
+                self.expiry.expire([watch.lease])
+            item.outcome = self._guard(outcome, report, closed)
+            self._reply(item)
+        self.watches = waiting
+
     # ------------------------------------------------------------------ per-rank answers
 
     def _read_answers(self) -> None:
-        assert self.ch.inbox is not None
-        while True:
-            try:
-                data = self.ch.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = unpack(data)
-            except Exception:  # noqa: BLE001 - the internal channel is trusted, but never crash on it
-                log.error("unreadable message on the internal channel")
-                continue
-            if "stop" in msg:
-                log.info("rank %s asked the group to stop", msg["stop"])
+        while (msg := self.ch.receive_up()) is not None:
+            if isinstance(msg, Stop):
+                log.info("rank %s asked the group to stop", msg.rank)
                 self.stop_requested = True
                 continue
-            rank = int(msg.get("r", -1))
-            for token, payload in msg.get("a", ()):
+            assert isinstance(msg, Answers)
+            for token, payload in msg.answers:
                 waiter = self.waiters.get(token)
-                if waiter is None or rank not in waiter.need:
+                if waiter is None or msg.rank not in waiter.need:
                     continue
-                waiter.need.discard(rank)
-                waiter.answers[rank] = payload
+                waiter.need.discard(msg.rank)
+                waiter.answers[msg.rank] = payload
                 if not waiter.need:
                     del self.waiters[token]
                     self._complete(waiter)
@@ -310,38 +408,17 @@ class Leader:
         if item.request.op == "register_buffers":
             self._decide_registration(waiter)
             return
-        outcome = item.outcome
-        failed = sorted((r, a) for r, a in waiter.answers.items() if "error" in a)
-        if isinstance(outcome, p.ProtocolError):
-            pass
-        elif failed:
-            rank, answer = failed[0]
-            outcome = p.exception_for(answer["error"], f"rank {rank}: {answer.get('message', '')}")
-        elif isinstance(outcome, p.StatsResult):
-            outcome = p.StatsResult(self._merge_stats(dict(outcome.values), waiter.answers))
-        elif isinstance(outcome, p.GetPagesResult):
-            parts = [outcome.data] + [waiter.answers[r].get("data", b"") for r in sorted(waiter.answers)]
-            outcome = p.GetPagesResult(b"".join(parts))
-        item.outcome = outcome
+        item.outcome = merge_gathered(item.request.body, item.outcome, waiter.answers)
         self._reply(item)
-
-    def _merge_stats(self, values: dict[str, Any], answers: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        per_rank = {0: values, **{r: a.get("values", {}) for r, a in answers.items()}}
-        for r in sorted(per_rank):
-            for key in ("digest", "rounds", "seq", "closed", "leases", "device_pages_used", "host_pages_used"):
-                values[f"rank{r}.{key}"] = per_rank[r].get(key)
-        digests = {per_rank[r].get("digest") for r in per_rank}
-        values["digests_equal"] = len(digests) == 1 and None not in digests
-        return values
 
     def _decide_registration(self, waiter: Waiter) -> None:
         """All ranks staged (or failed to): commit or discard in the next batch, on every rank."""
         item = waiter.item
         failures = [f"rank {r}: {a.get('message', '')}" for r, a in sorted(waiter.answers.items()) if "error" in a]
         ok = not isinstance(item.outcome, p.ProtocolError) and not failures
-        self.internal.append([ACTIVATE, item.token, ok])
+        self.internal.append(Entry(ACTIVATE, item.entry.token, 0, ok))
         if ok:
-            self.activations[item.token] = waiter
+            self.activations[item.entry.token] = waiter
             return
         if not isinstance(item.outcome, p.ProtocolError):
             item.outcome = p.InvalidArgument("; ".join(failures))
@@ -357,7 +434,7 @@ class Leader:
             del self.waiters[token]
             missing = ", ".join(str(r) for r in sorted(waiter.need))
             if waiter.item.request.op == "register_buffers":
-                self.internal.append([ACTIVATE, token, False])
+                self.internal.append(Entry(ACTIVATE, token, 0, False))
             waiter.item.outcome = p.RequestTimeout(f"rank(s) {missing} did not answer in time")
             self._reply(waiter.item)
 
@@ -366,34 +443,31 @@ class Leader:
     def _reply(self, item: Item) -> None:
         outcome = item.outcome
         rid = item.request.id
-        identity = item.envelope[0]
-        conn = self.peers.get(identity)
-        if conn is not None and conn.is_pending(rid):
+        conn = item.msg.conn
+        server = conn.server
+        if server.is_pending(rid):
             self.in_flight -= 1
+        conn.reply_bytes -= item.reply_bytes
+        item.reply_bytes = 0
         try:
             if isinstance(outcome, p.ProtocolError):
                 label = outcome.code.name.lower()
-                response = p.error_response(rid, outcome)
-                frame = conn.send(response) if conn is not None else p.encode_response(response)
+                frame = server.send(p.error_response(rid, outcome))
             else:
                 label = "ok"
-                frame = conn.send_ok(rid, outcome) if conn is not None else p.encode_ok(rid, outcome)
+                frame = server.send_ok(rid, outcome)
         except p.ProtocolError as exc:  # the result itself is too large to send
             frame = p.encode_response(p.error_response(rid, exc))
             label = "too_large"
-        if conn is not None and not conn.num_pending:
-            del self.peers[identity]  # nothing in flight: the per-peer state is not needed
-        self._send(item.envelope, frame, item.request.op, label)
+        if conn.gone and isinstance(outcome, p.LockResult):
+            # The client left before its lease reached it: nobody can ever release it.
+            self.expiry.expire([outcome.lease])
+        self._send(item.msg, frame, item.request.op, label)
 
-    def _send(self, envelope: list[bytes], frame: bytes, op: str | None, label: str) -> None:
+    def _send(self, msg: Message, frame: bytes, op: str | None, label: str) -> None:
         key = (op or "invalid", label)
         self.request_counts[key] = self.request_counts.get(key, 0) + 1  # to Prometheus once per loop
-        with contextlib.suppress(zmq.ZMQError):  # the client is gone or not reading: reply dropped
-            # as send_multipart does, part by part (a ROUTER drops what it cannot route, whole)
-            send = self.router.send
-            for part in envelope:
-                send(part, _MORE_NOBLOCK)
-            send(frame, _NOBLOCK)
+        self.door.send(msg.conn, msg.envelope, frame)  # dropped if the client is gone or not reading
 
     # ------------------------------------------------------------------ shutdown
 
@@ -401,5 +475,5 @@ class Leader:
         """Fan out the stop batch; every follower exits after reading it."""
         self._flush_request_counts()
         if self.ch.outs:
-            self.ch.broadcast(pack({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True}))
-        self.router.close()
+            self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True})
+        self.door.close()

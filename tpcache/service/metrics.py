@@ -23,9 +23,10 @@ _COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "hit_tokens",
         "Tokens served from the cache, by tier",
         "tier",
-        {"device": "device_hit_tokens", "host": "host_hit_tokens"},
+        {"device": "device_hit_tokens", "host": "host_hit_tokens", "storage": "storage_hit_tokens"},
     ),
     ("lookup_tokens", "Tokens of full pages looked up by lock", "", {"": "lookup_tokens"}),
+    ("storage_lookups", "Lookups of a prefix's continuation in the storage tier", "", {"": "storage_lookups"}),
     (
         "evicted_pages",
         "Pages evicted, by tier",
@@ -41,6 +42,7 @@ _COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
             "backup/done": "backups_done_pages",
             "load/issued": "loads_issued_pages",
             "load/done": "loads_done_pages",
+            "storage_read/done": "prefetch_read_pages",
         },
     ),
     (

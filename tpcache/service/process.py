@@ -65,9 +65,16 @@ def init_group(round_timeout_s: float) -> tuple[int, int, Any]:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
+        from tpcache.dist.store import group_store
+
         backend = "nccl" if device is not None else "gloo"
         timeout = datetime.timedelta(seconds=max(60.0, 2 * round_timeout_s))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        store = group_store(timeout.total_seconds())  # loopback only on one host; per torchrun attempt
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -133,9 +140,7 @@ def serve(config: ServiceConfig) -> int:
             try:
                 leader = Leader(handler, channels, config, metrics, ctx)
             except zmq.ZMQError as exc:
-                from tpcache.service.channels import pack
-
-                channels.broadcast(pack({"b": 0, "s": 1, "n": 0, "e": [], "x": True}))
+                channels.broadcast({"b": 0, "s": 1, "n": 0, "e": [], "x": True})
                 print(f"tpcache: cannot bind {config.endpoint}: {exc}", file=sys.stderr)
                 return 2
             info = {
@@ -148,7 +153,7 @@ def serve(config: ServiceConfig) -> int:
             if config.ready_file:
                 write_ready_file(config.ready_file, info)
             print(f"tpcache: serving on {leader.endpoint} ({world} ranks, {tp.collective.name})", flush=True)
-            leader.run(stop)
+            code = leader.run(stop)
         else:
             code = Follower(handler, channels, config, metrics).run(stop)
     finally:

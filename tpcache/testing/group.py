@@ -91,17 +91,15 @@ def _entry(rank: int, world: int, port: int, transport: str, name: str, args: di
     import torch.distributed as dist
 
     from tpcache.dist import make_collective
+    from tpcache.dist.store import loopback_store
 
     _register()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     collective = None
     try:
+        store = loopback_store("127.0.0.1", port, world, rank, 60.0)
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
+            "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
         )
         collective = make_collective(transport)
         value = SCENARIOS[name](rank=rank, world=world, collective=collective, **args)

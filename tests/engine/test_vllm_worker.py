@@ -1,0 +1,90 @@
+"""The connector's worker side on two simulated ranks (no vLLM engine): the step's operations, one
+round per step, and what each rank reports; a divergence closes, flushes and reopens both."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.engine.test_external_pages import engine_kv, make, run_ranks, toks
+from tpcache.integrations.vllm.faults import FaultPlan
+from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, StepOps
+from tpcache.integrations.vllm.worker import WorkerSide
+
+PAGE = 16
+
+
+def run_steps(schedule: dict[int, list[tuple]], steps: int, arm: dict[int, dict] | None = None) -> list[Any]:
+    def body(rank: int, collective: Any) -> list[dict[str, Any]]:
+        faults = FaultPlan({}, rank)
+        hooks = {"before_copy": faults.before_copy, "after_copy": faults.after_copy, "hold": faults.hold}
+        worker = WorkerSide(make(engine_kv(rank), collective, **hooks), faults=faults)
+        out = []
+        for step in range(steps):
+            if arm and step in arm:
+                faults.arm(arm[step])
+            result = worker.run_step(StepOps(step, schedule.get(step, [])))
+            out.append(
+                {
+                    "hits": dict(result.report.hits),
+                    "sent": sorted(result.finished_sending),
+                    "recv": sorted(result.finished_recving),
+                    "invalid": sorted(result.invalid_blocks),
+                    "closed": worker.cache.core.closed,
+                    "digest": worker.cache.core.digest.value,
+                    "leases": len(worker.cache.core.leases),
+                }
+            )
+        return out
+
+    results = run_ranks(body)
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> None:
+    schedule = {
+        0: [(LOOKUP, "a", toks(1, 2, 3))],
+        1: [(SAVE, "a", [], 3, [0, 1, 2])],
+        2: [(RELEASE, "a", True)],
+        3: [(LOOKUP, "b", toks(1, 2, 3, 4))],
+        4: [(LOAD, "b", 1, [7, 8])],
+        5: [(RELEASE, "b", True)],
+    }
+    ranks = run_steps(schedule, 7)
+    for steps in ranks:
+        assert steps[0]["hits"] == {"a": (0, 0)}
+        assert steps[2]["sent"] == ["a"]
+        assert steps[3]["hits"] == {"b": (3 * PAGE, 0)}
+        assert steps[4]["recv"] == ["b"] and steps[4]["invalid"] == []
+        assert steps[5]["sent"] == ["b"] and steps[6]["leases"] == 0
+    assert [s["digest"] for s in ranks[0]] == [s["digest"] for s in ranks[1]]
+
+
+def test_a_load_failing_on_one_rank_is_invalid_on_every_rank() -> None:
+    schedule = {
+        0: [(LOOKUP, "a", toks(1, 2))],
+        1: [(SAVE, "a", [], 2, [0, 1]), (RELEASE, "a", True)],
+        2: [(LOOKUP, "b", toks(1, 2))],
+        3: [(LOAD, "b", 0, [5, 6])],
+    }
+    ranks = run_steps(schedule, 5, arm={3: {"fail_loads": {"rank": 1, "count": 1}}})
+    assert [r[3]["invalid"] for r in ranks] == [[5, 6], [5, 6]]
+    assert [r[3]["recv"] for r in ranks] == [["b"], ["b"]]
+
+
+def test_a_divergence_closes_both_ranks_and_an_agreed_flush_reopens_them_equal() -> None:
+    schedule = {
+        0: [(LOOKUP, "a", toks(1, 2))],
+        1: [(SAVE, "a", [], 2, [0, 1])],
+        3: [(LOOKUP, "b", toks(1, 2, 3))],  # looked up while closed: a miss, nothing locked
+        6: [(SAVE, "a", [], 2, [0, 1]), (RELEASE, "a", True), (RELEASE, "b", True)],
+    }
+    ranks = run_steps(schedule, 9, arm={2: {"diverge": {"rank": 1, "step": 1}}})
+    for steps in ranks:
+        assert steps[2]["closed"]  # the extra operation on rank 1 is caught in the same round
+        assert not steps[3]["closed"] and steps[3]["hits"] == {"b": (0, 0)}
+        assert not any(s["closed"] for s in steps[3:])
+        assert steps[6]["sent"] == ["a", "b"] and steps[8]["leases"] == 0
+    assert [s["digest"] for s in ranks[0][3:]] == [s["digest"] for s in ranks[1][3:]]

@@ -1,0 +1,83 @@
+"""torchrun --max-restarts brings the service back after a rank dies: clients reconnect to the
+same endpoint and what was durable in storage hits again, with the bytes that were written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import protocol as p
+from launcher.local import free_port
+from tests.service.checks import fresh_tokens
+from tests.service.harness import pid_alive, running_service, wait_for
+from tpcache.client import Client
+
+pytestmark = pytest.mark.multiprocess
+
+LAYOUT = "layers=2,heads=2,head_dim=8,dtype=fp32"
+PAGE, PAGES = 4, 8
+SECRET = "a secret the restarted group knows too"
+
+
+def healthy(c: Client) -> bool:
+    try:
+        return c.call(p.HealthRequest(), timeout_s=5).state == "open"
+    except p.RequestTimeout:  # sent to the group that died
+        return False
+
+
+def test_torchrun_restarts_a_group_that_lost_a_rank(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    command += ["--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.5"]
+    command += ["--master-port", str(free_port()), "-m", "launcher", "serve"]
+    args = ("--page-size", str(PAGE), "--device-pages", "32", "--host-pages", "64", "--kv-layout", LAYOUT)
+    args += ("--storage-dir", str(tmp_path / "kv"), "--round-timeout", "3", "--heartbeat", "0.2")
+    args += ("--endpoint", endpoint)  # a restarted group comes back where clients know to look
+    ready = tmp_path / "ready.json"
+    tokens = fresh_tokens(PAGES * PAGE)
+    with running_service(tmp_path, *args, command=command, env={"TPCACHE_SECRET": SECRET}) as service:
+        assert service.endpoint == endpoint
+        first = service.pids
+        survivor = Client(endpoint, token=SECRET, timeout_s=30)  # stays connected through the restart
+        with Client(endpoint, token=SECRET, timeout_s=30) as c:
+            lk = c.lock(tokens, prefetch="none")
+            pages = list(c.alloc(lk.lease, PAGES).device_page_ids)
+            data = os.urandom(len(c.get_pages(pages, lease=lk.lease).data))
+            c.put_pages(pages, data, lease=lk.lease)
+            c.insert(tokens, pages, lease=lk.lease)
+            c.release(lk.lease)
+            assert wait_for(
+                lambda: (
+                    (v := c.stats().values)["rank0.storage_written_pages"] >= PAGES
+                    and v["rank1.storage_written_pages"] >= PAGES
+                ),
+                timeout_s=60,
+            )
+        os.kill(first[1], signal.SIGKILL)
+        # torchrun stops the survivor and starts a new group; rank 0 writes a new ready file.
+        info = wait_for(lambda: ready.exists() and (i := json.loads(ready.read_text()))["pids"] != first and i, 120)
+        assert info, service.log()
+        assert not any(pid_alive(pid) for pid in first)
+        assert wait_for(lambda: healthy(survivor), timeout_s=60)  # reconnected, said hello again
+        survivor.close()
+        with Client(endpoint, token=SECRET, timeout_s=30) as c:  # the same endpoint, a new group behind it
+            assert c.health().state == "open"
+            assert c.match(tokens).hit_tokens == 0  # the tree is new ...
+            lk = c.lock(tokens, prefetch="wait_complete")
+            assert lk.storage_pages == PAGES  # ... and storage has it all
+            loaded = list(c.load(lk.lease).device_page_ids)
+            assert len(loaded) == PAGES
+            assert wait_for(lambda: c.match(tokens).device_pages == PAGES, timeout_s=60)
+            assert c.get_pages(loaded).data == data
+            c.release(lk.lease)
+            with pytest.raises(p.NotFound):
+                c.release(lk.lease)
+        assert "must be restarted" in service.log() or "Signals.SIGKILL" in service.log(), service.log()

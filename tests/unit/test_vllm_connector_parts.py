@@ -1,0 +1,119 @@
+"""The connector's scheduler side, options and worker-report merge, without running vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, WorkerReport
+from tpcache.integrations.vllm.options import ConnectorOptions
+from tpcache.integrations.vllm.scheduler import SchedulerSide
+from tpcache.service.config import ConfigError
+
+B = 4  # block size
+
+
+@dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class Manager:
+    def __init__(self, *reqs: Req) -> None:
+        self.reqs = {r.request_id: r for r in reqs}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.reqs[req_id].blocks,)
+
+
+def output(**scheduled: int) -> SimpleNamespace:
+    return SimpleNamespace(num_scheduled_tokens=scheduled)
+
+
+def test_the_scheduler_waits_for_the_agreed_hit_and_never_loads_the_last_token() -> None:
+    r = Req("a", list(range(13)), blocks=[10, 11, 12, 13])
+    side = SchedulerSide(B, Manager(r))
+    assert side.num_new_matched_tokens(r, 0) == (None, False)
+    assert side.num_new_matched_tokens(r, 0) == (None, False)  # asked again: still unknown
+    meta = side.build_meta(output())
+    assert meta.ops == [(LOOKUP, "a", list(range(13)))]
+    assert side.build_meta(output()).ops == []  # sent once
+    side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
+    assert side.num_new_matched_tokens(r, 4) == (8, True)  # vLLM holds the first block itself
+    side.update_state_after_alloc(r, r.blocks, 8)
+    assert side.build_meta(output()).ops == [(LOAD, "a", 1, [11, 12])]
+    short = Req("b", list(range(12)))
+    side.num_new_matched_tokens(short, 0)
+    side.update_from_output(WorkerReport(hits={"b": (12, 0)}), None)
+    assert side.num_new_matched_tokens(short, 0) == (8, True)  # all 12 cached, but 11 is computed
+
+
+def test_saves_name_the_blocks_of_computed_pages_and_finish_waits_for_the_release() -> None:
+    r = Req("a", list(range(10)), blocks=[5, 6, 7])
+    side = SchedulerSide(B, Manager(r))
+    side.num_new_matched_tokens(r, 0)
+    side.update_from_output(WorkerReport(hits={"a": (0, 0)}), None)
+    side.build_meta(output())
+    meta = side.build_meta(output(a=10))  # the step computes all 10 prompt tokens: 2 full pages
+    assert meta.ops == [(SAVE, "a", [], 2, [5, 6])]
+    r.num_computed_tokens = 10
+    r.all_token_ids.extend([99, 98, 97])  # sampled; a token's KV exists once a step computed it
+    assert side.build_meta(output(a=1)).ops == []  # 11 computed: the third page is not full yet
+    r.num_computed_tokens = 12
+    assert side.request_finished(r, [5, 6, 7]) is True  # vLLM keeps the blocks until released
+    assert side.build_meta(output()).ops == [(SAVE, "a", [99, 98], 3, [5, 6, 7]), (RELEASE, "a", True)]
+
+
+def test_a_request_finished_while_its_load_is_pending_is_freed_by_vllm() -> None:
+    r = Req("a", list(range(9)), blocks=[1, 2, 3])
+    side = SchedulerSide(B, Manager(r))
+    side.num_new_matched_tokens(r, 0)
+    side.update_from_output(WorkerReport(hits={"a": (8, 0)}), None)
+    side.num_new_matched_tokens(r, 0)
+    side.update_state_after_alloc(r, r.blocks, 8)
+    assert side.request_finished(r, r.blocks) is False  # vLLM frees on the load's report
+    assert side.build_meta(output()).ops[-1] == (RELEASE, "a", False)
+    assert side.request_finished(Req("never", [1]), []) is False
+
+
+def test_a_failed_load_is_recomputed_not_retried() -> None:
+    r = Req("a", list(range(13)), blocks=[1, 2, 3, 4])
+    side = SchedulerSide(B, Manager(r))
+    side.num_new_matched_tokens(r, 0)
+    side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
+    assert side.num_new_matched_tokens(r, 0) == (12, True)
+    side.update_state_after_alloc(r, r.blocks, 12)
+    side.update_from_output(WorkerReport(), {"a"}, {3})  # block 3 did not land on some rank
+    assert side.num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_worker_reports_merge_to_the_minimum() -> None:
+    a = WorkerReport(hits={"x": (64, 32), "y": (32, 0)})
+    b = WorkerReport(hits={"x": (32, 32)}, busy=True)
+    merged = a.aggregate(b)
+    assert merged.hits == {"x": (32, 32), "y": (0, 0)} and merged.busy  # y missing on one worker: a miss
+
+
+def test_options_take_the_service_names_and_checks() -> None:
+    opts = ConnectorOptions.from_extra_config({})
+    assert opts.host_pages_for(1 << 20, 2) >= 1 and not opts.storage_dir
+    assert ConnectorOptions.from_extra_config({"host_bytes": 10 << 20}).host_pages_for(1 << 20, 2) == 10
+    assert ConnectorOptions.from_extra_config({"round_timeout_s": 5}).round_timeout_s == 5.0
+    for bad, match in [
+        ({"host_pagez": 1}, "unknown option"),
+        ({"host_pages": "8"}, "must be int"),
+        ({"transport": "tcp"}, "transport"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"eviction_policy": "random"}, "eviction"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            ConnectorOptions.from_extra_config(bad)

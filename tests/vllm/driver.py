@@ -1,0 +1,207 @@
+"""Runs vLLM engines one after another on a plan and writes what they produced as JSON.
+
+    python tests/vllm/driver.py PLAN.json OUT.json
+
+The plan names the model directory, the TP size and a list of engines, each with its connector
+settings (none: plain vLLM) and its steps. Engines run one at a time in this process (vLLM spawns
+its engine core and workers; this script is their ``__main__``). Steps:
+
+    {"op": "generate", "name": N, "prompts": [[ids...]], "max_tokens": K}
+    {"op": "conversation", "name": N, "users": [[[ids...] per turn] per conversation], "max_tokens": K}
+    {"op": "reset_prefix_cache"}
+    {"op": "arm", "spec": {...}}            faults on the workers (tpcache.integrations.vllm.faults)
+    {"op": "abort", "name": N, "prompts": [...], "max_tokens": K, "steps": S}
+                                            add the prompts, run S engine steps, abort them all
+    {"op": "settle"}                        wait until every worker holds no lease and nothing is pending
+    {"op": "stats", "name": N}              every worker's tpcache statistics
+
+An engine's ``corrupt_before`` ({"dir", "prompts", "page"}) damages stored pages before it starts.
+Results: {engine: {step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (stats, faults)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+}
+
+
+def _sampling(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _sampling(max_tokens), use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "cached": [o.num_cached_tokens or 0 for o in outs]}
+
+
+def _conversation(llm: Any, users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
+    """Every conversation's turn t at once: prompt = history + the user's turn t."""
+    history: list[list[int]] = [[] for _ in users]
+    tokens: list[list[int]] = []
+    cached: list[int] = []
+    for turn in range(max(len(u) for u in users)):
+        live = [i for i, u in enumerate(users) if turn < len(u)]
+        prompts = [history[i] + users[i][turn] for i in live]
+        out = _generate(llm, prompts, max_tokens)
+        for i, prompt, toks in zip(live, prompts, out["tokens"], strict=True):
+            history[i] = prompt + toks
+        tokens += out["tokens"]
+        cached += out["cached"]
+    return {"tokens": tokens, "cached": cached}
+
+
+def _stats(llm: Any) -> list[dict[str, Any]]:
+    from tpcache.integrations.vllm.connector import worker_stats
+
+    return llm.collective_rpc(worker_stats)
+
+
+def _settle(llm: Any, limit_s: float = 120.0) -> list[dict[str, Any]]:
+    """Wait until no worker holds a lease or has work pending. vLLM keeps stepping on its own while
+    the connector reports work (delayed frees, copies to agree), so this only watches."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        stats = _stats(llm)
+        if all(s.get("leases", 1) == 0 and s.get("pending", 1) == 0 for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers still hold leases or copies after {limit_s} s: {stats}")
+        time.sleep(0.05)
+
+
+def _abort(llm: Any, prompts: list[list[int]], max_tokens: int, steps: int) -> dict[str, Any]:
+    engine = llm.llm_engine
+    ids = [f"abort-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, _sampling(max_tokens))
+    finished: list[str] = []
+    for _ in range(steps):
+        finished += [o.request_id for o in engine.step() if o.finished]
+    engine.abort_request(ids)
+    for _ in range(1000):  # bounded: the aborted requests leave the engine in a few steps
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return {"finished_before_abort": finished}
+
+
+def _corrupt(spec: dict[str, Any]) -> int:
+    """Flip one payload byte of every stored record of page ``spec["page"]`` of each of
+    ``spec["prompts"]`` under ``spec["dir"]``; returns how many records were hit."""
+    from tpcache.core.hashing import as_token_bytes, hash_chain
+    from tpcache.integrations.vllm.options import page_namespace
+    from tpcache.io.storage.keys import StorageKey
+    from tpcache.io.storage.record import HEADER_SIZE, decode_header, read_key_echo
+
+    namespace = page_namespace("", spec["model"])
+    targets = {hash_chain(as_token_bytes(p), spec["block_size"], namespace)[spec["page"]] for p in spec["prompts"]}
+    hit = 0
+    for path in sorted(Path(spec["dir"]).rglob("*")):
+        if not path.is_file():
+            continue
+        data = bytearray(path.read_bytes())
+        offset = 0
+        while offset + HEADER_SIZE <= len(data):
+            try:
+                head = decode_header(bytes(data[offset : offset + HEADER_SIZE + 1024]), None)
+            except ValueError:
+                break
+            key = StorageKey.decode(
+                read_key_echo(bytes(data[offset : offset + HEADER_SIZE + head.key_len]), head).decode()
+            )
+            if head.live and key.page_hash in targets:
+                data[offset + head.record_len - head.payload_len // 2] ^= 0xFF
+                hit += 1
+            offset += head.record_len
+        path.write_bytes(bytes(data))
+    return hit
+
+
+def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": plan["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": "bfloat16",
+        "block_size": plan.get("block_size", 32),
+        "tensor_parallel_size": plan["tp"],
+        "max_model_len": plan.get("max_model_len", 2048),
+        "enable_prefix_caching": engine.get("prefix_caching", True),
+        "seed": 0,
+    }
+    if engine.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = engine["max_num_seqs"]
+    if engine.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = engine["num_gpu_blocks_override"]
+    if engine.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "TPCacheConnector",
+            "kv_connector_module_path": "tpcache.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": engine["connector"],
+        }
+    started = time.monotonic()
+    llm = LLM(**kwargs)
+    out: dict[str, Any] = {"startup_s": time.monotonic() - started}
+    try:
+        for i, step in enumerate(engine["steps"]):
+            op, name = step["op"], step.get("name", f"{step['op']}{i}")
+            if op == "generate":
+                out[name] = _generate(llm, step["prompts"], step["max_tokens"])
+            elif op == "conversation":
+                out[name] = _conversation(llm, step["users"], step["max_tokens"])
+            elif op == "reset_prefix_cache":
+                out[name] = llm.reset_prefix_cache()
+            elif op == "arm":
+                from tpcache.integrations.vllm.faults import arm_faults
+
+                out[name] = llm.collective_rpc(arm_faults, args=(step["spec"],))
+            elif op == "abort":
+                out[name] = _abort(llm, step["prompts"], step["max_tokens"], step["steps"])
+            elif op == "settle":
+                out[name] = _settle(llm)
+            elif op == "stats":
+                out[name] = _stats(llm)
+            else:
+                raise ValueError(f"unknown driver op {op!r}")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return out
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[1]).read_text())
+    os.environ.update(ENV)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.get("kv_space_gib", 1))
+    results: dict[str, Any] = {}
+    for engine in plan["engines"]:
+        if engine.get("corrupt_before"):
+            spec = {**engine["corrupt_before"], "model": plan["model"], "block_size": plan.get("block_size", 32)}
+            results.setdefault("corrupted", {})[engine["name"]] = _corrupt(spec)
+        results[engine["name"]] = run_engine(plan, engine)
+        Path(argv[2]).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

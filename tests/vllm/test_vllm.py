@@ -1,0 +1,106 @@
+"""vLLM (CPU build) on tpcache at TP=1 and TP=2: token-identical to plain vLLM, hits from host and
+storage, and recomputation of whatever the ranks did not agree on. One driver run per TP size
+(three engines, one after another: see scenario.py); every test reads its part of that run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.scenario import BLOCK, prompts, run, total
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("vllm")]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tp = request.param
+    out = run(tp, Path(tmp_path_factory.mktemp(f"vllm_tp{tp}")))
+    out["tp"] = tp
+    return out
+
+
+def tokens(runs: dict[str, Any], engine: str, step: str) -> list[list[int]]:
+    return runs[engine][step]["tokens"]
+
+
+def test_outputs_with_the_connector_equal_plain_vllm(runs: dict[str, Any]) -> None:
+    assert tokens(runs, "conn", "batch") == tokens(runs, "ref", "batch")
+
+
+def test_after_reset_prefix_cache_the_prompts_hit_tpcache(runs: dict[str, Any]) -> None:
+    assert tokens(runs, "conn", "batch_again") == tokens(runs, "ref", "batch")
+    # vLLM's own cache was emptied: every cached token came through the connector, a full page each
+    cached = runs["conn"]["batch_again"]["cached"]
+    assert all(c >= 3 * BLOCK and c % BLOCK == 0 for c in cached), cached
+    stats = runs["conn"]["stats_batch"]
+    assert len(stats) == runs["tp"]
+    hits = total(stats, "hit_tokens")
+    assert hits[0] >= sum(cached) and len(set(hits)) == 1, hits  # agreed: the same on every rank
+
+
+def test_multi_turn_larger_than_vllm_blocks_gets_host_hits(runs: dict[str, Any]) -> None:
+    assert tokens(runs, "conn", "conversation") == tokens(runs, "ref", "conversation")
+    users = prompts()["users"]
+    outputs = iter(tokens(runs, "ref", "conversation"))
+    history = [0] * len(users)
+    for turn in range(3):
+        for c in range(len(users)):
+            history[c] += len(users[c][turn]) + len(next(outputs))
+    assert sum(history) > 20 * BLOCK  # the working set is larger than vLLM's 20 blocks
+    before = total(runs["conn"]["stats_batch"], "loads_done_pages")
+    after = total(runs["conn"]["settled_conversation"], "loads_done_pages")
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    later_turns = runs["conn"]["conversation"]["cached"][len(users) :]
+    assert any(c > 0 for c in later_turns)
+    assert total(runs["conn"]["settled_conversation"], "host_evicted_pages") == [0] * runs["tp"]  # fits host
+
+
+def test_a_fresh_vllm_on_the_same_storage_gets_storage_hits(runs: dict[str, Any]) -> None:
+    assert runs["corrupted"]["fresh"] > 0
+    assert tokens(runs, "fresh", "batch") == tokens(runs, "ref", "batch")
+    stats = runs["fresh"]["settled"]
+    storage_hits = total(stats, "storage_hit_tokens")
+    assert storage_hits[0] > 0 and len(set(storage_hits)) == 1, storage_hits
+    corrupt = stats[-1]["storage"]
+    assert corrupt["misses_corrupt"] + corrupt["startup_discarded_corrupt"] > 0, corrupt
+    # the damaged page and what follows it are recomputed on every rank; the rest came from storage
+    assert runs["conn"]["batch_again"]["cached"][2:] == [4 * BLOCK, 4 * BLOCK]
+    assert runs["fresh"]["batch"]["cached"] == [3 * BLOCK] * 4
+
+
+def test_a_load_failing_on_one_rank_is_recomputed(runs: dict[str, Any]) -> None:
+    assert tokens(runs, "conn", "batch_failed_load") == tokens(runs, "ref", "batch")
+    failed = total(runs["conn"]["settled_failed_load"], "load_failed_blocks")
+    assert failed[0] > 0 and len(set(failed)) == 1, failed  # every rank reported the same blocks
+
+
+def test_the_tokens_depend_on_the_loaded_kv(runs: dict[str, Any]) -> None:
+    # Negative control: wrong KV that nobody reports as wrong changes the output of this model.
+    assert tokens(runs, "conn", "batch_scrambled") != tokens(runs, "ref", "batch")
+
+
+def test_requests_aborted_while_loading_release_everything(runs: dict[str, Any]) -> None:
+    settled = runs["conn"]["settled_abort"]
+    assert total(settled, "leases") == [0] * runs["tp"]
+    assert total(settled, "pending") == [0] * runs["tp"]
+    assert tokens(runs, "conn", "batch_after_abort") == tokens(runs, "ref", "batch")
+
+
+def test_a_divergence_on_one_rank_closes_then_reopens(runs: dict[str, Any]) -> None:
+    if runs["tp"] == 1:
+        pytest.skip("a divergence needs two ranks")
+    assert tokens(runs, "conn", "other_diverged") == tokens(runs, "ref", "other")
+    settled = runs["conn"]["settled_diverged"]
+    assert all(s["mismatches"] for s in settled), [s["mismatches"] for s in settled]
+    assert total(settled, "closed") == [0, 0]  # reopened by the agreed flush
+    assert tokens(runs, "conn", "batch_after_divergence") == tokens(runs, "ref", "batch")
+
+
+def test_nothing_stays_held(runs: dict[str, Any]) -> None:
+    for engine in ("conn", "fresh"):
+        settled = runs[engine]["settled"]
+        assert total(settled, "leases") == [0] * runs["tp"]
+        assert total(settled, "pending") == [0] * runs["tp"]

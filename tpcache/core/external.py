@@ -1,0 +1,132 @@
+"""Engine-owned device pages: tpcache holds the host (L2) and storage (L3) tiers under an engine's
+own block pool (vLLM's), and copies between its host slots and the block ids the engine names.
+
+Full attention only: a configuration with components (SWA pages, Mamba states) is refused.
+The core runs with no device tier of its own (``device_pages == 0``): no node is ever on device,
+and the engine's blocks never enter the tree. Two sequenced operations move KV across the border:
+
+- ``save``: the KV of the full pages of ``tokens`` sits in the engine's ``blocks``; the pages the
+  cache does not hold yet (from the first one missing on host) get fresh host slots, their nodes go
+  host-WRITING, and one BACKUP op copies block -> slot. The nodes become host-VALID only when the
+  round agrees the copy landed on every rank; pages past an agreed partial ack are dropped.
+- ``load_into``: copy pages of the lease's hit (host-VALID pages it pins, from ``lock`` or from a
+  storage prefetch) into engine blocks with one LOAD op. Nothing in the tree changes; the op's
+  ``acked`` (set by the agreed completion) tells the engine how many leading pages it may use.
+
+Both ops carry ``engine_pages=True`` (their device side is the engine's block ids) and the lease
+waits for them: a lease is released only once every copy into or out of its blocks is agreed
+complete, which is when the engine may reuse them. The host slots a load reads are held by the
+lease's own pins; the slots a save writes belong to its WRITING nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tpcache.core.config import CacheConfig
+from tpcache.core.eviction import Evictor
+from tpcache.core.leases import Leases
+from tpcache.core.ledger import Ledger
+from tpcache.core.outbox import Outbox
+from tpcache.core.records import Lease, OpKind, Transfer
+from tpcache.core.tiers import HostState
+from tpcache.core.tree import Node
+
+
+def require_engine_mode(config: CacheConfig) -> None:
+    if config.device_pages != 0:
+        raise ValueError("engine-owned device pages need a core without a device tier (device_pages=0)")
+    if config.host_pages <= 0:
+        raise ValueError("engine-owned device pages need a host tier (host_pages > 0)")
+    if config.components():
+        raise ValueError("engine-owned device pages serve full-attention models only (no swa_window, no mamba_every)")
+
+
+def check_blocks(blocks: Sequence[int]) -> list[int]:
+    out = list(blocks)
+    for b in out:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"blocks must be non-negative ints, found {b!r}")
+    if len(set(out)) != len(out):
+        raise ValueError("blocks name a block twice")
+    return out
+
+
+class EnginePages:
+    def __init__(self, ledger: Ledger, leases: Leases, outbox: Outbox, evictor: Evictor) -> None:
+        self.ledger = ledger
+        self.leases = leases
+        self.outbox = outbox
+        self.evictor = evictor
+
+    def hit_nodes(self, lease: Lease) -> list[Node]:
+        """The leading pages of the lease's tokens that are host-VALID and pinned by the lease. Pure."""
+        pinned = {n.node_id for n in lease.host_nodes}
+        out: list[Node] = []
+        for node in self.ledger.tree.walk(lease.tokens).nodes:
+            if node.host_state != HostState.VALID or node.node_id not in pinned:
+                break
+            out.append(node)
+        return out
+
+    def save(self, lease: Lease, token_bytes: bytes, blocks: list[int]) -> Transfer | None:
+        """Copy the full pages of the tokens the cache lacks from the engine's ``blocks`` into host.
+
+        ``blocks[i]`` holds page i. Pages from the first one not on host (valid or being written) to
+        the last full page are saved, as many as host slots can be found for (evicting unpinned host
+        pages, least valuable first); the rest are skipped, so the host tier stays ancestor-closed.
+        Returns the op, or None when nothing needed saving or no slot was free."""
+        led = self.ledger
+        walk = led.tree.walk(token_bytes)
+        n = walk.num_pages
+        if len(blocks) < n:
+            raise ValueError(f"save needs an engine block for each of {n} full pages, got {len(blocks)}")
+        led.tick()
+        first = 0
+        while first < len(walk.nodes) and walk.nodes[first].on_host:
+            first += 1
+        if first == n:
+            return None
+        parent = walk.nodes[first - 1] if first else led.tree.root
+        if first:
+            led.update(parent, host_pins=+1)  # eviction for the new slots must not take their parent
+        slots = self.evictor.alloc_host_upto(n - first)
+        if first:
+            led.update(parent, host_pins=-1)
+        if not slots:
+            return None
+        walk = led.tree.walk(token_bytes)  # eviction may have removed nodes past `first`
+        nodes: list[Node] = []
+        for i, slot in zip(range(first, first + len(slots)), slots, strict=True):
+            node = walk.nodes[i] if i < len(walk.nodes) else None
+            if node is None:
+                node = led.add(parent, walk.pages[i], walk.hashes[i], host=(HostState.WRITING, slot))
+            else:
+                led.update(node, host=(HostState.WRITING, slot), stamp=True)
+            nodes.append(node)
+            parent = node
+        led.stats.backups_issued_pages += len(nodes)
+        return self._issue(lease, OpKind.BACKUP, nodes, blocks[first : first + len(slots)])
+
+    def load_into(self, lease: Lease, first_page: int, blocks: list[int]) -> Transfer | None:
+        """Copy pages ``first_page ..`` of the lease's hit into the engine's ``blocks`` (one per page).
+
+        The pages must be part of the hit (``hit_nodes``); their host slots stay pinned by the lease
+        until it is released, which waits for this op. Returns the op (None for no blocks)."""
+        if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
+            raise ValueError(f"first_page must be a non-negative int, got {first_page!r}")
+        held = self.hit_nodes(lease)
+        if first_page + len(blocks) > len(held):
+            last = first_page + len(blocks) - 1
+            raise ValueError(f"lease {lease.lease_id} holds {len(held)} pages; cannot load pages {first_page}..{last}")
+        if not blocks:
+            return None
+        self.ledger.tick()
+        self.ledger.stats.loads_issued_pages += len(blocks)
+        return self._issue(lease, OpKind.LOAD, held[first_page : first_page + len(blocks)], blocks)
+
+    def _issue(self, lease: Lease, kind: OpKind, nodes: list[Node], blocks: list[int]) -> Transfer:
+        op = self.outbox.issue(kind, nodes, lease.lease_id, engine_pages=blocks)
+        self.leases.wait_for(lease, op.op_id)
+        self.leases.refresh(lease)
+        return op

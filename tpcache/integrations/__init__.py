@@ -1,0 +1,1 @@
+"""Engine integrations: tpcache as the host and storage tiers under an engine's own KV blocks."""

@@ -1,0 +1,240 @@
+"""``TPCacheConnector``: vLLM's KV connector API on top of tpcache.
+
+One instance runs beside vLLM's scheduler (``SchedulerSide``: decides nothing on its own, relays
+lookups, loads, saves and releases, and tells vLLM only what the workers agreed) and one in each
+worker (``WorkerSide``: one tpcache rank per TP rank, one round per engine step). vLLM keeps its
+device blocks; tpcache holds the host tier and the storage tier under them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tpcache.core import CacheConfig
+from tpcache.integrations.vllm.messages import StepOps, WorkerReport
+from tpcache.integrations.vllm.options import ConnectorOptions, page_namespace
+from tpcache.integrations.vllm.scheduler import SchedulerSide
+from tpcache.integrations.vllm.worker import StepResult, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("tpcache.vllm")
+
+
+class TPCacheConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.model_name = str(vllm_config.model_config.model)
+        self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        self.metrics: Any = None
+        self._result: StepResult | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.block_size)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # A cache never fails a request: pages that did not load on every rank are computed
+                # again. vLLM reads this policy right after creating the scheduler's connector.
+                log.info("tpcache: kv_load_failure_policy set to 'recompute' (a missed page is recomputed)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that never happens is a later miss, never lost data
+
+    # ================================================================== scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self.scheduler is not None
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        if num_external_tokens > 0:
+            self.scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self.scheduler is not None
+        host, storage = self.scheduler.hit_sources(request, num_external_tokens)
+        return {k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, storage)) if v}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        report = connector_output.kv_connector_worker_meta
+        self.scheduler.update_from_output(
+            report if isinstance(report, WorkerReport) else None,
+            connector_output.finished_recving,
+            connector_output.invalid_block_ids,
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids), None
+
+    def has_pending_push_work(self) -> bool:
+        # Keep vLLM stepping while a worker has copies or releases to agree: each step is a round.
+        return self.scheduler is not None and (self.scheduler.workers_busy or bool(self.scheduler.ops))
+
+    def reset_cache(self) -> bool | None:
+        assert self.scheduler is not None
+        return self.scheduler.reset()
+
+    # ================================================================== worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from tpcache.dist import make_collective
+        from tpcache.engine.external import EngineCache
+        from tpcache.integrations.vllm.faults import FaultPlan
+        from tpcache.integrations.vllm.layout import engine_kv_from_vllm
+
+        tp = get_tp_group()
+        rank, world = tp.rank_in_group, tp.world_size
+        num_blocks = self.num_blocks or int(next(iter(kv_caches.values())).shape[0])
+        engine_kv, layout, engine_format = engine_kv_from_vllm(kv_caches, num_blocks, self.block_size)
+        opts = self.options
+        host_pages = opts.host_pages_for(layout.page_bytes, world)
+        storage = None
+        if opts.storage_dir:
+            from tpcache.io.storage import FileBackend
+
+            storage = FileBackend(
+                Path(opts.storage_dir) / f"rank{rank}", capacity_bytes=opts.storage_bytes, shard=(rank, world)
+            )
+        config = CacheConfig(
+            page_size=self.block_size,
+            device_pages=0,
+            host_pages=host_pages,
+            eviction_policy=opts.eviction_policy,
+            namespace=page_namespace(opts.namespace, self.model_name),
+            storage=storage is not None,
+            mirror_release=False,
+        )
+        faults = FaultPlan(opts.fault_injection, rank)
+        faults.kv = engine_kv
+        collective = make_collective(opts.transport, group=tp.cpu_group)
+        cache = EngineCache(
+            config,
+            collective,
+            engine_kv,
+            layout,
+            engine_format=engine_format,
+            storage=storage,
+            round_timeout_s=opts.round_timeout_s,
+            before_copy=faults.before_copy,
+            after_copy=faults.after_copy,
+            hold=faults.hold,
+        )
+        self.worker = WorkerSide(
+            cache, lookup_timeout_rounds=opts.lookup_timeout_rounds, reopen=opts.reopen, faults=faults
+        )
+        if opts.metrics_port:
+            from tpcache.service.metrics import RankMetrics
+
+            self.metrics = RankMetrics(rank)
+            self.metrics.serve(opts.metrics_port + rank)
+        log.info(
+            "tpcache rank %d of %d: %d host pages of %d bytes, storage %s, round transport %s",
+            rank,
+            world,
+            host_pages,
+            layout.page_bytes,
+            opts.storage_dir or "off",
+            collective.name,
+        )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._result = None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # loads are asynchronous: issued with the step's other operations in wait_for_save
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves copy whole blocks after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._step()
+
+    def _step(self) -> StepResult:
+        """This step's round, run once (the first hook of the step after the forward calls it)."""
+        if self._result is None:
+            assert self.worker is not None, "register_kv_caches was not called"
+            meta = self._connector_metadata if isinstance(self._connector_metadata, StepOps) else None
+            try:
+                self._result = self.worker.run_step(meta)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not take vLLM down with it
+                log.exception("tpcache: engine step failed on this rank; the cache closes")
+                self.worker.fail(f"engine step failed: {exc}")
+                self._result = StepResult()
+            if self.metrics is not None and self.metrics.due():
+                self.metrics.publish(self.worker.stats(), self.worker.cache.health(), force=True)
+        return self._result
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        result = self._step()
+        return result.finished_sending or None, result.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker is None or self._result is None:
+            return set()
+        return set(self._result.invalid_blocks)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None or self._result is None:
+            return None
+        return self._result.report
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.cache.close()
+            self.worker = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+def worker_stats(worker: Any = None) -> dict[str, Any]:
+    """This worker's tpcache statistics (for ``LLM.collective_rpc(worker_stats)``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    side = getattr(connector, "worker", None)
+    return {} if side is None else side.stats()

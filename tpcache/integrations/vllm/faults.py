@@ -1,0 +1,92 @@
+"""Faults to inject into one rank of a running vLLM, for tests (``fault_injection`` option).
+
+Each entry names the TP rank it hits; the others behave normally, which is what makes the fault
+a disagreement the round has to catch:
+
+- ``{"fail_loads": {"rank": R, "count": N}}``: the first N loads into vLLM's blocks fail on rank R;
+- ``{"hold_loads": {"rank": R, "steps": N}}``: rank R reports each load landed only N engine steps
+  after it was issued (a slow copy), so requests wait with their loads in flight;
+- ``{"scramble_loads": {"rank": R, "count": N}}``: the first N loads on rank R zero the blocks
+  they wrote and still report success: a wrong copy no agreement can see, which the tests use to
+  show that the model's tokens do depend on the loaded KV (a negative control);
+- ``{"diverge": {"rank": R, "step": S}}``: S engine steps after arming, rank R applies one
+  operation the other ranks do not (an extra lookup), so the ranks' trees differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tpcache.io.engine_kv import EngineKV
+from tpcache.io.transfer import H2D
+from tpcache.service.config import ConfigError
+
+KNOWN = {
+    "fail_loads": ("rank", "count"),
+    "hold_loads": ("rank", "steps"),
+    "diverge": ("rank", "step"),
+    "scramble_loads": ("rank", "count"),
+}
+
+
+class InjectedFault(RuntimeError):
+    """A copy failed because a test asked it to."""
+
+
+class FaultPlan:
+    def __init__(self, spec: Mapping[str, Any], rank: int) -> None:
+        self.rank = rank
+        self.kv: EngineKV | None = None  # the engine's blocks, for scramble_loads
+        self.step = 0  # the worker's engine step, advanced by the worker
+        self.arm(spec)
+
+    def arm(self, spec: Mapping[str, Any]) -> None:
+        """Replace the faults (between engine steps, on every worker alike)."""
+        for name, args in spec.items():
+            if name not in KNOWN or not isinstance(args, Mapping) or set(args) != set(KNOWN[name]):
+                raise ConfigError(f"fault_injection: {name!r} needs {{{', '.join(KNOWN.get(name, ()))}}}, got {args!r}")
+        self.spec = {name: dict(args) for name, args in spec.items() if args["rank"] == self.rank}
+        if "diverge" in self.spec:
+            self.spec["diverge"]["step"] += self.step  # counted from now
+        self._failed = 0
+        self._scrambled = 0
+        self._issued: dict[int, int] = {}  # op id -> step it was issued at
+
+    def before_copy(self, op_id: int, direction: str) -> None:
+        fail = self.spec.get("fail_loads")
+        if direction == H2D and fail is not None and self._failed < fail["count"]:
+            self._failed += 1
+            raise InjectedFault(f"injected load failure on rank {self.rank}")
+
+    def after_copy(self, op_id: int, direction: str, dst: Sequence[int]) -> None:
+        scramble = self.spec.get("scramble_loads")
+        if direction == H2D and scramble is not None and self._scrambled < scramble["count"] and self.kv is not None:
+            self._scrambled += 1
+            index = torch.tensor(list(dst), dtype=torch.int64, device=self.kv.device)
+            for part in self.kv.parts:
+                part.index_fill_(0, index, 0)
+
+    def hold(self, op_id: int, direction: str) -> bool:
+        held = self.spec.get("hold_loads")
+        if direction != H2D or held is None:
+            return False
+        issued = self._issued.setdefault(op_id, self.step)
+        return self.step < issued + held["steps"]
+
+    def diverges_now(self) -> bool:
+        d = self.spec.get("diverge")
+        return d is not None and d["step"] == self.step
+
+
+def arm_faults(worker: Any, spec: Mapping[str, Any]) -> int:
+    """Arm ``spec`` on this vLLM worker's connector (``LLM.collective_rpc(arm_faults, args=(spec,))``,
+    which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Returns the worker's TP rank."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group().worker
+    assert side is not None and side.faults is not None
+    side.faults.arm(spec)
+    return side.cache.rank

@@ -1,0 +1,83 @@
+"""The layout adapter: vLLM's per-layer KV tensors seen as rows of whole blocks.
+
+vLLM hands the connector one tensor per attention layer; dimension 0 (or 1, behind a leading K/V
+dimension of 2) counts blocks, and the physical order of the other dimensions depends on the
+attention backend (on CPU: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, K and V side by
+side). For each layer, the dimensions stored outside the block dimension are enumerated into
+parts; the ones inside must be dense, so that one block of one part is one contiguous row. A host
+page is a block's rows over every layer and part, in the engine's own byte order; the format name
+(shapes without the block count, and the physical order) is part of every storage key, so a
+restart with another KV layout never reads these pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+
+from tpcache.io.engine_kv import EngineKV
+from tpcache.io.errors import KVLayoutError
+from tpcache.io.kv_pool import KVLayout
+
+
+def _block_dim(t: torch.Tensor, num_blocks: int) -> int:
+    if t.dim() >= 2 and t.shape[0] == num_blocks:
+        return 0
+    if t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return 1
+    raise KVLayoutError(f"no block dimension ({num_blocks} blocks) in a KV tensor of shape {tuple(t.shape)}")
+
+
+def layer_parts(t: torch.Tensor, num_blocks: int) -> tuple[list[torch.Tensor], str]:
+    """One layer's ``[num_blocks, row]`` views and a description of its format."""
+    bdim = _block_dim(t, num_blocks)
+    dims = [d for d in range(t.dim()) if d != bdim and t.shape[d] > 1]
+    order = sorted(dims, key=lambda d: -t.stride(d))  # physical order, outermost first
+    outer = [d for d in order if t.stride(d) > t.stride(bdim)]
+    inner = [d for d in order if t.stride(d) <= t.stride(bdim)]
+    row = 1
+    for d in reversed(inner):
+        if t.stride(d) != row:
+            raise KVLayoutError(f"KV tensor {tuple(t.shape)} strides {t.stride()}: a block's data is not dense")
+        row *= t.shape[d]
+    if t.stride(bdim) < row:
+        raise KVLayoutError(f"KV tensor {tuple(t.shape)} strides {t.stride()}: blocks overlap")
+    parts = []
+    for index in itertools.product(*(range(t.shape[d]) for d in outer)):
+        offset = t.storage_offset() + sum(i * t.stride(d) for i, d in zip(index, outer, strict=True))
+        parts.append(t.as_strided((num_blocks, row), (t.stride(bdim), 1), offset))
+    shape = ["B" if d == bdim else str(s) for d, s in enumerate(t.shape)]
+    physical = [*outer, bdim, *inner]
+    fmt = f"[{','.join(shape)}]order={''.join(map(str, physical))}"
+    return parts, fmt
+
+
+def engine_kv_from_vllm(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
+) -> tuple[EngineKV, KVLayout, str]:
+    """The adapter over vLLM's ``kv_caches`` (layer name -> tensor, in model order), the host page
+    layout it needs, and the engine format name."""
+    if not kv_caches:
+        raise KVLayoutError("vLLM registered no KV cache tensors")
+    parts: list[torch.Tensor] = []
+    formats: list[str] = []
+    per_layer = None
+    for name, tensor in kv_caches.items():
+        layer, fmt = layer_parts(tensor, num_blocks)
+        elems = sum(int(p.shape[1]) for p in layer)
+        if per_layer is not None and elems != per_layer:
+            raise KVLayoutError(f"layer {name} holds {elems} elements per block, others {per_layer}")
+        per_layer = elems
+        parts.extend(layer)
+        formats.append(fmt)
+    assert per_layer is not None
+    if len(set(formats)) != 1:
+        raise KVLayoutError(f"KV layers differ in format: {sorted(set(formats))}")
+    if per_layer % (2 * block_size):
+        raise KVLayoutError(f"a block of {per_layer} elements does not split into K and V of {block_size} tokens")
+    dtype = parts[0].dtype
+    # The host page holds the same number of elements as one block over every layer.
+    layout = KVLayout(len(kv_caches), 1, per_layer // (2 * block_size), dtype, block_size)
+    return EngineKV(parts), layout, f"vllm{formats[0]}{dtype}"

@@ -1,0 +1,124 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Names and checks are the service's (``tpcache.service.config.ServiceConfig``) wherever the setting
+is the same: ``host_pages``, ``storage_dir``, ``storage_bytes``, ``transport``,
+``round_timeout_s``, ``metrics_port``, ``namespace``, ``eviction_policy``. What only an engine
+needs is added here. An empty dict works: the host tier is sized from free memory, no storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpcache.core.eviction import make_policy
+from tpcache.service.config import ConfigError, ServiceConfig
+
+DEFAULT_HOST_FRACTION = 0.1  # of the memory available at start, over all TP ranks of the host
+DEFAULT_HOST_CAP_BYTES = 8 << 30  # per rank
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    host_pages: int = _opt(0, "pages in the host tier (L2) per rank; 0: from host_bytes")
+    host_bytes: int = _opt(
+        0, "bytes of the host tier per rank; 0 with host_pages 0: a tenth of available memory over the ranks"
+    )
+    storage_dir: str = _opt("", "directory of the storage tier (L3), shared by restarts; empty: off")
+    storage_bytes: int = _opt(1 << 30, "capacity of the storage tier per rank, in bytes")
+    transport: str = _opt("auto", "round transport: auto (shared memory when possible), shm, torch")
+    round_timeout_s: float = _opt(30.0, "seconds a round waits for every rank before the cache fails closed")
+    metrics_port: int = _opt(0, "Prometheus metrics on 127.0.0.1:PORT+rank; 0 = off")
+    namespace: str = _opt("", "namespace salt of page hashes; the model's name is always added")
+    eviction_policy: str = _opt("lru", "host eviction policy")
+    lookup_timeout_rounds: int = _opt(
+        64, "rounds a lookup waits for its storage prefetch before it reports what has landed"
+    )
+    reopen: bool = _opt(True, "after the cache fails closed, reopen it by an agreed flush (all ranks together)")
+    fault_injection: dict = field(
+        default_factory=dict, metadata={"help": "tests only: faults to inject (tpcache.integrations.vllm.faults)"}
+    )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        """Parse and check; raises ConfigError naming the offending option."""
+        extra = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown option(s) {unknown}; known: {sorted(fields)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            kind = dict if name == "fault_injection" else type(fields[name].default)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+                raise ConfigError(f"kv_connector_extra_config: {name} must be {kind.__name__}, got {value!r}")
+            values[name] = value
+        options = cls(**values)
+        options.validate()
+        return options
+
+    def validate(self, page_size: int = 16) -> None:
+        if self.host_pages < 0 or self.host_bytes < 0:
+            raise ConfigError("host_pages and host_bytes must be >= 0")
+        if self.lookup_timeout_rounds < 0:
+            raise ConfigError("lookup_timeout_rounds must be >= 0")
+        try:
+            make_policy(self.eviction_policy)
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+        try:
+            # The service's checks for the settings it shares (kv_layout stands in for the engine's).
+            self.service_config(page_size, max(self.host_pages, 1), "layers=1,heads=1,head_dim=1").validate()
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+    def service_config(self, page_size: int, host_pages: int, kv_layout: str) -> ServiceConfig:
+        return ServiceConfig(
+            page_size=page_size,
+            device_pages=0,
+            host_pages=host_pages,
+            eviction_policy=self.eviction_policy,
+            namespace=self.namespace,
+            kv_layout=kv_layout,
+            storage_dir=self.storage_dir,
+            storage_bytes=self.storage_bytes,
+            transport=self.transport,
+            round_timeout_s=self.round_timeout_s,
+            metrics_port=self.metrics_port,
+        )
+
+    def host_pages_for(self, page_bytes: int, world_size: int) -> int:
+        """Host slots per rank: ``host_pages``, else ``host_bytes``, else from available memory."""
+        if self.host_pages:
+            return self.host_pages
+        budget = self.host_bytes
+        if not budget:
+            budget = min(int(available_memory() * DEFAULT_HOST_FRACTION) // max(world_size, 1), DEFAULT_HOST_CAP_BYTES)
+        return max(1, budget // page_bytes)
+
+
+def available_memory() -> int:
+    """Bytes of memory available for new allocations (Linux MemAvailable; else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def page_namespace(namespace: str, model: str) -> str:
+    """The namespace salt of page hashes: the user's, and the model's name, so two models never
+    share a page, in memory or in storage."""
+    return f"{namespace}|vllm|{model}"

@@ -1,0 +1,257 @@
+"""The worker side of the connector: one tpcache rank per vLLM worker (TP rank).
+
+Once per engine step, in ``wait_for_save`` (every worker calls it every step, empty steps included,
+after the forward pass), the worker applies the step's ``StepOps`` in order to its ``EngineCache``
+(lookups, loads, saves, releases: the same sequenced operations on every rank) and then runs exactly
+one round. What it reports for the step is read from the state that round agreed:
+
+- a lookup's hit (the pages its lease holds on host, storage prefetch included) once its prefetch
+  is done or timed out; a closed cache reports 0;
+- a load as finished once its outcome is agreed; pages past the agreed count, or every page when
+  the cache closed first, are invalid blocks, which vLLM recomputes;
+- a finished request as done sending once its lease is released, which waits for every copy of its
+  blocks to be agreed (or at once when the cache is closed: copies are synchronous, none is left
+  running into the blocks).
+
+After the cache fails closed the worker asks for an agreed flush (every rank does so in the same
+round), which reopens it empty; requests in flight then simply miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.round_vector import HEALTH_IO_ERROR
+from tpcache.core import CacheClosed, Transfer
+from tpcache.engine.external import EngineCache
+from tpcache.integrations.vllm.faults import FaultPlan
+from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
+
+log = logging.getLogger("tpcache.vllm")
+
+# A lookup whose prefix another request is bringing in starts over under a new lease at most this
+# often (each time from a longer prefix), so a lookup always ends.
+MAX_RELOCKS = 4
+STALL_LOG_STEPS = 5000  # a rank busy this many steps in a row logs what it waits for
+
+
+@dataclass
+class _Lookup:
+    lease: int | None  # None: the request holds nothing (dropped when the cache closed)
+    tokens: list[int]
+    rounds: int = 0
+    relocks: int = 0
+    reported: bool = False
+
+
+@dataclass
+class _Load:
+    op: Transfer | None
+    blocks: list[int]
+
+
+@dataclass
+class StepResult:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_blocks: set[int] = field(default_factory=set)
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        cache: EngineCache,
+        *,
+        lookup_timeout_rounds: int = 64,
+        reopen: bool = True,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        self.cache = cache
+        self.faults = faults
+        self.page_size = cache.config.page_size
+        self.lookup_timeout_rounds = lookup_timeout_rounds
+        self.reopen = reopen
+        self.requests: dict[str, _Lookup] = {}
+        self.loads: dict[str, _Load] = {}
+        self.sending: dict[str, int | None] = {}  # request -> lease being released (None: nothing held)
+        self.steps = 0
+        self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0}
+        self._flush_asked = False
+        self._busy_steps = 0  # consecutive steps that ended with something still to report
+
+    # ------------------------------------------------------------------ one engine step
+
+    def run_step(self, meta: StepOps | None) -> StepResult:
+        """Apply the step's operations, run the round, collect what it agreed."""
+        if self.faults is not None:
+            self.faults.step = self.steps
+        for op in meta.ops if meta is not None else ():
+            try:
+                self._apply(op)
+            except CacheClosed:
+                pass  # a closed cache serves misses; loads that could not start are failed below
+            except Exception:  # noqa: BLE001 - a bad op must not kill the worker; the round checks ranks agree
+                log.exception("tpcache: could not apply %s for request %s", op[0], op[1])
+        if self.faults is not None and self.faults.diverges_now():
+            log.warning("tpcache: injecting a divergence on rank %d at step %d", self.cache.rank, self.steps)
+            self.cache.release(self.cache.lock([0] * self.page_size)[0])
+        report = self.cache.step()
+        self.steps += 1
+        self._busy_steps = 0 if self.idle() else self._busy_steps + 1
+        if self._busy_steps and self._busy_steps % STALL_LOG_STEPS == 0:
+            rank, waiting = self.cache.rank, self.waiting()
+            log.warning("tpcache rank %d: busy for %d steps, waiting on %s", rank, self._busy_steps, waiting)
+        if report.flushed:
+            self._flush_asked = False
+        closed = self.cache.core.closed
+        if closed:
+            self._drop_leases()
+            if self.reopen and not self._flush_asked:
+                self._flush_asked = True
+                self.cache.request_flush()
+        return self._collect(closed)
+
+    def _drop_leases(self) -> None:
+        """A closed cache serves nothing, so requests let go of what they hold. Its ranks may have
+        counted different operations (why it closed): a lease kept across the flush would carry a
+        different id on each rank and keep their states apart after it. Nothing new is locked
+        until the cache is open again."""
+        for state in self.requests.values():
+            if state.lease is not None:
+                self.cache.release(state.lease)
+                state.lease = None
+
+    def _apply(self, op: tuple) -> None:
+        kind, req = op[0], op[1]
+        cache = self.cache
+        if kind == LOOKUP:
+            old = self.requests.pop(req, None)
+            if old is not None and old.lease is not None:
+                cache.release(old.lease)
+            tokens = list(op[2])
+            state = self.requests[req] = _Lookup(None, tokens)
+            self.counters["lookups"] += 1
+            if cache.core.closed:
+                return
+            state.lease = cache.lock(tokens)[0]
+            if cache.config.storage:
+                cache.prefetch(state.lease)
+        elif kind == LOAD:
+            state = self.requests.get(req)
+            first, blocks = op[2], list(op[3])
+            self.loads[req] = _Load(None, blocks)  # failed unless the op is issued
+            if state is not None and state.lease is not None:
+                self.loads[req].op = cache.load_into(state.lease, first, blocks)
+        elif kind == SAVE:
+            state = self.requests.get(req)
+            if state is None:
+                return
+            state.tokens.extend(op[2])
+            pages, blocks = op[3], op[4]
+            if cache.core.closed:
+                return
+            if state.lease is None:  # dropped while the cache was closed: hold the saves anew
+                state.lease = cache.lock(state.tokens)[0]
+            cache.save(state.lease, state.tokens[: pages * self.page_size], blocks)
+        elif kind == RELEASE:
+            state = self.requests.pop(req, None)
+            if state is None:
+                return
+            if state.lease is not None:
+                cache.release(state.lease)
+            if op[2]:
+                self.sending[req] = state.lease
+        elif kind == FLUSH:
+            cache.request_flush()
+        else:
+            raise ValueError(f"unknown connector op {kind!r}")
+
+    def _collect(self, closed: bool) -> StepResult:
+        cache = self.cache
+        out = StepResult(report=WorkerReport(closed=closed))
+        for req, state in self.requests.items():
+            if state.reported:
+                continue
+            state.rounds += 1
+            status, ready = ("none", 0) if state.lease is None else cache.prefetch_status(state.lease)
+            waiting = state.rounds <= self.lookup_timeout_rounds and not closed
+            if waiting and status not in ("none", "done"):
+                continue
+            if not closed and state.lease is not None:
+                held = cache.hit_pages(state.lease)
+                if waiting and cache.filling(state.tokens, held):
+                    continue  # another request is bringing the next page in (its own fetch or save)
+                if cache.match(state.tokens).host_pages > held and state.relocks < MAX_RELOCKS:
+                    # Pages another request fetched meanwhile: pin them under a fresh lease, and
+                    # look for the rest of the prompt in storage from there.
+                    state.relocks += 1
+                    cache.release(state.lease)
+                    state.lease = cache.lock(state.tokens)[0]
+                    if cache.config.storage and waiting and cache.prefetch(state.lease):
+                        continue
+            hit = 0 if closed or state.lease is None else cache.hit_pages(state.lease) * self.page_size
+            storage = min(ready * self.page_size, hit)
+            out.report.hits[req] = (hit, storage)
+            state.reported = True
+            self.counters["hit_tokens"] += hit
+            self.counters["storage_hit_tokens"] += storage
+        for req in list(self.loads):
+            load = self.loads[req]
+            landed = cache.outcome(load.op) if load.op is not None else 0
+            if landed is None and not closed:
+                continue
+            landed = landed or 0
+            out.finished_recving.add(req)
+            bad = load.blocks[landed:]
+            out.invalid_blocks.update(bad)
+            self.counters["load_failed_blocks"] += len(bad)
+            del self.loads[req]
+        for req in list(self.sending):
+            lease = self.sending[req]
+            if closed or lease is None or not cache.lease_alive(lease):
+                out.finished_sending.add(req)
+                del self.sending[req]
+        out.report.busy = not self.idle()
+        return out
+
+    def waiting(self) -> dict[str, Any]:
+        """What this rank still has to report (for logs when an engine seems stuck)."""
+        return {
+            "lookups": [r for r, s in self.requests.items() if not s.reported],
+            "loads": list(self.loads),
+            "sending": list(self.sending),
+            "copies_in_flight": sorted(self.cache.shell.running),
+            "ops_to_agree": {k.name: len(q) for k, q in self.cache.core.inflight.items() if q},
+            "closed": self.cache.core.closed_reason,
+        }
+
+    def fail(self, reason: str) -> None:
+        """Close this rank's cache and tell the others in the next round (a health bit): from then
+        on every rank reports its loads failed and its lookups as misses."""
+        self.cache.core.close(reason)
+        self.cache.shell.health_bits |= HEALTH_IO_ERROR
+
+    def idle(self) -> bool:
+        """Nothing waits for a later round: no copy in flight, no lookup, load or release to report."""
+        if self.loads or self.sending or any(not s.reported for s in self.requests.values()):
+            return False
+        return not any(self.cache.core.inflight.values()) or self.cache.core.closed
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.cache.stats())
+        out.update(self.counters)
+        out["requests"] = len(self.requests)
+        waiting = sum(not s.reported for s in self.requests.values())
+        in_flight = sum(map(len, self.cache.core.inflight.values()))
+        out["pending"] = in_flight + len(self.loads) + len(self.sending) + waiting
+        out["host_pages"] = self.cache.config.host_pages
+        out["page_size"] = self.page_size
+        out["closed_reason"] = self.cache.core.closed_reason or ""
+        out["flush_requested"] = int(self.cache.core.flush_requested)
+        out["drained"] = int(self.cache.shell.drained())
+        out["copies_in_flight"] = sorted(self.cache.shell.running)  # op ids not finished on this rank
+        out["storage"] = self.cache.storage.stats() if self.cache.storage is not None else {}
+        return out

@@ -1,0 +1,327 @@
+"""Rank 0's client endpoint: connections, what each may hold, and bounded replies.
+
+A connection is one transport connection (one TCP or IPC stream), never a ZMQ routing id: a
+routing id is chosen by the client and can be reused by another connection once the first one is
+gone. libzmq names each connection for us: the endpoint sets a ZAP domain, and the ZAP handler
+here (answered on the leader's own thread) gives every new connection a fresh number as its
+User-Id, which libzmq then attaches to every message that connection sends. Authentication
+(``hello`` with the secret), requests in flight and leases belong to that number.
+
+A connection is gone when the socket monitor reports its file descriptor disconnected (the
+descriptor is learnt from the connection's first message), or when a later connection speaks
+with its routing id (libzmq refuses a second connection with a routing id in use, so the first
+must have left). The monitor is drained before every ZAP answer, so a connection that takes over
+a gone one's routing id is never attached before the old one is known gone, and no reply meant
+for the old one can reach it.
+
+Memory per connection is bounded: envelope frames (everything before the request frame) beyond
+``MAX_ENVELOPE_FRAMES`` or ``MAX_ENVELOPE_BYTES`` are refused, not echoed; requests whose replies
+would carry more than ``MAX_REPLY_BYTES_IN_FLIGHT`` at once (inline pages) are OVERLOADED; replies
+to a client that does not read wait in the socket (at most ``REPLY_HWM`` of them, and of those
+past ``SMALL_REPLY`` bytes at most ``MAX_SOCKET_REPLY_BYTES`` until the connection's kernel send
+queue is seen drained) and then here (at most ``MAX_QUEUED_REPLY_BYTES``); past that they are
+dropped and counted. A client that does not read its replies loses them, never the server's
+memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import struct
+import termios
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+import protocol as p
+
+log = logging.getLogger("tpcache.service")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
+MAX_ENVELOPE_FRAMES = 2  # after the routing id: a REQ's empty delimiter, or one DEALER frame
+MAX_ENVELOPE_BYTES = 256
+REPLY_HWM = 1024  # replies ZMQ holds for one connection before rank 0 queues them itself
+SMALL_REPLY = 4096  # replies below this count only against REPLY_HWM in the socket
+MAX_SOCKET_REPLY_BYTES = 8 << 20  # larger ones: at most this many bytes in one connection's socket
+MAX_QUEUED_REPLY_BYTES = 8 << 20  # per connection, counting each reply's bookkeeping as well as its bytes
+MAX_REPLY_BYTES_IN_FLIGHT = 16 << 20  # per connection: large replies (inline pages) not yet sent
+_QUEUED_OVERHEAD = 128
+MAX_CONNECTIONS = 65_536  # connections remembered at once; the oldest idle ones are forgotten
+MAX_DEPARTED = 4096  # gone connections remembered for the frames they sent before leaving
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_MONITOR_EVENTS = int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+_SRCFD = getattr(zmq, "SRCFD", None)  # libzmq's message property: the descriptor it came from
+
+
+@dataclass(eq=False)
+class Conn:
+    """One client connection."""
+
+    id: int  # the number the ZAP handler gave it; unique for the life of the process
+    identity: bytes  # its routing id, where replies go
+    server: p.ServerConnection
+    fd: int = -1  # its socket, from its first message (-1: unknown)
+    authed: bool = False
+    gone: bool = False
+    queue: deque[tuple[list[bytes], bytes]] = field(default_factory=deque)  # replies waiting for the socket
+    queued_bytes: int = 0
+    socket_bytes: int = 0  # large replies put in the socket since its kernel queue was last seen drained
+    reply_bytes: int = 0  # what the replies to its requests in flight will carry (large ones only)
+
+
+@dataclass(slots=True)
+class Message:
+    """A client frame from a live connection, with what it takes to answer it."""
+
+    conn: Conn
+    envelope: list[bytes]  # the routing id, then the client's own envelope frames (echoed back)
+    frame: bytes
+
+
+class FrontDoor:
+    """The ROUTER socket and everything known about the connections behind it."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_pending: int) -> None:
+        self.max_pending = max_pending
+        # The ZAP handler must be bound before the first connection arrives.
+        self.zap = ctx.socket(zmq.REP)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind(ZAP_ENDPOINT)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, p.DEFAULT_LIMITS.max_message_bytes + 1024)
+        self.router.setsockopt(zmq.RCVHWM, 4096)
+        self.router.setsockopt(zmq.SNDHWM, REPLY_HWM)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer is an error, not silence
+        self.router.setsockopt(zmq.ZAP_DOMAIN, b"tpcache")
+        self.monitor = self.router.get_monitor_socket(_MONITOR_EVENTS)
+        self.endpoint = self._bind(endpoint)
+        self.conns: OrderedDict[int, Conn] = OrderedDict()  # by id, least recently heard first
+        self.by_identity: dict[bytes, Conn] = {}
+        self.by_fd: dict[int, Conn] = {}
+        self.open_fds: set[int] = set()  # descriptors accepted and not yet reported disconnected
+        self.backlogged: dict[int, Conn] = {}  # connections with replies queued here
+        self.departed: OrderedDict[int, Conn] = OrderedDict()  # recently gone, for frames read after
+        self.gone: list[Conn] = []  # connections found gone since the leader last looked
+        self.next_conn = 1
+        self.counters = {"requests_received": 0, "refused_envelopes": 0, "dropped_replies": 0, "connections": 0}
+
+    def _bind(self, endpoint: str) -> str:
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            port = self.router.bind_to_random_port(endpoint[: endpoint.rindex(":")])
+            return f"{endpoint[: endpoint.rindex(':')]}:{port}"
+        self.router.bind(endpoint)
+        return str(self.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+
+    def sockets(self) -> list[zmq.Socket]:
+        """What the leader polls for input."""
+        return [self.router, self.zap, self.monitor]
+
+    # ------------------------------------------------------------------ connection lifecycle
+
+    def answer_zap(self) -> None:
+        """Name every connection waiting for its handshake."""
+        while True:
+            try:
+                request = self.zap.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            self.read_monitor()  # a connection gone before this one came is known gone first
+            request_id = request[1] if len(request) > 1 else b""
+            conn_id = self.next_conn
+            self.next_conn += 1
+            self.zap.send_multipart([b"1.0", request_id, b"200", b"OK", str(conn_id).encode(), b""])
+
+    def read_monitor(self) -> None:
+        while True:
+            try:
+                parts = self.monitor.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) < 2 or len(parts[0]) < 6:
+                continue
+            event, fd = struct.unpack("=Hi", parts[0][:6])
+            if event == zmq.EVENT_ACCEPTED:
+                self.open_fds.add(fd)
+            else:
+                self.open_fds.discard(fd)
+            conn = self.by_fd.pop(fd, None)
+            if conn is not None:  # disconnected, or a new connection on a descriptor it had held
+                self._lose(conn)
+
+    def _lose(self, conn: Conn) -> None:
+        if conn.gone:
+            return
+        conn.gone = True
+        self.gone.append(conn)
+        self.conns.pop(conn.id, None)
+        self.departed[conn.id] = conn
+        while len(self.departed) > MAX_DEPARTED:
+            self.departed.popitem(last=False)
+        if self.by_identity.get(conn.identity) is conn:
+            del self.by_identity[conn.identity]
+        if self.by_fd.get(conn.fd) is conn:
+            del self.by_fd[conn.fd]
+        self.counters["dropped_replies"] += len(conn.queue)
+        conn.queue.clear()
+        conn.queued_bytes = 0
+        self.backlogged.pop(conn.id, None)
+
+    def take_gone(self) -> list[Conn]:
+        """Connections found gone since the last call (their leases are the leader's to expire)."""
+        gone, self.gone = self.gone, []
+        return gone
+
+    # ------------------------------------------------------------------ requests in
+
+    def receive(self) -> Message | None:
+        """The next client message, or None when none is waiting. Messages that cannot be
+        answered (no request frame, a connection libzmq did not name) are dropped; an envelope
+        past the limits gets an error reply without it."""
+        recv = self.router.recv
+        while True:
+            try:
+                head = recv(_NOBLOCK, copy=False)  # the routing id, prepended by the ROUTER
+            except zmq.Again:
+                return None
+            parts: list[zmq.Frame] = []
+            more = head.more  # (a frame's own flag: getsockopt(RCVMORE) costs several microseconds)
+            while more:
+                part = recv(copy=False)
+                parts.append(part)
+                more = part.more
+            if not parts:
+                continue  # a routing id alone: nothing to answer
+            try:
+                conn_id = int(head.get("User-Id"))
+            except (ValueError, TypeError, zmq.ZMQError):
+                continue  # not named by our ZAP handler: cannot be told apart from another connection
+            identity = head.bytes
+            last = parts[-1]
+            conn = self._conn(conn_id, identity, last)
+            if conn is None:
+                continue
+            self.counters["requests_received"] += 1
+            # A frame of a connection that is gone by now still counts (it was sent before the
+            # connection closed, as TCP delivers it); only its reply has nowhere to go.
+            envelope = parts[:-1]
+            if envelope and (len(envelope) > MAX_ENVELOPE_FRAMES or sum(map(len, envelope)) > MAX_ENVELOPE_BYTES):
+                self.counters["refused_envelopes"] += 1
+                error = p.MessageTooLarge(
+                    f"at most {MAX_ENVELOPE_FRAMES} envelope frames of {MAX_ENVELOPE_BYTES} bytes in all may "
+                    "precede a request frame"
+                )
+                self.send(conn, [identity], conn.server.reject(error))
+                continue
+            return Message(conn, [identity, *(f.bytes for f in envelope)] if envelope else [identity], last.bytes)
+
+    def _conn(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
+        conn = self.conns.get(conn_id)
+        if conn is not None:
+            self.conns.move_to_end(conn_id)
+            return conn
+        conn = self.departed.get(conn_id)
+        if conn is not None:
+            return conn
+        if conn_id >= self.next_conn:
+            return None  # a number this process never handed out
+        previous = self.by_identity.get(identity)
+        if previous is not None:  # libzmq lets one connection hold a routing id at a time
+            self._lose(previous)
+        conn = Conn(conn_id, identity, p.ServerConnection(max_pending=self.max_pending))
+        if _SRCFD is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.read_monitor()  # events up to this connection's accept are in by now
+                conn.fd = int(frame.get(_SRCFD))
+                holder = self.by_fd.get(conn.fd)
+                if holder is not None:  # a descriptor is one live connection's: the old one left
+                    self._lose(holder)
+                self.by_fd[conn.fd] = conn
+        self.conns[conn_id] = conn
+        self.by_identity[identity] = conn
+        self.counters["connections"] += 1
+        if conn.fd >= 0 and conn.fd not in self.open_fds:
+            self._lose(conn)  # reported disconnected before its first frame was read
+        while len(self.conns) > MAX_CONNECTIONS:
+            oldest = next(iter(self.conns.values()))
+            self._lose(oldest)
+        return conn
+
+    # ------------------------------------------------------------------ replies out
+
+    def send(self, conn: Conn, envelope: list[bytes], frame: bytes) -> bool:
+        """Send (or queue) a reply; False when it was dropped (gone, or over the bounds)."""
+        if conn.gone:
+            return False
+        if conn.queue or not self._try_send(conn, envelope, frame):
+            if conn.gone:
+                return False
+            cost = len(frame) + _QUEUED_OVERHEAD
+            if conn.queued_bytes + cost > MAX_QUEUED_REPLY_BYTES:
+                self.counters["dropped_replies"] += 1
+                return False
+            conn.queue.append((envelope, frame))
+            conn.queued_bytes += cost
+            self.backlogged[conn.id] = conn
+        return True
+
+    def _try_send(self, conn: Conn, envelope: list[bytes], frame: bytes) -> bool:
+        """One reply into the socket; False when the connection's socket queue is full (in replies,
+        or, for a large reply, in bytes the kernel has not yet handed to the client)."""
+        if len(frame) >= SMALL_REPLY:
+            if conn.socket_bytes + len(frame) > MAX_SOCKET_REPLY_BYTES and not self._drained(conn):
+                return False
+            conn.socket_bytes += len(frame)
+        send = self.router.send
+        try:
+            for part in envelope:
+                send(part, _MORE_NOBLOCK)  # ROUTER_MANDATORY: a full peer refuses at the routing id
+            send(frame, _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer left
+            self._lose(conn)
+            return False
+        return True
+
+    @staticmethod
+    def _drained(conn: Conn) -> bool:
+        """Whether the connection's kernel send queue is nearly empty: the client reads, so what
+        rank 0 put in the socket before has left it. Resets the count of large reply bytes."""
+        try:
+            unsent = struct.unpack("i", fcntl.ioctl(conn.fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):  # no descriptor known (or not a socket): nothing to go by
+            unsent = 0
+        if unsent >= SMALL_REPLY * 16:
+            return False
+        conn.socket_bytes = 0
+        return True
+
+    def flush(self) -> None:
+        """Move queued replies into the socket as far as each connection's queue there allows."""
+        for conn in list(self.backlogged.values()):
+            while conn.queue:
+                envelope, frame = conn.queue[0]
+                if not self._try_send(conn, envelope, frame):
+                    break
+                conn.queue.popleft()
+                conn.queued_bytes -= len(frame) + _QUEUED_OVERHEAD
+            if not conn.queue:
+                self.backlogged.pop(conn.id, None)
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.router.disable_monitor()
+        for sock in (self.monitor, self.router, self.zap):
+            sock.close()
+
+    def __len__(self) -> int:
+        return len(self.conns)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "open_connections": len(self.conns)}

@@ -1,0 +1,82 @@
+"""A small random Llama checkpoint, made on the spot, for running a real engine without a download.
+
+The weights are drawn from N(0, std) with a seeded generator, so every parameter differs from
+every other and the TP shards of one layer hold different KV heads: a connector that mixes up
+ranks, pages or layers changes the tokens. A large std (0.5) makes attention sharp, so the KV of
+every earlier position matters to the next token. No tokenizer: prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def make_tiny_llama(
+    path: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab_size: int = 512,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 4096,
+    std: float = 0.5,
+    seed: int = 0,
+) -> Path:
+    """Write a random Llama (config.json + model.safetensors) into ``path``; returns the path."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    tensors = {
+        "model.embed_tokens.weight": rand(vocab_size, hidden_size),
+        "model.norm.weight": torch.ones(hidden_size, dtype=torch.bfloat16),
+        "lm_head.weight": rand(vocab_size, hidden_size),
+    }
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "input_layernorm.weight": torch.ones(hidden_size, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(hidden_size, dtype=torch.bfloat16),
+                p + "self_attn.q_proj.weight": rand(q, hidden_size),
+                p + "self_attn.k_proj.weight": rand(kv, hidden_size),
+                p + "self_attn.v_proj.weight": rand(kv, hidden_size),
+                p + "self_attn.o_proj.weight": rand(hidden_size, q),
+                p + "mlp.gate_proj.weight": rand(intermediate_size, hidden_size),
+                p + "mlp.up_proj.weight": rand(intermediate_size, hidden_size),
+                p + "mlp.down_proj.weight": rand(hidden_size, intermediate_size),
+            }
+        )
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
