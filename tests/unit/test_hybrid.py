@@ -384,3 +384,25 @@ def test_the_retention_cap_counts_each_components_pool():
     assert all(p.evictable == 0 for p in core.ledger.parts.values())
     check(core)
     core.release(lease)
+
+
+def test_a_flush_keeps_each_components_slots_and_ranks_agree_on_them():
+    a, b = hybrid(), hybrid()
+    lease_a, _ = a.lock(toks(1, 2))
+    lease_b, _ = b.lock(toks(1, 2))
+    a.alloc(lease_a, 2, SWA)
+    assert a.book.kept_digest != b.book.kept_digest  # a flush would keep different slots: no agreement
+    b.alloc(lease_b, 2, SWA)
+    assert a.book.kept_digest == b.book.kept_digest
+    held = list(a.lease(lease_a).parts[SWA].pages)
+    a.reset(a.outbox.next_op, a.book.next_lease)
+    assert a.lease(lease_a).parts[SWA].pages == held  # the engine may still write them
+    assert a.ledger.parts[SWA].device.available == 32 - 2
+    check(a)
+
+
+def test_engine_owned_pages_refuse_a_hybrid_configuration():
+    core = hybrid(device_pages=0, host_pages=8)
+    lease, _ = core.lock(toks(1, 2))
+    with pytest.raises(ValueError, match="full-attention models only"):
+        core.save(lease, toks(1, 2), [0, 1])
