@@ -234,6 +234,19 @@ def test_a_requests_swa_behind_its_window_is_released_after_its_insert():
     check(core)
 
 
+def test_out_of_window_release_keeps_the_window_before_the_last_state():
+    core = hybrid(swa_window=2 * P, mamba_every=3)  # two pages of window, a state every 3 pages
+    lease = put(core, toks(1, 2, 3, 4, 5, 6, 7, 8), release=False)
+    path = nodes(core, toks(1, 2, 3, 4, 5, 6, 7, 8))
+    assert [state(n, MAMBA, DEV) == DeviceState.VALID for n in path].index(True) == 2  # pages 3, 6
+    has = [state(n, SWA, DEV) == DeviceState.VALID for n in path]
+    # the last state is at page 6: its window (pages 5..6) stays beside the leaf's (pages 7..8)
+    assert has == [False, False, False, False, True, True, True, True]
+    core.release(lease)
+    assert core.match(toks(1, 2, 3, 4, 5, 6, 7, 9)).device_pages == 6  # a later turn hits at the state
+    check(core)
+
+
 def test_out_of_window_release_keeps_a_page_when_the_window_is_smaller_than_a_page():
     core = hybrid(mamba_every=0, swa_window=1)
     lease = put(core, toks(1, 2, 3), release=False)

@@ -9,8 +9,9 @@
   (an SWA page that no request reads any more ages out first);
 - ``insert`` adopts the component slots the engine filled (a state only where the configuration
   keeps one), pinned by the lease, then frees the lease's own SWA behind its window: page-aligned,
-  keeping ``max(W, page_size)`` tokens at the end (no leaf loses all its SWA), never inside the
-  protected prefix (the hit its lock found), never what another lease or a copy holds;
+  keeping ``max(W, page_size)`` tokens at the end (no leaf loses all its SWA) and, with states,
+  the window before the path's last state (where a later hit ends), never inside the protected
+  prefix (the hit its lock found), never what another lease or a copy holds;
 - ``chunk_tokens`` says how large a prefill chunk the pools can take now, shrinking it page by
   page instead of refusing it.
 """
@@ -261,6 +262,7 @@ class Hybrid:
             return
         held = self.held(lease, part.index)
         end = len(path) - self.keep_pages
+        end = min(end, self._last_state(path) - self.window)
         behind = {n.node_id for n in path[lease.hit_pages : max(lease.hit_pages, end)]}
         if not behind:
             return
@@ -274,6 +276,18 @@ class Hybrid:
             part.behind[node.node_id] = node
         held.device_nodes = kept
         self.free_behind()
+
+    def _last_state(self, path: list[Node]) -> int:
+        """The deepest page count on ``path`` a hit could end at: its last node with a state (valid
+        or loading), or the whole path without a state component. The window before it is kept."""
+        part = self.state_part
+        if part is None:
+            return len(path)
+        dev = part.base + DEV
+        for q in range(len(path), 0, -1):
+            if path[q - 1].comp[dev]:  # type: ignore[index]
+                return q
+        return len(path)
 
     def free_behind(self) -> None:
         """Free the SWA data behind windows that nothing reads any more (after an insert, and once
