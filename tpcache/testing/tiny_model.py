@@ -25,8 +25,11 @@ def make_tiny_llama(
     max_position_embeddings: int = 4096,
     std: float = 0.5,
     seed: int = 0,
+    sliding_window: int = 0,
 ) -> Path:
-    """Write a random Llama (config.json + model.safetensors) into ``path``; returns the path."""
+    """Write a random Llama (config.json + model.safetensors) into ``path``; returns the path.
+    ``sliding_window`` > 0: a Mistral instead (the same weights; every layer attends to the last
+    ``sliding_window`` tokens only)."""
     import torch
     from safetensors.torch import save_file
 
@@ -51,6 +54,8 @@ def make_tiny_llama(
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if sliding_window:
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=sliding_window)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     gen = torch.Generator().manual_seed(seed)
 
