@@ -41,8 +41,9 @@ log = logging.getLogger("tpcache.vllm")
 
 def require_full_attention(kv_cache_config: KVCacheConfig) -> None:
     """Refuse a model whose KV blocks vLLM does not keep for the whole request: a sliding-window
-    group frees (and hands out again) blocks behind its window while a save may still read them,
-    and Mamba state is no page of tokens. Only full-attention groups are served, never wrong KV."""
+    group frees blocks behind its window while the request runs (``remove_skipped_blocks``: another
+    request may get them while a save still reads them) and names its shared null block for every
+    skipped page of a hit; Mamba state is no page of tokens. Only full-attention groups are served."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     for group in kv_cache_config.kv_cache_groups:
