@@ -23,7 +23,7 @@ from tpcache.core import OutOfPages, UnknownLease
 from tpcache.core.round import RoundReport
 from tpcache.engine import TPCache
 from tpcache.service.buffers import KVBufferError, StagedBuffer, stage_buffer
-from tpcache.service.config import ServiceConfig
+from tpcache.service.config import ServiceConfig, format_kv_layout
 
 log = logging.getLogger("tpcache.service")
 
@@ -61,11 +61,8 @@ def to_protocol_error(exc: BaseException) -> p.ProtocolError:
 
 
 def layout_descriptor(tp: TPCache) -> str:
-    layout = tp.kv_layout
-    if layout is None:
-        return "metadata"
-    dtype = str(layout.dtype).removeprefix("torch.")
-    return f"L{layout.num_layers}xH{layout.heads_per_rank}xD{layout.head_dim}:{dtype}:P{layout.page_size}"
+    """The layout as --kv-layout takes it (``L32xH8xD128:bf16``); hello carries the page size."""
+    return "metadata" if tp.kv_layout is None else format_kv_layout(tp.kv_layout)
 
 
 class RankHandler:
