@@ -35,6 +35,9 @@ log = logging.getLogger("tpcache.service")
 MAX_ENVELOPE_FRAMES = 4
 MAX_PEERS = 65_536  # authenticated identities remembered (oldest forgotten first)
 MAX_TOTAL_PENDING = 262_144
+STOPPING = "the service is stopping (a rank got SIGINT or SIGTERM); retry once it is back"
+STOP_QUIET_MS = 50
+STOP_DRAIN_S = 1.0
 # Socket flags as plain ints: pyzmq's send_multipart combines enum flags per call (~1.4 us a reply).
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
@@ -398,7 +401,29 @@ class Leader:
     # ------------------------------------------------------------------ shutdown
 
     def stop(self) -> None:
-        """Fan out the stop batch; every follower exits after reading it."""
+        """Answer every request still in flight with "the service is stopping" (those waiting for
+        followers and those not yet read), then fan out the stop batch; every follower exits
+        after reading it."""
+        for waiter in [*self.waiters.values(), *self.activations.values()]:
+            waiter.item.outcome = p.CacheClosed(STOPPING)
+            self._reply(waiter.item)
+        self.waiters.clear()
+        self.activations.clear()
+        # Frames still arriving (sent before the stop, in transit) are answered too, until the
+        # socket has been quiet for STOP_QUIET_MS; bounded in count and time.
+        deadline = time.monotonic() + STOP_DRAIN_S
+        answered = 0
+        while answered < MAX_TOTAL_PENDING and time.monotonic() < deadline and self.router.poll(STOP_QUIET_MS):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                continue
+            answered += 1
+            if 2 <= len(frames) <= MAX_ENVELOPE_FRAMES:
+                item = self._accept(frames[:-1], frames[-1])
+                if item is not None:
+                    item.outcome = p.CacheClosed(STOPPING)
+                    self._reply(item)
         self._flush_request_counts()
         if self.ch.outs:
             self.ch.broadcast(pack({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True}))
