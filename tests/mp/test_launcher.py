@@ -31,7 +31,7 @@ def test_help_explains_every_option() -> None:
 
 def test_config_sources_and_precedence(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
-    toml.write_text("[tpcache]\npage-size = 32\nhost_pages = 100\ndevice_pages = 10\n")
+    toml.write_text("[tpcache]\npage_size = 32\nhost_pages = 100\ndevice_pages = 10\n")
     env = {"TPCACHE_HOST_PAGES": "200", "TPCACHE_MIRROR_RELEASE": "false"}
     from tpcache.service.config import load_file
 
@@ -40,11 +40,11 @@ def test_config_sources_and_precedence(tmp_path: Path) -> None:
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"round_timeout_s": 5}))
     assert build_config(env={}, file_values=load_file(js)).round_timeout_s == 5.0
-    with pytest.raises(ConfigError, match="page_size"):
+    with pytest.raises(ConfigError, match="TPCACHE_PAGE_SIZE=many: must be an integer"):
         build_config(env={"TPCACHE_PAGE_SIZE": "many"})
     with pytest.raises(ConfigError, match="unknown setting"):
         build_config(env={}, file_values={"pagesize": 3})
-    with pytest.raises(ConfigError, match="write policy"):
+    with pytest.raises(ConfigError, match="--write-policy sometimes: must be one of"):
         build_config(env={}, cli={"write_policy": "sometimes"})
 
 
