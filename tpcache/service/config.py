@@ -389,12 +389,13 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 def check_environment(env: Mapping[str, str]) -> None:
     """Every ``TPCACHE_*`` variable must name a setting: a misspelt one is an error, not ignored."""
-    known = [env_name(name) for name in FIELDS]
     for key in sorted(env):
         if not key.startswith(ENV_PREFIX) or key in INTERNAL_ENV or key.startswith(INTERNAL_ENV_PREFIXES):
             continue
-        if key not in known:
-            hint = _suggest(key, known) or " (python -m launcher serve --help lists the settings)"
+        name = key.removeprefix(ENV_PREFIX).lower()
+        if name not in FIELDS or env_name(name) != key:
+            close = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.6)
+            hint = f"; did you mean {env_name(close[0])}?" if close else " (python -m launcher serve --help lists them)"
             raise ConfigError(f"environment variable {key} is not a tpcache setting{hint}")
 
 
