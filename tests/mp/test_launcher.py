@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -86,27 +85,10 @@ def test_demo_runs_end_to_end() -> None:
         timeout=180,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    summary = json.loads(run.stdout)  # stdout holds the JSON object and nothing else
     assert summary["digests_equal"] is True and len(set(summary["digests"])) == 1
     assert summary["requests"] > 0 and 0 < summary["hit_rate"] < 1
     assert summary["rounds"] > 0 and summary["round_latency_us_p50"] > 0
     assert summary["exit_codes"] == [0, 0] and summary["health"] == "open"
-
-
-@pytest.mark.multiprocess
-def test_embedded_example_under_torchrun() -> None:
-    port = str(free_port())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-    run = subprocess.run(
-        [*command, "examples/embedded_torchrun.py", "--requests", "30"],
-        cwd=REPO,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    hits = re.findall(r"rank \d: \d+ requests, hit tokens (device \d+ host \d+) of \d+", run.stdout)
-    assert len(hits) == 2, run.stdout
-    assert "digests across 2 ranks: equal" in run.stdout
-    assert hits[0] == hits[1] and hits[0] != "device 0 host 0"
+    assert summary["hit_rate"] <= summary["unbounded_hit_rate"] <= 1
+    assert summary["pool_tokens"] == {"device": 2048 * 16, "host": 8192 * 16}

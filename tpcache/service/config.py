@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 from tpcache.core import CacheConfig
 from tpcache.core.config import WRITE_POLICIES
 from tpcache.core.eviction import POLICIES
+from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"
 # TPCACHE_* variables that are not settings: the launcher's hand-over to its ranks, a transport
@@ -297,14 +298,6 @@ def parse_size(value: Any) -> int:
         raise ValueError(value)
     number = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
     return int(number)
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in binary units, for people: ``64 MiB``, ``1.5 GiB``, ``512 B``."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f}".removesuffix(".0") + f" {unit}"
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------------- sources

@@ -12,7 +12,6 @@ be created and written, the ready file's directory exists, and the memory the KV
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
@@ -21,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tpcache.service.config import ConfigError, Resolved, ServiceConfig, format_bytes, parse_kv_layout, spelling
+from tpcache.io.memory import available_memory, format_bytes
+from tpcache.service.config import ConfigError, Resolved, ServiceConfig, parse_kv_layout, spelling
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,6 @@ class PoolBytes:
         page = parse_kv_layout(config.kv_layout, config.page_size).page_bytes
         # The engine keeps a one-slot host pool even without a host tier (copies need a target).
         return cls(page, page * config.device_pages, page * max(config.host_pages, 1))
-
-
-def available_memory() -> int | None:
-    """Bytes this host can still give without swapping (Linux MemAvailable), or None if unknown."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return None
 
 
 def check_memory(

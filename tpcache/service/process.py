@@ -155,10 +155,12 @@ def setup_logging(level: str, rank: int) -> None:
 def serve(resolved: Resolved) -> int:
     """Run this rank until stopped; returns the exit code."""
     import torch.distributed as dist
+    from prometheus_client import disable_created_metrics
 
     config = resolved.config
     env_rank = _env_int("RANK", 0)
     setup_logging(config.log_level, env_rank)
+    disable_created_metrics()  # no *_created family beside each counter and histogram in /metrics
     stop = StopFlag()
     stop.install()
     world_env = _env_int("WORLD_SIZE", 1)
