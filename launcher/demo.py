@@ -196,7 +196,7 @@ def format_summary(s: dict[str, Any]) -> str:
     pools = s["pool_tokens"]
     if s["hit_rate"] < 0.9 * s["unbounded_hit_rate"]:
         why = (
-            f"the pools hold {s['pools_hold_fraction']:.0%} of the {s['workload_distinct_tokens']:,} distinct tokens "
+            f"the pools hold {s['pools_hold_fraction']:.1%} of the {s['workload_distinct_tokens']:,} distinct tokens "
             "the workload touches, so reused prefixes are evicted before they come back; "
             "raise --device-pages/--host-pages to get closer"
         )

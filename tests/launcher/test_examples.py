@@ -15,6 +15,10 @@ from tests.service.harness import REPO, repo_env, running_service
 MARKER = re.compile(r"<!-- (examples/\S+\.py) [^>]*-->\n```python\n(.*?)```\n", re.S)
 
 
+def run_in_repo(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=timeout)
+
+
 def example_body(path: Path) -> str:
     """The file from its first import on (the README leaves out the module docstring)."""
     lines = path.read_text().splitlines(keepends=True)
@@ -31,15 +35,8 @@ def test_the_readme_shows_the_example_files_exactly() -> None:
 
 @pytest.mark.multiprocess
 def test_the_embedding_example_runs_under_torchrun() -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    run = subprocess.run(
-        [*command, str(free_port()), "examples/embedding.py"],
-        cwd=REPO,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
+    run = run_in_repo(*torchrun, "--master-port", str(free_port()), "examples/embedding.py")
     assert run.returncode == 0, run.stderr[-4000:]
     for rank in (0, 1):  # the second turn hits every full page, on every rank
         assert f"rank {rank} turn 0: 0 of 62 pages hit" in run.stdout, run.stdout
@@ -49,14 +46,7 @@ def test_the_embedding_example_runs_under_torchrun() -> None:
 @pytest.mark.multiprocess
 def test_the_client_example_runs_against_a_service(tmp_path: Path) -> None:
     with running_service(tmp_path) as service:
-        run = subprocess.run(
-            [sys.executable, "examples/client.py", service.endpoint],
-            cwd=REPO,
-            env=repo_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        run = run_in_repo(sys.executable, "examples/client.py", service.endpoint, timeout=60)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.splitlines()[:2] == ["turn 0: 0 of 1000 tokens hit", "turn 1: 992 of 1000 tokens hit"]
     assert "state='open'" in run.stdout and "equal digests: True" in run.stdout
