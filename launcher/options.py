@@ -36,8 +36,7 @@ def add_service_options(parser: argparse.ArgumentParser, overrides: dict[str, An
     for f in dataclasses.fields(ServiceConfig):
         default = (overrides or {}).get(f.name, f.default)
         shown = format_bytes(default) if f.metadata.get("unit") == "bytes" else repr(default)
-        choices = f"; one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
-        text = f"{f.metadata['help']}{choices} [env {env_name(f.name)}; default {shown}]"
+        text = f"{f.metadata['help']} [env {env_name(f.name)}; default {shown}]"
         if f.metadata.get("secret"):
             text = f"{f.metadata['help']} [env {env_name(f.name)}]"
         if isinstance(f.default, bool):
@@ -50,6 +49,8 @@ def add_service_options(parser: argparse.ArgumentParser, overrides: dict[str, An
         metavar = {int: "N", float: "SECONDS" if f.name.endswith("_s") else "X", str: "TEXT"}[type(f.default)]
         if f.metadata.get("unit") == "bytes":
             metavar = "SIZE"
+        elif "metavar" in f.metadata:
+            metavar = f.metadata["metavar"]
         elif "choices" in f.metadata:
             metavar = "{" + ",".join(f.metadata["choices"]) + "}"
         group.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=metavar, help=text)

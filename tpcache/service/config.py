@@ -51,8 +51,8 @@ class ConfigError(ValueError):
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
     """A setting. ``extra``: ``choices``, ``min``, ``max``, ``unit="bytes"`` (accepts 64GiB),
-    ``any_case`` (choices match in any case), ``secret`` (never printed), ``rank_local`` (may
-    differ between ranks: paths, addresses)."""
+    ``any_case`` (choices match in any case), ``metavar`` (the option's placeholder), ``secret``
+    (never printed), ``rank_local`` (may differ between ranks: paths, addresses)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -93,6 +93,7 @@ class ServiceConfig:
         "",
         "KV page layout of one rank, L<layers>xH<kv heads per rank>xD<head dim>:<dtype>, e.g. L32xH8xD128:bf16 "
         "(the form hello and stats report); empty: metadata only (no KV bytes; copies complete at once)",
+        metavar="LAYOUT",
     )
     storage_dir: str = _opt(
         "",
