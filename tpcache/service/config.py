@@ -197,10 +197,6 @@ class ServiceConfig:
             return file_url(self.storage_dir)
         return self.storage_url
 
-    def public_dict(self) -> dict[str, Any]:
-        """Every setting except secrets (for logs and stats)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("secret")}
-
     def group_settings(self) -> dict[str, Any]:
         """The settings every rank must hold equal (compared across ranks at start-up). Paths and
         addresses may differ between hosts; whether the storage tier is on may not."""
