@@ -4,19 +4,23 @@
     python -m launcher local --nproc N [options]              N ranks on this host, no torchrun
     python -m launcher demo [--trace PATH] [--nproc 2] [--json]   the main job, end to end
 
-Every option can also come from the environment (TPCACHE_<NAME>) or a --config TOML/JSON file.
+Every option can also come from the environment (TPCACHE_<NAME>) or a --config TOML, JSON or
+YAML file, under one name: --round-timeout-s, TPCACHE_ROUND_TIMEOUT_S, round_timeout_s.
+Settings are checked before any rank starts; a bad one exits with code 2 and one line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-from launcher.demo import DEMO_DEFAULTS, print_result, run_demo
+from launcher.demo import DEMO_DEFAULTS, Interrupted, print_result, run_demo
 from launcher.local import run_local
 from launcher.options import add_service_options, config_from_args
 from tpcache.service.config import ConfigError
+from tpcache.service.preflight import preflight
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,21 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args, DEMO_DEFAULTS if args.command == "demo" else None)
+        resolved = config_from_args(args, DEMO_DEFAULTS if args.command == "demo" else None)
+        if args.command in ("local", "demo"):
+            if args.nproc < 1:
+                raise ConfigError(f"--nproc {args.nproc}: must be an integer >= 1 (rank processes)")
+            preflight(resolved, range(args.nproc), args.nproc)  # every rank, before any starts
     except ConfigError as exc:
         print(f"tpcache: configuration error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
         from tpcache.service.process import serve
 
-        code = serve(config)
+        code = serve(resolved)
         # Everything the rank owns is closed by now; skip the interpreter's slow torch teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     if args.command == "local":
-        return run_local(config, args.nproc)
-    summary = run_demo(config, args.nproc, args.trace, args.conversations, args.requests, args.seed)
+        return run_local(resolved, args.nproc)
+    try:
+        summary = run_demo(resolved, args.nproc, args.trace, args.conversations, args.requests, args.seed)
+    except Interrupted as stopped:
+        print(stopped.line(), file=sys.stderr, flush=True)
+        return {signal.SIGINT: 130, signal.SIGTERM: 0}.get(stopped.signum, 1)
     print_result(summary, args.json)
     return 0 if summary["digests_equal"] else 1
 

@@ -3,11 +3,15 @@
 The ranks are children in this launcher's process group. SIGINT/SIGTERM here are forwarded to
 every rank (each then stops the group cleanly); the launcher exits when every rank has, with the
 first non-zero exit code. A rank that dies does not take the others down: they fail closed and
-keep answering (health says why) until stopped, as the design asks.
+keep answering (health says why) until stopped, as the design asks. Ranks die with the launcher:
+each asks the kernel for SIGTERM when its parent exits (Linux ``PR_SET_PDEATHSIG``), so a
+launcher killed with SIGKILL leaves no orphan serving. The ranks write nothing to stdout (their
+logs go to stderr), so a command's stdout holds only what the command itself prints.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.options import resolved_env
-from tpcache.service.config import ServiceConfig
+from tpcache.service.config import FIELDS, Resolved, ServiceConfig
 
 STOP_GRACE_S = 15.0
 
@@ -30,19 +34,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Any:
+    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies (Linux; elsewhere
+    None: the ranks then notice the leader's silence and exit on their own)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child runs only the call
+    parent = os.getpid()
+
+    def setup() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call took effect
+            os._exit(1)
+
+    return setup
+
+
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a file
+        return None
+
+
+def as_resolved(config: ServiceConfig | Resolved) -> Resolved:
+    """A caller's configuration; a bare ServiceConfig has no sources to report beyond 'caller'."""
+    if isinstance(config, Resolved):
+        return config
+    return Resolved(config, {name: "caller" for name in FIELDS})
+
+
 def spawn_ranks(
-    config: ServiceConfig, nproc: int, *, extra_env: dict[str, str] | None = None
+    config: ServiceConfig | Resolved, nproc: int, *, extra_env: dict[str, str] | None = None
 ) -> list[subprocess.Popen]:
     if nproc < 1:
         raise ValueError("--nproc must be >= 1")
     port = free_port()
-    base = {**os.environ, **resolved_env(config), **(extra_env or {})}
+    base = {**os.environ, **resolved_env(as_resolved(config)), **(extra_env or {})}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     base.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores
     procs = []
     for rank in range(nproc):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "launcher", "serve"], env=env))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "launcher", "serve"],
+                env=env,
+                stdout=_stderr_fd(),  # a rank's stdout is the launcher's stderr
+                preexec_fn=_die_with_parent(),
+            )
+        )
     return procs
 
 
@@ -75,7 +119,7 @@ def wait_ready(path: str | Path, procs: list[subprocess.Popen], timeout_s: float
     raise TimeoutError(f"the service was not ready within {timeout_s:g} s")
 
 
-def run_local(config: ServiceConfig, nproc: int) -> int:
+def run_local(config: ServiceConfig | Resolved, nproc: int) -> int:
     procs = spawn_ranks(config, nproc)
     forwarded = False
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 from hypothesis import given
@@ -124,18 +123,16 @@ def test_threaded_missing_rank_times_out_naming_it() -> None:
     group = SimGroup(3)
 
     def waiter(c: object) -> object:
-        start = time.monotonic()
         try:
             c.allreduce_min([1], 0.3)  # type: ignore[attr-defined]
         except CollectiveTimeout as exc:
-            return exc, time.monotonic() - start
+            return exc
         return None
 
     out = run_threads(group, {0: waiter, 1: waiter})  # rank 2 never calls
     for rank in (0, 1):
-        exc, elapsed = out[rank]  # type: ignore[misc]
-        assert exc.missing_ranks == [2]
-        assert elapsed < 5.0
+        exc = out[rank]
+        assert isinstance(exc, CollectiveTimeout) and exc.missing_ranks == [2]
     with pytest.raises(CollectiveClosed):
         group.collective(0).allreduce_min([1], 0.3)
 
@@ -146,11 +143,12 @@ def test_threaded_kill_wakes_waiters_at_once() -> None:
 
     def waiter(c: object) -> object:
         started.set()
-        start = time.monotonic()
         try:
-            c.allreduce_min([1], 30.0)  # type: ignore[attr-defined]
+            # A timeout no test run reaches: only the kill can end this wait (a wake-up that never
+            # comes fails the test by pytest-timeout instead of by a clock in the assertion).
+            c.allreduce_min([1], 3600.0)  # type: ignore[attr-defined]
         except CollectiveTimeout as exc:
-            return exc.missing_ranks, time.monotonic() - start
+            return exc.missing_ranks
         return None
 
     killer = threading.Timer(0.05, lambda: (started.wait(), group.kill(1)))
@@ -158,9 +156,7 @@ def test_threaded_kill_wakes_waiters_at_once() -> None:
     out = run_threads(group, {0: waiter, 2: waiter})
     killer.join()
     for rank in (0, 2):
-        missing, elapsed = out[rank]  # type: ignore[misc]
-        assert missing == [1]
-        assert elapsed < 10.0  # far below the 30 s timeout: the kill, not the clock, ended the wait
+        assert out[rank] == [1]
     with pytest.raises(CollectiveClosed, match="killed"):
         group.collective(1).allreduce_min([1], 1.0)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +30,7 @@ def test_help_explains_every_option() -> None:
 
 def test_config_sources_and_precedence(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
-    toml.write_text("[tpcache]\npage-size = 32\nhost_pages = 100\ndevice_pages = 10\n")
+    toml.write_text("[tpcache]\npage_size = 32\nhost_pages = 100\ndevice_pages = 10\n")
     env = {"TPCACHE_HOST_PAGES": "200", "TPCACHE_MIRROR_RELEASE": "false"}
     from tpcache.service.config import load_file
 
@@ -40,11 +39,11 @@ def test_config_sources_and_precedence(tmp_path: Path) -> None:
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"round_timeout_s": 5}))
     assert build_config(env={}, file_values=load_file(js)).round_timeout_s == 5.0
-    with pytest.raises(ConfigError, match="page_size"):
+    with pytest.raises(ConfigError, match="TPCACHE_PAGE_SIZE=many: must be an integer"):
         build_config(env={"TPCACHE_PAGE_SIZE": "many"})
     with pytest.raises(ConfigError, match="unknown setting"):
         build_config(env={}, file_values={"pagesize": 3})
-    with pytest.raises(ConfigError, match="write policy"):
+    with pytest.raises(ConfigError, match="--write-policy sometimes: must be one of"):
         build_config(env={}, cli={"write_policy": "sometimes"})
 
 
@@ -86,27 +85,10 @@ def test_demo_runs_end_to_end() -> None:
         timeout=180,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    summary = json.loads(run.stdout)  # stdout holds the JSON object and nothing else
     assert summary["digests_equal"] is True and len(set(summary["digests"])) == 1
     assert summary["requests"] > 0 and 0 < summary["hit_rate"] < 1
     assert summary["rounds"] > 0 and summary["round_latency_us_p50"] > 0
     assert summary["exit_codes"] == [0, 0] and summary["health"] == "open"
-
-
-@pytest.mark.multiprocess
-def test_embedded_example_under_torchrun() -> None:
-    port = str(free_port())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-    run = subprocess.run(
-        [*command, "examples/embedded_torchrun.py", "--requests", "30"],
-        cwd=REPO,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    hits = re.findall(r"rank \d: \d+ requests, hit tokens (device \d+ host \d+) of \d+", run.stdout)
-    assert len(hits) == 2, run.stdout
-    assert "digests across 2 ranks: equal" in run.stdout
-    assert hits[0] == hits[1] and hits[0] != "device 0 host 0"
+    assert summary["hit_rate"] <= summary["unbounded_hit_rate"] <= 1
+    assert summary["pool_tokens"] == {"device": 2048 * 16, "host": 8192 * 16}

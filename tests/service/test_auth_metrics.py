@@ -74,7 +74,7 @@ def test_secret_and_metrics(tmp_path: Path) -> None:
                 'tpcache_hit_tokens_total{tier="host"}',
                 "tpcache_round_duration_seconds_bucket",
                 "tpcache_evicted_pages_total",
-                'tpcache_transfer_pages_total{kind="backup",state="issued"}',
+                'tpcache_transfer_issued_pages_total{kind="backup"}',
                 'tpcache_rejected_pages_total{reason="host_full"}',
                 "tpcache_closed 0.0",
                 "tpcache_transport_info",

@@ -16,7 +16,7 @@ from tpcache.service.config import parse_kv_layout
 
 pytestmark = pytest.mark.multiprocess
 
-LAYOUT = "layers=2,heads=2,head_dim=4,dtype=fp32"
+LAYOUT = "L2xH2xD4:fp32"
 PAGE, PAGES = 4, 16
 
 
@@ -28,7 +28,7 @@ def test_inline_pages_and_registered_shm_buffers(tmp_path: Path) -> None:
     buffers = [ShmKVBuffer(f"tpcache-test-kv-{tag}-{r}", layout, PAGES) for r in range(2)]
     try:
         with running_service(tmp_path, *args) as service, service.client() as c:
-            assert c.info.layout.startswith("L2xH2xD4:float32")
+            assert c.info.layout == LAYOUT
             # Inline: every rank's share, rank-major, written into the lease's pages and read back exactly.
             lk = c.lock(list(range(100, 108)))
             mine = list(c.alloc(lk.lease, 2).device_page_ids)

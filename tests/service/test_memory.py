@@ -15,7 +15,7 @@ from tests.service.harness import pid_alive, running_service, wait_for
 pytestmark = pytest.mark.multiprocess
 
 MiB = 1 << 20
-LAYOUT = "layers=2,heads=2,head_dim=64,dtype=fp32"  # 8 KiB per page and rank at page size 4
+LAYOUT = "L2xH2xD64:fp32"  # 8 KiB per page and rank at page size 4
 
 
 def rss(pid: int) -> int:

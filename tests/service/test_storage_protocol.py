@@ -16,7 +16,7 @@ from tpcache.client import Client
 
 pytestmark = pytest.mark.multiprocess
 
-LAYOUT = "layers=2,heads=2,head_dim=8,dtype=fp32"
+LAYOUT = "L2xH2xD8:fp32"
 PAGE, PAGES = 4, 8
 
 

@@ -12,7 +12,7 @@ from tests.service.harness import running_service, wait_for
 from tpcache.io.storage import FileBackend, StorageURLError, open_storage, parse_storage_url
 from tpcache.service.config import ConfigError, build_config
 
-LAYOUT = "layers=2,heads=1,head_dim=8,dtype=float32"
+LAYOUT = "L2xH1xD8:fp32"
 
 
 def test_urls_name_a_backend_its_place_and_typed_settings() -> None:
@@ -59,7 +59,7 @@ def test_service_config_takes_a_url_and_storage_dir_as_file_url(tmp_path: Path) 
     assert c.storage_location() == "redis://127.0.0.1:6379/0" and c.cache_config().storage
     with pytest.raises(ConfigError, match="not both"):
         build_config(env={}, cli={"storage_dir": "/x", "storage_url": "file:///y", "kv_layout": LAYOUT})
-    with pytest.raises(ConfigError, match="storage_url: .*no setting"):
+    with pytest.raises(ConfigError, match="--storage-url .*no setting"):
         build_config(env={}, cli={"storage_url": "redis://h:1/0?nope=1", "kv_layout": LAYOUT})
     with pytest.raises(ConfigError, match="needs kv_layout"):
         build_config(env={}, cli={"storage_url": "redis://h:1/0"})

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from tpcache.io.errors import KVLayoutError, PageIndexError
+from tpcache.io.memory import PoolMemoryError, check_fits, format_bytes
 
 HostLayout = Literal["layer_first", "page_first"]
 HOST_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first")
@@ -288,17 +289,22 @@ class PagedKV:
 _HUGE_PAGE = 2 << 20
 
 
-def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype, what: str = "KV pool") -> torch.Tensor:
     """A zeroed CPU tensor for a pool: anonymous memory, 2 MiB aligned and advised for transparent
     huge pages where the OS offers them. A pool is large, long-lived and read at scattered rows; with
     4 KiB pages nearly every row copied costs a TLB miss. The memory is touched here, as torch.zeros
-    would: a host short of memory fails at startup, not with a killed rank in the middle of a copy."""
+    would: a host short of memory fails at startup, not with a killed rank in the middle of a copy.
+    Raises PoolMemoryError, naming ``what`` and both sizes, when the host cannot give the bytes."""
     nbytes = dtype.itemsize
     for dim in shape:
         nbytes *= dim
-    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    check_fits(nbytes, what)
+    try:
+        if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.zeros(shape, dtype=dtype)
+        region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    except (OSError, RuntimeError) as exc:  # the OS refused the mapping (overcommit limits)
+        raise PoolMemoryError(f"cannot allocate the {what} ({format_bytes(nbytes)}): {exc}") from None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` until the tensor is freed
     start = -raw.data_ptr() % _HUGE_PAGE
     with contextlib.suppress(OSError):  # huge pages off or unsupported: 4 KiB pages are still correct
@@ -324,7 +330,11 @@ class DevicePool(PagedKV):
         _positive_int("num_pages", num_pages)
         dev = _default_device() if device is None else torch.device(device)
         shape = (layout.num_layers, 2, num_pages, *layout.token_shape)
-        kv = cpu_zeros(shape, layout.dtype) if dev.type == "cpu" else torch.zeros(shape, dtype=layout.dtype, device=dev)
+        kv = (
+            cpu_zeros(shape, layout.dtype, "device pool")
+            if dev.type == "cpu"
+            else torch.zeros(shape, dtype=layout.dtype, device=dev)
+        )
         super().__init__(layout, kv, num_pages, False)
 
     @classmethod
@@ -380,7 +390,11 @@ class HostPool(PagedKV):
             shape = (num_slots, layout.num_layers, 2, *layout.token_shape)
         else:
             shape = (layout.num_layers, 2, num_slots, *layout.token_shape)
-        tensor = torch.zeros(shape, dtype=layout.dtype, pin_memory=True) if pinned else cpu_zeros(shape, layout.dtype)
+        if pinned:
+            check_fits(layout.page_bytes * num_slots, "host pool")
+            tensor = torch.zeros(shape, dtype=layout.dtype, pin_memory=True)
+        else:
+            tensor = cpu_zeros(shape, layout.dtype, "host pool")
         super().__init__(layout, tensor, num_slots, page_first)
         self.host_layout: HostLayout = host_layout
         self.pinned = pinned

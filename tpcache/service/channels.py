@@ -206,7 +206,7 @@ class Channels:
         targets = [p["endpoint"] for p in peers[1:]] if rank == 0 else [peers[0]["endpoint"]]
         for target in targets:
             out = ctx.socket(zmq.PUSH)
-            out.setsockopt(zmq.LINGER, 2000 if rank == 0 else 500)  # let a stop batch leave
+            out.setsockopt(zmq.LINGER, 500)  # let a stop batch leave; a dead peer must not hold the exit
             out.setsockopt(zmq.SNDHWM, 0)
             out.connect(target)
             ch.outs.append(out)

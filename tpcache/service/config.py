@@ -1,15 +1,24 @@
 """Service configuration: one frozen dataclass, the same on every rank.
 
-Every field carries its help text; the launcher builds its command line, its ``TPCACHE_*``
-environment names and its config-file keys from these fields, so the three sources can never
-drift apart. Precedence: command line > environment > file > defaults.
+Every field carries its help text and what values it allows; the launcher builds its command line
+(``--round-timeout-s``), its environment names (``TPCACHE_ROUND_TIMEOUT_S``) and its config-file
+keys (``round_timeout_s``) from the field's name, so each setting has one name in all three and
+the sources can never drift apart. Precedence: command line > environment > file > defaults.
+A setting's unit is part of its name where it has one (``_s``, ``_bytes``, ``_tokens``, ``_pages``).
+
+Every value is checked here before any rank starts; an error names the setting as its source
+spells it (``--device-pages 0``, ``TPCACHE_DEVICE_PAGES=0``, ``device_pages = 0 in c.toml``),
+the value and what is allowed. Unknown ``TPCACHE_*`` variables and unknown file keys are errors
+with the nearest valid name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,16 +27,32 @@ from urllib.parse import urlparse
 
 from tpcache.core import CacheConfig
 from tpcache.core.config import WRITE_POLICIES
+from tpcache.core.eviction import POLICIES
 from tpcache.dist.store import is_loopback_host
+from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"
+# TPCACHE_* variables that are not settings: the launcher's hand-over to its ranks, a transport
+# switch and the tests' fault injection (TPCACHE_FAULT_*).
+RESOLVED_ENV = "TPCACHE_RESOLVED_CONFIG"
+INTERNAL_ENV = frozenset((RESOLVED_ENV, "TPCACHE_NO_FUTEX"))
+INTERNAL_ENV_PREFIXES = ("TPCACHE_FAULT_",)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+TRANSPORTS = ("auto", "shm", "torch")
+CONFIG_SUFFIXES = (".toml", ".json", ".yaml", ".yml")
+
+# Where a value came from, as the start-up block prints it.
+DEFAULT, ENVIRONMENT, COMMAND_LINE = "default", "environment", "command line"
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, malformed or unsafe; the message names the option."""
+    """A configuration value is missing, malformed or unsafe; the message names the setting."""
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
+    """A setting. ``extra``: ``choices``, ``min``, ``max``, ``unit="bytes"`` (accepts 64GiB),
+    ``any_case`` (choices match in any case), ``metavar`` (the option's placeholder), ``secret``
+    (never printed), ``rank_local`` (may differ between ranks: paths, addresses)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -38,56 +63,68 @@ class ServiceConfig:
         "tcp://127.0.0.1:5555",
         "ZMQ endpoint rank 0 binds for clients (ROUTER); port 0 picks a free port. "
         "Binding a non-loopback address needs --allow-remote and --secret.",
+        rank_local=True,
     )
-    allow_remote: bool = _opt(False, "allow binding a non-loopback client endpoint (needs --secret)")
+    allow_remote: bool = _opt(False, "allow binding a non-loopback client endpoint (needs --secret)", rank_local=True)
     secret: str = _opt(
         "",
         "shared secret clients must send in hello before any other op (prefer the TPCACHE_SECRET "
         "environment variable: a command line is visible to other users)",
         secret=True,
+        rank_local=True,
     )
     internal_host: str = _opt(
         "127.0.0.1",
         "address each rank binds its internal fan-out socket on (loopback unless --allow-remote); "
         "every internal frame carries a MAC under a key the group draws at startup",
+        rank_local=True,
     )
     # --- cache
-    page_size: int = _opt(16, "tokens per page")
-    device_pages: int = _opt(4096, "pages in the device tier (L1)")
-    host_pages: int = _opt(0, "pages in the host tier (L2); 0 disables it")
-    write_policy: str = _opt("write_through", f"when device pages are backed up to host: {', '.join(WRITE_POLICIES)}")
-    write_through_threshold: int = _opt(2, "hits before write_through_selective backs a page up")
-    retention_cap_tokens: int = _opt(-1, "evictable device tokens kept when idle; -1 unlimited")
-    eviction_policy: str = _opt("lru", "eviction policy")
+    page_size: int = _opt(16, "tokens per page", min=1, max=1 << 16)
+    device_pages: int = _opt(4096, "pages in the device tier (L1)", min=1)
+    host_pages: int = _opt(0, "pages in the host tier (L2); 0 disables it", min=0)
+    write_policy: str = _opt("write_through", "when device pages are backed up to host", choices=WRITE_POLICIES)
+    write_through_threshold: int = _opt(2, "hits before write_through_selective backs a page up", min=1)
+    retention_cap_tokens: int = _opt(-1, "evictable device tokens kept when idle; -1 unlimited", min=-1)
+    eviction_policy: str = _opt("lru", "eviction policy", choices=tuple(POLICIES))
     namespace: str = _opt("", "namespace salt of page hashes (separate models must not share pages)")
     mirror_release: bool = _opt(True, "release durable host mirrors of device pages under host pressure")
     kv_layout: str = _opt(
         "",
-        "KV page layout of one rank, 'layers=L,heads=H,head_dim=D,dtype=bf16'; empty: metadata only "
-        "(no KV bytes; copies complete at once)",
+        "KV page layout of one rank, L<layers>xH<kv heads per rank>xD<head dim>:<dtype>, e.g. L32xH8xD128:bf16 "
+        "(the form hello and stats report); empty: metadata only (no KV bytes; copies complete at once)",
+        metavar="LAYOUT",
     )
-    storage_dir: str = _opt("", "directory of the storage tier (L3, needs --kv-layout); empty: off")
+    storage_dir: str = _opt(
+        "",
+        "directory of the storage tier (L3, needs --kv-layout); rank r uses DIR/rank<r>; empty: off",
+        rank_local=True,
+    )
     storage_url: str = _opt(
         "",
         "storage tier (L3, needs --kv-layout) as a URL: file:///PATH (what --storage-dir means), "
         "mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata, redis://HOST:PORT/DB; settings as query "
         "parameters (README, 'Shared storage'); empty: off",
+        rank_local=True,
     )
-    storage_bytes: int = _opt(1 << 30, "capacity of the storage tier per rank, in bytes")
+    storage_bytes: int = _opt(
+        1 << 30, "capacity of the storage tier per rank (units allowed: 64GiB)", min=1, unit="bytes"
+    )
     # --- rounds and transport
-    transport: str = _opt("auto", "round transport: auto (shared memory when possible), shm, torch")
-    round_timeout_s: float = _opt(30.0, "seconds a round waits for every rank before the cache fails closed")
-    heartbeat_s: float = _opt(1.0, "an idle leader runs a round at least this often (detects dead ranks)")
-    max_batch: int = _opt(1024, "most client requests applied in one round")
-    max_pending_per_client: int = _opt(4096, "requests one client may have in flight before OVERLOADED")
+    transport: str = _opt("auto", "round transport (auto: shared memory when possible)", choices=TRANSPORTS)
+    round_timeout_s: float = _opt(30.0, "seconds a round waits for every rank before the cache fails closed", min=0.001)
+    heartbeat_s: float = _opt(1.0, "an idle leader runs a round at least this often (detects dead ranks)", min=0.001)
+    max_batch: int = _opt(1024, "most client requests applied in one round", min=1)
+    max_pending_per_client: int = _opt(4096, "requests one client may have in flight before OVERLOADED", min=1)
     # --- leases
     lease_ttl_s: float = _opt(
         600.0,
         "seconds a lease may go unused (no request names it) before rank 0 releases it; 0 = never. "
         "Set it above your longest request. A client's leases are also released when it disconnects",
+        min=0.0,
     )
-    max_leases_per_client: int = _opt(4096, "leases one connection may hold before lock answers OVERLOADED")
-    max_leases: int = _opt(65536, "leases all clients together may hold before lock answers OVERLOADED")
+    max_leases_per_client: int = _opt(4096, "leases one connection may hold before lock answers OVERLOADED", min=1)
+    max_leases: int = _opt(65536, "leases all clients together may hold before lock answers OVERLOADED", min=1)
     # --- storage reads
     storage_prefetch: bool = _opt(
         True,
@@ -98,47 +135,42 @@ class ServiceConfig:
     # --- failure
     broken_group_exit_s: float = _opt(
         2.0,
-        "after the round's collective failed (a rank died or stalled past --round-timeout) the group "
+        "after the round's collective failed (a rank died or stalled past --round-timeout-s) the group "
         "cannot agree again: rank 0 keeps answering (CACHE_CLOSED: restart needed) for this long, "
         "then every rank exits with code 4 so that torchrun --max-restarts restarts the group; "
         "negative: keep answering until stopped",
     )
     # --- operations
-    metrics_port: int = _opt(0, "Prometheus metrics on 127.0.0.1:PORT+rank; 0 = off")
-    ready_file: str = _opt("", "rank 0 writes {endpoint, pids, ...} as JSON here once serving")
-    log_level: str = _opt("WARNING", "logging level: DEBUG, INFO, WARNING, ERROR")
+    metrics_port: int = _opt(
+        0, "/metrics, /health, /ready on 127.0.0.1:PORT+rank; 0 = off", min=0, max=65535, rank_local=True
+    )
+    ready_file: str = _opt("", "rank 0 writes {endpoint, pids, ...} as JSON here once serving", rank_local=True)
+    log_level: str = _opt("INFO", "logging level (to stderr)", choices=LOG_LEVELS, any_case=True, rank_local=True)
 
     def validate(self) -> None:
-        self.cache_config().validate()
-        if self.transport not in ("auto", "shm", "torch"):
-            raise ConfigError(f"transport must be auto, shm or torch, got {self.transport!r}")
-        for name in ("round_timeout_s", "heartbeat_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive")
-        if self.max_batch < 1 or self.max_pending_per_client < 1:
-            raise ConfigError("max_batch and max_pending_per_client must be >= 1")
-        if self.lease_ttl_s < 0:
-            raise ConfigError("lease_ttl_s must be >= 0 (0: leases never expire by age)")
-        if self.max_leases_per_client < 1 or self.max_leases < 1:
-            raise ConfigError("max_leases_per_client and max_leases must be >= 1")
-        if not 0 <= self.metrics_port < 65536:
-            raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        """Raise ConfigError (a SettingError naming the setting) for any value not allowed."""
+        for f in dataclasses.fields(self):
+            _check_range(f, getattr(self, f.name))
         if self.storage_dir and self.storage_url:
-            raise ConfigError("give storage_dir or storage_url, not both (storage_dir D is storage_url file://D)")
+            raise SettingError(
+                "storage_url", self.storage_url, "give storage_dir or storage_url, not both (storage_dir D is file://D)"
+            )
         if self.storage_location() and not self.kv_layout:
-            raise ConfigError("the storage tier needs kv_layout: it stores page bytes")
+            name = "storage_dir" if self.storage_dir else "storage_url"
+            raise SettingError(name, getattr(self, name), "needs kv_layout: the storage tier stores page bytes")
         if self.storage_url:
             from tpcache.io.storage.url import StorageURLError, parse_storage_url
 
             try:
                 parse_storage_url(self.storage_url)
             except StorageURLError as exc:
-                raise ConfigError(f"storage_url: {exc}") from None
+                raise SettingError("storage_url", self.storage_url, str(exc)) from None
         check_endpoint(self.endpoint, self.allow_remote, self.secret)
         if not is_loopback_host(self.internal_host) and not self.allow_remote:
-            raise ConfigError(
-                f"internal_host {self.internal_host} is not a loopback address: pass --allow-remote to let "
-                "ranks on other hosts reach the internal channel"
+            raise SettingError(
+                "internal_host",
+                self.internal_host,
+                "is not a loopback address: pass --allow-remote to let ranks on other hosts reach the internal channel",
             )
         if self.kv_layout:
             parse_kv_layout(self.kv_layout, self.page_size)
@@ -165,12 +197,66 @@ class ServiceConfig:
             return file_url(self.storage_dir)
         return self.storage_url
 
-    def public_dict(self) -> dict[str, Any]:
-        """Every setting except secrets (for logs and stats)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("secret")}
+    def group_settings(self) -> dict[str, Any]:
+        """The settings every rank must hold equal (compared across ranks at start-up). Paths and
+        addresses may differ between hosts; whether the storage tier is on may not."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("rank_local")}
+        shared["storage"] = bool(self.storage_location())
+        return shared
 
     def replace(self, **changes: Any) -> ServiceConfig:
         return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServiceConfig)}
+
+
+class SettingError(ConfigError):
+    """One setting's value is not allowed. ``str()`` names it as the default spelling; the
+    launcher rewrites it with ``where()`` once it knows which source the value came from."""
+
+    def __init__(self, name: str, value: Any, allowed: str) -> None:
+        self.name, self.value, self.allowed = name, value, allowed
+        super().__init__(f"{name} = {value!r}: {allowed}")
+
+    def where(self, source: str) -> ConfigError:
+        return ConfigError(f"{spelling(self.name, self.value, source)}: {self.allowed}")
+
+
+def spelling(name: str, value: Any, source: str) -> str:
+    """How ``source`` writes this setting: ``--device-pages 0``, ``TPCACHE_DEVICE_PAGES=0``, ..."""
+    shown = "***" if FIELDS.get(name) is not None and FIELDS[name].metadata.get("secret") else value
+    if source == COMMAND_LINE:
+        return f"{flag_name(name)} {shown}"
+    if source == ENVIRONMENT:
+        return f"{env_name(name)}={shown}"
+    if source.startswith("file "):
+        return f"{name} = {shown!r} in {source.removeprefix('file ')}"
+    return f"{name} = {shown!r} ({source})"
+
+
+def _check_range(f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        raise SettingError(f.name, value, f"must be one of {', '.join(meta['choices'])}")
+    low, high = meta.get("min"), meta.get("max")
+    if (low is not None and value < low) or (high is not None and value > high):
+        kind = "a number" if isinstance(f.default, float) else "an integer"
+        if high is None:
+            bound = f">= {low}"
+        elif low is None:
+            bound = f"<= {high}"
+        else:
+            bound = f"in [{low}, {high}]"
+        raise SettingError(f.name, value, f"must be {kind} {bound} ({meta['help'].split(';')[0]})")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
 
 
 def check_endpoint(endpoint: str, allow_remote: bool, secret: str) -> None:
@@ -179,87 +265,233 @@ def check_endpoint(endpoint: str, allow_remote: bool, secret: str) -> None:
     if endpoint.startswith(("ipc://", "inproc://")):
         return
     parsed = urlparse(endpoint)
-    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
-        raise ConfigError(f"endpoint must look like tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "tcp" or not parsed.hostname or port is None:
+        raise SettingError("endpoint", endpoint, "must look like tcp://HOST:PORT or ipc://PATH")
     if is_loopback_host(parsed.hostname):
         return
     if not allow_remote:
-        raise ConfigError(
-            f"endpoint {endpoint} is not a loopback address: pass --allow-remote (and a shared secret) "
-            "to accept clients from other hosts"
+        raise SettingError(
+            "endpoint",
+            endpoint,
+            "is not a loopback address: pass --allow-remote (and a shared secret) to accept clients from other hosts",
         )
     if len(secret) < 16:
         raise ConfigError("a non-loopback endpoint needs a shared secret of at least 16 characters (TPCACHE_SECRET)")
 
 
+# ---------------------------------------------------------------------- KV layout and sizes
+
+_LAYOUT = re.compile(r"L(\d+)xH(\d+)xD(\d+):([A-Za-z0-9_]+)")
+LAYOUT_SYNTAX = "L<layers>xH<kv heads per rank>xD<head dim>:<dtype>, e.g. L32xH8xD128:bf16"
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8"}
+
+
 def parse_kv_layout(text: str, page_size: int) -> Any:
-    """A ``KVLayout`` from 'layers=L,heads=H,head_dim=D,dtype=bf16' (imports torch)."""
+    """A ``KVLayout`` from ``L32xH8xD128:bf16`` (imports torch)."""
+    from tpcache.io.errors import KVLayoutError
     from tpcache.io.kv_pool import KVLayout
 
-    parts: dict[str, str] = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"kv_layout: {item!r} is not key=value")
-        parts[key.strip()] = value.strip()
-    unknown = parts.keys() - {"layers", "heads", "head_dim", "dtype"}
-    if unknown or not {"layers", "heads", "head_dim"} <= parts.keys():
-        raise ConfigError("kv_layout needs layers=, heads=, head_dim= and optionally dtype=")
+    match = _LAYOUT.fullmatch(text.strip())
+    if match is None:
+        raise SettingError("kv_layout", text, f"must be {LAYOUT_SYNTAX}")
+    layers, heads, head_dim, dtype = match.groups()
     try:
-        return KVLayout(
-            int(parts["layers"]), int(parts["heads"]), int(parts["head_dim"]), parts.get("dtype", "bf16"), page_size
-        )
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"kv_layout {text!r}: {exc}") from None
+        return KVLayout(int(layers), int(heads), int(head_dim), dtype, page_size)
+    except (KVLayoutError, ValueError, TypeError) as exc:
+        raise SettingError("kv_layout", text, str(exc)) from None
+
+
+def format_kv_layout(layout: Any) -> str:
+    """The one spelling of a layout, the one ``parse_kv_layout`` reads: ``L32xH8xD128:bf16``."""
+    dtype = str(layout.dtype).removeprefix("torch.")
+    dtype = _SHORT_DTYPES.get(dtype, dtype)
+    return f"L{layout.num_layers}xH{layout.heads_per_rank}xD{layout.head_dim}:{dtype}"
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string with a unit: ``1073741824``, ``64GiB``, ``1.5 TB`` (KB, MB,
+    GB, TB are powers of 1000; KiB, MiB, GiB, TiB of 1024). Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    match = _SIZE.fullmatch(str(value))
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(value)
+    number = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    return int(number)
+
+
+# ---------------------------------------------------------------------- sources
 
 
 def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
     kind = type(f.default)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{source}: {f.name} must be a boolean, got {value!r}")
     try:
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return kind(value)
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(value)
+        if f.metadata.get("unit") == "bytes":
+            return parse_size(value)
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        if f.metadata.get("any_case"):
+            return next((c for c in f.metadata["choices"] if c.lower() == value.lower()), value)
+        return value
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {f.name} must be {kind.__name__}, got {value!r}") from None
+        what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        if f.metadata.get("unit") == "bytes":
+            what = "a size in bytes, with an optional unit (64GiB, 500MB)"
+        raise ConfigError(f"{spelling(f.name, value, source)}: must be {what}") from None
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(ServiceConfig)}
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
-    """Settings from a TOML (``.toml``) or JSON file; keys are field names (dashes allowed).
-    A TOML file may keep them under a ``[tpcache]`` table."""
+    """Settings from a TOML, JSON or YAML file (by extension); keys are the settings' names
+    (``round_timeout_s``). A file may keep them under a ``tpcache`` table. Unknown keys are errors
+    that name the file and the nearest setting."""
     p = Path(path)
+    if p.suffix.lower() not in CONFIG_SUFFIXES:
+        raise ConfigError(
+            f"config file {p}: unknown format {p.suffix or '(no extension)'!r}; use {', '.join(CONFIG_SUFFIXES)}"
+        )
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc}") from None
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
+    suffix = p.suffix.lower()
     try:
-        if p.suffix == ".toml":
+        if suffix == ".toml":
             import tomllib
 
             data: Any = tomllib.loads(text)
-            data = data.get("tpcache", data)
-        else:
+        elif suffix == ".json":
             data = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # noqa: BLE001 - each parser has its own error type; all mean "not valid"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config file {p} is not valid {suffix.lstrip('.').upper()}: {first}") from None
+    if isinstance(data, dict) and isinstance(data.get("tpcache"), dict) and len(data) == 1:
+        data = data["tpcache"]
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a table/object of settings")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+        raise ConfigError(f"config file {p} must hold a table of settings (key = value)")
+    for key in data:
+        if key not in FIELDS:
+            raise ConfigError(f"config file {p}: unknown setting {str(key)!r}{_suggest(str(key), list(FIELDS))}")
+    return dict(data)
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """Every ``TPCACHE_*`` variable must name a setting: a misspelt one is an error, not ignored."""
+    for key in sorted(env):
+        if not key.startswith(ENV_PREFIX) or key in INTERNAL_ENV or key.startswith(INTERNAL_ENV_PREFIXES):
+            continue
+        name = key.removeprefix(ENV_PREFIX).lower()
+        if name not in FIELDS or env_name(name) != key:
+            close = difflib.get_close_matches(name, list(FIELDS), n=1, cutoff=0.6)
+            hint = f"; did you mean {env_name(close[0])}?" if close else " (python -m launcher serve --help lists them)"
+            raise ConfigError(f"environment variable {key} is not a tpcache setting{hint}")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A checked configuration and, per setting, where its value came from."""
+
+    config: ServiceConfig
+    sources: dict[str, str]
+
+    def to_json(self) -> str:
+        return json.dumps({"values": dataclasses.asdict(self.config), "sources": self.sources})
+
+    @classmethod
+    def from_json(cls, text: str) -> Resolved:
+        data = json.loads(text)
+        config = ServiceConfig(**data["values"])
+        config.validate()
+        return cls(config, dict(data["sources"]))
+
+
+def resolve(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+    *,
+    file: str | Path | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    defaults_source: str = DEFAULT,
+) -> Resolved:
+    """Merge the sources (command line > environment > file > ``defaults`` > the fields' own
+    defaults), coerce and validate every value. Raises ConfigError naming the setting as its
+    source spells it."""
+    env = os.environ if env is None else env
+    check_environment(env)
+    if file is not None and file_values is None:
+        file_values = load_file(file)
+    file_source = f"file {file}" if file is not None else "file"
+    values: dict[str, Any] = {}
+    sources = {name: DEFAULT for name in FIELDS}
+    env_values = {name: env[env_name(name)] for name in FIELDS if env_name(name) in env}
+    for source, mapping in (
+        (defaults_source, defaults or {}),
+        (file_source, file_values or {}),
+        (ENVIRONMENT, env_values),
+        (COMMAND_LINE, cli or {}),
+    ):
+        for name, value in mapping.items():
+            if value is None:
+                continue
+            if name not in FIELDS:
+                raise ConfigError(f"{source}: unknown setting {name!r}{_suggest(name, list(FIELDS))}")
+            values[name] = _coerce(FIELDS[name], value, source)
+            sources[name] = source
+    config = ServiceConfig(**values)
+    try:
+        config.validate()
+    except SettingError as exc:
+        raise exc.where(sources.get(exc.name, DEFAULT)) from None
+    return Resolved(config, sources)
 
 
 def build_config(
@@ -267,26 +499,17 @@ def build_config(
     env: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
-    """Merge the sources (command line > environment > file > defaults) and validate."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for source, mapping in (("config file", file_values or {}), ("environment", None), ("command line", cli or {})):
-        if mapping is None:
-            for name, f in FIELDS.items():
-                if env_name(name) in env:
-                    values[name] = _coerce(f, env[env_name(name)], f"environment {env_name(name)}")
-            continue
-        for name, value in mapping.items():
-            if value is None:
-                continue
-            if name not in FIELDS:
-                raise ConfigError(f"{source}: unknown setting {name!r}")
-            values[name] = _coerce(FIELDS[name], value, source)
-    config = ServiceConfig(**values)
-    try:
-        config.validate()
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return config
+    """``resolve(...).config``: the merged, checked configuration."""
+    return resolve(cli, env, file_values).config
+
+
+def describe_sources(resolved: Resolved) -> list[str]:
+    """The effective settings grouped by where they came from, one line per source."""
+    config, groups = resolved.config, {}
+    for name, f in FIELDS.items():
+        value = "***" if f.metadata.get("secret") and getattr(config, name) else getattr(config, name)
+        if f.metadata.get("unit") == "bytes":
+            value = format_bytes(int(value))
+        groups.setdefault(resolved.sources.get(name, DEFAULT), []).append(f"{name}={value}")
+    order = sorted(groups, key=lambda s: (s == DEFAULT, s != COMMAND_LINE, s != ENVIRONMENT, s))
+    return [f"({source}) {' '.join(groups[source])}" for source in order]

@@ -16,7 +16,7 @@ from tpcache.core import UnknownLease
 from tpcache.core.tiers import DeviceState
 from tpcache.engine import TPCache
 from tpcache.service.buffers import StagedBuffer
-from tpcache.service.config import ServiceConfig
+from tpcache.service.config import ServiceConfig, format_kv_layout
 from tpcache.service.leases import LeaseBook, not_found
 from tpcache.service.ops import OPS, Ctx, Watch, to_protocol_error
 
@@ -26,11 +26,8 @@ SERVER_NAME = "tpcache 0.1.0"
 
 
 def layout_descriptor(tp: TPCache) -> str:
-    layout = tp.kv_layout
-    if layout is None:
-        return "metadata"
-    dtype = str(layout.dtype).removeprefix("torch.")
-    return f"L{layout.num_layers}xH{layout.heads_per_rank}xD{layout.head_dim}:{dtype}:P{layout.page_size}"
+    """The layout as --kv-layout takes it (``L32xH8xD128:bf16``); hello carries the page size."""
+    return "metadata" if tp.kv_layout is None else format_kv_layout(tp.kv_layout)
 
 
 class RankHandler:

@@ -49,6 +49,9 @@ log = logging.getLogger("tpcache.service")
 
 MAX_TOTAL_PENDING = 262_144
 WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
+STOPPING = "the service is stopping (a rank got SIGINT or SIGTERM); retry once it is back"
+STOP_QUIET_MS = 50  # on stop, frames still arriving are answered until the socket is this quiet
+STOP_DRAIN_S = 1.0  # ... for at most this long
 
 
 @dataclass
@@ -313,6 +316,7 @@ class Leader:
         self.broken = f"{self.h.tp.core.closed_reason or 'the round collective failed'}"
         self.broken_since = time.monotonic()
         log.error("the group is broken and must be restarted: %s", self.broken)
+        self.metrics.publish(self.h.stats_values(), self.h.tp.health(), force=True)  # /health: 503, why
         error = self._broken_error()
         waiting = [w.item for w in self.waiters.values()] + [w.item for w in self.activations.values()]
         waiting += [item for item, _, _ in self.watches]
@@ -472,7 +476,28 @@ class Leader:
     # ------------------------------------------------------------------ shutdown
 
     def stop(self) -> None:
-        """Fan out the stop batch; every follower exits after reading it."""
+        """Answer every request still in flight with "the service is stopping" (those waiting for
+        followers or a storage prefetch, and frames still arriving), then fan out the stop batch;
+        every follower exits after reading it."""
+        stopping = p.CacheClosed(STOPPING)
+        waiting = [w.item for w in self.waiters.values()] + [w.item for w in self.activations.values()]
+        waiting += [item for item, _, _ in self.watches]
+        self.waiters, self.activations, self.watches = {}, {}, []
+        for item in waiting:
+            item.outcome = stopping
+            self._reply(item)
+        # Frames sent before the stop are answered too, until the socket has been quiet for
+        # STOP_QUIET_MS; bounded in count and time.
+        deadline = time.monotonic() + STOP_DRAIN_S
+        answered = 0
+        while answered < MAX_TOTAL_PENDING and time.monotonic() < deadline and self.door.router.poll(STOP_QUIET_MS):
+            while answered < MAX_TOTAL_PENDING and (msg := self.door.receive()) is not None:
+                answered += 1
+                item = self._accept(msg)
+                if item is not None:
+                    item.outcome = stopping
+                    self._reply(item)
+            self.door.flush()
         self._flush_request_counts()
         if self.ch.outs:
             self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True})

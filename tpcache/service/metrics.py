@@ -1,55 +1,70 @@
-"""Prometheus metrics of one rank, on its own CollectorRegistry (never the global one).
+"""Prometheus metrics and health of one rank, on its own CollectorRegistry (never the global one).
+
+The rank's HTTP port serves ``/metrics`` (the Prometheus text format), ``/health`` (200 while the
+cache is open, 503 with the reason while it is closed or the rank stops) and ``/ready`` (200 once
+the rank serves, 503 while it starts or stops); any other path is 404.
 
 The round loop (main thread) publishes a snapshot of the cache's counters at most every
-``interval_s``; scrapes (the HTTP server's thread) read only that snapshot, so a scrape never
+``interval_s``; scrapes (the HTTP server's threads) read only that snapshot, so a scrape never
 touches the cache while the main thread mutates it. Round latency and requests are recorded as
-they happen (prometheus_client's own types are thread-safe).
+they happen, and storage counters are read from the backend (prometheus_client's own types and
+the backends' counters are thread-safe). Every counter family counts one thing: no label mixes
+issued with done, so a sum over any label is meaningful. README.md lists every metric.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 ROUND_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 1.0, 10.0)
+TIERS = ("device", "host")
 
-# (metric suffix, help, label name, {label value: stats key})
-_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+# Counters from the cache's stats: (name without tpcache_ and _total, help, label, {label value: stats key}).
+COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+    ("lookup_tokens", "Tokens of full pages looked up by lock", "", {"": "lookup_tokens"}),
     (
         "hit_tokens",
         "Tokens served from the cache, by tier",
         "tier",
-        {"device": "device_hit_tokens", "host": "host_hit_tokens", "storage": "storage_hit_tokens"},
+        {t: f"{t}_hit_tokens" for t in (*TIERS, "storage")},
     ),
-    ("lookup_tokens", "Tokens of full pages looked up by lock", "", {"": "lookup_tokens"}),
     ("storage_lookups", "Lookups of a prefix's continuation in the storage tier", "", {"": "storage_lookups"}),
+    ("inserted_pages", "Pages inserted", "", {"": "inserted_pages"}),
+    ("evicted_pages", "Pages evicted, by tier", "tier", {t: f"{t}_evicted_pages" for t in TIERS}),
     (
-        "evicted_pages",
-        "Pages evicted, by tier",
-        "tier",
-        {"device": "device_evicted_pages", "host": "host_evicted_pages"},
+        "transfer_issued_pages",
+        "Pages whose copy between tiers was started, by kind (backup: device to host; load: host to device)",
+        "kind",
+        {"backup": "backups_issued_pages", "load": "loads_issued_pages"},
     ),
     (
-        "transfer_pages",
-        "Pages copied between tiers, by kind and state",
-        "kind_state",
-        {
-            "backup/issued": "backups_issued_pages",
-            "backup/done": "backups_done_pages",
-            "load/issued": "loads_issued_pages",
-            "load/done": "loads_done_pages",
-            "storage_read/done": "prefetch_read_pages",
-        },
+        "transfer_done_pages",
+        "Pages whose copy between tiers every rank agreed finished, by kind",
+        "kind",
+        {"backup": "backups_done_pages", "load": "loads_done_pages"},
     ),
     (
-        "storage_write_pages",
-        "Pages written to the storage tier, by state",
-        "state",
-        {"issued": "storage_write_issued_pages", "written": "storage_written_pages"},
+        "storage_write_issued_pages",
+        "Pages whose write to the storage tier was started",
+        "",
+        {"": "storage_write_issued_pages"},
+    ),
+    (
+        "storage_written_pages",
+        "Pages every rank agreed are durable in the storage tier",
+        "",
+        {"": "storage_written_pages"},
     ),
     (
         "rejected_pages",
@@ -57,15 +72,60 @@ _COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "reason",
         {"host_full": "backup_rejected_host_full", "copy_failed": "failed_copy_pages"},
     ),
-    ("inserted_pages", "Pages inserted", "", {"": "inserted_pages"}),
-    ("mirrors_released_pages", "Host mirrors released under pressure", "", {"": "mirrors_released_pages"}),
+    (
+        "mirrors_released_pages",
+        "Host mirrors of device pages released under host pressure",
+        "",
+        {"": "mirrors_released_pages"},
+    ),
+    (
+        "prefetch_hit_pages",
+        "Pages a storage prefetch found on every rank (the agreed hit)",
+        "",
+        {"": "prefetch_hit_pages"},
+    ),
+    ("prefetch_read_pages", "Pages a storage prefetch read into the host tier", "", {"": "prefetch_read_pages"}),
+    ("rounds", "Rounds committed (one all-reduce each)", "", {"": "rounds"}),
+)
+
+# Counters from the storage backend's own stats (this rank's reads and writes, before agreement).
+STORAGE_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+    ("storage_reads", "Pages this rank asked its storage backend for", "", {"": "gets"}),
+    ("storage_read_hits", "Pages this rank's storage backend returned, verified", "", {"": "hits"}),
+    (
+        "storage_read_misses",
+        "Pages this rank's storage backend did not return, by reason",
+        "reason",
+        {r: f"misses_{r}" for r in ("missing", "short", "corrupt", "foreign", "io_error")},
+    ),
+    ("storage_writes", "Pages this rank's storage backend wrote", "", {"": "put_ok"}),
+    (
+        "storage_write_failures",
+        "Pages this rank's storage backend could not write, by reason",
+        "reason",
+        {r: f"put_failures_{r}" for r in ("no_space", "too_large", "io_error")},
+    ),
+    ("storage_evictions", "Records the storage backend evicted to stay within its capacity", "", {"": "evictions"}),
 )
 
 
 class RankMetrics:
-    def __init__(self, rank: int, interval_s: float = 0.25) -> None:
+    """One rank's registry, its snapshot of the cache's state and its HTTP endpoint."""
+
+    def __init__(
+        self,
+        rank: int,
+        interval_s: float = 0.25,
+        *,
+        storage: Any = None,
+        capacity: dict[str, int] | None = None,
+        version: str = "",
+    ) -> None:
         self.rank = rank
         self.interval_s = interval_s
+        self.storage = storage
+        self.capacity = dict(capacity or {})
+        self.version = version
         self.registry = CollectorRegistry(auto_describe=True)
         self.round_seconds = Histogram(
             "tpcache_round_duration_seconds",
@@ -82,11 +142,17 @@ class RankMetrics:
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=self.registry,
         )
+        # The process's CPU, memory and file descriptors, the interpreter's GC and version.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._snapshot: dict[str, Any] = {}
         self._health: dict[str, Any] = {}
         self._last = 0.0
+        self.phase = "starting"  # "serving" once the rank serves, "stopping" from its stop on
         self.registry.register(_SnapshotCollector(self))
-        self.server: Any = None
+        self.server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
 
     def observe_round(self, seconds: float, requests: int) -> None:
         self.round_seconds.observe(seconds)
@@ -100,17 +166,77 @@ class RankMetrics:
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.interval_s
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        from prometheus_client import start_http_server
+    @property
+    def ready(self) -> bool:
+        return self.phase == "serving"
 
-        result = start_http_server(port, addr=addr, registry=self.registry)
-        self.server = result[0] if isinstance(result, tuple) else None
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /health: 200 while the cache is open, 503 with the reason while
+        it is closed, or while the rank starts or stops."""
+        state = str(self._health.get("state", "open"))
+        body = {"state": state, "reason": str(self._health.get("reason", "")), "rank": self.rank}
+        body["round"] = int(self._health.get("round", 0))
+        if state == "open" and self.phase != "serving":
+            body.update(state=self.phase, reason=f"the rank is {self.phase}")
+        return (200 if body["state"] == "open" else 503), body
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve /metrics, /health and /ready on ``addr:port`` from a daemon thread."""
+        self.server = ThreadingHTTPServer((addr, port), _handler_for(self))
+        self.server.daemon_threads = True
+        # A short poll interval: close() waits for it, and a rank must stop within a second or two.
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, args=(0.05,), name=f"metrics-{port}", daemon=True
+        )
+        self._thread.start()
 
     def close(self) -> None:
+        self.phase = "stopping"
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+def _handler_for(metrics: RankMetrics) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+            elif path == "/health":
+                status, body = metrics.health()
+                self._send(status, json.dumps(body).encode() + b"\n", "application/json")
+            elif path == "/ready":
+                ready = metrics.ready
+                self._send(200 if ready else 503, b"ready\n" if ready else b"not ready\n", "text/plain")
+            else:
+                self._send(404, b"not found: try /metrics, /health or /ready\n", "text/plain")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+            pass
+
+    return Handler
+
+
+def _counter(name: str, text: str, label: str, keys: dict[str, str], values: dict[str, Any]) -> CounterMetricFamily:
+    fam = CounterMetricFamily(f"tpcache_{name}", text, labels=[label] if label else [])
+    for label_value, key in keys.items():
+        fam.add_metric([label_value] if label else [], float(values.get(key, 0) or 0))
+    return fam
+
+
+def _gauge(name: str, text: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, text, labels=list(labels or {}))
+    fam.add_metric(list((labels or {}).values()), value)
+    return fam
 
 
 class _SnapshotCollector:
@@ -122,16 +248,8 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Any]:
         stats, health = self.m._snapshot, self.m._health
-        for suffix, text, label, keys in _COUNTERS:
-            labels = [label.split("_")[0]] if label and label != "kind_state" else (["kind", "state"] if label else [])
-            fam = CounterMetricFamily(f"tpcache_{suffix}", text, labels=labels)
-            for value_label, key in keys.items():
-                values = value_label.split("/") if label == "kind_state" else ([value_label] if label else [])
-                fam.add_metric(values, float(stats.get(key, 0)))
-            yield fam
-        rounds = CounterMetricFamily("tpcache_rounds", "Rounds committed (one all-reduce each)")
-        rounds.add_metric([], float(stats.get("rounds", 0)))
-        yield rounds
+        for spec in COUNTERS:
+            yield _counter(*spec, stats)
         mism = CounterMetricFamily(
             "tpcache_mismatches", "Rounds in which a field disagreed, by field", labels=["field"]
         )
@@ -139,17 +257,38 @@ class _SnapshotCollector:
             if key.startswith("mismatches."):
                 mism.add_metric([key.split(".", 1)[1]], float(value))
         yield mism
-        closed = GaugeMetricFamily("tpcache_closed", "1 when the cache failed closed (serving misses), else 0")
-        closed.add_metric([], 1.0 if health.get("state") == "closed" else 0.0)
-        yield closed
-        for name, key, text in (
-            ("tpcache_device_pages_used", "device_pages_used", "Device pages in use"),
-            ("tpcache_host_pages_used", "host_pages_used", "Host pages in use"),
-            ("tpcache_leases", "leases", "Leases open"),
-        ):
-            g = GaugeMetricFamily(name, text)
-            g.add_metric([], float(stats.get(key, 0)))
-            yield g
+        yield _gauge(
+            "tpcache_closed",
+            "1 when the cache failed closed (serving misses), else 0",
+            float(health.get("state") == "closed"),
+        )
+        yield _gauge("tpcache_ready", "1 while this rank serves, else 0", float(self.m.ready))
+        used = GaugeMetricFamily(
+            "tpcache_pages_used", "Pages in use (owned by the cache or a lease), by tier", labels=["tier"]
+        )
+        total = GaugeMetricFamily("tpcache_pages_capacity", "Pages in the tier's pool, by tier", labels=["tier"])
+        for tier in TIERS:
+            used.add_metric([tier], float(stats.get(f"{tier}_pages_used", 0) or 0))
+            total.add_metric([tier], float(self.m.capacity.get(tier, 0)))
+        yield used
+        yield total
+        yield _gauge(
+            "tpcache_leases", "Leases open (requests holding pins, pages or copies)", float(stats.get("leases", 0) or 0)
+        )
+        if self.m.storage is not None:
+            store = self.m.storage.stats()
+            for spec in STORAGE_COUNTERS:
+                yield _counter(*spec, store)
+            yield _gauge(
+                "tpcache_storage_used_bytes",
+                "Bytes the storage tier holds on this rank",
+                float(store.get("bytes_used", 0)),
+            )
+            yield _gauge(
+                "tpcache_storage_capacity_bytes",
+                "Capacity of the storage tier on this rank",
+                float(store.get("capacity_bytes", 0)),
+            )
         info = InfoMetricFamily("tpcache_transport", "The round transport and this rank's place in the group")
         info.add_metric(
             [],
@@ -160,3 +299,6 @@ class _SnapshotCollector:
             },
         )
         yield info
+        build = InfoMetricFamily("tpcache_build", "The tpcache version this rank runs")
+        build.add_metric([], {"version": self.m.version})
+        yield build

@@ -1,10 +1,18 @@
-"""One rank process of the service: set up the group and the cache, serve, shut down cleanly.
+"""One rank process of the service: check, set up the group and the cache, serve, shut down cleanly.
 
-Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Uses
-NCCL and the device ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU otherwise. SIGINT and
-SIGTERM on any rank stop every rank: a follower asks the leader, the leader fans a stop batch
-out, and each rank closes its sockets, its cache (and the round transport's shared memory) and
-the process group before exiting. Nothing is left in /dev/shm or on disk but the storage tier.
+Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). Uses NCCL and the device ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU
+otherwise.
+
+Start-up, in order: this rank's machine checks (ports, storage directory, memory for its pools);
+the group forms; every rank's settings and check results are gathered (``agree``) and any
+problem, or any setting that must be equal and is not, stops every rank with exit code 2 before a
+pool is allocated; then the cache, the channels, and one INFO block that says what runs.
+
+SIGINT and SIGTERM on any rank stop every rank: a follower asks the leader, the leader answers
+what is in flight with "the service is stopping", fans a stop batch out, and each rank closes its
+sockets, its cache (and the round transport's shared memory) and the process group before
+exiting 0. Nothing is left in /dev/shm or on disk but the storage tier.
 """
 
 from __future__ import annotations
@@ -17,17 +25,29 @@ import os
 import signal
 import sys
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from tpcache.service.channels import Channels
-from tpcache.service.config import ServiceConfig, parse_kv_layout
+from tpcache.service.config import (
+    ConfigError,
+    Resolved,
+    ServiceConfig,
+    describe_sources,
+    format_bytes,
+    format_kv_layout,
+    parse_kv_layout,
+)
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
+from tpcache.service.preflight import PoolBytes, check_device_memory, preflight
 
 log = logging.getLogger("tpcache.service")
+
+EXIT_CONFIG = 2
 
 
 class StopFlag:
@@ -47,6 +67,13 @@ class StopFlag:
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+
+
+def package_version() -> str:
+    try:
+        return version("tpcache")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -78,6 +105,27 @@ def init_group(round_timeout_s: float) -> tuple[int, int, Any]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def agree(config: ServiceConfig, problem: str | None) -> str | None:
+    """Gather every rank's settings and check result (a collective call, right after the group
+    forms); the first problem anywhere, or the settings that differ with each rank's value, as
+    one line, or None when the group may start. Every rank computes the same answer."""
+    from tpcache.dist.exchange import all_gather_json
+
+    gathered = all_gather_json({"settings": config.group_settings(), "problem": problem})
+    for rank, item in enumerate(gathered):
+        if item["problem"]:
+            return f"rank {rank}: {item['problem']}" if len(gathered) > 1 else str(item["problem"])
+    differ = []
+    for name in gathered[0]["settings"]:
+        values = [item["settings"].get(name) for item in gathered]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r} {json.dumps(v)}" for r, v in enumerate(values))
+            differ.append(f"{name} ({per_rank})")
+    if differ:
+        return "settings that must be equal on every rank differ: " + "; ".join(differ)
+    return None
+
+
 def build_cache(config: ServiceConfig, collective: Any, device: Any, pool: Any = None, storage: Any = None) -> Any:
     from tpcache.engine import TPCache
 
@@ -101,21 +149,61 @@ def write_ready_file(path: str, info: dict[str, Any]) -> None:
     os.replace(tmp, target)
 
 
-def serve(config: ServiceConfig) -> int:
+def setup_logging(level: str, rank: int) -> None:
+    """Logs to stderr (stdout stays free for what a command prints, e.g. --json)."""
+    _tag_log_records(rank)
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s rank%(rank)s %(name)s %(levelname)s: %(message)s",
+    )
+
+
+def serve(resolved: Resolved) -> int:
     """Run this rank until stopped; returns the exit code."""
+    import torch.distributed as dist
+    from prometheus_client import disable_created_metrics
+
+    config = resolved.config
+    env_rank = _env_int("RANK", 0)
+    setup_logging(config.log_level, env_rank)
+    disable_created_metrics()  # no *_created family beside each counter and histogram in /metrics
+    stop = StopFlag()
+    stop.install()
+    world_env = _env_int("WORLD_SIZE", 1)
+    on_host = _env_int("LOCAL_WORLD_SIZE", world_env)
+    problem: str | None = None
+    import torch
+
+    cuda = torch.cuda.is_available()
+    try:
+        preflight(resolved, range(env_rank, env_rank + 1), on_host, device_on_host=not cuda, world=world_env)
+    except ConfigError as exc:
+        problem = str(exc)
+    rank, world, device = init_group(config.round_timeout_s)
+    if device is not None and problem is None:
+        try:
+            check_device_memory(resolved, torch.cuda.mem_get_info(device)[0])
+        except ConfigError as exc:
+            problem = str(exc)
+    problem = agree(config, problem)
+    if problem is not None:
+        if rank == 0:
+            print(f"tpcache: configuration error: {problem}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        return EXIT_CONFIG
+    return _run(resolved, rank, world, device, stop)
+
+
+def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag) -> int:
     import torch.distributed as dist
 
     from tpcache.dist import make_collective
     from tpcache.service.follower import Follower
     from tpcache.service.leader import Leader
 
-    _tag_log_records(_env_int("RANK", 0))
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s rank%(rank)s %(name)s %(levelname)s: %(message)s"
-    )
-    stop = StopFlag()
-    stop.install()
-    rank, world, device = init_group(config.round_timeout_s)
+    config = resolved.config
     storage = None
     if config.storage_location():
         from tpcache.io.storage import open_storage, parse_storage_url
@@ -123,11 +211,12 @@ def serve(config: ServiceConfig) -> int:
         spec = parse_storage_url(config.storage_location())
         storage = open_storage(spec, shard=(rank, world), capacity_bytes=config.storage_bytes)
         if rank == 0:
-            print(f"tpcache: storage tier: {spec.describe()}", flush=True)
+            log.info("storage tier: %s", spec.describe())
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))
-    metrics = RankMetrics(rank)
+    capacity = {"device": config.device_pages, "host": config.host_pages}
+    metrics = RankMetrics(rank, storage=storage, capacity=capacity, version=package_version())
     ctx = zmq.Context()
     channels: Channels | None = None
     code = 0
@@ -141,8 +230,9 @@ def serve(config: ServiceConfig) -> int:
                 leader = Leader(handler, channels, config, metrics, ctx)
             except zmq.ZMQError as exc:
                 channels.broadcast({"b": 0, "s": 1, "n": 0, "e": [], "x": True})
-                print(f"tpcache: cannot bind {config.endpoint}: {exc}", file=sys.stderr)
-                return 2
+                print(f"tpcache: cannot bind --endpoint {config.endpoint}: {exc}", file=sys.stderr)
+                return EXIT_CONFIG
+            log.info("%s", startup_block(resolved, tp, rank, world, channels, leader.endpoint, storage))
             info = {
                 "endpoint": leader.endpoint,
                 "pids": channels.pids,
@@ -152,11 +242,14 @@ def serve(config: ServiceConfig) -> int:
             }
             if config.ready_file:
                 write_ready_file(config.ready_file, info)
-            print(f"tpcache: serving on {leader.endpoint} ({world} ranks, {tp.collective.name})", flush=True)
+            metrics.phase = "serving"
             code = leader.run(stop)
         else:
+            log.info("%s", startup_block(resolved, tp, rank, world, channels, None, storage))
+            metrics.phase = "serving"
             code = Follower(handler, channels, config, metrics).run(stop)
     finally:
+        metrics.phase = "stopping"
         log.debug("shutting down")
         if channels is not None:
             channels.close()
@@ -166,8 +259,58 @@ def serve(config: ServiceConfig) -> int:
         log.debug("sockets and cache closed")
         with contextlib.suppress(Exception):  # a broken group cannot always be torn down politely
             dist.destroy_process_group()
-        log.debug("process group destroyed")
+        log.info("stopped")
     return code
+
+
+def startup_block(
+    resolved: Resolved, tp: Any, rank: int, world: int, channels: Channels, endpoint: str | None, storage: Any
+) -> str:
+    """What this rank runs, in one log record: version, settings and their sources, memory per
+    tier, transport, endpoints, storage, metrics."""
+    config = resolved.config
+    pools = PoolBytes.of(config)
+    where = (
+        "GPU " + str(tp.device_pool.kv.device) if tp.device_pool is not None and tp.device_pool.kv.is_cuda else "host"
+    )
+    if tp.kv_layout is None:
+        memory = (
+            f"device tier {config.device_pages:,} pages, host tier {config.host_pages:,} pages of {config.page_size} "
+            "tokens (metadata only: no KV bytes, copies complete at once)"
+        )
+    else:
+        memory = (
+            f"{format_kv_layout(tp.kv_layout)}, {format_bytes(pools.page_bytes)} a page: device tier "
+            f"{config.device_pages:,} pages = {format_bytes(pools.device)} ({where} memory), host tier "
+            f"{config.host_pages:,} pages = {format_bytes(pools.host)}"
+        )
+    if storage is not None:
+        stats = storage.stats()
+        from tpcache.io.storage.url import parse_storage_url
+
+        spec = parse_storage_url(config.storage_location())
+        if spec.backend == "file":
+            capacity = format_bytes(config.storage_bytes)
+            place = f"{Path(spec.location) / f'rank{rank}'} (file backend), capacity {capacity}"
+        else:
+            place = f"{spec.describe()} (sized by the store)"
+        store = f"{place}, {format_bytes(int(stats.get('bytes_used', 0)))} in use"
+    else:
+        store = "off"
+    metrics = (
+        f"http://127.0.0.1:{config.metrics_port + rank}/metrics (/health, /ready)" if config.metrics_port else "off"
+    )
+    inbox = channels.inbox.getsockopt(zmq.LAST_ENDPOINT).decode() if channels.inbox is not None else "-"
+    front = f"clients {endpoint}; " if endpoint else ""
+    lines = [
+        f"tpcache {package_version()}: rank {rank} of {world} serving (pid {os.getpid()})",
+        *(f"  settings {line}" for line in describe_sources(resolved)),
+        f"  memory: {memory}",
+        f"  round transport: {tp.collective.name}; {front}internal channel {inbox}",
+        f"  storage: {store}",
+        f"  metrics: {metrics}",
+    ]
+    return "\n".join(lines)
 
 
 def _tag_log_records(rank: int) -> None:

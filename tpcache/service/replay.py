@@ -51,11 +51,14 @@ def replay_through_service(
     client: Client,
     requests: Iterable[Request],
     progress: Callable[[int], None] | None = None,
+    *,
+    result: ReplayResult | None = None,
 ) -> tuple[ReplayResult, int]:
-    """Replay ``requests``; returns the result and the number of calls made."""
+    """Replay ``requests``; returns the result (``result`` if given, updated as it goes, so a
+    caller can watch it or see how far an interrupted replay got) and the number of calls made."""
     assert client.info is not None, "the client must have said hello"
     page_size = client.info.page_size
-    result = ReplayResult()
+    result = ReplayResult() if result is None else result
     calls = 0
     start = time.perf_counter()
     for req in requests:

@@ -9,12 +9,12 @@ needs is added here. An empty dict works: the host tier is sized from free memor
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.core.eviction import make_policy
+from tpcache.io.memory import available_memory
 from tpcache.service.config import ConfigError, ServiceConfig
 
 DEFAULT_HOST_FRACTION = 0.1  # of the memory available at start, over all TP ranks of the host
@@ -77,14 +77,14 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         try:
             # The service's checks for the settings it shares (kv_layout stands in for the engine's).
-            self.service_config(page_size, max(self.host_pages, 1), "layers=1,heads=1,head_dim=1").validate()
+            self.service_config(page_size, max(self.host_pages, 1), "L1xH1xD1:fp32").validate()
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
 
     def service_config(self, page_size: int, host_pages: int, kv_layout: str) -> ServiceConfig:
         return ServiceConfig(
             page_size=page_size,
-            device_pages=0,
+            device_pages=1,  # the engine owns the device pages; the service's checks want a pool
             host_pages=host_pages,
             eviction_policy=self.eviction_policy,
             namespace=self.namespace,
@@ -102,20 +102,11 @@ class ConnectorOptions:
             return self.host_pages
         budget = self.host_bytes
         if not budget:
-            budget = min(int(available_memory() * DEFAULT_HOST_FRACTION) // max(world_size, 1), DEFAULT_HOST_CAP_BYTES)
+            budget = min(
+                int((available_memory() or DEFAULT_HOST_CAP_BYTES) * DEFAULT_HOST_FRACTION) // max(world_size, 1),
+                DEFAULT_HOST_CAP_BYTES,
+            )
         return max(1, budget // page_bytes)
-
-
-def available_memory() -> int:
-    """Bytes of memory available for new allocations (Linux MemAvailable; else free pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def page_namespace(namespace: str, model: str) -> str:

@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""What the core costs per scheduler step, against a dict prefix cache written here (the floor).
+
+    python scripts/bench_core.py --json
+    python scripts/bench_core.py --sizes 10000 100000 --repeats 3
+
+The floor is the prefix cache an engine writes for itself (vLLM v1 style): a page is keyed by the
+hash of its parent's key and its tokens, a dict maps keys to page ids, pages carry a reference
+count, and unreferenced cached pages sit in an LRU (an OrderedDict) that allocation evicts from.
+It has no tiers, no agreement and no digest: it is what the core must come close to.
+
+Measured, in thread CPU time (steadier than wall time on a shared machine), medians of
+``--repeats`` runs with their spread:
+
+- ``cases``: per page, a hit cycle (lock a cached prefix, insert it back, release) and a miss
+  cycle (lock an unseen prefix, alloc, insert, release, evicting as the pool is full), with the
+  cache holding 10k, 100k and 1M pages;
+- ``insert``: inserting 2 new pages after a 14-page and after a 140-page context (the cost
+  should follow the pages added, not the path);
+- ``step``: an engine step with 625k cached pages and 256 running requests of ~140 pages, each
+  doing match + alloc(2) + insert, then one round; ``sparse_ms``: the same step when only 16
+  requests complete a page;
+- ``bytes_per_page`` (RSS growth over the cached pages, page size 16) and ``max_gc_pause_ms``
+  (the longest collection while the largest cache was built, from ``gc.callbacks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tpcache.core import CacheConfig, CacheCore  # noqa: E402
+from tpcache.replay import drain  # noqa: E402
+
+PAGE = 16
+CONTEXT_PAGES = 140
+
+
+class DictPrefixCache:
+    """The floor: hash-keyed pages, reference counts, LRU over unreferenced pages."""
+
+    def __init__(self, pages: int) -> None:
+        self.free = list(range(pages))
+        self.by_key: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self.refs = [0] * pages
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached pages nobody references
+
+    @staticmethod
+    def keys(tokens: list[int]) -> list[int]:
+        out, parent = [], 0
+        for i in range(0, len(tokens) - PAGE + 1, PAGE):
+            parent = hash((parent, tuple(tokens[i : i + PAGE])))
+            out.append(parent)
+        return out
+
+    def match(self, keys: list[int]) -> list[int]:
+        hit = []
+        for k in keys:
+            page = self.by_key.get(k)
+            if page is None:
+                break
+            hit.append(page)
+        for page in hit:
+            if self.refs[page] == 0:
+                self.lru.pop(page, None)
+            self.refs[page] += 1
+        return hit
+
+    def alloc(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            if self.free:
+                page = self.free.pop()
+            else:
+                page, _ = self.lru.popitem(last=False)
+                del self.by_key[self.key_of.pop(page)]
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def insert(self, keys: list[int], pages: list[int]) -> None:
+        for k, page in zip(keys, pages, strict=False):
+            if k not in self.by_key and page not in self.key_of:
+                self.by_key[k] = page
+                self.key_of[page] = k
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of:
+                    self.lru[page] = None
+                else:
+                    self.free.append(page)
+
+
+def sequence(i: int, pages: int) -> list[int]:
+    """Token ids of request ``i``: its first token is ``i``, so it shares no page with another."""
+    return [i] + [(i * 31 + t) % 50_000 for t in range(1, pages * PAGE)]
+
+
+def thread_cpu(fn: Callable[..., Any], cache: Any, work: list[list[int]]) -> float:
+    """Thread CPU seconds of ``fn(cache, tokens)`` over every request of ``work``."""
+    start = time.thread_time()
+    for tokens in work:
+        fn(cache, tokens)
+    return time.thread_time() - start
+
+
+# ---------------------------------------------------------------------- the two caches' cycles
+
+
+def fill_core(pages: int) -> tuple[CacheCore, list[list[int]]]:
+    core = CacheCore(CacheConfig(page_size=PAGE, device_pages=pages))
+    seqs = []
+    for i in range(pages // CONTEXT_PAGES):
+        tokens = sequence(i, CONTEXT_PAGES)
+        core_miss(core, tokens)
+        seqs.append(tokens)
+    return core, seqs
+
+
+def fill_dict(pages: int) -> tuple[DictPrefixCache, list[list[int]]]:
+    cache = DictPrefixCache(pages)
+    seqs = []
+    for i in range(pages // CONTEXT_PAGES):
+        tokens = sequence(i, CONTEXT_PAGES)
+        dict_miss(cache, tokens)
+        seqs.append(tokens)
+    return cache, seqs
+
+
+def core_hit(core: CacheCore, tokens: list[int]) -> None:
+    lease, match = core.lock(tokens)
+    core.insert(lease, tokens, list(match.device_page_ids))
+    core.release(lease)
+    drain(core)
+
+
+def core_miss(core: CacheCore, tokens: list[int]) -> None:
+    lease, match = core.lock(tokens)
+    have = list(match.device_page_ids)
+    fresh = core.alloc(lease, len(tokens) // PAGE - len(have))
+    core.insert(lease, tokens, have + fresh)
+    core.release(lease)
+    drain(core)
+
+
+def dict_hit(cache: DictPrefixCache, tokens: list[int]) -> None:
+    keys = cache.keys(tokens)
+    pages = cache.match(keys)
+    cache.insert(keys, pages)
+    cache.release(pages)
+
+
+def dict_miss(cache: DictPrefixCache, tokens: list[int]) -> None:
+    keys = cache.keys(tokens)
+    pages = cache.match(keys)
+    pages += cache.alloc(len(keys) - len(pages))
+    cache.insert(keys, pages)
+    cache.release(pages)
+
+
+def cycle_cases(sizes: list[int], repeats: int, requests: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+    memory: dict[str, Any] = {}
+    for pages in sizes:
+        pauses: list[float] = []
+        gc.collect()
+        rss0 = rss_bytes()
+        with gc_pauses(pauses):
+            core, seqs = fill_core(pages)
+        gc.collect()
+        if pages == max(sizes):
+            cached = len(seqs) * CONTEXT_PAGES
+            memory = {
+                "pages": pages,
+                "bytes_per_page": round((rss_bytes() - rss0) / max(cached, 1), 1),
+                "max_gc_pause_ms": round(max(pauses, default=0.0) * 1e3, 2),
+            }
+        cache, dseqs = fill_dict(pages)
+        for cycle in ("hit", "miss"):
+            ours, floor = [], []
+            for r in range(repeats):
+                picks = [seqs[(r * requests + j * 7919) % len(seqs)] for j in range(requests)]
+                fresh = [sequence(10_000_000 + pages + r * requests + j, CONTEXT_PAGES) for j in range(requests)]
+                n = requests * CONTEXT_PAGES
+                if cycle == "hit":
+                    ours.append(thread_cpu(core_hit, core, picks) / n)
+                    floor.append(thread_cpu(dict_hit, cache, [dseqs[i % len(dseqs)] for i in range(requests)]) / n)
+                else:
+                    ours.append(thread_cpu(core_miss, core, fresh) / n)
+                    floor.append(thread_cpu(dict_miss, cache, fresh) / n)
+            us, fl = statistics.median(ours) * 1e6, statistics.median(floor) * 1e6
+            cases.append(
+                {
+                    "pages": pages,
+                    "cycle": cycle,
+                    "us_per_page": round(us, 3),
+                    "floor_us_per_page": round(fl, 3),
+                    "ratio": round(us / fl, 2),
+                    "spread": [round(min(ours) * 1e6, 3), round(max(ours) * 1e6, 3)],
+                }
+            )
+            print(
+                f"  {pages:>8} pages {cycle:>4}: {us:7.2f} us/page, floor {fl:5.2f}, ratio {us / fl:5.1f}",
+                file=sys.stderr,
+            )
+        del core, cache, seqs, dseqs
+        gc.collect()
+    return cases, memory
+
+
+def insert_cost(repeats: int) -> dict[str, Any]:
+    """Insert 2 new pages after a short and after a long context: time per insert call."""
+    out: dict[str, Any] = {}
+    for context in (14, 140):
+        samples = []
+        for r in range(repeats):
+            core = CacheCore(CacheConfig(page_size=PAGE, device_pages=20_000))
+            reqs = [sequence(r * 1000 + i, context + 2) for i in range(50)]
+            for tokens in reqs:
+                core_miss(core, tokens[: context * PAGE])
+            t = 0.0
+            for tokens in reqs:
+                lease, match = core.lock(tokens)
+                have = list(match.device_page_ids)
+                fresh = core.alloc(lease, 2)
+                start = time.thread_time()
+                core.insert(lease, tokens, have + fresh)
+                t += time.thread_time() - start
+                core.release(lease)
+                drain(core)
+            samples.append(t / len(reqs))
+        out[f"context_{context}_us"] = round(statistics.median(samples) * 1e6, 2)
+    out["ratio_long_to_short"] = round(out["context_140_us"] / out["context_14_us"], 2)
+    return out
+
+
+def engine_step(cached_pages: int, running: int, completing: int) -> tuple[float, float]:
+    """CPU seconds of one scheduler step (match + alloc(2) + insert for ``completing`` of the
+    ``running`` requests, then one round) for the core and for the floor."""
+    core = CacheCore(CacheConfig(page_size=PAGE, device_pages=cached_pages + running * (CONTEXT_PAGES + 8)))
+    cache = DictPrefixCache(cached_pages + running * (CONTEXT_PAGES + 8))
+    for i in range(cached_pages // CONTEXT_PAGES):
+        core_miss(core, sequence(i, CONTEXT_PAGES))
+        dict_miss(cache, sequence(i, CONTEXT_PAGES))
+    # Running requests: each holds a lease (core) or references (floor) on its context.
+    leases, contexts, held, dkeys = [], [], [], []
+    for j in range(running):
+        tokens = sequence(5_000_000 + j, CONTEXT_PAGES)
+        lease, match = core.lock(tokens)
+        pages = core.alloc(lease, CONTEXT_PAGES)
+        core.insert(lease, tokens, pages)
+        leases.append([lease, pages])
+        keys = cache.keys(tokens)
+        dpages = cache.alloc(len(keys))
+        cache.insert(keys, dpages)
+        held.append(dpages)
+        dkeys.append(keys)
+        contexts.append(tokens)
+    drain(core)
+    gc.collect()
+
+    def core_step() -> None:
+        for j in range(completing):
+            lease, pages = leases[j]
+            tokens = contexts[j] = contexts[j] + sequence(7_000_000 + j * 1000 + len(contexts[j]) // PAGE, 2)
+            core.match(tokens)
+            pages += core.alloc(lease, 2)
+            core.insert(lease, tokens, pages)
+        drain(core)
+
+    def dict_step() -> None:
+        # An engine hashes a request's new pages only (it keeps the keys of the ones before).
+        for j in range(completing):
+            new = contexts[j][-2 * PAGE :]
+            parent = dkeys[j][-1]
+            keys = []
+            for i in range(0, len(new), PAGE):
+                parent = hash((parent, tuple(new[i : i + PAGE])))
+                keys.append(parent)
+            dkeys[j] += keys
+            pages = cache.alloc(2)
+            held[j] += pages
+            cache.insert(keys, pages)
+
+    start = time.thread_time()
+    core_step()
+    ours = time.thread_time() - start
+    start = time.thread_time()
+    dict_step()
+    return ours, time.thread_time() - start
+
+
+# ---------------------------------------------------------------------- measurement helpers
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class gc_pauses:
+    """Collect the duration of every garbage collection while the block runs (gc.callbacks)."""
+
+    def __init__(self, into: list[float]) -> None:
+        self.into, self.start = into, 0.0
+
+    def _cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self.start = time.perf_counter()
+        else:
+            self.into.append(time.perf_counter() - self.start)
+
+    def __enter__(self) -> gc_pauses:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=20, help="requests per timed cycle")
+    ap.add_argument("--step-pages", type=int, default=625_000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    print(f"resource: max RSS before {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB", file=sys.stderr)
+    cases, memory = cycle_cases(args.sizes, args.repeats, args.requests)
+    insert = insert_cost(args.repeats)
+    full_ours, full_floor = engine_step(args.step_pages, 256, 256)
+    sparse_ours, sparse_floor = engine_step(args.step_pages, 256, 16)
+    step = {
+        "ms": round(full_ours * 1e3, 2),
+        "floor_ms": round(full_floor * 1e3, 2),
+        "ratio": round(full_ours / full_floor, 2),
+        "sparse_ms": round(sparse_ours * 1e3, 3),
+        "sparse_floor_ms": round(sparse_floor * 1e3, 3),
+    }
+    out = {"cases": cases, "insert": insert, "step": step, **memory}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

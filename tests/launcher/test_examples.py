@@ -1,0 +1,52 @@
+"""The README's code blocks are the files in examples/, and those files run as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.local import free_port
+from tests.service.harness import REPO, repo_env, running_service
+
+MARKER = re.compile(r"<!-- (examples/\S+\.py) [^>]*-->\n```python\n(.*?)```\n", re.S)
+
+
+def run_in_repo(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def example_body(path: Path) -> str:
+    """The file from its first import on (the README leaves out the module docstring)."""
+    lines = path.read_text().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
+    return "".join(lines[first:])
+
+
+def test_the_readme_shows_the_example_files_exactly() -> None:
+    blocks = dict(MARKER.findall((REPO / "README.md").read_text()))
+    assert set(blocks) == {"examples/embedding.py", "examples/client.py"}, blocks.keys()
+    for path, block in blocks.items():
+        assert block == example_body(REPO / path), f"README.md's block for {path} differs from the file"
+
+
+@pytest.mark.multiprocess
+def test_the_embedding_example_runs_under_torchrun() -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
+    run = run_in_repo(*torchrun, "--master-port", str(free_port()), "examples/embedding.py")
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank in (0, 1):  # the second turn hits every full page, on every rank
+        assert f"rank {rank} turn 0: 0 of 62 pages hit" in run.stdout, run.stdout
+        assert f"rank {rank} turn 1: 62 of 62 pages hit" in run.stdout, run.stdout
+
+
+@pytest.mark.multiprocess
+def test_the_client_example_runs_against_a_service(tmp_path: Path) -> None:
+    with running_service(tmp_path) as service:
+        run = run_in_repo(sys.executable, "examples/client.py", service.endpoint, timeout=60)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.splitlines()[:2] == ["turn 0: 0 of 1000 tokens hit", "turn 1: 992 of 1000 tokens hit"]
+    assert "state='open'" in run.stdout and "equal digests: True" in run.stdout

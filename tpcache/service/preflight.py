@@ -1,0 +1,158 @@
+"""Checks of the machine a configuration will run on, made before any rank allocates or binds.
+
+``launcher local`` runs them once for all its ranks before spawning any; each rank runs its own
+share again (under torchrun nothing ran before it) and the ranks compare results and settings
+right after the group forms (``process.agree``). Every problem is one line that names the setting
+as its source spells it, the value and what would work.
+
+What is checked: the client endpoint's and the metrics ports are free, the storage directory can
+be created and written, the ready file's directory exists, and the memory the KV pools need
+(computed from the layout and the pool sizes) is available on this host.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from tpcache.io.memory import available_memory, format_bytes
+from tpcache.io.storage.url import parse_storage_url
+from tpcache.service.config import ConfigError, Resolved, ServiceConfig, parse_kv_layout, spelling
+
+
+@dataclass(frozen=True)
+class PoolBytes:
+    """Bytes one rank's KV pools take (zero when metadata only: no layout, no bytes)."""
+
+    page_bytes: int
+    device: int
+    host: int
+
+    @classmethod
+    def of(cls, config: ServiceConfig) -> PoolBytes:
+        if not config.kv_layout:
+            return cls(0, 0, 0)
+        page = parse_kv_layout(config.kv_layout, config.page_size).page_bytes
+        # The engine keeps a one-slot host pool even without a host tier (copies need a target).
+        return cls(page, page * config.device_pages, page * max(config.host_pages, 1))
+
+
+def check_memory(
+    resolved: Resolved, ranks_on_host: int, *, device_on_host: bool = True, available: int | None = None
+) -> None:
+    """Raise ConfigError when the pools of ``ranks_on_host`` ranks do not fit in available memory."""
+    config = resolved.config
+    pools = PoolBytes.of(config)
+    per_rank = pools.host + (pools.device if device_on_host else 0)
+    need = per_rank * ranks_on_host
+    have = available_memory() if available is None else available
+    if not need or have is None or need <= have:
+        return
+    tiers = [f"host tier {max(config.host_pages, 1):,} pages"]
+    if device_on_host:
+        tiers.insert(0, f"device tier {config.device_pages:,} pages")
+    raise ConfigError(
+        f"not enough memory for the KV pools: {ranks_on_host} rank(s) on this host x ({' + '.join(tiers)}) x "
+        f"{format_bytes(pools.page_bytes)} a page ({config.kv_layout}) = {format_bytes(need)}, but this machine has "
+        f"{format_bytes(have)} available; lower --device-pages or --host-pages"
+    )
+
+
+def check_device_memory(resolved: Resolved, free_bytes: int) -> None:
+    """Raise ConfigError when this rank's device tier does not fit in the GPU's free memory."""
+    config = resolved.config
+    pools = PoolBytes.of(config)
+    if pools.device > free_bytes:
+        raise ConfigError(
+            f"not enough GPU memory for the device tier: {config.device_pages:,} pages x "
+            f"{format_bytes(pools.page_bytes)} ({config.kv_layout}) = {format_bytes(pools.device)}, but the GPU has "
+            f"{format_bytes(free_bytes)} free; lower --device-pages"
+        )
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (as the servers bind it, with SO_REUSEADDR), or None."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def check_ports(resolved: Resolved, ranks: range, world: int | None = None) -> None:
+    """The client endpoint (rank 0) and each of ``ranks``' metrics port must be free."""
+    config, sources = resolved.config, resolved.sources
+    world = ranks.stop if world is None else world
+    if 0 in ranks and config.endpoint.startswith("tcp://"):
+        parsed = urlparse(config.endpoint)
+        if parsed.port:
+            why = port_in_use(parsed.hostname or "127.0.0.1", parsed.port)
+            if why:
+                raise ConfigError(
+                    f"{spelling('endpoint', config.endpoint, sources['endpoint'])}: cannot bind port {parsed.port} "
+                    f"({why}); choose another port, or port 0 for a free one"
+                )
+    if config.metrics_port:
+        last = config.metrics_port + world - 1
+        where = spelling("metrics_port", config.metrics_port, sources["metrics_port"])
+        if last > 65535:
+            raise ConfigError(f"{where}: rank {world - 1} would serve on port {last}, past 65535")
+        for rank in ranks:
+            port = config.metrics_port + rank
+            why = port_in_use("127.0.0.1", port)
+            if why:
+                raise ConfigError(
+                    f"{where}: port {port} (rank {rank}'s metrics: the port + its rank) cannot be bound on "
+                    f"127.0.0.1 ({why}); choose a port P with P..P+{world - 1} free, or 0 (off)"
+                )
+
+
+def check_writable_dir(path: Path) -> str | None:
+    """Create ``path`` if needed and write a probe file there; why not, or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".tpcache-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EEXIST or (path.exists() and not path.is_dir()):
+            reason = "it is not a directory"
+        return reason
+    return None
+
+
+def check_paths(resolved: Resolved, ranks: range) -> None:
+    config, sources = resolved.config, resolved.sources
+    location = config.storage_location()
+    spec = parse_storage_url(location) if location else None
+    if spec is not None and spec.backend == "file":
+        name = "storage_dir" if config.storage_dir else "storage_url"
+        for rank in ranks:
+            why = check_writable_dir(Path(spec.location) / f"rank{rank}")
+            if why:
+                where = spelling(name, getattr(config, name), sources[name])
+                raise ConfigError(f"{where}: cannot write the storage tier there ({why}); give a writable directory")
+    if config.ready_file and 0 in ranks:
+        parent = Path(config.ready_file).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            where = spelling("ready_file", config.ready_file, sources["ready_file"])
+            raise ConfigError(f"{where}: its directory {parent} does not exist or is not writable")
+
+
+def preflight(
+    resolved: Resolved, ranks: range, ranks_on_host: int, *, device_on_host: bool = True, world: int | None = None
+) -> None:
+    """Every machine check for ``ranks`` (the ranks this process answers for) of a group of
+    ``world`` ranks, ``ranks_on_host`` of them on this host. Raises ConfigError."""
+    check_ports(resolved, ranks, world)
+    check_paths(resolved, ranks)
+    check_memory(resolved, ranks_on_host, device_on_host=device_on_host)
