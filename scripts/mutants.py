@@ -114,8 +114,14 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "out-of-window release leaves a leaf without SWA",
         "tpcache/core/hybrid.py",
-        "        end = len(path) - self.keep_pages\n",
-        "        end = len(path) - self.keep_pages + 1\n",
+        "        end = self._last_state(path) - self.window\n",
+        "        end = self._last_state(path) - self.window + 1\n",
+    ),
+    (
+        "out-of-window release frees the window before the path's last state",
+        "tpcache/core/hybrid.py",
+        "            if path[q - 1].comp[dev]:  # type: ignore[index]\n                return q\n",
+        "            if path[q - 1].comp[dev]:  # type: ignore[index]\n                return len(path)\n",
     ),
     (
         "a pinned component copy counts as evictable",

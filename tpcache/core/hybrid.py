@@ -84,7 +84,6 @@ class Hybrid:
         self.window = self.window_part.spec.window_pages if self.window_part else 0
         cfg = ledger.config
         self.trim = self.window_part is not None and cfg.swa_release_out_of_window
-        self.keep_pages = -(-max(cfg.swa_window, cfg.page_size) // cfg.page_size)
 
     # ------------------------------------------------------------------ the hit
 
@@ -261,8 +260,9 @@ class Hybrid:
         if not self.trim or part is None:
             return
         held = self.held(lease, part.index)
-        end = len(path) - self.keep_pages
-        end = min(end, self._last_state(path) - self.window)
+        # ``window`` pages (ceil(W / page_size), so at least max(W, page_size) tokens) before the
+        # path's end, or before its last state when states are kept only every k pages
+        end = self._last_state(path) - self.window
         behind = {n.node_id for n in path[lease.hit_pages : max(lease.hit_pages, end)]}
         if not behind:
             return
