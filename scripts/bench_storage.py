@@ -19,8 +19,17 @@ File backend, for each page size (64 KiB, 1 MiB) and each repeat, in a fresh sub
   batches into preallocated buffers (every page verified by checksum).
 
 The best of ``--repeats`` is kept for each of the four numbers (the device here is shared and
-noisy). Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps",
-"ratio", ...}], ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
+noisy).
+
+Cold restart (``--restart-pages``, default 20,000 pages of 64 KiB): a FileBackend is filled and
+closed, then each repeat drops the page cache of every segment and index file (``fsync`` +
+``POSIX_FADV_DONTNEED``; the kernel's directory and inode caches stay warm) and times opening it
+again, which reads the per-segment indexes. The same restart with the indexes removed (the full
+header scan a missing or corrupt index falls back to) is timed too, as the reference. Prints
+``cold_restart_s`` (median) with its spread and ``cold_restart_scan_s``.
+
+Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps", "ratio", ...}],
+"cold_restart_s", ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
 
 Usage: ``python scripts/bench_storage.py --json [--backend file|mooncake|redis] [--url URL] [--total-mib N]``
 """
@@ -56,8 +65,59 @@ def drop_cache(path: Path) -> None:
 
 
 def drop_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*.seg")):
+    for p in sorted(root.rglob("*.seg")) + sorted(root.rglob("*.idx")):
         drop_cache(p)
+
+
+def cold_restart(root: Path, pages: int, repeats: int, batch_pages: int = 256) -> dict[str, object]:
+    """Seconds to reopen a FileBackend of ``pages`` 64 KiB pages from a dropped page cache."""
+    page = 64 << 10
+    capacity = 2 * pages * (page + 256) + (256 << 20)
+    data = memoryview(bytearray(os.urandom(page)))
+    backend = FileBackend(root, capacity_bytes=capacity, fsync="never")
+    try:
+        for start in range(0, pages, batch_pages):
+            n = min(batch_pages, pages - start)
+            keys = [StorageKey("bench", 1, 0, 1, start + i) for i in range(n)]
+            if not all(backend.put(keys, [data] * n)):
+                raise RuntimeError(f"put failed: {backend.stats()}")
+    finally:
+        backend.close()
+
+    def reopen() -> float:
+        drop_tree(root)
+        t0 = time.perf_counter()
+        b = FileBackend(root, capacity_bytes=capacity, fsync="never")
+        t = time.perf_counter() - t0
+        try:
+            if b.stats()["records"] != pages:
+                raise RuntimeError(f"restart found {b.stats()['records']} of {pages} records")
+            stats = b.stats()
+        finally:
+            b.close()
+        return t, stats
+
+    indexed = []
+    for _ in range(repeats):
+        t, stats = reopen()
+        if stats["startup_scanned_segments"]:
+            raise RuntimeError(f"restart scanned segments despite their indexes: {stats}")
+        indexed.append(t)
+    scans = []
+    for _ in range(max(1, repeats // 2)):
+        for idx in root.rglob("*.idx"):
+            idx.unlink()
+        t, stats = reopen()  # its close writes the indexes again
+        scans.append(t)
+    indexed.sort()
+    return {
+        "cold_restart_s": round(indexed[len(indexed) // 2], 4),
+        "cold_restart_spread_s": [round(indexed[0], 4), round(indexed[-1], 4)],
+        "cold_restart_scan_s": round(sorted(scans)[len(scans) // 2], 4),
+        "restart_pages": pages,
+        "restart_segments": stats["segments"],
+        "cold": "page cache of every segment and index file dropped (fsync + POSIX_FADV_DONTNEED)",
+    }
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -191,6 +251,7 @@ def main() -> int:
     ap.add_argument("--batch-mib", type=int, default=16, help="bytes per put/get call")
     ap.add_argument("--repeats", type=int, default=4, help="keep the best of this many runs")
     ap.add_argument("--layouts", action="store_true", help="also time the one-file-per-page layout")
+    ap.add_argument("--restart-pages", type=int, default=20_000, help="64 KiB pages for the cold restart (0: skip)")
     args = ap.parse_args()
     if args.backend != "file":
         from bench_store import run_store_bench
@@ -230,6 +291,7 @@ def main() -> int:
                         "fsync": "batch",
                     }
                 )
+        restart = cold_restart(base / "restart", args.restart_pages, args.repeats) if args.restart_pages else {}
         if args.layouts:
             page = 64 << 10
             for mode in ("page", "batch"):
@@ -245,6 +307,7 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result: dict[str, object] = {"backend": "file", "cases": cases, "repeats": args.repeats, "dir": str(base.parent)}
+    result.update(restart)
     if layouts:
         result["layouts"] = layouts
     print(json.dumps(result))

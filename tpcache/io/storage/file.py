@@ -7,7 +7,10 @@ writes at close to raw sequential speed, and a batch read back is contiguous on 
 
 Layout: ``<root>/<owner>/<segno:010d>.seg`` plus ``<root>/<owner>/LOCK``, where the owner is
 ``r<rank>of<size>`` for an instance bound to one TP shard (ranks can share ``root``) or ``all``.
-Each record is ``record.HEADER`` + key echo + payload (see ``record``).
+Each record is ``record.HEADER`` + key echo + payload (see ``record``). A sealed segment has an
+index ``<segno:010d>.idx`` (see ``segment_index``), written when it is sealed and rewritten at close
+(or after a delete) when records in it died since, so a restart reads one small file per segment
+instead of one header per record; a segment whose index is missing, corrupt or stale is scanned.
 
 Invariants:
 - a record enters the index only after its bytes are wholly written (and synced as ``fsync``
@@ -19,7 +22,10 @@ Invariants:
   is made by LRU eviction in access order (deterministic: the order of calls alone decides it)
   and by compacting the segment with the most dead bytes;
 - segments are written only by their owner, which holds an exclusive ``flock`` on ``LOCK``;
-  a new instance never appends to an old segment (its tail may be torn).
+  a new instance never appends to an old segment (its tail may be torn);
+- an index is written only for a sealed segment and only after the records it lists are on disk
+  (synced, unless ``fsync="never"``); it is removed before its segment is, and a new segment
+  removes any leftover index of its number first, so an index never describes another file.
 """
 
 from __future__ import annotations
@@ -64,11 +70,14 @@ from tpcache.io.storage.record import (
     payload_checksum,
     read_key_echo,
 )
+from tpcache.io.storage.segment_index import IndexEntry, SegmentIndexError, decode_index, encode_index
 
 FsyncMode = Literal["always", "batch", "never"]
 FSYNC_MODES: tuple[str, ...] = ("always", "batch", "never")
 DEFAULT_SEGMENT_BYTES = 64 << 20
 _SEGMENT_NAME = re.compile(r"([0-9]{10})\.seg")
+_INDEX_NAME = re.compile(r"([0-9]{10})\.idx")
+_TMP_SUFFIX = ".tmp"
 _SCAN_READ = HEADER_SIZE + 256  # one pread covers the header and a typical key echo
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _EXTRA_COUNTERS = (
@@ -80,13 +89,18 @@ _EXTRA_COUNTERS = (
     "startup_discarded_corrupt",
     "startup_discarded_foreign",
     "startup_superseded",
+    "startup_indexed_segments",
+    "startup_scanned_segments",
+    "startup_index_fallbacks",
+    "index_writes",
+    "index_write_failures",
     "dead_mark_failures",
     "unlink_failures",
     "delete_sync_failures",
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Loc:
     segno: int
     offset: int
@@ -103,6 +117,8 @@ class _Segment:
     size: int  # bytes on disk, also the append offset
     live_bytes: int = 0
     members: dict[bytes, None] = field(default_factory=dict)  # live keys, insertion-ordered
+    tail: int = -1  # offset of the last whole record (live or dead); -1 when none
+    indexed: bool = False  # its .idx file lists exactly its live records
 
     @property
     def dead_bytes(self) -> int:
@@ -128,6 +144,10 @@ def _pwritev_all(fd: int, bufs: list[memoryview | bytes], offset: int) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _index_path(segment: Path) -> Path:
+    return segment.with_suffix(".idx")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -216,17 +236,32 @@ class FileBackend(StorageBackend):
 
     # ---- startup -----------------------------------------------------------------------------
     def _rebuild(self, verify: bool) -> None:
-        """Index every complete, checksummed, own-shard live record; newest seq per key wins."""
+        """Index every complete, checksummed, own-shard live record; newest seq per key wins.
+
+        A segment's records come from its index file when that verifies, else from a scan of its
+        headers (always with ``verify``, which reads every payload anyway)."""
         found: list[tuple[bytes, _Loc]] = []
-        for path in sorted(self._dir.iterdir()):
-            m = _SEGMENT_NAME.fullmatch(path.name)
-            if m is None:
-                continue
+        names = sorted(os.listdir(self._dir))
+        segnos = {int(m[1]) for m in map(_SEGMENT_NAME.fullmatch, names) if m is not None}
+        for name in names:
+            m = _INDEX_NAME.fullmatch(name)
+            if (m is not None and int(m[1]) not in segnos) or name.endswith(_TMP_SUFFIX):
+                with contextlib.suppress(OSError):  # an index left by a segment that is gone
+                    os.unlink(self._dir / name)
+        for segno in sorted(segnos):
+            path = self._dir / f"{segno:010d}.seg"
             fd = os.open(path, os.O_RDWR)
-            seg = _Segment(int(m[1]), path, fd, os.fstat(fd).st_size)
+            seg = _Segment(segno, path, fd, os.fstat(fd).st_size)
             self._segments[seg.segno] = seg
             self._disk += seg.size
-            found.extend(self._scan(seg, verify))
+            indexed = None if verify else self._load_index(seg)
+            if indexed is None:
+                self._counters.add("startup_scanned_segments")
+                found.extend(self._scan(seg, verify))
+            else:
+                self._counters.add("startup_indexed_segments")
+                seg.indexed = True
+                found.extend(indexed)
         # Newest record of a key wins; ties (a compaction copy and its original) go to the copy.
         winners: dict[bytes, _Loc] = {}
         for enc, loc in found:
@@ -235,7 +270,9 @@ class FileBackend(StorageBackend):
                 winners[enc] = loc
         for enc, loc in found:
             if winners[enc] is not loc:
-                self._mark_dead(self._segments[loc.segno], loc)
+                seg = self._segments[loc.segno]
+                self._mark_dead(seg, loc)
+                seg.indexed = False
                 self._counters.add("startup_superseded")
         # LRU order after a restart is write order (seq), the only order that survived.
         for enc, loc in sorted(winners.items(), key=lambda kv: (kv[1].seq, kv[1].segno, kv[1].offset)):
@@ -265,6 +302,7 @@ class FileBackend(StorageBackend):
                 break
             enc = read_key_echo(raw, head)
             loc = _Loc(seg.segno, offset, head.record_len, head.payload_len, head.seq)
+            seg.tail = offset
             offset += head.record_len
             if not head.live:
                 continue
@@ -280,6 +318,80 @@ class FileBackend(StorageBackend):
                     continue
             out.append((enc, loc))
         return out
+
+    def _load_index(self, seg: _Segment) -> list[tuple[bytes, _Loc]] | None:
+        """The live records of ``seg`` from its index file, or None when it has no usable one."""
+        path = _index_path(seg.path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self._counters.add("startup_index_fallbacks")
+            return None
+        try:
+            index = decode_index(data, self._dir.name, seg.segno, seg.size)
+            if index.entries or seg.size:
+                # Ties the index to this file: the tail record it saw is still there, unchanged.
+                raw = os.pread(seg.fd, HEADER_SIZE, index.tail_offset)
+                if raw[4:] != index.tail_head:
+                    raise SegmentIndexError("the segment's last record differs from the index's")
+        except (SegmentIndexError, OSError):
+            self._counters.add("startup_index_fallbacks")
+            return None
+        seg.tail = index.tail_offset
+        out = []
+        keys, start, segno = index.keys, 0, seg.segno
+        for offset, seq, payload_len, key_len in index.rows:
+            end = start + key_len
+            out.append((keys[start:end], _Loc(segno, offset, HEADER_SIZE + key_len + payload_len, payload_len, seq)))
+            start = end
+        return out
+
+    def _write_index(self, seg: _Segment) -> None:
+        """Write ``seg``'s index (temp file, sync, rename); on failure remove any stale one."""
+        path = _index_path(seg.path)
+        if seg.tail < 0:
+            # No whole record: nothing to index; drop any older index.
+            self._unlink_index(seg)
+            seg.indexed = True
+            return
+        tmp = path.with_name(path.name + _TMP_SUFFIX)
+        try:
+            tail_head = os.pread(seg.fd, HEADER_SIZE, seg.tail)[4:]
+            entries = []
+            for enc in seg.members:
+                loc = self._index[enc]
+                entries.append(IndexEntry(enc, loc.offset, loc.seq, loc.payload_len, loc.record_len))
+            entries.sort(key=lambda e: e.offset)
+            data = encode_index(self._dir.name, seg.segno, seg.size, seg.tail, tail_head, entries)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _pwritev_all(fd, [data], 0)
+                if self._fsync != "never":
+                    os.fdatasync(seg.fd)  # the records it lists are on disk before it is
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            if self._fsync != "never":
+                _fsync_dir(self._dir)
+        except OSError:
+            self._counters.add("index_write_failures")
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._unlink_index(seg)  # a restart scans this segment instead
+            return
+        seg.indexed = True
+        self._counters.add("index_writes")
+
+    def _unlink_index(self, seg: _Segment) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                os.unlink(_index_path(seg.path))
+            except OSError:
+                self._counters.add("unlink_failures")
 
     def _own_key(self, enc: bytes) -> bool:
         try:
@@ -300,6 +412,7 @@ class FileBackend(StorageBackend):
         """Drop a record already popped from the index; free its segment when it empties."""
         seg = self._segments[loc.segno]
         del seg.members[enc]
+        seg.indexed = False
         seg.live_bytes -= loc.record_len
         self._live -= loc.record_len
         if mark_dead:
@@ -319,6 +432,7 @@ class FileBackend(StorageBackend):
         del self._segments[seg.segno]
         self._disk -= seg.size
         os.close(seg.fd)
+        self._unlink_index(seg)  # first: an index never outlives its segment's file
         try:
             os.unlink(seg.path)
         except OSError:
@@ -370,7 +484,7 @@ class FileBackend(StorageBackend):
     def _compact(self, victim: _Segment) -> None:
         """Copy the victim's live records to the active segment, then delete the victim."""
         if victim is self._active:
-            self._active = None  # seal it; copies go to a fresh segment
+            self._active = None  # seal it (no index: it is about to go); copies go to a fresh segment
         moved: list[tuple[bytes, _Loc]] = []
         touched: set[int] = set()
         # On an OSError below the copies are never indexed (their bytes are dead space) and
@@ -391,6 +505,7 @@ class FileBackend(StorageBackend):
             self._segments[old.segno].members.pop(enc)
             self._segments[old.segno].live_bytes -= old.record_len
             dst = self._segments[new.segno]
+            dst.indexed = False
             dst.members[enc] = None
             dst.live_bytes += new.record_len
             self._index[enc] = new  # same key: keeps its LRU position
@@ -409,13 +524,19 @@ class FileBackend(StorageBackend):
             with contextlib.suppress(OSError):
                 os.ftruncate(seg.fd, seg.size)
             raise
+        seg.tail = seg.size
         seg.size += length
         self._disk += length
         return seg
 
     def _new_segment(self) -> _Segment:
+        sealed = self._active
+        if sealed is not None and sealed.segno in self._segments:
+            self._write_index(sealed)
         segno = max(self._segments, default=0) + 1
         path = self._dir / f"{segno:010d}.seg"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_index_path(path))  # left by an earlier segment of this number
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         if self._fsync != "never":
             _fsync_dir(self._dir)
@@ -581,6 +702,11 @@ class FileBackend(StorageBackend):
                     self._sync(touched)
                 except OSError:
                     self._counters.add("delete_sync_failures")
+            # A deleted key must not come back from a sealed segment's index after a crash.
+            for segno in sorted(touched):
+                seg = self._segments.get(segno)
+                if seg is not None and seg is not self._active and not seg.indexed:
+                    self._write_index(seg)
             self._counters.add("deletes", sum(results))
             self._publish()
             return results
@@ -598,6 +724,12 @@ class FileBackend(StorageBackend):
             if self._fsync != "never":
                 with contextlib.suppress(OSError):
                     self._sync(set(self._segments))
+            # Every segment is sealed now (a new instance never appends to one): index the ones
+            # whose index is missing or out of date, so the next start reads indexes only.
+            for segno in sorted(self._segments):
+                seg = self._segments[segno]
+                if not seg.indexed:
+                    self._write_index(seg)
             self._release()
 
     def _release(self) -> None:
