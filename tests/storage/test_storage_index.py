@@ -227,3 +227,70 @@ def test_crash_after_delete_and_eviction_with_stale_indexes(tmp_path: Path) -> N
         assert sum(listed) > sum(ok)  # the seal-time indexes listed records evicted since
         assert b.stats()["misses_foreign"] == sum(listed) - sum(ok)  # their dead marks fail them at get
         assert b.exists(keys) == ok  # a stale entry that missed is gone from the index
+
+
+def _crash(b: FileBackend) -> None:
+    """What a SIGKILL leaves on disk: every write done so far, and no close (no index rewritten)."""
+    with b._lock:
+        b._closed = True
+        b._release()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_crash_anywhere_gives_the_scans_hits_and_loses_no_live_page(tmp_path: Path, seed: int) -> None:
+    """Random puts, overwrites and deletes under a tight capacity (evictions, compactions into
+    segments sealed meanwhile), then a crash: the indexes give exactly the hits the scan gives, and
+    every page live before the crash is still there with its newest bytes."""
+    import random
+
+    rng = random.Random(seed)
+    keys = make_keys(120)
+    version = {}
+    b = FileBackend(tmp_path, capacity_bytes=CAP, fsync="never")
+    for step in range(rng.randrange(400, 700)):
+        i = rng.randrange(len(keys))
+        if rng.random() < 0.15:
+            b.delete([keys[i]])
+            version.pop(i, None)
+        else:
+            assert b.put([keys[i]], [make_page(step * 1000 + i, PAGE)]) == [True]
+            version[i] = step * 1000 + i
+    assert b.stats()["compactions"] > 0
+    live = b.exists(keys)
+    _crash(b)
+
+    def hits() -> tuple[list[bool], list[bytes]]:
+        with FileBackend(tmp_path, capacity_bytes=CAP) as r:
+            out = [bytearray(PAGE) for _ in keys]
+            return r.get(keys, out), [bytes(o) for o in out]
+
+    via_index = hits()
+    for idx in index_files(tmp_path):
+        idx.unlink()
+    assert hits() == via_index
+    ok, data = via_index
+    assert ok == live  # nothing lost, nothing deleted or evicted comes back
+    for i, hit in enumerate(ok):
+        assert data[i] == (make_page(version[i], PAGE) if hit else bytes(PAGE))
+
+
+def test_crash_after_a_compaction_that_sealed_its_destination(tmp_path: Path) -> None:
+    """A compaction that fills the active segment seals it mid-copy: the copies in it must be in its
+    index before the victim is deleted, or a crash then loses them."""
+    keys = make_keys(30)
+    b = FileBackend(tmp_path, capacity_bytes=CAP, fsync="never")
+    per_segment = (CAP // 16) // (44 + len(keys[0].encode()) + PAGE)
+    assert b.put(keys[:per_segment], [make_page(i, PAGE) for i in range(per_segment)]) == [True] * per_segment
+    rest = keys[per_segment : per_segment + per_segment - 3]
+    assert b.put(rest, [make_page(per_segment + i, PAGE) for i in range(len(rest))]) == [True] * len(rest)
+    assert b.stats()["segments"] == 2
+    b.delete(keys[:2])
+    with b._lock:
+        b._compact(b._segments[1])  # what _make_room does under pressure, forced here
+    assert b.stats()["segments"] == 2 and 1 not in b._segments  # the copies went to segments 2 and 3
+    live = keys[2:per_segment] + rest
+    _crash(b)
+    with FileBackend(tmp_path, capacity_bytes=CAP) as r:
+        assert r.stats()["startup_scanned_segments"] == 1  # only the active one had no index
+        out = [bytearray(PAGE) for _ in live]
+        assert r.get(live, out) == [True] * len(live)

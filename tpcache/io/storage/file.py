@@ -509,6 +509,12 @@ class FileBackend(StorageBackend):
             dst.members[enc] = None
             dst.live_bytes += new.record_len
             self._index[enc] = new  # same key: keeps its LRU position
+        # A copy in a segment sealed meanwhile must be in its index before the original goes, or a
+        # crash would leave the copy unlisted and the original deleted.
+        for segno in sorted(touched):
+            dst = self._segments[segno]
+            if dst is not self._active and not dst.indexed:
+                self._write_index(dst)
         self._counters.add("compactions")
         self._drop_segment(victim)
 
