@@ -23,9 +23,11 @@ Invariants:
   and by compacting the segment with the most dead bytes;
 - segments are written only by their owner, which holds an exclusive ``flock`` on ``LOCK``;
   a new instance never appends to an old segment (its tail may be torn);
-- an index is written only for a sealed segment and only after the records it lists are on disk
-  (synced, unless ``fsync="never"``); it is removed before its segment is, and a new segment
-  removes any leftover index of its number first, so an index never describes another file.
+- an index is written only for a sealed segment and lists only records already written to it;
+  one that gains records after it was written (compaction copies) is rewritten and synced before
+  the originals are deleted, so no durable record is ever missing from its segment's index; an
+  index is removed before its segment is, and a new segment removes any leftover index of its
+  number first (the tail check catches one a power loss brings back).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 _SEGMENT_NAME = re.compile(r"([0-9]{10})\.seg")
 _INDEX_NAME = re.compile(r"([0-9]{10})\.idx")
 _TMP_SUFFIX = ".tmp"
+_RUN_BUFS = 512  # buffers per pwritev (two per record), under the kernel's IOV_MAX of 1024
 _SCAN_READ = HEADER_SIZE + 256  # one pread covers the header and a typical key echo
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _EXTRA_COUNTERS = (
@@ -123,6 +126,17 @@ class _Segment:
     @property
     def dead_bytes(self) -> int:
         return self.size - self.live_bytes
+
+
+@dataclass
+class _Run:
+    """Records queued for one ``pwritev`` at the end of the active segment (not yet indexed)."""
+
+    seg: _Segment | None = None
+    start: int = 0  # where the run's bytes begin in the segment
+    tail: int = -1  # the segment's tail before the run
+    bufs: list[Any] = field(default_factory=list)
+    records: list[tuple[int, bytes, _Loc]] = field(default_factory=list)  # (call index, key, location)
 
 
 class _PutFailed(Exception):
@@ -349,8 +363,13 @@ class FileBackend(StorageBackend):
             start = end
         return out
 
-    def _write_index(self, seg: _Segment) -> None:
-        """Write ``seg``'s index (temp file, sync, rename); on failure remove any stale one."""
+    def _write_index(self, seg: _Segment, *, durable: bool = False) -> None:
+        """Write ``seg``'s index (temp file, rename); on failure remove any stale one.
+
+        ``durable``: synced before returning, for an index that gained records since its last
+        version (a compaction copy, which must stay findable once its original is deleted) or lost
+        a deleted one. Otherwise a power loss may cost the index (the segment is scanned) or bring
+        back its previous version, which lists a superset of the live records (a miss at get)."""
         path = _index_path(seg.path)
         if seg.tail < 0:
             # No whole record: nothing to index; drop any older index.
@@ -369,13 +388,12 @@ class FileBackend(StorageBackend):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _pwritev_all(fd, [data], 0)
-                if self._fsync != "never":
-                    os.fdatasync(seg.fd)  # the records it lists are on disk before it is
+                if durable and self._fsync != "never":
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            if self._fsync != "never":
+            if durable and self._fsync != "never":
                 _fsync_dir(self._dir)
         except OSError:
             self._counters.add("index_write_failures")
@@ -514,7 +532,7 @@ class FileBackend(StorageBackend):
         for segno in sorted(touched):
             dst = self._segments[segno]
             if dst is not self._active and not dst.indexed:
-                self._write_index(dst)
+                self._write_index(dst, durable=True)
         self._counters.add("compactions")
         self._drop_segment(victim)
 
@@ -643,20 +661,17 @@ class FileBackend(StorageBackend):
         results = [False] * len(encs)
         with self._lock:
             self._check_open()
+            self._counters.add("puts", len(encs))
             pinned: set[bytes] = set()
-            written: list[int] = []
             touched: set[int] = set()
+            run = _Run()
             for i, (enc, view) in enumerate(zip(encs, views, strict=True)):
-                self._counters.add("puts")
                 try:
-                    seg = self._put_one(enc, view, pinned)
+                    self._put_one(i, enc, view, pinned, run, results, touched)
                 except _PutFailed as exc:
                     self._counters.put_failure(exc.reason)
-                    continue
-                touched.add(seg.segno)
-                pinned.add(enc)
-                written.append(i)
-                results[i] = True
+            self._flush_run(run, pinned, results, touched)
+            written = [i for i, ok in enumerate(results) if ok]
             if self._fsync == "batch" and written:
                 try:
                     self._sync(touched)
@@ -672,24 +687,95 @@ class FileBackend(StorageBackend):
             self._publish()
         return results
 
-    def _put_one(self, enc: bytes, view: memoryview, pinned: set[bytes]) -> _Segment:
+    def _put_one(
+        self,
+        i: int,
+        enc: bytes,
+        view: memoryview,
+        pinned: set[bytes],
+        run: _Run,
+        results: list[bool],
+        touched: set[int],
+    ) -> None:
+        """Queue one record on ``run`` (written by ``_flush_run``), making room first if needed."""
         head = encode_header(enc, self._seq, len(view), payload_checksum(view))
         length = len(head) + len(view)
-        reason = self._make_room(length, pinned)
-        if reason is not None:
-            raise _PutFailed(reason)
+        if length + 2 * self._reserve > self._capacity:
+            raise _PutFailed(PUT_TOO_LARGE)
+        if self._disk + length + self._reserve > self._capacity:
+            # Eviction and compaction see only written, indexed records: write the run first.
+            self._flush_run(run, pinned, results, touched)
+            reason = self._make_room(length, pinned)
+            if reason is not None:
+                raise _PutFailed(reason)
+        seg = self._active
+        if seg is None or (seg.size > 0 and seg.size + length > self._segment_bytes):
+            self._flush_run(run, pinned, results, touched)
+            try:
+                seg = self._new_segment()
+            except OSError as exc:
+                raise _PutFailed(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR) from None
+        if run.seg is None:
+            run.seg, run.start, run.tail = seg, seg.size, seg.tail
+        # Reserved now (the capacity bound counts it), indexed once its bytes are written.
+        run.bufs += (head, view)
+        run.records.append((i, enc, _Loc(seg.segno, seg.size, length, len(view), self._seq)))
+        self._seq += 1
+        seg.tail = seg.size
+        seg.size += length
+        self._disk += length
+        if self._fsync == "always" or len(run.bufs) >= _RUN_BUFS:
+            self._flush_run(run, pinned, results, touched)
+
+    def _flush_run(self, run: _Run, pinned: set[bytes], results: list[bool], touched: set[int]) -> None:
+        """Write the queued records in one ``pwritev`` (looping over short writes), then index them;
+        on an I/O error none of them is indexed, the segment is cut back and each key fails."""
+        seg = run.seg
+        if seg is None:
+            return
+        records, bufs = run.records, run.bufs
+        run.seg, run.bufs, run.records = None, [], []
         try:
-            seg = self._append_raw([head, view], length)
+            _pwritev_all(seg.fd, bufs, run.start)
             if self._fsync == "always":
                 os.fdatasync(seg.fd)
-        except OSError as exc:
-            raise _PutFailed(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR) from None
-        self._seq += 1
+        except OSError:
+            # Cut the run off and write its records one by one, so that only the keys that do not
+            # land fail (as a disk that fills up midway, or frees space again, decides).
+            self._truncate(seg, run.start)
+            self._disk -= seg.size - run.start
+            seg.size, seg.tail = run.start, run.tail
+            for n, (i, enc, loc) in enumerate(records):
+                loc.offset = seg.size
+                try:
+                    _pwritev_all(seg.fd, bufs[2 * n : 2 * n + 2], loc.offset)
+                    if self._fsync == "always":
+                        os.fdatasync(seg.fd)
+                except OSError as exc:
+                    self._truncate(seg, loc.offset)
+                    self._counters.put_failure(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR)
+                    continue
+                seg.tail = loc.offset
+                seg.size += loc.record_len
+                self._disk += loc.record_len
+                self._index_put(i, enc, loc, pinned, results)
+        else:
+            for i, enc, loc in records:
+                self._index_put(i, enc, loc, pinned, results)
+        touched.add(seg.segno)
+
+    def _index_put(self, i: int, enc: bytes, loc: _Loc, pinned: set[bytes], results: list[bool]) -> None:
         old = self._index.pop(enc, None)
         if old is not None:
             self._forget(enc, old, mark_dead=True)  # the new record is on disk first
-        self._remember(enc, _Loc(seg.segno, seg.size - length, length, len(view), self._seq - 1))
-        return seg
+        self._remember(enc, loc)
+        pinned.add(enc)
+        results[i] = True
+
+    def _truncate(self, seg: _Segment, size: int) -> None:
+        """Drop partial bytes so the segment holds only whole records; best effort."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(seg.fd, size)
 
     def delete(self, keys: Sequence[StorageKey]) -> list[bool]:
         encs = self._encode(check_keys(keys))
@@ -712,7 +798,7 @@ class FileBackend(StorageBackend):
             for segno in sorted(touched):
                 seg = self._segments.get(segno)
                 if seg is not None and seg is not self._active and not seg.indexed:
-                    self._write_index(seg)
+                    self._write_index(seg, durable=True)
             self._counters.add("deletes", sum(results))
             self._publish()
             return results

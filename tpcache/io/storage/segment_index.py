@@ -24,9 +24,10 @@ match and the tail record's header on disk still equals ``tail_head`` (one read 
 ties the index to this incarnation of the segment file; anything else is ``IndexError`` and the
 caller scans the segment instead. Sealed segments are never appended to, so a matching length means
 the index saw every record. An index can only be stale in one way: a record it lists died later
-(evicted, or found corrupt) and the backend crashed before rewriting it; the record's dead mark or
-checksum still fails it at its first get, so a stale index costs a miss, never a wrong hit. An
-index lists only records already whole on disk, so using one never loses a durable record.
+(evicted, or found corrupt) or never became durable (a power loss before its sync), and the backend
+stopped before rewriting it; the record's dead mark or checksums still fail it at its first get, so
+a stale index costs a miss, never a wrong hit. The backend never leaves a durable live record out
+of its segment's index, so using one never loses durable data.
 """
 
 from __future__ import annotations
