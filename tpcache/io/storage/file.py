@@ -72,7 +72,13 @@ from tpcache.io.storage.record import (
     payload_checksum,
     read_key_echo,
 )
-from tpcache.io.storage.segment_index import IndexEntry, SegmentIndexError, decode_index, encode_index
+from tpcache.io.storage.segment_index import (
+    IndexEntry,
+    SegmentIndex,
+    SegmentIndexError,
+    decode_index,
+    encode_index,
+)
 
 FsyncMode = Literal["always", "batch", "never"]
 FSYNC_MODES: tuple[str, ...] = ("always", "batch", "never")
@@ -262,13 +268,19 @@ class FileBackend(StorageBackend):
             if (m is not None and int(m[1]) not in segnos) or name.endswith(_TMP_SUFFIX):
                 with contextlib.suppress(OSError):  # an index left by a segment that is gone
                     os.unlink(self._dir / name)
+        segments = []
         for segno in sorted(segnos):
             path = self._dir / f"{segno:010d}.seg"
             fd = os.open(path, os.O_RDWR)
             seg = _Segment(segno, path, fd, os.fstat(fd).st_size)
             self._segments[seg.segno] = seg
             self._disk += seg.size
-            indexed = None if verify else self._load_index(seg)
+            segments.append(seg)
+        # Two passes of small reads, each announced first so that a cold device serves them in
+        # parallel: every index file, then every tail record header they name.
+        indexes = {} if verify else self._read_indexes(segments)
+        for seg in segments:
+            indexed = self._load_index(seg, indexes.get(seg.segno))
             if indexed is None:
                 self._counters.add("startup_scanned_segments")
                 found.extend(self._scan(seg, verify))
@@ -277,21 +289,21 @@ class FileBackend(StorageBackend):
                 seg.indexed = True
                 found.extend(indexed)
         # Newest record of a key wins; ties (a compaction copy and its original) go to the copy.
-        winners: dict[bytes, _Loc] = {}
-        for enc, loc in found:
-            best = winners.get(enc)
-            if best is None or (loc.seq, loc.segno, loc.offset) > (best.seq, best.segno, best.offset):
-                winners[enc] = loc
+        # In (seq, segno, offset) order the last record of each key is its winner, and the winners
+        # in that order are the LRU order after a restart: write order, the only one that survived.
+        found.sort(key=lambda item: (item[1].seq, item[1].segno, item[1].offset))
+        winners: dict[bytes, _Loc] = dict(found)
         for enc, loc in found:
             if winners[enc] is not loc:
                 seg = self._segments[loc.segno]
                 self._mark_dead(seg, loc)
                 seg.indexed = False
                 self._counters.add("startup_superseded")
-        # LRU order after a restart is write order (seq), the only order that survived.
-        for enc, loc in sorted(winners.items(), key=lambda kv: (kv[1].seq, kv[1].segno, kv[1].offset)):
-            self._remember(enc, loc)
-            self._seq = max(self._seq, loc.seq + 1)
+        for enc, loc in found:
+            if winners[enc] is loc:
+                self._remember(enc, loc)
+        if found:
+            self._seq = max(self._seq, max(loc.seq for loc in winners.values()) + 1)
         for seg in list(self._segments.values()):
             if not seg.members:
                 self._drop_segment(seg)
@@ -333,27 +345,52 @@ class FileBackend(StorageBackend):
             out.append((enc, loc))
         return out
 
-    def _load_index(self, seg: _Segment) -> list[tuple[bytes, _Loc]] | None:
-        """The live records of ``seg`` from its index file, or None when it has no usable one."""
-        path = _index_path(seg.path)
+    def _read_indexes(self, segments: list[_Segment]) -> dict[int, SegmentIndex]:
+        """The decoded index of each segment that has a well-formed one for its current length."""
+        paths = {seg.segno: _index_path(seg.path) for seg in segments}
+        fds: dict[int, int] = {}
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
+            for segno, path in paths.items():
+                try:
+                    fds[segno] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    self._counters.add("startup_index_fallbacks")
+                    continue
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fds[segno], 0, 0, os.POSIX_FADV_WILLNEED)
+            out: dict[int, SegmentIndex] = {}
+            for seg in segments:
+                fd = fds.get(seg.segno)
+                if fd is None:
+                    continue
+                try:
+                    with open(fd, "rb", closefd=False) as f:
+                        out[seg.segno] = decode_index(f.read(), self._dir.name, seg.segno, seg.size)
+                except (SegmentIndexError, OSError):
+                    self._counters.add("startup_index_fallbacks")
+                    continue
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(seg.fd, out[seg.segno].tail_offset, HEADER_SIZE, os.POSIX_FADV_WILLNEED)
+            return out
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _load_index(self, seg: _Segment, index: SegmentIndex | None) -> list[tuple[bytes, _Loc]] | None:
+        """The live records of ``seg`` from its decoded index, or None when it has no usable one."""
+        if index is None:
             return None
-        except OSError:
-            self._counters.add("startup_index_fallbacks")
-            return None
-        try:
-            index = decode_index(data, self._dir.name, seg.segno, seg.size)
-            if index.entries or seg.size:
-                # Ties the index to this file: the tail record it saw is still there, unchanged.
+        if index.rows or seg.size:
+            # Ties the index to this file: the tail record it saw is still there, unchanged.
+            try:
                 raw = os.pread(seg.fd, HEADER_SIZE, index.tail_offset)
-                if raw[4:] != index.tail_head:
-                    raise SegmentIndexError("the segment's last record differs from the index's")
-        except (SegmentIndexError, OSError):
-            self._counters.add("startup_index_fallbacks")
-            return None
+            except OSError:
+                raw = b""
+            if raw[4:] != index.tail_head:
+                self._counters.add("startup_index_fallbacks")
+                return None
         seg.tail = index.tail_offset
         out = []
         keys, start, segno = index.keys, 0, seg.segno
