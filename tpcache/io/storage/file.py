@@ -591,9 +591,6 @@ class FileBackend(StorageBackend):
         return seg
 
     def _new_segment(self) -> _Segment:
-        sealed = self._active
-        if sealed is not None and sealed.segno in self._segments:
-            self._write_index(sealed)
         segno = max(self._segments, default=0) + 1
         path = self._dir / f"{segno:010d}.seg"
         with contextlib.suppress(FileNotFoundError):
@@ -606,7 +603,9 @@ class FileBackend(StorageBackend):
         # The sealed segment is kept even when it has no live records yet: a compaction in
         # progress may have copied records into it that it indexes only after syncing.
         # An empty sealed segment is all dead bytes, so the next compaction drops it first.
-        self._active = seg
+        sealed, self._active = self._active, seg
+        if sealed is not None and sealed.segno in self._segments:
+            self._write_index(sealed)  # once nothing can be appended to it any more
         return seg
 
     def _sync(self, segnos: set[int]) -> None:
