@@ -122,24 +122,22 @@ def thread_cpu(fn: Callable[..., Any], cache: Any, work: list[list[int]]) -> flo
 # ---------------------------------------------------------------------- the two caches' cycles
 
 
-def fill_core(pages: int) -> tuple[CacheCore, list[list[int]]]:
+def fill_core(pages: int) -> tuple[CacheCore, int]:
+    """A core holding ``pages // CONTEXT_PAGES`` requests of CONTEXT_PAGES pages (request ids 0..n-1;
+    their tokens are made again from the id, so the benchmark's own memory stays out of the RSS)."""
     core = CacheCore(CacheConfig(page_size=PAGE, device_pages=pages))
-    seqs = []
-    for i in range(pages // CONTEXT_PAGES):
-        tokens = sequence(i, CONTEXT_PAGES)
-        core_miss(core, tokens)
-        seqs.append(tokens)
-    return core, seqs
+    n = pages // CONTEXT_PAGES
+    for i in range(n):
+        core_miss(core, sequence(i, CONTEXT_PAGES))
+    return core, n
 
 
-def fill_dict(pages: int) -> tuple[DictPrefixCache, list[list[int]]]:
+def fill_dict(pages: int) -> tuple[DictPrefixCache, int]:
     cache = DictPrefixCache(pages)
-    seqs = []
-    for i in range(pages // CONTEXT_PAGES):
-        tokens = sequence(i, CONTEXT_PAGES)
-        dict_miss(cache, tokens)
-        seqs.append(tokens)
-    return cache, seqs
+    n = pages // CONTEXT_PAGES
+    for i in range(n):
+        dict_miss(cache, sequence(i, CONTEXT_PAGES))
+    return cache, n
 
 
 def core_hit(core: CacheCore, tokens: list[int]) -> None:
@@ -181,25 +179,25 @@ def cycle_cases(sizes: list[int], repeats: int, requests: int) -> tuple[list[dic
         gc.collect()
         rss0 = rss_bytes()
         with gc_pauses(pauses):
-            core, seqs = fill_core(pages)
+            core, n_seqs = fill_core(pages)
         gc.collect()
         if pages == max(sizes):
-            cached = len(seqs) * CONTEXT_PAGES
+            cached = n_seqs * CONTEXT_PAGES
             memory = {
                 "pages": pages,
                 "bytes_per_page": round((rss_bytes() - rss0) / max(cached, 1), 1),
                 "max_gc_pause_ms": round(max(pauses, default=0.0) * 1e3, 2),
             }
-        cache, dseqs = fill_dict(pages)
+        cache, _ = fill_dict(pages)
         for cycle in ("hit", "miss"):
             ours, floor = [], []
             for r in range(repeats):
-                picks = [seqs[(r * requests + j * 7919) % len(seqs)] for j in range(requests)]
+                picks = [sequence((r * requests + j * 7919) % n_seqs, CONTEXT_PAGES) for j in range(requests)]
                 fresh = [sequence(10_000_000 + pages + r * requests + j, CONTEXT_PAGES) for j in range(requests)]
                 n = requests * CONTEXT_PAGES
                 if cycle == "hit":
                     ours.append(thread_cpu(core_hit, core, picks) / n)
-                    floor.append(thread_cpu(dict_hit, cache, [dseqs[i % len(dseqs)] for i in range(requests)]) / n)
+                    floor.append(thread_cpu(dict_hit, cache, picks) / n)
                 else:
                     ours.append(thread_cpu(core_miss, core, fresh) / n)
                     floor.append(thread_cpu(dict_miss, cache, fresh) / n)
@@ -218,7 +216,7 @@ def cycle_cases(sizes: list[int], repeats: int, requests: int) -> tuple[list[dic
                 f"  {pages:>8} pages {cycle:>4}: {us:7.2f} us/page, floor {fl:5.2f}, ratio {us / fl:5.1f}",
                 file=sys.stderr,
             )
-        del core, cache, seqs, dseqs
+        del core, cache
         gc.collect()
     return cases, memory
 

@@ -5,12 +5,22 @@
     python scripts/bench_round.py --world-size 4 --transport torch --json
 
 Spawns ``--world-size`` ranks on 127.0.0.1 (a gloo group). Each rank runs one TPCache on the chosen
-round transport (auto: shared memory on one host) and one on gloo, with a request between rounds
-so that commits have completions to apply. In interleaved blocks it times, on the same processes:
-the round on the chosen transport, a raw all-reduce of the same vector on that transport, the
-round on gloo, and the floor, a raw loopback TCP exchange of the same bytes. Prints rank 0's
-numbers: world_size, transport, collectives_per_round, round_us_p50/p99, allreduce_us_p50, ratio
-(round / raw all-reduce), gloo_round_us_p50, floor_us_p50, speedup_vs_gloo.
+round transport (auto: shared memory on one host) and one on gloo (metadata-only caches: copies
+land at once, so what is timed is the round's own CPU work and its exchange). In interleaved blocks
+it times, on the same processes:
+
+- an empty round (nothing in flight) on the chosen transport, and on gloo;
+- a round with work on each: before every timed round, untimed, one request (lock, alloc 4 pages,
+  insert, release) under ``write_through``, so the timed round agrees on and commits a backup
+  completion (and the evictions that the full pool then asks for); every timed work round is
+  checked to have committed one;
+- the raw all-reduce of the same vector on each transport, and the floor, a raw loopback TCP
+  exchange of the same bytes.
+
+Prints rank 0's numbers (p50 of wall time per call): round_us_p50/p99 and ratio (empty round /
+raw all-reduce), work_round_us_p50/p99 and work_ratio (round with work / raw all-reduce), the
+same for gloo (gloo_*), the local part of a work round (prepare and commit, thread CPU time, which
+load moves little), floor_us_p50, speedup_vs_gloo.
 """
 
 from __future__ import annotations
@@ -20,9 +30,48 @@ import datetime
 import json
 import os
 import sys
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class WorkRounds:
+    """The request before each timed round (untimed) and the timed round that commits its backup."""
+
+    def __init__(self, tp: Any, salt: int) -> None:
+        self.tp = tp
+        self.n = salt
+        self.rounds = 0
+        self.completed = 0
+        self.cpu_local: list[float] = []  # thread CPU seconds of prepare + commit per round
+
+    def request(self) -> None:
+        self.n += 1
+        tokens = [(self.n * 977 + i) % 50_000 for i in range(64)]
+        tp = self.tp
+        lease, m = tp.lock(tokens)
+        fresh = tp.alloc(lease, m.num_pages - m.device_pages)
+        tp.insert(lease, tokens, m.device_page_ids + fresh)
+        tp.release(lease)
+
+    def step(self) -> None:
+        report = self.tp.step()
+        self.rounds += 1
+        self.completed += len(report.completed) > 0
+
+    def split_step(self) -> None:
+        """The same round in its three parts, timing the local ones (prepare, commit) in CPU time."""
+        driver, cpu = self.tp.driver, time.thread_time
+        t0 = cpu()
+        vector = driver.begin()
+        t1 = cpu()
+        reduced = driver.collective.allreduce_min(vector, driver.round_timeout_s)
+        t2 = cpu()
+        report = driver.end(reduced)
+        self.cpu_local.append(cpu() - t2 + t1 - t0)
+        self.rounds += 1
+        self.completed += len(report.completed) > 0
 
 
 def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
@@ -30,7 +79,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
 
     from tpcache.core import CacheConfig
     from tpcache.dist import make_collective
-    from tpcache.dist.benchutil import TcpFloor, allreduce_fn, interleaved, summarize_us
+    from tpcache.dist.benchutil import TcpFloor, allreduce_fn, interleaved, percentile, summarize_us
     from tpcache.engine import TPCache
 
     timeout = datetime.timedelta(seconds=60)
@@ -41,32 +90,22 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     gloo = TPCache(config, make_collective("torch"))
     floor = TcpFloor()
     vector = fast.round.layout.pack_values([0] * len(fast.round.layout.fields))
-    counter = {"fast": 0, "gloo": 0}
-
-    def round_of(tp: TPCache, name: str):  # noqa: ANN202
-        def run() -> None:
-            # A request per round (untimed work is excluded by timing only step()).
-            n = counter[name] = counter[name] + 1
-            tokens = [(n * 977 + i) % 50_000 for i in range(64)]
-            lease, m = tp.lock(tokens)
-            fresh = tp.alloc(lease, m.num_pages - m.device_pages)
-            tp.insert(lease, tokens, m.device_page_ids + fresh)
-            tp.release(lease)
-
-        return run
-
-    prepare = {"fast": round_of(fast, "fast"), "gloo": round_of(gloo, "gloo")}
+    work = WorkRounds(fast, 0)
+    gloo_work = WorkRounds(gloo, 1 << 20)
+    local = WorkRounds(fast, 2 << 20)
 
     calls_before = fast.collective.calls
     rounds_before = fast.round.number
     samples = interleaved(
         {
-            "round": lambda: fast.step(),
-            "request": prepare["fast"],
+            "round": fast.step,
+            "work_round": (work.request, work.step),
             "raw": allreduce_fn(fast.collective, vector),
-            "gloo_round": lambda: gloo.step(),
-            "gloo_request": prepare["gloo"],
+            "gloo_round": gloo.step,
+            "gloo_work_round": (gloo_work.request, gloo_work.step),
+            "gloo_raw": allreduce_fn(gloo.collective, vector),
             "floor": lambda: floor.exchange(vector),
+            "split_work_round": (local.request, local.split_step),
         },
         rounds=opts["rounds"],
         blocks=opts["blocks"],
@@ -76,6 +115,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     per_round = (fast.collective.calls - calls_before - raw_calls) / (fast.round.number - rounds_before)
     if rank == 0:
         s = {k: summarize_us(v) for k, v in samples.items()}
+        cpu_local_us = round(percentile(local.cpu_local, 0.5) * 1e6, 2)
         results.put(
             {
                 "world_size": world,
@@ -87,10 +127,19 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                 "round_us_p99": s["round"]["p99_us"],
                 "allreduce_us_p50": s["raw"]["p50_us"],
                 "ratio": round(s["round"]["p50_us"] / s["raw"]["p50_us"], 3),
+                "work_round_us_p50": s["work_round"]["p50_us"],
+                "work_round_us_p99": s["work_round"]["p99_us"],
+                "work_ratio": round(s["work_round"]["p50_us"] / s["raw"]["p50_us"], 3),
+                "work_rounds_committed": f"{work.completed}/{work.rounds}",
+                "work_local_cpu_us_p50": cpu_local_us,
                 "gloo_round_us_p50": s["gloo_round"]["p50_us"],
+                "gloo_work_round_us_p50": s["gloo_work_round"]["p50_us"],
+                "gloo_allreduce_us_p50": s["gloo_raw"]["p50_us"],
+                "gloo_ratio": round(s["gloo_round"]["p50_us"] / s["gloo_raw"]["p50_us"], 3),
+                "gloo_work_ratio": round(s["gloo_work_round"]["p50_us"] / s["gloo_raw"]["p50_us"], 3),
+                "gloo_work_rounds_committed": f"{gloo_work.completed}/{gloo_work.rounds}",
                 "floor_us_p50": s["floor"]["p50_us"],
                 "speedup_vs_gloo": round(s["gloo_round"]["p50_us"] / s["round"]["p50_us"], 2),
-                "request_us_p50": s["request"]["p50_us"],
                 "open": not fast.core.closed and not gloo.core.closed,
             }
         )

@@ -10,8 +10,10 @@ the median of the repeats is kept, with the spread of the per-repeat ratios.
 
 File backend, for each page size (64 KiB, 1 MiB) and each repeat, in a fresh subdirectory of ``--dir``:
 
-- floor put: the same bytes written sequentially to one file with ``os.write`` in page-sized
-  writes and one ``fsync`` per batch (the durability the backend gives with ``fsync="batch"``);
+- floor put: the same bytes written sequentially to one new file with ``os.write`` in page-sized
+  writes, one ``fsync`` of its directory after creating it and one ``fsync`` per batch (the
+  durability the backend gives with ``fsync="batch"``, which also syncs the directory once per new
+  segment);
 - floor get: that file read back sequentially in page-sized reads after ``fsync`` +
   ``POSIX_FADV_DONTNEED`` (cold: from the device, not the page cache);
 - backend put: ``FileBackend.put`` in batches of ``--batch-mib``;
@@ -19,8 +21,19 @@ File backend, for each page size (64 KiB, 1 MiB) and each repeat, in a fresh sub
   batches into preallocated buffers (every page verified by checksum).
 
 The best of ``--repeats`` is kept for each of the four numbers (the device here is shared and
-noisy). Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps",
-"ratio", ...}], ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
+noisy); ``ratio_median`` and ``ratio_spread`` are the median and range of the per-repeat ratios
+(backend and floor of one repeat run back to back, alternating which goes first).
+
+Cold restart (``--restart-pages``, default 20,000 pages of 64 KiB): a FileBackend is filled and
+closed, then each repeat drops the page cache of every segment and index file (``fsync`` +
+``POSIX_FADV_DONTNEED``; the kernel's directory and inode caches stay warm) and times opening it
+again, which reads the per-segment indexes. The same restart with the indexes removed (the full
+header scan a missing or corrupt index falls back to) is timed too, as the reference. Prints
+``cold_restart_s`` (median wall time) with its spread, ``cold_restart_cpu_s`` (median process CPU
+time, which the machine's load moves less) and ``cold_restart_scan_s``.
+
+Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps", "ratio", ...}],
+"cold_restart_s", ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
 
 Usage: ``python scripts/bench_storage.py --json [--backend file|mooncake|redis] [--url URL] [--total-mib N]``
 """
@@ -31,6 +44,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -56,8 +70,60 @@ def drop_cache(path: Path) -> None:
 
 
 def drop_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*.seg")):
+    for p in sorted(root.rglob("*.seg")) + sorted(root.rglob("*.idx")):
         drop_cache(p)
+
+
+def cold_restart(root: Path, pages: int, repeats: int, batch_pages: int = 256) -> dict[str, object]:
+    """Seconds to reopen a FileBackend of ``pages`` 64 KiB pages from a dropped page cache."""
+    page = 64 << 10
+    capacity = 2 * pages * (page + 256) + (256 << 20)
+    data = memoryview(bytearray(os.urandom(page)))
+    backend = FileBackend(root, capacity_bytes=capacity, fsync="never")
+    try:
+        for start in range(0, pages, batch_pages):
+            n = min(batch_pages, pages - start)
+            keys = [StorageKey("bench", 1, 0, 1, start + i) for i in range(n)]
+            if not all(backend.put(keys, [data] * n)):
+                raise RuntimeError(f"put failed: {backend.stats()}")
+    finally:
+        backend.close()
+
+    def reopen() -> tuple[float, float, dict[str, int]]:
+        drop_tree(root)
+        t0, c0 = time.perf_counter(), time.process_time()
+        b = FileBackend(root, capacity_bytes=capacity, fsync="never")
+        t, c = time.perf_counter() - t0, time.process_time() - c0
+        try:
+            if b.stats()["records"] != pages:
+                raise RuntimeError(f"restart found {b.stats()['records']} of {pages} records")
+            stats = b.stats()
+        finally:
+            b.close()
+        return t, c, stats
+
+    indexed, cpu = [], []
+    for _ in range(repeats):
+        t, c, stats = reopen()
+        if stats["startup_scanned_segments"]:
+            raise RuntimeError(f"restart scanned segments despite their indexes: {stats}")
+        indexed.append(t)
+        cpu.append(c)
+    scans = []
+    for _ in range(max(1, repeats // 2)):
+        for idx in root.rglob("*.idx"):
+            idx.unlink()
+        t, _, stats = reopen()  # its close writes the indexes again
+        scans.append(t)
+    return {
+        "cold_restart_s": round(statistics.median(indexed), 4),
+        "cold_restart_spread_s": [round(min(indexed), 4), round(max(indexed), 4)],
+        "cold_restart_cpu_s": round(statistics.median(cpu), 4),
+        "cold_restart_scan_s": round(statistics.median(scans), 4),
+        "restart_pages": pages,
+        "restart_segments": stats["segments"],
+        "cold": "page cache of every segment and index file dropped (fsync + POSIX_FADV_DONTNEED)",
+    }
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -70,6 +136,11 @@ def raw_write(path: Path, batch: memoryview, page: int, batches: int) -> float:
     def run() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)  # the new file's name is durable too, as each new segment's is
+            finally:
+                os.close(dfd)
             for _ in range(batches):
                 for off in range(0, len(batch), page):
                     os.write(fd, batch[off : off + page])
@@ -191,6 +262,7 @@ def main() -> int:
     ap.add_argument("--batch-mib", type=int, default=16, help="bytes per put/get call")
     ap.add_argument("--repeats", type=int, default=4, help="keep the best of this many runs")
     ap.add_argument("--layouts", action="store_true", help="also time the one-file-per-page layout")
+    ap.add_argument("--restart-pages", type=int, default=20_000, help="64 KiB pages for the cold restart (0: skip)")
     args = ap.parse_args()
     if args.backend != "file":
         from bench_store import run_store_bench
@@ -210,12 +282,15 @@ def main() -> int:
     try:
         for page in PAGE_SIZES:
             best = {"put": 0.0, "get": 0.0, "floor_put": 0.0, "floor_get": 0.0}
+            ratios: dict[str, list[float]] = {"put": [], "get": []}
             for rep in range(args.repeats):
                 work = base / f"{page}-{rep}"
                 work.mkdir()
                 times = run_repeat(work, batch, out, page, batches, floor_first=rep % 2 == 0)
                 for name, t in times.items():
                     best[name] = max(best[name], total / t / 1e9)
+                for op in ratios:
+                    ratios[op].append(times[f"floor_{op}"] / times[op])
                 shutil.rmtree(work)
             for op in ("put", "get"):
                 cases.append(
@@ -225,11 +300,14 @@ def main() -> int:
                         "gbps": round(best[op], 3),
                         "floor_gbps": round(best[f"floor_{op}"], 3),
                         "ratio": round(best[op] / best[f"floor_{op}"], 3),
+                        "ratio_median": round(statistics.median(ratios[op]), 3),
+                        "ratio_spread": [round(min(ratios[op]), 3), round(max(ratios[op]), 3)],
                         "batch_pages": batch_bytes // page,
                         "total_bytes": total,
                         "fsync": "batch",
                     }
                 )
+        restart = cold_restart(base / "restart", args.restart_pages, args.repeats) if args.restart_pages else {}
         if args.layouts:
             page = 64 << 10
             for mode in ("page", "batch"):
@@ -245,6 +323,7 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result: dict[str, object] = {"backend": "file", "cases": cases, "repeats": args.repeats, "dir": str(base.parent)}
+    result.update(restart)
     if layouts:
         result["layouts"] = layouts
     print(json.dumps(result))

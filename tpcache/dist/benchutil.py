@@ -38,15 +38,21 @@ def summarize_us(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
-def time_calls(fn: Callable[[], object], rounds: int) -> list[float]:
-    """Duration in seconds of each of ``rounds`` consecutive calls of ``fn``."""
+def time_calls(fn: Callable[[], object], rounds: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Duration in seconds of each of ``rounds`` consecutive calls of ``fn``; ``setup``, when given,
+    runs untimed before each call (to give every timed call the same work)."""
     out = []
     clock = time.perf_counter
     for _ in range(rounds):
+        if setup is not None:
+            setup()
         start = clock()
         fn()
         out.append(clock() - start)
     return out
+
+
+Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]
 
 
 def allreduce_fn(collective: Collective, vector: Sequence[int], timeout_s: float = 30.0) -> Callable[[], object]:
@@ -123,21 +129,22 @@ def _recv_exact(conn: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int, blocks: int, warmup: int) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Timed], rounds: int, blocks: int, warmup: int) -> dict[str, list[float]]:
     """Time each function ``rounds`` times, in ``blocks`` alternating blocks (so load drift from other
-    processes hits all of them alike), after ``warmup`` untimed calls each. A collective call: every
-    rank must pass the same names in the same order.
+    processes hits all of them alike), after ``warmup`` untimed calls each. A value may be a pair
+    ``(setup, fn)``: ``setup`` runs untimed before every call of ``fn``. A collective call: every rank
+    must pass the same names in the same order.
     """
+    pairs = {name: fn if isinstance(fn, tuple) else (None, fn) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
+    for setup, fn in pairs.values():
+        time_calls(fn, warmup, setup)
     per_block = max(1, rounds // blocks)
     done = 0
     while done < rounds:
         n = min(per_block, rounds - done)
-        for name, fn in fns.items():
-            samples[name].extend(time_calls(fn, n))
+        for name, (setup, fn) in pairs.items():
+            samples[name].extend(time_calls(fn, n, setup))
         done += n
     return samples
 

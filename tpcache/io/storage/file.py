@@ -7,7 +7,10 @@ writes at close to raw sequential speed, and a batch read back is contiguous on 
 
 Layout: ``<root>/<owner>/<segno:010d>.seg`` plus ``<root>/<owner>/LOCK``, where the owner is
 ``r<rank>of<size>`` for an instance bound to one TP shard (ranks can share ``root``) or ``all``.
-Each record is ``record.HEADER`` + key echo + payload (see ``record``).
+Each record is ``record.HEADER`` + key echo + payload (see ``record``). A sealed segment has an
+index ``<segno:010d>.idx`` (see ``segment_index``), written when it is sealed and rewritten at close
+(or after a delete) when records in it died since, so a restart reads one small file per segment
+instead of one header per record; a segment whose index is missing, corrupt or stale is scanned.
 
 Invariants:
 - a record enters the index only after its bytes are wholly written (and synced as ``fsync``
@@ -19,7 +22,12 @@ Invariants:
   is made by LRU eviction in access order (deterministic: the order of calls alone decides it)
   and by compacting the segment with the most dead bytes;
 - segments are written only by their owner, which holds an exclusive ``flock`` on ``LOCK``;
-  a new instance never appends to an old segment (its tail may be torn).
+  a new instance never appends to an old segment (its tail may be torn);
+- an index is written only for a sealed segment and lists only records already written to it;
+  one that gains records after it was written (compaction copies) is rewritten and synced before
+  the originals are deleted, so no durable record is ever missing from its segment's index; an
+  index is removed before its segment is, and a new segment removes any leftover index of its
+  number first (the tail check catches one a power loss brings back).
 """
 
 from __future__ import annotations
@@ -64,11 +72,21 @@ from tpcache.io.storage.record import (
     payload_checksum,
     read_key_echo,
 )
+from tpcache.io.storage.segment_index import (
+    IndexEntry,
+    SegmentIndex,
+    SegmentIndexError,
+    decode_index,
+    encode_index,
+)
 
 FsyncMode = Literal["always", "batch", "never"]
 FSYNC_MODES: tuple[str, ...] = ("always", "batch", "never")
 DEFAULT_SEGMENT_BYTES = 64 << 20
 _SEGMENT_NAME = re.compile(r"([0-9]{10})\.seg")
+_INDEX_NAME = re.compile(r"([0-9]{10})\.idx")
+_TMP_SUFFIX = ".tmp"
+_RUN_BUFS = 512  # buffers per pwritev (two per record), under the kernel's IOV_MAX of 1024
 _SCAN_READ = HEADER_SIZE + 256  # one pread covers the header and a typical key echo
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _EXTRA_COUNTERS = (
@@ -80,13 +98,18 @@ _EXTRA_COUNTERS = (
     "startup_discarded_corrupt",
     "startup_discarded_foreign",
     "startup_superseded",
+    "startup_indexed_segments",
+    "startup_scanned_segments",
+    "startup_index_fallbacks",
+    "index_writes",
+    "index_write_failures",
     "dead_mark_failures",
     "unlink_failures",
     "delete_sync_failures",
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Loc:
     segno: int
     offset: int
@@ -103,10 +126,23 @@ class _Segment:
     size: int  # bytes on disk, also the append offset
     live_bytes: int = 0
     members: dict[bytes, None] = field(default_factory=dict)  # live keys, insertion-ordered
+    tail: int = -1  # offset of the last whole record (live or dead); -1 when none
+    indexed: bool = False  # its .idx file lists exactly its live records
 
     @property
     def dead_bytes(self) -> int:
         return self.size - self.live_bytes
+
+
+@dataclass
+class _Run:
+    """Records queued for one ``pwritev`` at the end of the active segment (not yet indexed)."""
+
+    seg: _Segment | None = None
+    start: int = 0  # where the run's bytes begin in the segment
+    tail: int = -1  # the segment's tail before the run
+    bufs: list[Any] = field(default_factory=list)
+    records: list[tuple[int, bytes, _Loc]] = field(default_factory=list)  # (call index, key, location)
 
 
 class _PutFailed(Exception):
@@ -128,6 +164,10 @@ def _pwritev_all(fd: int, bufs: list[memoryview | bytes], offset: int) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _index_path(segment: Path) -> Path:
+    return segment.with_suffix(".idx")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -216,31 +256,54 @@ class FileBackend(StorageBackend):
 
     # ---- startup -----------------------------------------------------------------------------
     def _rebuild(self, verify: bool) -> None:
-        """Index every complete, checksummed, own-shard live record; newest seq per key wins."""
+        """Index every complete, checksummed, own-shard live record; newest seq per key wins.
+
+        A segment's records come from its index file when that verifies, else from a scan of its
+        headers (always with ``verify``, which reads every payload anyway)."""
         found: list[tuple[bytes, _Loc]] = []
-        for path in sorted(self._dir.iterdir()):
-            m = _SEGMENT_NAME.fullmatch(path.name)
-            if m is None:
-                continue
+        names = sorted(os.listdir(self._dir))
+        segnos = {int(m[1]) for m in map(_SEGMENT_NAME.fullmatch, names) if m is not None}
+        for name in names:
+            m = _INDEX_NAME.fullmatch(name)
+            if (m is not None and int(m[1]) not in segnos) or name.endswith(_TMP_SUFFIX):
+                with contextlib.suppress(OSError):  # an index left by a segment that is gone
+                    os.unlink(self._dir / name)
+        segments = []
+        for segno in sorted(segnos):
+            path = self._dir / f"{segno:010d}.seg"
             fd = os.open(path, os.O_RDWR)
-            seg = _Segment(int(m[1]), path, fd, os.fstat(fd).st_size)
+            seg = _Segment(segno, path, fd, os.fstat(fd).st_size)
             self._segments[seg.segno] = seg
             self._disk += seg.size
-            found.extend(self._scan(seg, verify))
+            segments.append(seg)
+        # Two passes of small reads, each announced first so that a cold device serves them in
+        # parallel: every index file, then every tail record header they name.
+        indexes = {} if verify else self._read_indexes(segments)
+        for seg in segments:
+            indexed = self._load_index(seg, indexes.get(seg.segno))
+            if indexed is None:
+                self._counters.add("startup_scanned_segments")
+                found.extend(self._scan(seg, verify))
+            else:
+                self._counters.add("startup_indexed_segments")
+                seg.indexed = True
+                found.extend(indexed)
         # Newest record of a key wins; ties (a compaction copy and its original) go to the copy.
-        winners: dict[bytes, _Loc] = {}
-        for enc, loc in found:
-            best = winners.get(enc)
-            if best is None or (loc.seq, loc.segno, loc.offset) > (best.seq, best.segno, best.offset):
-                winners[enc] = loc
+        # In (seq, segno, offset) order the last record of each key is its winner, and the winners
+        # in that order are the LRU order after a restart: write order, the only one that survived.
+        found.sort(key=lambda item: (item[1].seq, item[1].segno, item[1].offset))
+        winners: dict[bytes, _Loc] = dict(found)
         for enc, loc in found:
             if winners[enc] is not loc:
-                self._mark_dead(self._segments[loc.segno], loc)
+                seg = self._segments[loc.segno]
+                self._mark_dead(seg, loc)
+                seg.indexed = False
                 self._counters.add("startup_superseded")
-        # LRU order after a restart is write order (seq), the only order that survived.
-        for enc, loc in sorted(winners.items(), key=lambda kv: (kv[1].seq, kv[1].segno, kv[1].offset)):
-            self._remember(enc, loc)
-            self._seq = max(self._seq, loc.seq + 1)
+        for enc, loc in found:
+            if winners[enc] is loc:
+                self._remember(enc, loc)
+        if found:
+            self._seq = max(self._seq, max(loc.seq for loc in winners.values()) + 1)
         for seg in list(self._segments.values()):
             if not seg.members:
                 self._drop_segment(seg)
@@ -265,6 +328,7 @@ class FileBackend(StorageBackend):
                 break
             enc = read_key_echo(raw, head)
             loc = _Loc(seg.segno, offset, head.record_len, head.payload_len, head.seq)
+            seg.tail = offset
             offset += head.record_len
             if not head.live:
                 continue
@@ -280,6 +344,109 @@ class FileBackend(StorageBackend):
                     continue
             out.append((enc, loc))
         return out
+
+    def _read_indexes(self, segments: list[_Segment]) -> dict[int, SegmentIndex]:
+        """The decoded index of each segment that has a well-formed one for its current length."""
+        paths = {seg.segno: _index_path(seg.path) for seg in segments}
+        fds: dict[int, int] = {}
+        try:
+            for segno, path in paths.items():
+                try:
+                    fds[segno] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    self._counters.add("startup_index_fallbacks")
+                    continue
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fds[segno], 0, 0, os.POSIX_FADV_WILLNEED)
+            out: dict[int, SegmentIndex] = {}
+            for seg in segments:
+                fd = fds.get(seg.segno)
+                if fd is None:
+                    continue
+                try:
+                    with open(fd, "rb", closefd=False) as f:
+                        out[seg.segno] = decode_index(f.read(), self._dir.name, seg.segno, seg.size)
+                except (SegmentIndexError, OSError):
+                    self._counters.add("startup_index_fallbacks")
+                    continue
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(seg.fd, out[seg.segno].tail_offset, HEADER_SIZE, os.POSIX_FADV_WILLNEED)
+            return out
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _load_index(self, seg: _Segment, index: SegmentIndex | None) -> list[tuple[bytes, _Loc]] | None:
+        """The live records of ``seg`` from its decoded index, or None when it has no usable one."""
+        if index is None:
+            return None
+        if index.rows or seg.size:
+            # Ties the index to this file: the tail record it saw is still there, unchanged.
+            try:
+                raw = os.pread(seg.fd, HEADER_SIZE, index.tail_offset)
+            except OSError:
+                raw = b""
+            if raw[4:] != index.tail_head:
+                self._counters.add("startup_index_fallbacks")
+                return None
+        seg.tail = index.tail_offset
+        out = []
+        keys, start, segno = index.keys, 0, seg.segno
+        for offset, seq, payload_len, key_len in index.rows:
+            end = start + key_len
+            out.append((keys[start:end], _Loc(segno, offset, HEADER_SIZE + key_len + payload_len, payload_len, seq)))
+            start = end
+        return out
+
+    def _write_index(self, seg: _Segment, *, durable: bool = False) -> None:
+        """Write ``seg``'s index (temp file, rename); on failure remove any stale one.
+
+        ``durable``: synced before returning, for an index that gained records since its last
+        version (a compaction copy, which must stay findable once its original is deleted) or lost
+        a deleted one. Otherwise a power loss may cost the index (the segment is scanned) or bring
+        back its previous version, which lists a superset of the live records (a miss at get)."""
+        path = _index_path(seg.path)
+        if seg.tail < 0:
+            # No whole record: nothing to index; drop any older index.
+            self._unlink_index(seg)
+            seg.indexed = True
+            return
+        tmp = path.with_name(path.name + _TMP_SUFFIX)
+        try:
+            tail_head = os.pread(seg.fd, HEADER_SIZE, seg.tail)[4:]
+            entries = []
+            for enc in seg.members:
+                loc = self._index[enc]
+                entries.append(IndexEntry(enc, loc.offset, loc.seq, loc.payload_len, loc.record_len))
+            entries.sort(key=lambda e: e.offset)
+            data = encode_index(self._dir.name, seg.segno, seg.size, seg.tail, tail_head, entries)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _pwritev_all(fd, [data], 0)
+                if durable and self._fsync != "never":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            if durable and self._fsync != "never":
+                _fsync_dir(self._dir)
+        except OSError:
+            self._counters.add("index_write_failures")
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._unlink_index(seg)  # a restart scans this segment instead
+            return
+        seg.indexed = True
+        self._counters.add("index_writes")
+
+    def _unlink_index(self, seg: _Segment) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                os.unlink(_index_path(seg.path))
+            except OSError:
+                self._counters.add("unlink_failures")
 
     def _own_key(self, enc: bytes) -> bool:
         try:
@@ -300,6 +467,7 @@ class FileBackend(StorageBackend):
         """Drop a record already popped from the index; free its segment when it empties."""
         seg = self._segments[loc.segno]
         del seg.members[enc]
+        seg.indexed = False
         seg.live_bytes -= loc.record_len
         self._live -= loc.record_len
         if mark_dead:
@@ -319,6 +487,7 @@ class FileBackend(StorageBackend):
         del self._segments[seg.segno]
         self._disk -= seg.size
         os.close(seg.fd)
+        self._unlink_index(seg)  # first: an index never outlives its segment's file
         try:
             os.unlink(seg.path)
         except OSError:
@@ -370,7 +539,7 @@ class FileBackend(StorageBackend):
     def _compact(self, victim: _Segment) -> None:
         """Copy the victim's live records to the active segment, then delete the victim."""
         if victim is self._active:
-            self._active = None  # seal it; copies go to a fresh segment
+            self._active = None  # seal it (no index: it is about to go); copies go to a fresh segment
         moved: list[tuple[bytes, _Loc]] = []
         touched: set[int] = set()
         # On an OSError below the copies are never indexed (their bytes are dead space) and
@@ -391,9 +560,16 @@ class FileBackend(StorageBackend):
             self._segments[old.segno].members.pop(enc)
             self._segments[old.segno].live_bytes -= old.record_len
             dst = self._segments[new.segno]
+            dst.indexed = False
             dst.members[enc] = None
             dst.live_bytes += new.record_len
             self._index[enc] = new  # same key: keeps its LRU position
+        # A copy in a segment sealed meanwhile must be in its index before the original goes, or a
+        # crash would leave the copy unlisted and the original deleted.
+        for segno in sorted(touched):
+            dst = self._segments[segno]
+            if dst is not self._active and not dst.indexed:
+                self._write_index(dst, durable=True)
         self._counters.add("compactions")
         self._drop_segment(victim)
 
@@ -409,6 +585,7 @@ class FileBackend(StorageBackend):
             with contextlib.suppress(OSError):
                 os.ftruncate(seg.fd, seg.size)
             raise
+        seg.tail = seg.size
         seg.size += length
         self._disk += length
         return seg
@@ -416,6 +593,8 @@ class FileBackend(StorageBackend):
     def _new_segment(self) -> _Segment:
         segno = max(self._segments, default=0) + 1
         path = self._dir / f"{segno:010d}.seg"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_index_path(path))  # left by an earlier segment of this number
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         if self._fsync != "never":
             _fsync_dir(self._dir)
@@ -424,7 +603,9 @@ class FileBackend(StorageBackend):
         # The sealed segment is kept even when it has no live records yet: a compaction in
         # progress may have copied records into it that it indexes only after syncing.
         # An empty sealed segment is all dead bytes, so the next compaction drops it first.
-        self._active = seg
+        sealed, self._active = self._active, seg
+        if sealed is not None and sealed.segno in self._segments:
+            self._write_index(sealed)  # once nothing can be appended to it any more
         return seg
 
     def _sync(self, segnos: set[int]) -> None:
@@ -516,20 +697,17 @@ class FileBackend(StorageBackend):
         results = [False] * len(encs)
         with self._lock:
             self._check_open()
+            self._counters.add("puts", len(encs))
             pinned: set[bytes] = set()
-            written: list[int] = []
             touched: set[int] = set()
+            run = _Run()
             for i, (enc, view) in enumerate(zip(encs, views, strict=True)):
-                self._counters.add("puts")
                 try:
-                    seg = self._put_one(enc, view, pinned)
+                    self._put_one(i, enc, view, pinned, run, results, touched)
                 except _PutFailed as exc:
                     self._counters.put_failure(exc.reason)
-                    continue
-                touched.add(seg.segno)
-                pinned.add(enc)
-                written.append(i)
-                results[i] = True
+            self._flush_run(run, pinned, results, touched)
+            written = [i for i, ok in enumerate(results) if ok]
             if self._fsync == "batch" and written:
                 try:
                     self._sync(touched)
@@ -545,24 +723,95 @@ class FileBackend(StorageBackend):
             self._publish()
         return results
 
-    def _put_one(self, enc: bytes, view: memoryview, pinned: set[bytes]) -> _Segment:
+    def _put_one(
+        self,
+        i: int,
+        enc: bytes,
+        view: memoryview,
+        pinned: set[bytes],
+        run: _Run,
+        results: list[bool],
+        touched: set[int],
+    ) -> None:
+        """Queue one record on ``run`` (written by ``_flush_run``), making room first if needed."""
         head = encode_header(enc, self._seq, len(view), payload_checksum(view))
         length = len(head) + len(view)
-        reason = self._make_room(length, pinned)
-        if reason is not None:
-            raise _PutFailed(reason)
+        if length + 2 * self._reserve > self._capacity:
+            raise _PutFailed(PUT_TOO_LARGE)
+        if self._disk + length + self._reserve > self._capacity:
+            # Eviction and compaction see only written, indexed records: write the run first.
+            self._flush_run(run, pinned, results, touched)
+            reason = self._make_room(length, pinned)
+            if reason is not None:
+                raise _PutFailed(reason)
+        seg = self._active
+        if seg is None or (seg.size > 0 and seg.size + length > self._segment_bytes):
+            self._flush_run(run, pinned, results, touched)
+            try:
+                seg = self._new_segment()
+            except OSError as exc:
+                raise _PutFailed(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR) from None
+        if run.seg is None:
+            run.seg, run.start, run.tail = seg, seg.size, seg.tail
+        # Reserved now (the capacity bound counts it), indexed once its bytes are written.
+        run.bufs += (head, view)
+        run.records.append((i, enc, _Loc(seg.segno, seg.size, length, len(view), self._seq)))
+        self._seq += 1
+        seg.tail = seg.size
+        seg.size += length
+        self._disk += length
+        if self._fsync == "always" or len(run.bufs) >= _RUN_BUFS:
+            self._flush_run(run, pinned, results, touched)
+
+    def _flush_run(self, run: _Run, pinned: set[bytes], results: list[bool], touched: set[int]) -> None:
+        """Write the queued records in one ``pwritev`` (looping over short writes), then index them;
+        on an I/O error none of them is indexed, the segment is cut back and each key fails."""
+        seg = run.seg
+        if seg is None:
+            return
+        records, bufs = run.records, run.bufs
+        run.seg, run.bufs, run.records = None, [], []
         try:
-            seg = self._append_raw([head, view], length)
+            _pwritev_all(seg.fd, bufs, run.start)
             if self._fsync == "always":
                 os.fdatasync(seg.fd)
-        except OSError as exc:
-            raise _PutFailed(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR) from None
-        self._seq += 1
+        except OSError:
+            # Cut the run off and write its records one by one, so that only the keys that do not
+            # land fail (as a disk that fills up midway, or frees space again, decides).
+            self._truncate(seg, run.start)
+            self._disk -= seg.size - run.start
+            seg.size, seg.tail = run.start, run.tail
+            for n, (i, enc, loc) in enumerate(records):
+                loc.offset = seg.size
+                try:
+                    _pwritev_all(seg.fd, bufs[2 * n : 2 * n + 2], loc.offset)
+                    if self._fsync == "always":
+                        os.fdatasync(seg.fd)
+                except OSError as exc:
+                    self._truncate(seg, loc.offset)
+                    self._counters.put_failure(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR)
+                    continue
+                seg.tail = loc.offset
+                seg.size += loc.record_len
+                self._disk += loc.record_len
+                self._index_put(i, enc, loc, pinned, results)
+        else:
+            for i, enc, loc in records:
+                self._index_put(i, enc, loc, pinned, results)
+        touched.add(seg.segno)
+
+    def _index_put(self, i: int, enc: bytes, loc: _Loc, pinned: set[bytes], results: list[bool]) -> None:
         old = self._index.pop(enc, None)
         if old is not None:
             self._forget(enc, old, mark_dead=True)  # the new record is on disk first
-        self._remember(enc, _Loc(seg.segno, seg.size - length, length, len(view), self._seq - 1))
-        return seg
+        self._remember(enc, loc)
+        pinned.add(enc)
+        results[i] = True
+
+    def _truncate(self, seg: _Segment, size: int) -> None:
+        """Drop partial bytes so the segment holds only whole records; best effort."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(seg.fd, size)
 
     def delete(self, keys: Sequence[StorageKey]) -> list[bool]:
         encs = self._encode(check_keys(keys))
@@ -581,6 +830,11 @@ class FileBackend(StorageBackend):
                     self._sync(touched)
                 except OSError:
                     self._counters.add("delete_sync_failures")
+            # A deleted key must not come back from a sealed segment's index after a crash.
+            for segno in sorted(touched):
+                seg = self._segments.get(segno)
+                if seg is not None and seg is not self._active and not seg.indexed:
+                    self._write_index(seg, durable=True)
             self._counters.add("deletes", sum(results))
             self._publish()
             return results
@@ -598,6 +852,12 @@ class FileBackend(StorageBackend):
             if self._fsync != "never":
                 with contextlib.suppress(OSError):
                     self._sync(set(self._segments))
+            # Every segment is sealed now (a new instance never appends to one): index the ones
+            # whose index is missing or out of date, so the next start reads indexes only.
+            for segno in sorted(self._segments):
+                seg = self._segments[segno]
+                if not seg.indexed:
+                    self._write_index(seg)
             self._release()
 
     def _release(self) -> None:
