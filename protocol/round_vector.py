@@ -20,6 +20,8 @@ Field order (version 2)::
     ids:      next_op, next_lease   (a flush continues both from their maximum over ranks)
     quantities: host_deficit
     plan:     plan_count, plan_tokens, plan_digest   (the plan prepared last round)
+    per component of a hybrid model, in component order (absent otherwise):
+              host_deficit.<name>   that component's pages waiting for a host slot
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ class RoundLayout:
         object.__setattr__(self, "_index", {name: i for i, name in enumerate(self.fields)})
 
     @classmethod
-    def default(cls, queues: Sequence[str] = QUEUES) -> RoundLayout:
+    def default(cls, queues: Sequence[str] = QUEUES, components: Sequence[str] = ()) -> RoundLayout:
         per_queue = tuple(f"{q}.{f}" for q in queues for f in QUEUE_FIELDS)
-        return cls(HEADER + per_queue + TAIL)
+        return cls(HEADER + per_queue + TAIL + tuple(f"host_deficit.{c}" for c in components))
 
     @property
     def length(self) -> int:

@@ -33,14 +33,14 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "device page left out of the state digest",
         "tpcache/core/ledger.py",
-        "                node.device_page,\n",
+        "        node.device_page,\n",
         "0,\n",
     ),
-    ("hits left out of the state digest", "tpcache/core/ledger.py", "                node.hits,\n", "0,\n"),
-    ("host slot left out of the state digest", "tpcache/core/ledger.py", "                node.host_slot,\n", "0,\n"),
+    ("hits left out of the state digest", "tpcache/core/ledger.py", "        node.hits,\n", "0,\n"),
+    ("host slot left out of the state digest", "tpcache/core/ledger.py", "        node.host_slot,\n", "0,\n"),
     (
         "insert adopts pages below a page still loading",
-        "tpcache/core/cache.py",
+        "tpcache/core/inserts.py",
         "            if node is not None and node.device_state == DeviceState.LOADING:\n                break\n",
         "",
     ),
@@ -71,8 +71,75 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "a refused write-back alloc evicts clean pages first",
         "tpcache/core/eviction.py",
-        "            if short > led.evictable_device_pages or (self.write_back and not self._clean_suffices(short)):",
-        "            if short > led.evictable_device_pages:",
+        "and (not self.write_back or self._clean_suffices(short))",
+        "and True",
+    ),
+    # hybrid models: SWA pages and Mamba states
+    (
+        "a hit served without its SWA window valid",
+        "tpcache/core/hitrule.py",
+        "        if window and swa_ok is not None:",
+        "        if False:",
+    ),
+    (
+        "a Mamba state (or SWA page) read while it is still loading",
+        "tpcache/core/components.py",
+        "    if rec[b + DEV] == _VALID:\n        return 1",
+        "    if rec[b + DEV] != 0:\n        return 1",
+    ),
+    (
+        "the component record left out of the state digest",
+        "tpcache/core/ledger.py",
+        '        packed += array("q", node.comp).tobytes()',
+        "        pass",
+    ),
+    (
+        "a lease released while a load still writes into its component slots",
+        "tpcache/core/loads.py",
+        "full_index=full_index, parts=parts)\n            self.book.wait_for(lease, op.op_id)",
+        "full_index=full_index, parts=parts)",
+    ),
+    (
+        "a component copy that failed on some rank becomes valid",
+        "tpcache/core/completions.py",
+        "                    led.update(node, part=c, host_pins=-1)\n                    if i < ok:",
+        "                    led.update(node, part=c, host_pins=-1)\n                    if True:",
+    ),
+    (
+        "out-of-window release frees SWA inside the protected prefix",
+        "tpcache/core/hybrid.py",
+        "        behind = {n.node_id for n in path[lease.hit_pages : max(lease.hit_pages, end)]}",
+        "        behind = {n.node_id for n in path[: max(0, end)]}",
+    ),
+    (
+        "out-of-window release leaves a leaf without SWA",
+        "tpcache/core/hybrid.py",
+        "        end = self._last_state(path) - self.window\n",
+        "        end = self._last_state(path) - self.window + 1\n",
+    ),
+    (
+        "out-of-window release frees the window before the path's last state",
+        "tpcache/core/hybrid.py",
+        "            if path[q - 1].comp[dev]:  # type: ignore[index]\n                return q\n",
+        "            if path[q - 1].comp[dev]:  # type: ignore[index]\n                return len(path)\n",
+    ),
+    (
+        "a pinned component copy counts as evictable",
+        "tpcache/core/components.py",
+        "    return rec[b + DEV] == _VALID and rec[b + DPINS] == 0\n",
+        "    return rec[b + DEV] == _VALID\n",
+    ),
+    (
+        "the round's layout field ignores the components' KV layouts",
+        "tpcache/core/round.py",
+        "+ ([kv_layout] if kv_layout else [])",
+        "",
+    ),
+    (
+        "a hit pins and stamps SWA data along its whole path, not only its window",
+        "tpcache/core/hybrid.py",
+        "            out += [(self.window_part, nodes[i]) for i in window_range(p, self.window)]",
+        "            out += [(self.window_part, nodes[i]) for i in range(p)]",
     ),
 ]
 

@@ -4,6 +4,11 @@ For each request in order: lock (match + pin), load host hits back, allocate dev
 rest, insert its full pages, release. In-flight copies complete at once (one rank agrees with
 itself), so the result is the cache's decisions alone, comparable with any simulator of the same
 semantics.
+
+With components (a hybrid model), a request is prefilled in chunks as an engine does: each chunk
+asks ``chunk_tokens`` how much the pools take now (shrinking instead of refusing), allocates full
+pages, SWA pages and states for it, and inserts; the insert frees the request's SWA behind its
+window. The result then also reports the pages each component holds.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from tpcache.core import CacheConfig, CacheCore, OpKind, OutOfPages
+from tpcache.core.hitrule import keeps_state
 from tpcache.workload.trace import Request, request_tokens
 
 
@@ -28,6 +34,8 @@ class ReplayResult:
     refused_pages: int = 0  # pages not cached because every device page was pinned
     seconds: float = 0.0
     digest: int = 0
+    held: dict[str, int] | None = None  # hybrid: device pages (slots) each component holds at the end
+    mean_held: dict[str, float] | None = None  # hybrid: the same, averaged over the requests
 
     @property
     def hit_rate(self) -> float:
@@ -39,6 +47,8 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, float | int]:
         d: dict[str, float | int] = asdict(self)
+        if self.held is None:
+            del d["held"], d["mean_held"]
         d["hit_rate"] = round(self.hit_rate, 6)
         d["pages_per_s"] = round(self.pages_per_s, 1)
         d["seconds"] = round(self.seconds, 3)
@@ -46,10 +56,14 @@ class ReplayResult:
 
 
 def drain(core: CacheCore) -> None:
-    """Complete every in-flight copy (a one-rank round agrees with itself), acting on the Ready."""
+    """Complete every in-flight copy (a one-rank round agrees with itself), acting on the Ready.
+    With components, also what a commit does after its completions (freeing the SWA behind
+    windows that was waiting for its backups, retrying component backlogs)."""
     for kind in OpKind:
         while core.inflight[kind]:
             core.complete(kind)
+    if core.hybrid is not None:
+        core.after_commit()
     core.enforce_retention()
     if core.has_ready():
         core.ready()
@@ -82,21 +96,79 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
     drain(core)
 
 
+def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: int) -> None:  # noqa: ANN001
+    """One request of a hybrid model, prefilled in chunks of at most ``chunk`` tokens."""
+    ps = core.page_size
+    lease, match = core.lock(tokens)
+    full = match.num_pages
+    pages = list(match.device_page_ids)
+    if match.host_pages:
+        with contextlib.suppress(OutOfPages):
+            pages = core.load(lease)
+        drain(core)
+    result.requests += 1
+    result.input_tokens += len(tokens)
+    result.hit_tokens += (match.device_pages + match.host_pages) * ps
+    result.device_hit_tokens += match.device_pages * ps
+    result.host_hit_tokens += match.host_pages * ps
+    result.pages += full
+    done = len(pages)
+    try:
+        while done < full:
+            take = core.chunk_tokens(lease, done * ps, min(chunk, (full - done) * ps)) // ps
+            if not take:
+                raise OutOfPages("no room for a chunk")
+            pages += core.alloc(lease, take)
+            parts = {}
+            for c, part in core.ledger.parts.items():
+                every = part.spec.every
+                at = [i for i in range(done, done + take) if not every or keeps_state(every, i, done + take - 1)]
+                row = [-1] * (done + take)
+                for i, slot in zip(at, core.alloc(lease, len(at), c), strict=True):
+                    row[i] = slot
+                parts[c] = row
+            core.insert(lease, tokens[: (done + take) * ps], pages, parts)
+            done += take
+            drain(core)  # the chunk's forward pass and copies finish before the next chunk
+    except OutOfPages:
+        result.refused_pages += full - done
+    core.release(lease)
+    drain(core)
+
+
 def replay(
     requests: Iterable[Request],
     config: CacheConfig,
     progress: Callable[[int], None] | None = None,
+    chunk_tokens: int = 8192,
 ) -> tuple[ReplayResult, CacheCore]:
+    """Replay ``requests``; a hybrid configuration prefills in chunks of ``chunk_tokens``."""
     core = CacheCore(config)
     result = ReplayResult()
+    specs = config.components()
+    totals = dict.fromkeys(["full", *(s.name for s in specs)], 0)
     start = time.perf_counter()
     for req in requests:
-        replay_request(core, request_tokens(req), result)
+        if specs:
+            replay_hybrid_request(core, request_tokens(req), result, chunk_tokens)
+            for name, used in _held(core).items():
+                totals[name] += used
+        else:
+            replay_request(core, request_tokens(req), result)
         if progress is not None:
             progress(1)
     result.seconds = time.perf_counter() - start
     result.digest = core.digest.value
+    if specs:
+        result.held = _held(core)
+        result.mean_held = {k: round(v / max(1, result.requests), 1) for k, v in totals.items()}
     return result, core
+
+
+def _held(core: CacheCore) -> dict[str, int]:
+    out = {"full": core.device.used}
+    out.update((p.name, p.device.used) for p in core.ledger.parts.values())
+    return out
 
 
 def config_for_tokens(device_tokens: int | None, page_size: int, **kw: object) -> CacheConfig:

@@ -28,7 +28,7 @@ def example_body(path: Path) -> str:
 
 def test_the_readme_shows_the_example_files_exactly() -> None:
     blocks = dict(MARKER.findall((REPO / "README.md").read_text()))
-    assert set(blocks) == {"examples/embedding.py", "examples/client.py"}, blocks.keys()
+    assert set(blocks) == {"examples/embedding.py", "examples/hybrid.py", "examples/client.py"}, blocks.keys()
     for path, block in blocks.items():
         assert block == example_body(REPO / path), f"README.md's block for {path} differs from the file"
 
@@ -41,6 +41,16 @@ def test_the_embedding_example_runs_under_torchrun() -> None:
     for rank in (0, 1):  # the second turn hits every full page, on every rank
         assert f"rank {rank} turn 0: 0 of 62 pages hit" in run.stdout, run.stdout
         assert f"rank {rank} turn 1: 62 of 62 pages hit" in run.stdout, run.stdout
+
+
+@pytest.mark.multiprocess
+def test_the_hybrid_example_runs_under_torchrun() -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
+    run = run_in_repo(*torchrun, "--master-port", str(free_port()), "examples/hybrid.py")
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank in (0, 1):  # the second turn hits up to the last state (page 60), with its SWA window
+        assert f"rank {rank} turn 0: 0 of 62 pages hit" in run.stdout, run.stdout
+        assert f"rank {rank} turn 1: 60 of 62 pages hit" in run.stdout, run.stdout
 
 
 @pytest.mark.multiprocess

@@ -116,8 +116,13 @@ def run(tp: int, workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
     """Make the model, run the plan in a subprocess; fail with the log's tail if it does not finish."""
     workdir.mkdir(parents=True, exist_ok=True)
     make_tiny_llama(workdir / "model", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+    return run_plan(plan(tp, workdir), workdir, timeout_s)
+
+
+def run_plan(the_plan: dict[str, Any], workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
+    """Run a plan (its model already made) in a subprocess; fail with the log's tail if it fails."""
     plan_file, out_file, log_file = workdir / "plan.json", workdir / "out.json", workdir / "driver.log"
-    plan_file.write_text(json.dumps(plan(tp, workdir)))
+    plan_file.write_text(json.dumps(the_plan))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log_file, "w") as log:
         # Its own session: on a timeout the whole group goes (vLLM's engine core and workers too).

@@ -10,7 +10,9 @@ The layers, each in its module: ``ledger`` (the one mutator of node state and wh
 ``eviction`` (candidates and the loops that free pages), ``leases`` (pins, waits, release),
 ``backup`` (write policies, backlog, storage write-out, mirror release), ``completions`` (one
 applier per op kind), ``prefetch`` (storage prefetch's state machine), ``outbox`` (ops in flight,
-Ready/Advance).
+Ready/Advance), ``loads`` (load-back). A hybrid model's components (SWA pages, Mamba states) add
+``components`` (their records and pools), ``part_eviction`` and ``hybrid`` (where they change an
+operation: the hit rule of ``hitrule``, window-only stamps, out-of-window release, chunk sizes).
 
 Invariants (checked by ``invariants.check``):
 - a node resident on a tier has its parent resident on that tier, or on device for a host copy;
@@ -22,8 +24,9 @@ Invariants (checked by ``invariants.check``):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 
-from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
+from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.backup import Backup, MirrorRelease
 from tpcache.core.completions import Completions
 from tpcache.core.config import CacheConfig
@@ -31,11 +34,15 @@ from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.eviction import Candidates, Evictor
 from tpcache.core.external import EnginePages, check_blocks, require_engine_mode
 from tpcache.core.hashing import TokenIds, as_token_bytes
+from tpcache.core.hybrid import Hybrid
+from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
 from tpcache.core.ledger import Ledger
+from tpcache.core.loads import Loader
 from tpcache.core.outbox import Outbox
+from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.prefetch import Prefetcher
-from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready, Stats, Transfer
+from tpcache.core.records import CacheClosed, Lease, LeasePart, MatchResult, OpKind, Ready, Stats, Transfer
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.tree import Node, RadixTree
 
@@ -54,9 +61,16 @@ class CacheCore:
         write_back = config.write_policy == "write_back" and config.host_pages > 0
         self.evictor = Evictor(self.ledger, self.candidates, write_back)
         self.book = Leases(self.ledger, self.outbox)
-        self.backup = Backup(self.ledger, self.evictor, self.outbox)
+        self.part_evictor = PartEvictor(self.ledger, self.evictor)
+        self.backup = Backup(self.ledger, self.evictor, self.outbox, self.part_evictor)
         self.evictor.back_up = self.backup.back_up
-        self.prefetcher = Prefetcher(config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed)
+        led = self.ledger
+        self.hybrid = Hybrid(led, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
+        self.loader = Loader(self.ledger, self.book, self.outbox, self.evictor, self.hybrid)
+        self.inserter = Inserter(self.ledger, self.book, self.backup, self.hybrid)
+        self.prefetcher = Prefetcher(
+            config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed, self.hybrid
+        )
         self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher)
         self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
@@ -132,6 +146,9 @@ class CacheCore:
             backlog,
             self.evictor.retention_cap_tokens,
         )
+        if led.parts:  # each component's backlog and the SWA waiting to be freed decide what comes next
+            ids = [v for p in led.parts.values() for v in (p.index, len(p.backlog), *p.backlog, *p.behind)]
+            extra = mix(extra, mix_ids(ids))
         return (led.digest.value + extra) & DIGEST_MASK
 
     # ------------------------------------------------------------------ Ready / Advance
@@ -149,7 +166,8 @@ class CacheCore:
     # ------------------------------------------------------------------ queries (pure)
 
     def match(self, tokens: TokenIds) -> MatchResult:
-        """The longest cached prefix: device-VALID pages, then host-VALID pages. Pure."""
+        """The longest cached prefix: device-VALID pages, then host-VALID pages; with components,
+        the longest prefix the hit rule allows (``hitrule``). Pure."""
         walk = self.tree.walk(as_token_bytes(tokens))
         result = MatchResult(walk)
         if self.closed:
@@ -169,7 +187,20 @@ class CacheCore:
             i += 1
         result.host_pages = i - result.device_pages
         result.nodes = nodes if i == n else nodes[:i]
+        if self.hybrid is not None:
+            self.hybrid.match(result, result.device_pages, i)
         return result
+
+    def chunk_tokens(self, lease_id: int, start: int, want: int) -> int:
+        """How many tokens (page-aligned, or all ``want``) of a prefill chunk starting at token
+        ``start`` the pools can take now; 0: wait. Full attention only: ``want``. Pure."""
+        lease = self.lease(lease_id)
+        return want if self.hybrid is None else self.hybrid.chunk_tokens(lease, start, want)
+
+    def part_slots(self, lease_id: int) -> dict[int, list[tuple[int, int]]]:
+        """Per component, (page index, device slot) of the component data the lease holds on
+        device (its hit's window and state, what it inserted), in page order. Pure."""
+        return {} if self.hybrid is None else self.hybrid.part_slots(self.lease(lease_id))
 
     def prefetch_status(self, lease_id: int) -> tuple[str, int]:
         """(status, pages landed in host) of the lease's prefetch. Pure."""
@@ -194,131 +225,53 @@ class CacheCore:
         stats.device_hit_tokens += result.device_pages * ps
         stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes)
-        dev = result.device_pages
+        dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
         for node in result.nodes[:dev]:
             led.update(node, stamp=True, hit=True, device_pins=+1)
         for node in result.nodes[dev:]:
             led.update(node, stamp=True, hit=True, host_pins=+1)
         lease.device_nodes.extend(result.nodes[:dev])
         lease.host_nodes.extend(result.nodes[dev:])
+        if self.hybrid is not None:
+            self.hybrid.pin_hit(lease, result)
         self.book.refresh(lease)
         self.backup.on_hit(result.nodes)
         return lease.lease_id, result
 
-    def alloc(self, lease_id: int, n: int) -> list[int]:
-        """Give the lease ``n`` device pages, evicting unpinned pages as needed (or refuse first)."""
+    def alloc(self, lease_id: int, n: int, part: int = 0) -> list[int]:
+        """Give the lease ``n`` device pages, evicting unpinned pages as needed (or refuse first);
+        ``part`` > 0: ``n`` device slots of that component."""
         self._refuse_if_closed()
         lease = self.book.live(lease_id)
         self.ledger.tick()
-        pages = self.evictor.alloc_device(n)
-        lease.pages.extend(pages)
+        if part:
+            if self.hybrid is None or part not in self.ledger.parts:
+                raise ValueError(f"no component {part} in this configuration")
+            pages = self.part_evictor.alloc_device(self.ledger.parts[part], n)
+            self.hybrid.held(lease, part).pages.extend(pages)
+        else:
+            pages = self.evictor.alloc_device(n)
+            lease.pages.extend(pages)
         self.book.refresh(lease)
         return pages
 
-    def insert(self, lease_id: int, tokens: TokenIds, pages: list[int]) -> tuple[int, int]:
-        """Adopt the KV the engine wrote into ``pages`` for the full pages of ``tokens``.
-
-        ``pages[i]`` holds page i of the tokens; it is either the cached node's own page or a page
-        of this lease. Pages already cached are duplicates and go back to the lease. Nothing is
-        inserted below a page still loading (if its load fails the page goes, and a device child
-        would hang from nothing). New nodes are pinned by the lease until it is released.
-        Returns (inserted pages, duplicate pages)."""
+    def insert(
+        self, lease_id: int, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None
+    ) -> tuple[int, int]:
+        """Adopt the KV the engine wrote into ``pages`` (and, per component, into the slots of
+        ``parts``) for the full pages of ``tokens``; see ``inserts``. Returns (inserted pages,
+        duplicate pages)."""
         self._refuse_if_closed()
-        lease = self.book.live(lease_id)
-        walk = self.tree.walk(as_token_bytes(tokens))
-        if len(pages) < walk.num_pages:
-            raise ValueError(f"insert needs a device page for each of {walk.num_pages} full pages")
-        # Validate everything before mutating anything: a refused insert changes nothing.
-        owned = set(lease.pages)
-        plan: list[tuple[int, Node | None, int]] = []  # (page index, existing node, page) to adopt
-        duplicates = 0
-        for i in range(walk.num_pages):
-            node = walk.nodes[i] if i < len(walk.nodes) else None
-            if node is not None and node.device_state == DeviceState.LOADING:
-                break
-            page = pages[i]
-            if node is not None and node.on_device:
-                if page != node.device_page:
-                    if page not in owned:
-                        raise ValueError(f"page {page} is neither cached here nor held by lease {lease_id}")
-                    duplicates += 1
-                continue
-            if page not in owned:
-                raise ValueError(f"page {page} is not held by lease {lease_id}")
-            owned.discard(page)
-            plan.append((i, node, page))
-        led = self.ledger
-        led.tick()
-        hashes = walk.hashes if plan else []
-        path = list(walk.nodes)
-        inserted: list[Node] = []
-        for i, node, page in plan:
-            lease.pages.remove(page)
-            if node is None:
-                node = led.add(path[i - 1] if i else self.tree.root, walk.pages[i], hashes[i])
-                path.append(node)
-            led.update(node, device=(DeviceState.VALID, page))
-            inserted.append(node)
-        # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
-        pinned = {n.node_id for n in lease.device_nodes}
-        for node in path:
-            pin = node.on_device and node.node_id not in pinned
-            led.update(node, stamp=True, device_pins=1 if pin else 0)
-            if pin:
-                lease.device_nodes.append(node)
-        self.book.refresh(lease)
-        led.stats.inserted_pages += len(inserted)
-        led.stats.duplicate_pages += duplicates
-        self.backup.on_insert(inserted)
-        return len(inserted), duplicates
+        return self.inserter.insert(self.book.live(lease_id), tokens, pages, parts)
 
     def load(self, lease_id: int) -> list[int]:
-        """Start loading the host pages along the lease's path back to device. Returns the device
-        pages of the path's prefix, loading ones included, in page order.
-
-        A page another request is already loading is shared: the lease pins it and waits for that
-        load, and nothing below it is loaded here (if that load fails, a child loaded under it would
-        hang from nothing). Loaded nodes become device-VALID only when agreed complete in a round."""
+        """Start loading the host pages along the lease's path (and the component data its hit
+        reads) back to device; see ``loads``. Returns the device pages of the hit's prefix, loading
+        ones included, in page order. Loaded data is device-VALID only once agreed complete."""
         self._refuse_if_closed()
         lease = self.book.live(lease_id)
-        led = self.ledger
-        led.tick()
-        prefix: list[Node] = []
-        todo: list[Node] = []
-        shared_load = False
-        for node in self.tree.walk(lease.tokens).nodes:
-            if node.on_device and not todo:
-                prefix.append(node)
-                shared_load = shared_load or node.device_state == DeviceState.LOADING
-            elif not shared_load and node.host_state == HostState.VALID and node.device_state == DeviceState.NONE:
-                todo.append(node)
-            else:
-                break
-        # Pin the prefix before allocating: the eviction must not take it (nor its host-only pages).
-        before = len(lease.device_nodes)
-        self.book.pin_device(lease, prefix)
-        try:
-            pages = self.evictor.alloc_device(len(todo)) if todo else []
-        except OutOfPages:
-            for node in lease.device_nodes[before:]:
-                led.update(node, device_pins=-1)
-            del lease.device_nodes[before:]
-            raise
-        for node in prefix:
-            if node.device_state == DeviceState.LOADING:
-                for op in self.outbox.inflight[OpKind.LOAD]:
-                    if node in op.nodes and op.op_id not in lease.ops:
-                        self.book.wait_for(lease, op.op_id)
-        for node, page in zip(todo, pages, strict=True):
-            # the lease's pin (a loading page is never evicted) and the op's read of the host slot
-            led.update(node, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
-            lease.device_nodes.append(node)
-        if todo:
-            op = self.outbox.issue(OpKind.LOAD, todo, lease_id)
-            self.book.wait_for(lease, op.op_id)
-            led.stats.loads_issued_pages += len(todo)
-        self.book.refresh(lease)
-        return [n.device_page for n in prefix + todo]
+        self.ledger.tick()
+        return self.loader.load(lease)
 
     def prefetch(self, lease_id: int, read: bool = True) -> bool:
         """Look up the continuation of the lease's tokens in storage; read the agreed hit to host
@@ -367,7 +320,7 @@ class CacheCore:
             raise ValueError("retention cap must be -1 (unlimited), 0 (none) or a token count")
         self.ledger.tick()
         self.evictor.retention_cap_tokens = tokens
-        self.evictor.enforce_retention()
+        self.enforce_retention()
 
     # ------------------------------------------------------------------ driven by the round
 
@@ -379,6 +332,9 @@ class CacheCore:
     def after_commit(self) -> None:
         """Once per round's commit, alike on every rank: retry waiting backups, pace prefetches."""
         self.backup.retry_backlog()
+        if self.hybrid is not None:
+            self.backup.retry_part_backlogs()
+            self.hybrid.free_behind()
         for lease in list(self.book.table.values()):
             if lease.prefetch is not None and lease.prefetch.status != "done":
                 self.prefetcher.tick(lease)
@@ -392,7 +348,11 @@ class CacheCore:
         return self.evictor.evict_host(n)
 
     def enforce_retention(self) -> int:
-        return self.evictor.enforce_retention()
+        """The retention cap, on the full pages and on each component's device pool."""
+        freed = self.evictor.enforce_retention()
+        if self.ledger.parts:
+            freed += self.part_evictor.enforce_retention(self.evictor.retention_cap_tokens)
+        return freed
 
     def close(self, reason: str) -> None:
         """Fail closed: serve misses, refuse writes, start no copies. Only an agreed flush reopens."""
@@ -407,12 +367,19 @@ class CacheCore:
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release."""
         cap = self.evictor.retention_cap_tokens
-        held = [(x.lease_id, x.tokens, list(x.pages)) for x in self.leases.values() if not x.releasing]
+        held = [
+            (x.lease_id, x.tokens, list(x.pages), {c: list(h.pages) for c, h in x.parts.items() if h.pages})
+            for x in self.leases.values()
+            if not x.releasing
+        ]
         self.__init__(self.config)  # type: ignore[misc]
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
-        for lease_id, tokens, pages in held:
+        for lease_id, tokens, pages, parts in held:
             self.device.take(pages)
             lease = Lease(lease_id, tokens=tokens, pages=pages)
+            for c, slots in parts.items():
+                self.ledger.parts[c].device.take(slots)
+                lease.parts[c] = LeasePart(pages=slots)
             self.book.table[lease_id] = lease
             self.book.refresh(lease)
 

@@ -2,6 +2,8 @@
 
 The round decides that the head op of a queue completed and how many of its leading pages landed on
 every rank (``acked``); pages past that count failed somewhere and their target copy is dropped.
+A node counts as landed only with every copy the op made of it (its full page and component data),
+so a component's copy becomes readable in the same agreed completion as the rest of its node's.
 Nothing here runs for an op the round did not agree on.
 """
 
@@ -10,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tpcache.core.backup import Backup
+from tpcache.core.components import DSLOT, HOST, HSLOT
 from tpcache.core.leases import Leases
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.records import Lease, OpKind, Transfer
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.tree import Node
 
 
 class Completions:
@@ -41,6 +45,8 @@ class Completions:
         led = self.ledger
         led.stats.failed_copy_pages += op.num_pages - ok
         waiters = self.leases.waiting_for(op.op_id)
+        if op.parts:
+            self._parts(op, ok, waiters)
         self._appliers[kind](op, ok, waiters)
         for node in op.pinned:  # the path a copy protected, released with its ack
             led.update(node, device_pins=-1)
@@ -50,9 +56,46 @@ class Completions:
             self.leases.op_done(lease, op.op_id)
         return op
 
+    def _parts(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+        """The op's component copies: landed ones become valid (or durable), the rest are dropped,
+        and the op's pins on them go. Before the full pages, which a component copy needs."""
+        led = self.ledger
+        kind = op.kind
+        for pc in op.parts:
+            c, part = pc.part, led.parts[pc.part]
+            dslot, hslot, host = part.base + DSLOT, part.base + HSLOT, part.base + HOST
+            failed: list[Node] = []
+            for i in pc.index:
+                node = op.nodes[i]
+                rec = node.comp
+                assert rec is not None
+                if kind == OpKind.BACKUP:
+                    led.update(node, part=c, device_pins=-1)
+                    if i < ok:
+                        led.update(node, part=c, host=(HostState.VALID, rec[hslot]))
+                    else:
+                        led.free_part_host(node, part)
+                elif kind == OpKind.LOAD:
+                    led.update(node, part=c, host_pins=-1)
+                    if i < ok:
+                        led.update(node, part=c, device=(DeviceState.VALID, rec[dslot]))
+                    else:
+                        led.free_part_device(node, part)
+                        failed.append(node)
+                elif kind == OpKind.STORAGE_WRITE:
+                    led.update(
+                        node, part=c, storage=StorageState.DURABLE if i < ok else StorageState.NONE, host_pins=-1
+                    )
+                elif i < ok:  # STORAGE_READ
+                    led.update(node, part=c, host=(HostState.VALID, rec[hslot]), storage=StorageState.DURABLE)
+                elif rec[host]:
+                    led.free_part_host(node, part)
+            for lease in waiters if failed else ():
+                self.leases.drop_failed_part_loads(lease, c, failed)
+
     def _backup(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
-        for i, node in enumerate(op.nodes):
+        for i, node in op.full_moves():
             if i < ok:
                 led.update(node, host=(HostState.VALID, node.host_slot))
             else:
@@ -65,19 +108,21 @@ class Completions:
         if op.engine_pages:  # into the engine's blocks: no tier state changes, the lease holds the slots
             led.stats.loads_done_pages += ok
             return
-        for i, node in enumerate(op.nodes):
+        failed: list[Node] = []
+        for i, node in op.full_moves():
             if i < ok:
                 led.update(node, device=(DeviceState.VALID, node.device_page), host_pins=-1)
             else:
                 led.device.free([node.device_page])
                 led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
-        led.stats.loads_done_pages += ok
-        for lease in waiters:  # every request sharing a failed load lets go of its pages
-            self.leases.drop_failed_loads(lease, op.nodes[ok:])
+                failed.append(node)
+        led.stats.loads_done_pages += ok if op.full_index is None else sum(i < ok for i in op.full_index)
+        for lease in waiters if failed else ():  # every request sharing a failed load lets go of its pages
+            self.leases.drop_failed_loads(lease, failed)
 
     def _storage_write(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
-        for i, node in enumerate(op.nodes):
+        for i, node in op.full_moves():
             led.update(node, storage=StorageState.DURABLE if i < ok else StorageState.NONE, host_pins=-1)
         led.stats.storage_written_pages += ok
 

@@ -1,10 +1,36 @@
-"""Configuration of the core: what every rank must hold identically."""
+"""Configuration of the core: what every rank must hold identically.
+
+Components beside the full-attention pages (a hybrid model's other layer kinds) are declared here:
+a sliding-window component (``swa_window`` > 0) and a Mamba state component (``mamba_every`` != 0),
+each with its own device and host pools. ``components()`` lists them in a fixed order; component 0
+is always the full-attention pages.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 WRITE_POLICIES = ("none", "write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One component beside the full-attention pages.
+
+    ``window_pages`` > 0: sliding-window data, one page per node; a hit needs the pages covering the
+    last ``window_pages`` pages before its boundary. ``every`` != 0: a recurrent state per node where
+    kept (every k-th page boundary, or -1: where an insert ends); a hit ends at a node with a state."""
+
+    index: int
+    name: str
+    device_slots: int
+    host_slots: int
+    window_pages: int = 0
+    every: int = 0
+
+    @property
+    def is_window(self) -> bool:
+        return self.window_pages > 0
 
 
 @dataclass(frozen=True)
@@ -26,6 +52,18 @@ class CacheConfig:
     prefetch_max_attempts: int = 3  # storage lookups per request before it proceeds without
     prefetch_retry_rounds: int = 2  # rounds between attempts (paced, never a busy retry)
     prefetch_max_deferrals: int = 8  # rounds a prefetch may wait for host slots
+    # Sliding-window attention layers: window in tokens (0: none), their own pools in pages.
+    swa_window: int = 0
+    swa_device_pages: int = 0
+    swa_host_pages: int = 0
+    swa_release_out_of_window: bool = True  # after each insert, free a request's SWA behind its window
+    # Mamba (recurrent state) layers: where states are kept (0: none; k >= 1: at every k-th page
+    # boundary; -1: only at the end of what each insert adds), the bytes of one state on a rank
+    # (declared; the KV layout of the state pool must match), their own pools in states.
+    mamba_every: int = 0
+    mamba_state_bytes: int = 0
+    mamba_device_states: int = 0
+    mamba_host_states: int = 0
 
     def validate(self) -> None:
         if self.page_size <= 0:
@@ -44,6 +82,27 @@ class CacheConfig:
             raise ValueError("plan_mismatch_limit must be >= 1")
         if self.retention_cap_tokens < -1:
             raise ValueError("retention_cap_tokens must be -1 (unlimited), 0 (none) or a token count")
+        if self.swa_window < 0 or min(self.swa_device_pages, self.swa_host_pages) < 0:
+            raise ValueError("swa_window and the SWA pool sizes must be >= 0")
+        if self.swa_window and not self.swa_device_pages:
+            raise ValueError("a sliding-window component needs swa_device_pages > 0")
+        if self.mamba_every < -1 or min(self.mamba_device_states, self.mamba_host_states, self.mamba_state_bytes) < 0:
+            raise ValueError("mamba_every must be -1 (end of each insert), 0 (none) or k >= 1; pool sizes >= 0")
+        if self.mamba_every and not self.mamba_device_states:
+            raise ValueError("a Mamba component needs mamba_device_states > 0")
+
+    def components(self) -> tuple[ComponentSpec, ...]:
+        """The components beside full attention, in a fixed order (index 1, 2, ...)."""
+        out: list[ComponentSpec] = []
+        if self.swa_window:
+            pages = -(-self.swa_window // self.page_size)
+            out.append(
+                ComponentSpec(len(out) + 1, "swa", self.swa_device_pages, self.swa_host_pages, window_pages=pages)
+            )
+        if self.mamba_every:
+            dev, host = self.mamba_device_states, self.mamba_host_states
+            out.append(ComponentSpec(len(out) + 1, "mamba", dev, host, every=self.mamba_every))
+        return tuple(out)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from tpcache.core.allocator import OutOfPages
+from tpcache.core.components import host_parts_idle
 from tpcache.core.tiers import DeviceState, HostState
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ def host_subtree_droppable(node: Node) -> bool:
         child = stack.pop()
         if child.host_state != HostState.VALID or child.host_pins or child.device_state != DeviceState.NONE:
             return False
+        if child.comp is not None and not host_parts_idle(child):
+            return False  # a component copy of it is read (a storage write) or pinned
         stack.extend(c for c in child.children.values() if c.host_state != HostState.NONE)
     return True
 
@@ -103,6 +106,8 @@ def is_host_candidate(node: Node) -> bool:
         return False
     if node.device_state != DeviceState.NONE:
         return False
+    if node.comp is not None and not host_parts_idle(node):
+        return False  # a component copy on host is being written or read
     return not any(c.host_state != HostState.NONE for c in node.children.values())
 
 
@@ -186,11 +191,19 @@ class Evictor:
 
     # ------------------------------------------------------------------ allocation
 
+    def can_alloc_device(self, n: int) -> bool:
+        """Whether ``alloc_device(n)`` would succeed now. Changes nothing."""
+        short = n - self.ledger.device.available
+        return short <= 0 or self._can_free(short)
+
+    def _can_free(self, short: int) -> bool:
+        return short <= self.ledger.evictable_device_pages and (not self.write_back or self._clean_suffices(short))
+
     def alloc_device(self, n: int) -> list[int]:
         led = self.ledger
         short = n - led.device.available
         if short > 0:
-            if short > led.evictable_device_pages or (self.write_back and not self._clean_suffices(short)):
+            if not self._can_free(short):
                 if self.write_back:
                     self.evict_device(short, free_clean=False, drop_dirty=False)  # a retry finds these pages clean
                 raise OutOfPages(

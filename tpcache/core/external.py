@@ -1,6 +1,7 @@
 """Engine-owned device pages: tpcache holds the host (L2) and storage (L3) tiers under an engine's
 own block pool (vLLM's), and copies between its host slots and the block ids the engine names.
 
+Full attention only: a configuration with components (SWA pages, Mamba states) is refused.
 The core runs with no device tier of its own (``device_pages == 0``): no node is ever on device,
 and the engine's blocks never enter the tree. Two sequenced operations move KV across the border:
 
@@ -37,6 +38,8 @@ def require_engine_mode(config: CacheConfig) -> None:
         raise ValueError("engine-owned device pages need a core without a device tier (device_pages=0)")
     if config.host_pages <= 0:
         raise ValueError("engine-owned device pages need a host tier (host_pages > 0)")
+    if config.components():
+        raise ValueError("engine-owned device pages serve full-attention models only (no swa_window, no mamba_every)")
 
 
 def check_blocks(blocks: Sequence[int]) -> list[int]:

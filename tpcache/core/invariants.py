@@ -10,6 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tpcache.core.cache import CacheCore, OpKind
+from tpcache.core.components import (
+    DEV,
+    DPINS,
+    DSLOT,
+    HOST,
+    HPINS,
+    HSLOT,
+    STORE,
+    Part,
+    host_parts_idle,
+    is_part_evictable,
+    is_part_host_candidate,
+    is_part_mirror,
+)
 from tpcache.core.digest import Digest
 from tpcache.core.eviction import is_device_candidate, is_host_candidate
 from tpcache.core.ledger import is_evictable, is_mirror, is_protected, lease_record, record_of
@@ -125,6 +139,8 @@ def check(core: CacheCore) -> None:
         fail(f"mirror index {sorted(core.ledger.mirrors)} != {sorted(mirrors)}")
     _check_candidates(core, fail)
     _check_page_caches(core, fail)
+    for part in core.ledger.parts.values():
+        _check_part(core, part, fail)
     if digest.value != core.digest.value:
         fail("incremental digest differs from the digest recomputed from every node and lease")
 
@@ -134,7 +150,7 @@ def _host_only_below_droppable(node: Node) -> bool:
     stack = [c for c in node.children.values() if c.on_host and not c.on_device]
     while stack:
         child = stack.pop()
-        if child.host_state != HostState.VALID or child.host_pins:
+        if child.host_state != HostState.VALID or child.host_pins or not host_parts_idle(child):
             return False
         stack.extend(c for c in child.children.values() if c.on_host)
     return True
@@ -158,6 +174,7 @@ def _check_ops(
             for n in op.nodes:
                 if n.parent is None:
                     fail(f"op {op.op_id} references a removed node {n.node_id}")
+            for _, n in op.full_moves():
                 if op.engine_pages and kind == OpKind.LOAD:
                     if n.host_state != HostState.VALID:  # reads under its lease's pins, into engine blocks
                         fail(f"engine load op {op.op_id}: node {n.node_id} is {n!r}")
@@ -194,3 +211,99 @@ def _check_page_caches(core: CacheCore, fail: Callable[[str], None]) -> None:
         for other in run.nodes:  # every node of a cache in the tree points back at it
             if core.tree.nodes.get(other.node_id) is other and other.pages_run is not run:
                 fail(f"node {other.node_id} is cached by a run it does not point at")
+
+
+def _check_part(core: CacheCore, p: Part, fail: Callable[[str], None]) -> None:
+    """One component: slots owned once, pins accounted, data only beside its full page, counters,
+    mirror index and heaps equal to the records (recomputed here, as for full pages)."""
+    p.device.check()
+    p.host.check()
+    b, c = p.base, p.index
+    dev_owner: dict[int, str] = {}
+    host_owner: dict[int, str] = {}
+    dpins: dict[int, int] = {}
+    hpins: dict[int, int] = {}
+
+    def own(table: dict[int, str], slot: int, who: str) -> None:
+        if slot in table:
+            fail(f"{p.name} slot {slot} owned twice: by {table[slot]} and {who}")
+        table[slot] = who
+
+    for lease in core.leases.values():
+        held = lease.parts.get(c)
+        if held is None:
+            continue
+        for slot in held.pages:
+            own(dev_owner, slot, f"lease {lease.lease_id}")
+        for n in held.device_nodes:
+            dpins[n.node_id] = dpins.get(n.node_id, 0) + 1
+        for n in held.host_nodes:
+            hpins[n.node_id] = hpins.get(n.node_id, 0) + 1
+    expect = {
+        OpKind.BACKUP: (HOST, 1),  # (field that must be in flight, state)
+        OpKind.LOAD: (DEV, 1),
+        OpKind.STORAGE_WRITE: (STORE, 1),
+        OpKind.STORAGE_READ: (HOST, 1),
+    }
+    for kind, queue in core.inflight.items():
+        for op in queue:
+            for pc in op.parts:
+                if pc.part != c:
+                    continue
+                field, state = expect[kind]
+                for i in pc.index:
+                    n = op.nodes[i]
+                    if n.comp is None or n.comp[b + field] != state:
+                        fail(f"{kind.name} op {op.op_id}: node {n.node_id}'s {p.name} data is not in flight")
+                    pins = dpins if kind == OpKind.BACKUP else hpins
+                    if kind != OpKind.STORAGE_READ:
+                        pins[n.node_id] = pins.get(n.node_id, 0) + 1
+    evictable = 0
+    mirrors: list[int] = []
+    key = p.key
+    device_heap, host_heap = set(p.device_heap), set(p.host_heap)
+    for node in core.tree.nodes.values():
+        if node.parent is None:
+            continue
+        rec = node.comp
+        if rec is None:
+            fail(f"node {node.node_id} has no component record in a hybrid configuration")
+            continue
+        for tier, state, slot, owner, full_on in (
+            ("device", rec[b + DEV], rec[b + DSLOT], dev_owner, node.on_device),
+            ("host", rec[b + HOST], rec[b + HSLOT], host_owner, node.on_host),
+        ):
+            if state and not full_on:
+                fail(f"node {node.node_id}: {p.name} data on {tier} without its full page there")
+            if bool(state) != (slot != -1):
+                fail(f"node {node.node_id}: {p.name} {tier} state and slot disagree")
+            if state:
+                own(owner, slot, f"node {node.node_id}")
+        for name, have, want in (
+            ("device", rec[b + DPINS], dpins.get(node.node_id, 0)),
+            ("host", rec[b + HPINS], hpins.get(node.node_id, 0)),
+        ):
+            if have != want:
+                fail(f"node {node.node_id}: {have} {p.name} {name} pins, holders account for {want}")
+        if rec[b + DPINS] and not node.device_pins:
+            fail(f"node {node.node_id}: {p.name} pinned on device but its full page is not")
+        evictable += is_part_evictable(rec, b)
+        if is_part_mirror(rec, b):
+            mirrors.append(node.node_id)
+        if is_part_evictable(rec, b) and (key(node), node.node_id) not in device_heap:
+            fail(f"node {node.node_id}: {p.name} device candidate missing from its heap")
+        if is_part_host_candidate(rec, b) and (key(node), node.node_id) not in host_heap:
+            fail(f"node {node.node_id}: {p.name} host candidate missing from its heap")
+    for slot in dev_owner:
+        if not p.device.is_owned(slot):
+            fail(f"{p.name} device slot {slot} is in use but marked free")
+    if len(dev_owner) != p.device.used or len(host_owner) != p.host.used:
+        fail(f"{p.name} pools: {p.device.used}/{p.host.used} used, {len(dev_owner)}/{len(host_owner)} accounted for")
+    if evictable != p.evictable:
+        fail(f"{p.name} evictable counter {p.evictable} != {evictable}")
+    if sorted(mirrors) != sorted(p.mirrors):
+        fail(f"{p.name} mirror index {sorted(p.mirrors)} != {sorted(mirrors)}")
+    for what, table in (("backlog", p.backlog), ("release queue", p.behind)):
+        for node_id, node in table.items():
+            if core.tree.nodes.get(node_id) is not node:
+                fail(f"{p.name} {what} holds node {node_id}, which is not in the tree")

@@ -7,7 +7,9 @@ Invariants (``invariants.check``):
 - a lease waits for exactly the in-flight ops into its pages or slots (``ops``), and is registered
   as a waiter of each;
 - a released lease with ops in flight is parked (``releasing``) and finishes in the commit that
-  completes its last op: nothing a copy still writes is ever freed or handed to another request.
+  completes its last op: nothing a copy still writes is ever freed or handed to another request,
+  whichever component's slot (full page, SWA page, Mamba state) the copy writes;
+- per component (``lease.parts``), the same: what it pins on device or host, the slots it holds.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class Leases:
         """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
         self.ledger.refresh_lease(lease, [] if lease.prefetch is None else lease.prefetch.fields())
         kept = 0 if lease.releasing else mix(lease.lease_id, mix_ids(lease.pages))
+        if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
+            slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
+            kept = mix(kept, mix_ids(slots))
         self.kept_digest = (self.kept_digest - lease.kept + kept) & DIGEST_MASK
         lease.kept = kept
 
@@ -105,6 +110,17 @@ class Leases:
                 self.ledger.update(node, device_pins=-1)
         lease.device_nodes = [n for n in lease.device_nodes if n.node_id not in dropped]
 
+    def drop_failed_part_loads(self, lease: Lease, part: int, nodes: list[Node]) -> None:
+        """The same for one component's data whose load failed."""
+        held = lease.parts.get(part)
+        if held is None:
+            return
+        dropped = {n.node_id for n in nodes}
+        for node in held.device_nodes:
+            if node.node_id in dropped:
+                self.ledger.update(node, part=part, device_pins=-1)
+        held.device_nodes = [n for n in held.device_nodes if n.node_id not in dropped]
+
     # ------------------------------------------------------------------ waits and release
 
     def wait_for(self, lease: Lease, op_id: int) -> None:
@@ -136,6 +152,12 @@ class Leases:
         led.forget_lease(lease)
         self.kept_digest = (self.kept_digest - lease.kept) & DIGEST_MASK
         lease.kept = 0
+        for c, held in lease.parts.items():  # component pins first: a full page outlives its components
+            for node in held.device_nodes:
+                led.update(node, part=c, device_pins=-1)
+            for node in held.host_nodes:
+                led.update(node, part=c, host_pins=-1)
+            led.parts[c].device.free(held.pages)
         for node in lease.device_nodes:
             led.update(node, device_pins=-1)
         for node in lease.host_nodes:

@@ -1,20 +1,36 @@
 """The ledger: the one mutator of node state.
 
-Every change to a node's tier state, pins, access stamp or hit count goes through ``update``, and
-nodes enter and leave the tree through ``add``/``remove``. The ledger keeps what summarizes the
-nodes equal to them after every call: the state digest (the sum of ``record_of`` over nodes and
-leases), the evictable/protected counters, the mirror index and the eviction candidate heaps.
+Every change to a node's tier state, pins, access stamp or hit count goes through ``update`` (for a
+component of a hybrid model: ``update(node, part=c, ...)``), and nodes enter and leave the tree
+through ``add``/``remove``. The ledger keeps what summarizes the nodes equal to them after every
+call: the state digest (the sum of ``record_of`` over nodes and leases), the evictable/protected
+counters, the mirror index and the eviction candidate heaps, and each component's (``Part``).
 ``invariants.check`` recomputes each of these from the nodes with the same functions.
 """
 
 from __future__ import annotations
 
 import struct
+from array import array
 from typing import Protocol
 
 import xxhash
 
 from tpcache.core.allocator import HostAllocator, PageAllocator
+from tpcache.core.components import (
+    DEV,
+    DPINS,
+    DSLOT,
+    HOST,
+    HPINS,
+    HSLOT,
+    STAMP,
+    STORE,
+    Part,
+    fresh_record,
+    is_part_evictable,
+    is_part_mirror,
+)
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.records import Lease, Stats
@@ -30,27 +46,27 @@ _MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
 
 def record_of(node: Node) -> int:
     """A node's contribution to the state digest: every field that decides a hit, a page number or
-    an eviction (tier states, device page, host slot, pins, stamp, hits, creation time)."""
-    return (
-        xxhash.xxh3_64_intdigest(
-            _RECORD.pack(
-                node.hash,
-                node.device_state | node.host_state << 2 | node.storage_state << 4,
-                node.device_page,
-                node.host_slot,
-                node.device_pins << 32 | node.host_pins,
-                node.last_access,
-                node.hits,
-                node.created_at,
-            )
-        )
-        & DIGEST_MASK
+    an eviction (tier states, device page, host slot, pins, stamp, hits, creation time), and every
+    field of its component record (``components.STRIDE`` per component)."""
+    packed = _RECORD.pack(
+        node.hash,
+        node.device_state | node.host_state << 2 | node.storage_state << 4,
+        node.device_page,
+        node.host_slot,
+        node.device_pins << 32 | node.host_pins,
+        node.last_access,
+        node.hits,
+        node.created_at,
     )
+    if node.comp is not None:
+        packed += array("q", node.comp).tobytes()
+    return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
 
 
 def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
-    """A lease's contribution to the state digest: what it pins, holds and waits for."""
-    return mix(
+    """A lease's contribution to the state digest: what it pins, holds and waits for, and per
+    component what it pins and holds, and its protected prefix."""
+    record = mix(
         _LEASE_TAG,
         lease.lease_id,
         mix_ids([n.node_id for n in lease.device_nodes]),
@@ -60,6 +76,15 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
         int(lease.releasing),
         mix_ids(prefetch_fields),
     )
+    fields: list[int] = []
+    for c, held in lease.parts.items():
+        if held.device_nodes or held.host_nodes or held.pages:  # an empty entry holds nothing
+            fields += [c, len(held.device_nodes), *(n.node_id for n in held.device_nodes)]
+            fields += [len(held.host_nodes), *(n.node_id for n in held.host_nodes), len(held.pages), *held.pages]
+    if not fields and not lease.hit_pages:
+        return record
+    fields.append(lease.hit_pages)
+    return mix(record, mix_ids(fields))
 
 
 def is_mirror(node: Node) -> bool:
@@ -103,6 +128,8 @@ class Ledger:
         self.mirrors: dict[int, Node] = {}
         # Pages waiting for a host slot to be backed up, oldest first; its length is the host deficit.
         self.backup_backlog: dict[int, Node] = {}
+        # A hybrid model's other components, by index (1, 2, ...): pools and summaries of each.
+        self.parts: dict[int, Part] = {spec.index: Part(spec, tree) for spec in config.components()}
 
     @property
     def evictable_device_tokens(self) -> int:
@@ -129,9 +156,14 @@ class Ledger:
         host_pins: int = 0,
         stamp: bool = False,
         hit: bool = False,
+        part: int = 0,
     ) -> None:
         """Change ``node``: tier states (with their page or slot), pin deltas, an access stamp (the
-        current clock) and a hit. Transitions are checked against the tier tables."""
+        current clock) and a hit. Transitions are checked against the tier tables. ``part`` > 0:
+        the same changes to that component's data of the node (its own states, slots, pins, stamp)."""
+        if part:
+            self._update_part(node, self.parts[part], device, host, storage, device_pins, host_pins, stamp)
+            return
         was_evictable, was_protected, was_mirror = is_evictable(node), is_protected(node), is_mirror(node)
         if device is not None:
             state, page = device
@@ -159,6 +191,8 @@ class Ledger:
     def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int] | None = None) -> Node:
         """A new node under ``parent`` (stamped now), optionally with a host slot being written."""
         node = self.tree.add_child(parent, tokens, hash_, self.clock)
+        if self.parts:
+            node.comp = fresh_record(len(self.parts), self.clock)
         if host is not None:
             check_transition(HostState, node.host_state, host[0])
             node.host_state, node.host_slot = host
@@ -178,11 +212,59 @@ class Ledger:
             self.digest.remove(node.record)
             node.record = 0
             self.backup_backlog.pop(node.node_id, None)
+            for p in self.parts.values():
+                p.backlog.pop(node.node_id, None)
+                p.behind.pop(node.node_id, None)
             self.tree.remove_leaf(node)
             if parent.parent is None:
                 return
             self.candidates.offer(parent)
             node = parent
+
+    def _update_part(
+        self,
+        node: Node,
+        p: Part,
+        device: tuple[DeviceState, int] | None,
+        host: tuple[HostState, int] | None,
+        storage: StorageState | None,
+        device_pins: int,
+        host_pins: int,
+        stamp: bool,
+    ) -> None:
+        rec, b = node.comp, p.base
+        assert rec is not None, "a component change on a node of a configuration without components"
+        was_evictable, was_mirror = is_part_evictable(rec, b), is_part_mirror(rec, b)
+        if device is not None:
+            check_transition(DeviceState, rec[b + DEV], device[0])
+            rec[b + DEV], rec[b + DSLOT] = int(device[0]), device[1]
+        if host is not None:
+            check_transition(HostState, rec[b + HOST], host[0])
+            rec[b + HOST], rec[b + HSLOT] = int(host[0]), host[1]
+        if storage is not None:
+            check_transition(StorageState, rec[b + STORE], storage)
+            rec[b + STORE] = int(storage)
+        rec[b + DPINS] += device_pins
+        rec[b + HPINS] += host_pins
+        if stamp:
+            rec[b + STAMP] = self.clock
+        self._rerecord(node)
+        p.evictable += is_part_evictable(rec, b) - was_evictable
+        mirror = is_part_mirror(rec, b)
+        if mirror != was_mirror:
+            if mirror:
+                p.mirrors[node.node_id] = node
+            else:
+                del p.mirrors[node.node_id]
+        p.offer(node)
+        if host is not None or host_pins:
+            self.candidates.offer_around(node)  # its host candidacy (and a device page above it) depends on them
+
+    def _rerecord(self, node: Node) -> None:
+        digest = self.digest
+        digest.value = (digest.value - node.record) & DIGEST_MASK
+        node.record = record_of(node)
+        digest.value = (digest.value + node.record) & DIGEST_MASK
 
     def _refresh(self, node: Node, was_evictable: bool, was_protected: bool, was_mirror: bool) -> None:
         digest = self.digest
@@ -214,14 +296,35 @@ class Ledger:
     # ------------------------------------------------------------------ shared node changes
 
     def free_host_copy(self, node: Node) -> None:
-        """Drop a node's host copy (evicted, released as a mirror, or its copy failed)."""
+        """Drop a node's host copy (evicted, released as a mirror, or its copy failed), with its
+        components' host copies (they need it)."""
+        if node.comp is not None:
+            for p in self.parts.values():
+                if node.comp[p.base + HOST]:
+                    self.free_part_host(node, p)
         self.host.free([node.host_slot])
         self.update(node, host=(HostState.NONE, -1))
 
     def free_device_copy(self, node: Node) -> None:
-        """Drop a node's device page (evicted, or its load failed)."""
+        """Drop a node's device page (evicted, or its load failed), with its components' device
+        copies (they need it)."""
+        if node.comp is not None:
+            for p in self.parts.values():
+                if node.comp[p.base + DEV]:
+                    self.free_part_device(node, p)
         self.device.free([node.device_page])
         self.update(node, device=(DeviceState.NONE, -1))
+
+    def free_part_device(self, node: Node, p: Part) -> None:
+        """Drop one component's device copy of a node (a tombstone if its full page stays)."""
+        assert node.comp is not None
+        p.device.free([node.comp[p.base + DSLOT]])
+        self.update(node, part=p.index, device=(DeviceState.NONE, -1))
+
+    def free_part_host(self, node: Node, p: Part) -> None:
+        assert node.comp is not None
+        p.host.free([node.comp[p.base + HSLOT]])
+        self.update(node, part=p.index, host=(HostState.NONE, -1))
 
     def path_union(self, nodes: list[Node]) -> list[Node]:
         """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from tpcache.core.components import DSLOT, HSLOT
+from tpcache.core.hitrule import QueryPlan
 from tpcache.core.ledger import Ledger
-from tpcache.core.records import OpKind, Ready, ReadyNotAdvanced, Transfer
+from tpcache.core.records import OpKind, PartCopy, Ready, ReadyNotAdvanced, Transfer
 from tpcache.core.tree import Node
 
 
@@ -29,19 +31,33 @@ class Outbox:
         nodes: list[Node],
         lease_id: int,
         page_hashes: list[int] | None = None,
+        *,
+        full_index: list[int] | None = None,
+        parts: dict[int, list[int]] | None = None,
+        query: QueryPlan | None = None,
         engine_pages: list[int] | None = None,
     ) -> Transfer:
-        """A new op over ``nodes``; ``engine_pages``: its device side is these engine blocks instead."""
+        """A new op over ``nodes`` (their slots as they are now). ``full_index``: the positions whose
+        full page it moves (None: all); ``parts``: per component, the positions whose data it moves;
+        ``engine_pages``: its device side is these engine blocks instead (full attention only)."""
+        movers = nodes if full_index is None else [nodes[i] for i in full_index]
         op = Transfer(
             op_id=self.next_op,
             kind=kind,
             nodes=list(nodes),
-            device_pages=[n.device_page for n in nodes] if engine_pages is None else list(engine_pages),
-            host_slots=[n.host_slot for n in nodes],
+            device_pages=[n.device_page for n in movers] if engine_pages is None else list(engine_pages),
+            host_slots=[n.host_slot for n in movers],
             page_hashes=[n.hash for n in nodes] if page_hashes is None else list(page_hashes),
             lease_id=lease_id,
+            full_index=full_index,
+            query=query,
             engine_pages=engine_pages is not None,
         )
+        for c, index in (parts or {}).items():
+            base = self.ledger.parts[c].base
+            recs = [nodes[i].comp for i in index]
+            dev = [r[base + DSLOT] for r in recs]  # type: ignore[index]
+            op.parts.append(PartCopy(c, index, dev, [r[base + HSLOT] for r in recs]))  # type: ignore[index]
         self.next_op += 1
         if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):
             # A copy in flight protects the device pages along its pages' paths until its ack: they

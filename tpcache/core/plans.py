@@ -7,7 +7,7 @@ between the rounds does nothing wrong, only less.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ class Plan:
     node_ids: list[int]
     tokens: int
     digest: int
+    parts: list[int] = field(default_factory=list)  # per node, the component it concerns (empty: full pages)
 
     @property
     def count(self) -> int:

@@ -7,20 +7,31 @@ is known. The lease pins the prefix the fetch hangs from and the pages it reads;
 for the fetch's copies to land. Retries are paced in rounds and capped per request; a completion of
 an op that is not the current attempt's is stale and ignored. Admission waits only as the stop
 policy says (``admissible``).
+
+With components, a lookup asks for each page's full, SWA and state keys, and each rank answers with
+the hit ``hitrule.hit_length`` allows over what its storage holds (``QueryPlan``); the read brings
+the full pages of the agreed hit and the component data that hit reads. A rank whose read of any of
+it fails lands fewer pages, agreed like any other short read, so a hit is never served on a guess.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from tpcache.core.components import readable_tier
 from tpcache.core.config import CacheConfig
 from tpcache.core.eviction import Evictor
+from tpcache.core.hitrule import QueryPlan, keeps_state, window_range
 from tpcache.core.leases import Leases
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, OpKind, PrefetchState, Transfer
 from tpcache.core.tiers import HostState
 from tpcache.core.tree import Node
+
+if TYPE_CHECKING:
+    from tpcache.core.hybrid import Hybrid
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 
@@ -62,6 +73,7 @@ class Prefetcher:
         outbox: Outbox,
         evictor: Evictor,
         closed: Callable[[], bool],
+        hybrid: Hybrid | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -69,6 +81,7 @@ class Prefetcher:
         self.outbox = outbox
         self.evictor = evictor
         self.closed = closed
+        self.hybrid = hybrid
 
     # ------------------------------------------------------------------ sequenced
 
@@ -125,7 +138,11 @@ class Prefetcher:
         if state is None or op.op_id != state.op_id:
             self.ledger.stats.prefetch_stale_completions += 1
             return
-        self.leases.unpin_anchor(lease, state.anchor)  # the new pages hold their parent now
+        # The new pages hold their parent on host now. The device path above them stays pinned until
+        # the lease is released, as a lock pins its device prefix: a device page with no host copy
+        # cannot go while pinned host pages hang from it (unpinned, it would count as evictable
+        # without being so), and an insert meanwhile may have hung the lease's own pages from it.
+        self.leases.unpin_anchor(lease, [(tier, node) for tier, node in state.anchor if tier == "host"])
         state.anchor = []
         state.ready_pages += landed
         state.nodes = []
@@ -156,7 +173,7 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ internals
 
-    def _continuation(self, state: PrefetchState) -> tuple[Node, int, list[int], list[bytes]] | None:
+    def _continuation(self, state: PrefetchState) -> tuple[Node, int, list[int], list[bytes], list[Node]] | None:
         """The node the fetch hangs from, the index of the first missing page, and every page's hash
         and tokens. None when nothing is missing or the parent is not readable on device or host
         (the new host pages would hang from nothing)."""
@@ -170,7 +187,7 @@ class Prefetcher:
         parent = nodes[k - 1] if k else self.ledger.tree.root
         if parent.parent is not None and parent.host_state != HostState.VALID and not parent.device_valid:
             return None
-        return parent, k, walk.hashes, walk.pages
+        return parent, k, walk.hashes, walk.pages, nodes[:k]
 
     def _query(self, lease: Lease, retry: bool = False) -> bool:
         state = lease.prefetch
@@ -179,14 +196,14 @@ class Prefetcher:
         if found is None:
             _to(state, "gone")
             return False
-        _, k, hashes, _ = found
+        _, k, hashes, _, resident = found
         if retry:
             _to(state, "due")
         state.attempts += 1
         state.start = k
-        op = self.outbox.issue(
-            OpKind.STORAGE_QUERY, [], lease.lease_id, page_hashes=hashes[k : k + self.config.prefetch_max_pages]
-        )
+        looked = hashes[k : k + self.config.prefetch_max_pages]
+        plan = self._query_plan(k, len(looked), resident) if self.hybrid is not None else None
+        op = self.outbox.issue(OpKind.STORAGE_QUERY, [], lease.lease_id, page_hashes=looked, query=plan)
         state.op_id = op.op_id
         self.leases.wait_for(lease, op.op_id)
         return True
@@ -199,9 +216,13 @@ class Prefetcher:
         if found is None or found[1] >= end:
             _to(state, "gone")
             return
-        parent, k, hashes, pages = found
+        parent, k, hashes, pages, _ = found
         anchor = self.leases.pin_anchor(lease, parent)
         slots = self.evictor.alloc_host(end - k)
+        part_slots = self._part_slots(k, end) if slots is not None and self.hybrid is not None else {}
+        if part_slots is None:
+            self.ledger.host.free(slots)  # type: ignore[arg-type]
+            slots = None
         if slots is None:
             self.leases.unpin_anchor(lease, anchor)
             # proceed with what the device holds once the deferrals are used up
@@ -212,9 +233,50 @@ class Prefetcher:
             parent = self.ledger.add(parent, pages[i], hashes[i], host=(HostState.WRITING, slot))
             nodes.append(parent)
         self.leases.pin_host(lease, nodes)
-        op = self.outbox.issue(OpKind.STORAGE_READ, nodes, lease.lease_id)
+        parts: dict[int, list[int]] = {}
+        for c, placed in (part_slots or {}).items():
+            for page, slot in placed:
+                self.ledger.update(nodes[page - k], part=c, host=(HostState.WRITING, slot))
+                parts.setdefault(c, []).append(page - k)
+        op = self.outbox.issue(OpKind.STORAGE_READ, nodes, lease.lease_id, parts=parts or None)
         self.leases.wait_for(lease, op.op_id)
         state.op_id = op.op_id
         state.nodes = nodes
         state.anchor = anchor
         _to(state, "slots" if state.status == "deferred" else "hit")
+
+    # ------------------------------------------------------------------ components
+
+    def _query_plan(self, k: int, count: int, resident: list[Node]) -> QueryPlan:
+        """What each rank needs to compute its storage hit by the hit rule (see ``hitrule``)."""
+        hy = self.hybrid
+        assert hy is not None
+        before: tuple[bool, ...] = ()
+        if hy.window_part is not None:
+            b = hy.window_part.base
+            start = max(0, k - hy.window + 1)
+            before = tuple(readable_tier(n.comp, b) != 0 for n in resident[start:k])  # type: ignore[arg-type]
+        every = hy.state_part.spec.every if hy.state_part is not None else 0
+        state_pages = tuple(every < 0 or keeps_state(every, k + i, -1) for i in range(count)) if every else ()
+        return QueryPlan(k, hy.window, before, hy.state_part is not None, state_pages)
+
+    def _part_slots(self, k: int, end: int) -> dict[int, list[tuple[int, int]]] | None:
+        """Host slots for the component data a hit of ``end`` pages reads from pages ``k..end-1``:
+        per component, (page, slot). None (nothing kept) when some component pool is short."""
+        hy = self.hybrid
+        assert hy is not None
+        want: dict[int, list[int]] = {}
+        if hy.window_part is not None:
+            want[hy.window_part.index] = [i for i in window_range(end, hy.window) if i >= k]
+        if hy.state_part is not None:
+            want[hy.state_part.index] = [end - 1]
+        out: dict[int, list[tuple[int, int]]] = {}
+        for c, pages in want.items():
+            part = self.ledger.parts[c]
+            slots = hy.part_evictor.alloc_host(part, len(pages)) if pages else []
+            if slots is None:
+                for done, placed in out.items():
+                    self.ledger.parts[done].host.free([s for _, s in placed])
+                return None
+            out[c] = list(zip(pages, slots, strict=True))
+        return out

@@ -4,11 +4,13 @@ effects, leases, match results, counters, and the errors of its operations."""
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tpcache.core.hitrule import QueryPlan
     from tpcache.core.tree import Node, Walk
 
 
@@ -23,9 +25,24 @@ class OpKind(IntEnum):
 
 
 @dataclass
+class PartCopy:
+    """One component's share of an op: the op's nodes (by position) that move this component's data,
+    with its device slots and host slots (in the component's own pools)."""
+
+    part: int
+    index: list[int]
+    device: list[int]
+    host: list[int]
+
+
+@dataclass
 class Transfer:
     """One op: a copy or storage call the I/O layer carries out. Known by ``op_id`` from issue to
-    retirement; ``acked`` is set when the round agrees how many leading pages landed on every rank."""
+    retirement; ``acked`` is set when the round agrees how many leading pages landed on every rank.
+
+    ``device_pages``/``host_slots`` are the full-attention pages it moves: those of every node, or of
+    the nodes at ``full_index`` when some nodes move only component data (``parts``). A node counts
+    as landed when every copy of it in the op landed; ``acked`` counts leading nodes."""
 
     op_id: int
     kind: OpKind
@@ -36,11 +53,20 @@ class Transfer:
     lease_id: int = -1
     pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
     acked: int = -1  # agreed pages landed on every rank, once retired
+    full_index: list[int] | None = None  # positions of the nodes whose full page moves (None: all)
+    parts: list[PartCopy] = field(default_factory=list)
+    query: QueryPlan | None = None  # a hybrid storage lookup: how the I/O layer computes its hit
     engine_pages: bool = False  # the device side names the engine's own blocks (core/external.py)
 
     @property
     def num_pages(self) -> int:
         return len(self.page_hashes)
+
+    def full_moves(self) -> Iterable[tuple[int, Node]]:
+        """(position, node) of every node whose full page the op moves."""
+        if self.full_index is None:
+            return enumerate(self.nodes)
+        return ((i, self.nodes[i]) for i in self.full_index)
 
 
 @dataclass
@@ -90,6 +116,15 @@ class PrefetchState:
 
 
 @dataclass
+class LeasePart:
+    """What a lease holds of one component: nodes pinned on device or host, slots allocated to it."""
+
+    device_nodes: list[Node] = field(default_factory=list)
+    host_nodes: list[Node] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Lease:
     """Everything one request holds. Released only when no copy into its pages is in flight."""
 
@@ -103,17 +138,24 @@ class Lease:
     prefetch: PrefetchState | None = None
     record: int = 0  # its record in the state digest
     kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
+    parts: dict[int, LeasePart] = field(default_factory=dict)  # by component (hybrid configurations)
+    hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
 
 
 @dataclass
 class MatchResult:
-    """What a lookup found; ``device_pages`` then ``host_pages`` form one contiguous prefix."""
+    """What a lookup found; ``device_pages`` then ``host_pages`` form one contiguous prefix.
+
+    With components, ``device_pages`` is the hit the device serves now (every page, SWA window and
+    state it needs valid on device) and ``device_pages + host_pages`` the hit once ``load`` brought
+    back what is on host; ``parts`` lists, per component, the nodes whose data the latter reads."""
 
     walk: Walk
     device_pages: int = 0
     host_pages: int = 0
     device_page_array: array = field(default_factory=lambda: array("i"))  # the device prefix's pages
     nodes: list[Node] = field(default_factory=list)  # device then host prefix nodes
+    parts: dict[int, list[Node]] = field(default_factory=dict)  # per component: the nodes the hit reads
 
     @property
     def device_page_ids(self) -> list[int]:
@@ -154,6 +196,11 @@ class Stats:
     prefetch_hit_pages: int = 0
     prefetch_read_pages: int = 0
     prefetch_stale_completions: int = 0
+    part_device_evicted: int = 0  # component device copies freed by eviction (tombstones or whole nodes)
+    part_host_evicted: int = 0
+    swa_released_pages: int = 0  # SWA pages behind a request's window freed after its insert
+    part_loads_issued: int = 0  # component copies loaded back from host
+    part_backups_issued: int = 0
 
 
 class CacheClosed(RuntimeError):

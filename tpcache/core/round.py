@@ -70,11 +70,14 @@ class RoundReport:
 
 
 class Round:
-    def __init__(self, core: CacheCore, features: Sequence[PlanFeature] | None = None) -> None:
+    def __init__(self, core: CacheCore, features: Sequence[PlanFeature] | None = None, kv_layout: str = "") -> None:
+        """``kv_layout``: a description of the KV byte layout of every component (the engine's),
+        which ranks must share as they share the configuration."""
         self.core = core
-        self.layout = RoundLayout.default()
+        self.layout = RoundLayout.default(QUEUES, [p.name for p in core.ledger.parts.values()])
         # Ranks must run one layout and one configuration: a digest of both is the layout field.
-        self.layout_digest = mix_text(json.dumps([LAYOUT_VERSION, self.layout.fields, core.config.to_dict()]))
+        described = [LAYOUT_VERSION, self.layout.fields, core.config.to_dict()] + ([kv_layout] if kv_layout else [])
+        self.layout_digest = mix_text(json.dumps(described))
         self.number = 0
         self.features: list[PlanFeature] = list(core.plan_features if features is None else features)
         self._configured = [f.name for f in self.features]
@@ -133,6 +136,7 @@ class Round:
         values += (core.outbox.next_op, core.book.next_lease, core.host_deficit)
         plan = self.pending_plan
         values += (plan.count, plan.tokens, plan.digest) if plan else (0, 0, 0)
+        values += tuple(len(p.backlog) for p in core.ledger.parts.values())
         self._prepared = True
         return self.layout.pack_values(values)
 

@@ -6,8 +6,8 @@ Children are found by the page's exact tokens (a dict keyed by bytes), so a look
 on a hash being collision-free and a hit costs no hashing; each node also carries its page's
 chain hash, the page's identity for digests and storage keys.
 
-Tier data (device page, host slot, storage state, pins) lives on the node; the cache
-(``cache.py``) owns every change to it.
+Tier data (device page, host slot, storage state, pins, and a hybrid model's per-component record)
+lives on the node; the ledger (``ledger.py``) makes every change to it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Node:
         "last_access",
         "created_at",
         "hits",
+        "comp",
         "record",
         "run",
         "pages_run",
@@ -63,6 +64,7 @@ class Node:
         self.last_access = clock
         self.created_at = clock
         self.hits = 0
+        self.comp: list[int] | None = None  # per-component data of a hybrid model (components.py)
         self.record = 0  # this node's current contribution to the state digest
         self.run: tuple[Run, int] | None = None  # the chain below, cached (tree._run): (run, index of my child)
         self.pages_run: Run | None = None  # the run whose cached device pages include this node

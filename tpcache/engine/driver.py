@@ -64,13 +64,16 @@ class Driver:
         *,
         rank: int = 0,
         round_timeout_s: float = 30.0,
+        kv_layout: str = "",
     ) -> None:
+        """``kv_layout``: a description of the KV layout of every component, which the round's
+        layout field covers (ranks with different layouts close in their first round)."""
         self.core = core
         self.io = io
         self.collective = collective
         self.rank = rank
         self.round_timeout_s = round_timeout_s
-        self.round = Round(core)
+        self.round = Round(core, kv_layout=kv_layout)
         self.seq = 0  # sequenced operations applied since the start or the last agreed flush
         self.health_bits = 0  # the driver's own: a commit that raised
         self.on_released: Callable[[list[int]], None] | None = None  # leases whose release finished
@@ -165,13 +168,34 @@ class Operations:
         """Match and pin the cached prefix for a request; returns (lease id, match)."""
         return self.driver.apply(self.core.lock, tokens)
 
-    def alloc(self, lease: int, num_pages: int) -> list[int]:
-        """Device pages for the lease to compute KV into (evicting unpinned cache pages)."""
-        return self.driver.apply(self.core.alloc, lease, num_pages)
+    def alloc(self, lease: int, num_pages: int, component: int | str = 0) -> list[int]:
+        """Device pages for the lease to compute KV into (evicting unpinned cache pages); with a
+        ``component`` ("swa", "mamba" or its index), slots of that component's device pool."""
+        return self.driver.apply(self.core.alloc, lease, num_pages, self._component(component))
 
-    def insert(self, lease: int, tokens: TokenIds, device_pages: Sequence[int]) -> tuple[int, int]:
-        """Cache the full pages of ``tokens`` whose KV is in ``device_pages``."""
-        return self.driver.apply(self.core.insert, lease, tokens, list(device_pages))
+    def insert(
+        self,
+        lease: int,
+        tokens: TokenIds,
+        device_pages: Sequence[int],
+        parts: Mapping[int | str, Sequence[int]] | None = None,
+    ) -> tuple[int, int]:
+        """Cache the full pages of ``tokens`` whose KV is in ``device_pages``; ``parts``: per
+        component, the slot holding each page's data of that component (-1: none)."""
+        by_index = {self._component(c): list(v) for c, v in parts.items()} if parts else None
+        return self.driver.apply(self.core.insert, lease, tokens, list(device_pages), by_index)
+
+    def chunk_tokens(self, lease: int, start: int, want: int) -> int:
+        """How many tokens of a prefill chunk starting at ``start`` the pools take now (pure)."""
+        return self.core.chunk_tokens(lease, start, want)
+
+    def _component(self, component: int | str) -> int:
+        if isinstance(component, int):
+            return component
+        for spec in self.core.config.components():
+            if spec.name == component:
+                return spec.index
+        raise ValueError(f"no component {component!r} in this configuration")
 
     def load(self, lease: int) -> Any:
         """Start loading the lease's host hits to device; returns the prefix's device pages."""

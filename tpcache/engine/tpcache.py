@@ -8,9 +8,11 @@ unconditionally by every rank from the calling (main) thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -19,7 +21,7 @@ from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.round import RoundReport
 from tpcache.dist.collective import Collective
 from tpcache.engine.driver import Driver, Operations
-from tpcache.engine.shell import Shell, storage_key_factory
+from tpcache.engine.shell import PartIO, Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout
 from tpcache.io.storage import StorageBackend, StorageWorker, open_storage
 from tpcache.io.transfer import LoadHandle, TransferEngine
@@ -29,10 +31,14 @@ log = logging.getLogger("tpcache.engine")
 KV_FORMAT_VERSION = 1
 
 
-def layout_version(layout: KVLayout) -> int:
-    """A stable id of the page byte format: storage never reads pages written in another layout."""
+def layout_version(layout: KVLayout, component: str = "") -> int:
+    """A stable id of the page byte format: storage never reads pages written in another layout.
+    A component's data (``component``: "swa", "mamba") has its own id, so its keys never meet the
+    full pages' keys or another component's."""
     fields = (KV_FORMAT_VERSION, layout.num_layers, layout.heads_per_rank, layout.head_dim, layout.dtype)
     desc = "/".join(str(f) for f in (*fields, layout.page_size))
+    if component:
+        desc += f"/{component}"
     return xxhash.xxh32_intdigest(desc.encode()) & 0x7FFFFFFF
 
 
@@ -40,6 +46,7 @@ def layout_version(layout: KVLayout) -> int:
 class LoadResult:
     device_pages: list[int]  # the lease's device prefix, loading pages included
     handles: list[LoadHandle]  # every load its pages wait for: its own, and others' it shares
+    part_handles: list[LoadHandle] = field(default_factory=list)  # component loads it waits for
 
     @property
     def handle(self) -> LoadHandle | None:
@@ -50,6 +57,11 @@ class LoadResult:
         """Block until ``layer`` of every page of the prefix has landed (a forward pass's layer i)."""
         for handle in self.handles:
             handle.wait_layer(layer, timeout)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every copy the hit waits for has landed: full pages and component data."""
+        for handle in self.handles + self.part_handles:
+            handle.wait(timeout)
 
 
 class TPCache(Operations):
@@ -66,10 +78,14 @@ class TPCache(Operations):
         round_timeout_s: float = 30.0,
         transfer_threads: int | None = 1,
         transfer_delay: Any = None,
+        part_layouts: Mapping[str, KVLayout] | None = None,
     ) -> None:
         """``storage``: a backend, or a storage URL (file://, mooncake://, redis://) opened for this
         rank's shard. ``transfer_delay``: test hook passed to the TransferEngine (seconds, or op id
-        -> seconds)."""
+        -> seconds). ``part_layouts``: for a hybrid model, the layout of each component's data by
+        name ("swa": the sliding-window layers' KV per page, page size as the cache's; "mamba": one
+        state per "page", see ``kv_pool.state_layout``), with ``kv_layout`` the full-attention
+        layers'."""
         if isinstance(storage, str):
             storage = open_storage(storage, shard=(collective.rank, collective.world_size))
         if storage is not None and not config.storage:
@@ -104,9 +120,60 @@ class TPCache(Operations):
         elif storage is not None:
             raise ValueError("the storage tier needs a KV layout (pages have bytes to store)")
         self.storage = storage  # owned: closed with the cache
-        self.shell = Shell(transfer, self.host_pool, worker, key_of)
-        self.driver = Driver(core, self.shell, collective, rank=self.rank, round_timeout_s=round_timeout_s)
+        self.part_pools: dict[str, tuple[DevicePool, HostPool]] = {}
+        parts = self._part_io(config, part_layouts or {}, device, host_layout, transfer_threads, storage is not None)
+        self.shell = Shell(transfer, self.host_pool, worker, key_of, parts)
+        described = self._describe_layouts(part_layouts or {})
+        self.driver = Driver(
+            core, self.shell, collective, rank=self.rank, round_timeout_s=round_timeout_s, kv_layout=described
+        )
         self.round = self.driver.round
+
+    def _part_io(
+        self,
+        config: CacheConfig,
+        layouts: Mapping[str, KVLayout],
+        device: Any,
+        host_layout: str,
+        threads: int | None,
+        storage: bool,
+    ) -> dict[int, PartIO]:
+        """Pools and a transfer engine per component of a hybrid model (with a KV layout)."""
+        specs = config.components()
+        unknown = set(layouts) - {s.name for s in specs}
+        if unknown:
+            raise ValueError(f"layouts given for components the configuration does not declare: {sorted(unknown)}")
+        if self.kv_layout is None:
+            return {}
+        out: dict[int, PartIO] = {}
+        for spec in specs:
+            layout = layouts.get(spec.name)
+            if layout is None:
+                raise ValueError(f"the {spec.name} component needs its layout (part_layouts[{spec.name!r}])")
+            if spec.is_window and layout.page_size != config.page_size:
+                raise ValueError(
+                    f"{spec.name} layout page size {layout.page_size} != cache page size {config.page_size}"
+                )
+            if not spec.is_window and config.mamba_state_bytes and layout.page_bytes != config.mamba_state_bytes:
+                raise ValueError(
+                    f"mamba layout holds {layout.page_bytes} bytes a state, config says {config.mamba_state_bytes}"
+                )
+            dev = DevicePool(layout, spec.device_slots, device)
+            host = HostPool(layout, max(spec.host_slots, 1), host_layout)  # type: ignore[arg-type]
+            self.part_pools[spec.name] = (dev, host)
+            key_of = None
+            if storage:
+                version = layout_version(layout, spec.name)
+                key_of = storage_key_factory(config.namespace, version, self.rank, self.world_size)
+            out[spec.index] = PartIO(TransferEngine(dev, host, threads=threads), host, key_of, spec.is_window)
+        return out
+
+    def _describe_layouts(self, layouts: Mapping[str, KVLayout]) -> str:
+        """What the round's layout field covers beside the configuration: every component's KV layout."""
+        if self.kv_layout is None:
+            return ""
+        named = {"full": self.kv_layout, **layouts}
+        return json.dumps({name: layout_version(lay, "" if name == "full" else name) for name, lay in named.items()})
 
     @property
     def seq(self) -> int:
@@ -115,10 +182,20 @@ class TPCache(Operations):
     # ------------------------------------------------------------------ sequenced operations
 
     def load(self, lease: int) -> LoadResult:
-        """Start loading the lease's host hits to device; wait per layer on the result's handles."""
+        """Start loading the lease's host hits to device; wait per layer on the result's handles
+        (with components: ``wait`` for all of them)."""
         pages = self.driver.apply(self.core.load, lease)
-        handles = self.shell.handles
-        return LoadResult(pages, [handles[op] for op in self.core.lease(lease).ops if op in handles])
+        handles, parts = self.shell.handles, self.shell.part_handles
+        ops = self.core.lease(lease).ops
+        return LoadResult(
+            pages, [handles[op] for op in ops if op in handles], [h for op in ops for h in parts.get(op, ())]
+        )
+
+    def part_slots(self, lease: int) -> dict[str, list[tuple[int, int]]]:
+        """Per component name, (page index, device slot) of what the lease holds on device: the
+        SWA pages and the state its hit reads (and what it inserted). Pure."""
+        names = {s.index: s.name for s in self.config.components()}
+        return {names[c]: v for c, v in self.core.part_slots(lease).items()}
 
     # ------------------------------------------------------------------ the round
 

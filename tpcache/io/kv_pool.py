@@ -124,6 +124,15 @@ class KVLayout:
         return (self.page_size, self.heads_per_rank, self.head_dim)
 
 
+def state_layout(num_layers: int, bytes_per_layer: int) -> KVLayout:
+    """The layout of a recurrent-state (Mamba) pool: one slot holds one state of every recurrent
+    layer on this rank, ``bytes_per_layer`` bytes each (its conv and SSM state, packed by the
+    engine), as two equal rows per layer so the transfer engine moves it like a page."""
+    if bytes_per_layer <= 0 or bytes_per_layer % 2:
+        raise KVLayoutError(f"a layer's state must be a positive, even number of bytes, got {bytes_per_layer}")
+    return KVLayout(num_layers, 1, bytes_per_layer // 2, torch.uint8, 1)
+
+
 def _wide_dtype(tensor: torch.Tensor, row_bytes: int) -> torch.dtype:
     """The widest element type that tiles a row and the tensor's alignment.
 

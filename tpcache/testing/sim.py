@@ -5,16 +5,20 @@ things replaced: the I/O (``FakeIO``: copies finish after seeded delays, in any 
 short, and it records what each device page, host slot and storage key physically holds) and the
 exchange of round vectors (the simulated group, or for some seeds a real shared-memory segment
 driven split-phase). Every rank applies the same client operations in the same order, as rank 0's
-sequencing gives. Faults: a divergence in one rank's state or vector (in every field the digests
-and queues must catch), a rank's plan diverging, a rank dying, a rank's I/O turning unhealthy, a
-rank failing to prepare or to commit. After every round the checker asserts:
+sequencing gives. Hybrid schedules (``hybrid="swa" | "mamba" | "both"``) add a sliding-window and/or
+a Mamba component with their own small pools, so tombstones, window-only stamps, out-of-window
+release and component loads, backups, write-outs and prefetches all happen under every fault.
+Faults: a divergence in one rank's state or vector (in every field the digests and queues must
+catch, component data included), a rank's plan diverging, a rank dying, a rank's I/O turning
+unhealthy, a rank failing to prepare or to commit. After every round the checker asserts:
 
 - a rank closes only because of an injected fault or a flush, and a closing fault closes every
   rank within one round; nothing opens again until an agreed flush, after which all are equal;
 - while open, every rank has the same state (compared field by field, not only by digest) and
   gives the same answers; the retention cap holds after every commit;
 - every rank's core passes ``invariants.check`` (no leak, no double free, pins accounted);
-- every page a match reports as a hit really holds that page's data on every rank;
+- every page a match reports as a hit really holds that page's data on every rank, and so does
+  every SWA page and state the hit reads (for a hybrid model);
 - a queue whose digest disagrees applies no completion.
 
 Reproduce a failing seed: ``python -m tpcache.testing.sim --seed S --ranks N``.
@@ -30,16 +34,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from protocol.round_vector import HEALTH_IO_ERROR
-from tpcache.core import CacheConfig, CacheCore, OpKind, Transfer, UnknownLease, check
+from tpcache.core import CacheConfig, CacheCore, MatchResult, OpKind, Transfer, UnknownLease, check
+from tpcache.core.components import DEV, DSLOT, HOST, HSLOT, STORE
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.dist.collective import CollectiveError, CollectiveTimeout, to_int64_array
 from tpcache.dist.sim import SimGroup
 from tpcache.engine.driver import Driver, Operations
-from tpcache.testing.ops import apply, random_op, tokens_for
+from tpcache.testing.ops import apply, evict, random_op, tokens_for
 
 GARBAGE = -1  # what a slot holds after a failed or torn copy
 DIVERGENCES = ("clock", "stamp", "hits", "device_page", "host_slot", "storage", "lease", "queue", "state_vector")
+# in a component's data of one node (a configuration without components diverges in its clock instead)
+PART_DIVERGENCES = ("part_slot", "part_host_slot", "part_stamp", "part_storage")
+HYBRIDS = ("swa", "mamba", "both")
 
 
 class SimFailure(AssertionError):
@@ -77,9 +85,12 @@ class FakeIO:
         self.due: dict[int, tuple[int, Transfer]] = {}  # op id -> (round it finishes, op)
         self.device: dict[int, int] = {}
         self.host: dict[int, int] = {}
-        self.storage: dict[int, int] = {}
+        self.storage: dict[int | tuple[int, int], int] = {}  # page hash, or (component, page hash)
+        self.part_device: dict[int, dict[int, int]] = {}  # component -> slot -> page hash it holds
+        self.part_host: dict[int, dict[int, int]] = {}
         self.unhealthy = False
         self.fail_landed = False
+        self.window_parts: dict[int, bool] = {}  # component -> is it sliding-window data
 
     def start(self, ops: Sequence[Transfer]) -> None:
         for op in ops:
@@ -109,6 +120,28 @@ class FakeIO:
         """The engine wrote a page's KV (what insert adopts)."""
         self.device[page] = page_hash
 
+    def write_part(self, part: int, slot: int, page_hash: int) -> None:
+        """The engine wrote a component's data of a page (an SWA page, a state) into its slot."""
+        self.part_device.setdefault(part, {})[slot] = page_hash
+
+    def _present(self, op: Transfer) -> int:
+        """Leading nodes of a storage lookup or read whose every key this rank's storage holds."""
+        if op.kind == OpKind.STORAGE_QUERY and op.query is not None:
+            plan, hashes = op.query, op.page_hashes
+            full = next((i for i, h in enumerate(hashes) if h not in self.storage), len(hashes))
+            window = next((c for c, is_window in self.window_parts.items() if is_window), 0)
+            state = next((c for c, is_window in self.window_parts.items() if not is_window), 0)
+            swa = [(window, h) in self.storage for h in hashes]
+            states = [kept and (state, h) in self.storage for h, kept in zip(hashes, plan.state_pages, strict=False)]
+            return plan.answer(full, swa, states + [False] * (len(hashes) - len(states)))
+        need: list[list[int | tuple[int, int]]] = [[] for _ in op.page_hashes]
+        for i, _ in op.full_moves() if op.kind == OpKind.STORAGE_READ else enumerate(op.page_hashes):
+            need[i].append(op.page_hashes[i])
+        for pc in op.parts:
+            for i in pc.index:
+                need[i].append((pc.part, op.page_hashes[i]))
+        return next((i for i, keys in enumerate(need) if any(k not in self.storage for k in keys)), len(need))
+
     def tick(self, now: int) -> None:
         """Finish due copies, in random order: completion order is not issue order."""
         self.now = now
@@ -120,21 +153,30 @@ class FakeIO:
             if self.rng.random() < self.faults.partial_ack:
                 landed = self.rng.randrange(op.num_pages)
             if op.kind in (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ):
-                present = 0  # storage answers for the leading pages this rank holds
-                while present < op.num_pages and op.page_hashes[present] in self.storage:
-                    present += 1
-                landed = min(landed, present)
-            for i in range(op.num_pages):
-                ok = i < landed
-                if op.kind == OpKind.BACKUP:
-                    self.host[op.host_slots[i]] = self.device.get(op.device_pages[i], GARBAGE) if ok else GARBAGE
-                elif op.kind == OpKind.LOAD:
-                    self.device[op.device_pages[i]] = self.host.get(op.host_slots[i], GARBAGE) if ok else GARBAGE
-                elif op.kind == OpKind.STORAGE_WRITE and ok:
-                    self.storage[op.page_hashes[i]] = self.host.get(op.host_slots[i], GARBAGE)
-                elif op.kind == OpKind.STORAGE_READ:
-                    self.host[op.host_slots[i]] = self.storage[op.page_hashes[i]] if ok else GARBAGE
+                landed = min(landed, self._present(op))  # storage answers for what this rank holds
+            for k, (i, _) in enumerate(op.full_moves()):
+                self._copy(
+                    op.kind, i < landed, self.device, self.host, op.device_pages[k], op.host_slots[k], op.page_hashes[i]
+                )
+            for pc in op.parts:
+                dev, host = self.part_device.setdefault(pc.part, {}), self.part_host.setdefault(pc.part, {})
+                for k, i in enumerate(pc.index):
+                    key = (pc.part, op.page_hashes[i])
+                    self._copy(op.kind, i < landed, dev, host, pc.device[k], pc.host[k], key)
             self.results[op_id] = landed
+
+    def _copy(
+        self, kind: OpKind, ok: bool, dev: dict[int, int], host: dict[int, int], d: int, h: int, key: int | tuple
+    ) -> None:
+        """One page's (or component slot's) copy: its bytes land, or the target holds garbage."""
+        if kind == OpKind.BACKUP:
+            host[h] = dev.get(d, GARBAGE) if ok else GARBAGE
+        elif kind == OpKind.LOAD:
+            dev[d] = host.get(h, GARBAGE) if ok else GARBAGE
+        elif kind == OpKind.STORAGE_WRITE and ok:
+            self.storage[key] = host.get(h, GARBAGE)
+        elif kind == OpKind.STORAGE_READ:
+            host[h] = self.storage[key] if ok else GARBAGE
 
 
 class SimRank(Operations):
@@ -143,6 +185,7 @@ class SimRank(Operations):
     def __init__(self, rank: int, config: CacheConfig, io: FakeIO) -> None:
         self.rank = rank
         self.io = io
+        io.window_parts = {spec.index: spec.is_window for spec in config.components()}
         self.driver = Driver(CacheCore(config), io, rank=rank)
         self.leases: list[tuple[int, list[int]]] = []
         self.alive = True
@@ -165,6 +208,8 @@ class SimCluster:
         self.now = 0
         self.after_commit = False  # the retention cap is checked only right after a commit
         self.excused = False  # a closing fault or a flush happened and the cache has not reopened since
+        self.alphabet = 4  # distinct token values per page position: fewer, more shared prefixes
+        self.requests = 0.0  # share of whole requests among the random ops
         self.log: list[str] = []
 
     @property
@@ -191,11 +236,10 @@ class SimCluster:
                             rank.release(lease_id)
                     rank.leases.clear()
                     rank.request_flush()
-                elif op[0] == "evict":  # a test-only sequenced op: forget pages on every rank
-                    core = rank.core
-                    rank.driver.apply(lambda n, c=core: (c.evict_device(n), c.evict_host(n)), op[1])
+                elif op[0] in ("evict", "demote"):  # test-only sequenced ops: forget pages on every rank
+                    rank.driver.apply(evict, rank.core, op[1], op[0] == "evict")
                 else:
-                    apply(rank, op, rank.leases, rank.io.write_device)
+                    apply(rank, op, rank.leases, rank.io.write_device, rank.io.write_part)
 
     def round(self) -> None:
         self.now += 1
@@ -333,7 +377,9 @@ class SimCluster:
                             f"that does not hold page {node.hash:x}"
                         )
                 for node in m.nodes[m.device_pages :]:
-                    if rank.io.host.get(node.host_slot) != node.hash:
+                    on_device = node.device_state == DeviceState.VALID  # with components: a longer full run
+                    held = rank.io.device.get(node.device_page) if on_device else rank.io.host.get(node.host_slot)
+                    if held != node.hash:
                         raise SimFailure(
                             f"round {now}: rank {rank.rank} hit host slot {node.host_slot} "
                             f"that does not hold page {node.hash:x}"
@@ -341,8 +387,40 @@ class SimCluster:
                 for node in m.nodes:
                     if node.storage_state == StorageState.DURABLE and rank.io.storage.get(node.hash) != node.hash:
                         raise SimFailure(f"round {now}: rank {rank.rank} marks page {node.hash:x} durable, not stored")
+                self._check_parts(rank, m)
+                answers[-1] += (sorted((c, [n.node_id for n in ns]) for c, ns in m.parts.items()),)
             if len({repr(a) for a, r in zip(answers, live, strict=True) if not r.core.closed}) > 1:
                 raise SimFailure(f"round {now}: ranks answer a match differently: {answers}")
+
+    def _check_parts(self, rank: SimRank, m: MatchResult) -> None:
+        """Every SWA page and state a hit reads holds that page's data on the tier the hit reads it
+        from; every component copy marked durable is stored."""
+        io, now = rank.io, self.now
+        for c, nodes in m.parts.items():
+            b = rank.core.ledger.parts[c].base
+            for node in nodes:
+                rec = node.comp
+                assert rec is not None
+                device = rec[b + DEV] == DeviceState.VALID
+                if not device and rec[b + HOST] != HostState.VALID:
+                    raise SimFailure(f"round {now}: rank {rank.rank}'s hit reads component {c} of a node without it")
+                if not device and not m.host_pages:
+                    raise SimFailure(
+                        f"round {now}: rank {rank.rank} serves a device hit whose component {c} is on host"
+                    )
+                held = (
+                    io.part_device.get(c, {}).get(rec[b + DSLOT])
+                    if device
+                    else io.part_host.get(c, {}).get(rec[b + HSLOT])
+                )
+                if held != node.hash:
+                    tier = "device" if device else "host"
+                    raise SimFailure(
+                        f"round {now}: rank {rank.rank} hit component {c} of page {node.hash:x} on {tier}, "
+                        f"whose slot holds {held}"
+                    )
+                if rec[b + STORE] == StorageState.DURABLE and io.storage.get((c, node.hash)) != node.hash:
+                    raise SimFailure(f"round {now}: rank {rank.rank} marks component {c} of {node.hash:x} durable")
 
     def states(self) -> list[tuple[int, str | None]]:
         return [(r.core.digest.value, r.core.closed_reason) for r in self.live]
@@ -353,11 +431,16 @@ def snapshot(core: CacheCore) -> dict[str, object]:
     nodes = [
         (n.node_id, n.hash, n.device_state, n.device_page, n.host_state, n.host_slot, n.storage_state)
         + (n.device_pins, n.host_pins, n.last_access, n.hits, n.created_at, n.parent.node_id if n.parent else -1)
+        + (tuple(n.comp or ()),)
         for n in core.tree.nodes.values()
     ]
     leases = [
         (lid, [n.node_id for n in x.device_nodes], [n.node_id for n in x.host_nodes], x.pages, x.ops, x.releasing)
-        + (None if x.prefetch is None else tuple(x.prefetch.fields()),)
+        + (None if x.prefetch is None else tuple(x.prefetch.fields()), x.hit_pages)
+        + tuple(
+            (c, [n.node_id for n in h.device_nodes], [n.node_id for n in h.host_nodes], h.pages)
+            for c, h in x.parts.items()
+        )
         for lid, x in core.leases.items()
     ]
     return {
@@ -370,6 +453,7 @@ def snapshot(core: CacheCore) -> dict[str, object]:
         "backlog": list(core.backup_backlog),
         "retention_cap": core.retention_cap_tokens,
         "flush_requested": core.flush_requested,
+        "part_backlogs": [(list(p.backlog), list(p.behind)) for p in core.ledger.parts.values()],
     }
 
 
@@ -410,6 +494,8 @@ def diverge(core: CacheCore, what: str, rng: random.Random) -> str:
         durable = node.storage_state == StorageState.DURABLE
         led.update(node, storage=StorageState.NONE if durable else StorageState.DURABLE)
         return "storage"
+    if what.startswith("part_") and led.parts:
+        return _diverge_part(core, what, rng)
     idle = [x for x in core.leases.values() if not x.ops and not x.releasing]
     if what == "lease" and idle:
         core.book.release(rng.choice(idle))  # released here only, behind the sequencer's back
@@ -418,7 +504,48 @@ def diverge(core: CacheCore, what: str, rng: random.Random) -> str:
     return "clock"
 
 
-def run_schedule(seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3) -> SimCluster:
+def _diverge_part(core: CacheCore, what: str, rng: random.Random) -> str:
+    """A divergence in one node's component data, through the ledger."""
+    led = core.ledger
+    part = rng.choice(list(led.parts.values()))
+    b, c = part.base, part.index
+    nodes = [n for n in core.tree.nodes.values() if n.comp is not None and n.parent is not None]
+    on_device = [n for n in nodes if n.comp[b + DEV] == DeviceState.VALID]  # type: ignore[index]
+    on_host = [n for n in nodes if n.comp[b + HOST] == HostState.VALID]  # type: ignore[index]
+    if what == "part_slot" and len(on_device) >= 2:
+        x, y = rng.sample(on_device, 2)
+        sx, sy = x.comp[b + DSLOT], y.comp[b + DSLOT]  # type: ignore[index]
+        for n in (x, y):
+            led.update(n, part=c, device=(DeviceState.NONE, -1))
+        led.update(x, part=c, device=(DeviceState.VALID, sy))
+        led.update(y, part=c, device=(DeviceState.VALID, sx))
+        return "part_slot"
+    if what == "part_host_slot" and len(on_host) >= 2:
+        x, y = rng.sample(on_host, 2)
+        sx, sy = x.comp[b + HSLOT], y.comp[b + HSLOT]  # type: ignore[index]
+        for n in (x, y):
+            led.update(n, part=c, host=(HostState.NONE, -1))
+        for n, slot in ((x, sy), (y, sx)):
+            led.update(n, part=c, host=(HostState.WRITING, slot))
+            led.update(n, part=c, host=(HostState.VALID, slot))
+        return "part_host_slot"
+    if what == "part_stamp" and nodes:
+        led.tick()
+        led.update(rng.choice(nodes), part=c, stamp=True)
+        return "part_stamp (and clock)"
+    settled = [n for n in on_host if n.comp[b + STORE] != StorageState.WRITING]  # type: ignore[index]
+    if what == "part_storage" and settled:
+        node = rng.choice(settled)
+        durable = node.comp[b + STORE] == StorageState.DURABLE  # type: ignore[index]
+        led.update(node, part=c, storage=StorageState.NONE if durable else StorageState.DURABLE)
+        return "part_storage"
+    led.tick()
+    return "clock"
+
+
+def run_schedule(
+    seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3, hybrid: str | None = None
+) -> SimCluster:
     """One seeded schedule: random config, ops, delays and (for some seeds) one fault."""
     rng = random.Random(seed)
     page = rng.choice([2, 4])
@@ -449,7 +576,12 @@ def run_schedule(seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3
         commit_fail_at=rng.randint(3, rounds - 8) if 0.38 <= fault < 0.42 else None,
         shm=rng.random() < 0.25,
     )
+    alphabet = 4
+    if hybrid is not None:
+        config, faults, alphabet = _hybrid(seed, hybrid, config, faults)
     sim = SimCluster(seed, ranks, config, faults)
+    sim.alphabet = alphabet
+    sim.requests = 0.4 if hybrid is not None else 0.0
     try:
         _run(sim, rng, rounds, ops_per_round)
     finally:
@@ -457,10 +589,38 @@ def run_schedule(seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3
     return sim
 
 
+def _hybrid(seed: int, kind: str, config: CacheConfig, faults: Faults) -> tuple[CacheConfig, Faults, int]:
+    """The components of a hybrid schedule, drawn from their own stream (the rest of the schedule
+    is the same seed's): small pools, so that component data is evicted, tombstoned and reloaded,
+    and requests that share more of their prefixes, so that hits load component data back."""
+    if kind not in HYBRIDS:
+        raise ValueError(f"hybrid must be one of {HYBRIDS}, got {kind!r}")
+    rng = random.Random(seed * 7919 + 17)
+    page = config.page_size
+    extra: dict[str, object] = {"retention_cap_tokens": rng.choice([-1, -1, -1, 0, 2 * page])}
+    if faults.plan_diverge_at is None:  # (a plan fault keeps its host pressure: a small host pool)
+        extra["device_pages"] = min(config.device_pages, rng.randint(5, 12))
+        if config.host_pages and rng.random() < 0.6:
+            extra.update(host_pages=24, write_policy="write_through")
+    if kind in ("swa", "both"):
+        extra.update(
+            swa_window=rng.choice([1, page, 2 * page + 1, 3 * page]),
+            swa_device_pages=rng.randint(3, 16),
+            swa_host_pages=rng.choice([0, 4, 16]),
+            swa_release_out_of_window=rng.random() < 0.7,
+        )
+    if kind in ("mamba", "both"):
+        extra.update(mamba_every=rng.choice([1, 2, -1]), mamba_device_states=rng.randint(2, 8))
+        extra.update(mamba_host_states=rng.choice([0, 4, 12]))
+    if faults.diverge_at is not None:
+        faults = replace(faults, diverge=rng.choice(DIVERGENCES + PART_DIVERGENCES))
+    return replace(config, **extra), faults, rng.choice([2, 2, 3])  # type: ignore[arg-type]
+
+
 def _run(sim: SimCluster, rng: random.Random, rounds: int, ops_per_round: int) -> None:
     faults, page = sim.faults, sim.config.page_size
     for _ in range(rounds):
-        ops = [random_op(rng, page) for _ in range(rng.randint(0, ops_per_round))]
+        ops = [random_op(rng, page, sim.alphabet, requests=sim.requests) for _ in range(rng.randint(0, ops_per_round))]
         if sim.live[0].core.closed and faults.kill_at is None and rng.random() < 0.3:
             ops.append(("flush",))
         sim.apply_ops(ops)
@@ -476,7 +636,9 @@ def _run(sim: SimCluster, rng: random.Random, rounds: int, ops_per_round: int) -
             for rank in sim.live:
                 if rank.driver.broken is None or "restarted" not in (rank.core.closed_reason or ""):
                     raise SimFailure(f"seed {sim.seed}: a dead rank did not close rank {rank.rank} for good")
-        probes = [tokens_for(tuple(rng.randrange(4) for _ in range(rng.randint(1, 6))), page, 0) for _ in range(3)]
+        probes = [
+            tokens_for(tuple(rng.randrange(sim.alphabet) for _ in range(rng.randint(1, 6))), page, 0) for _ in range(3)
+        ]
         sim.check(probes)
     # Drain: no more ops; every copy lands, every lease ends; then everything must be accounted for.
     for rank in sim.live:
@@ -503,9 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--hybrid", choices=HYBRIDS, help="with sliding-window and/or Mamba components")
     args = ap.parse_args(argv)
     try:
-        sim = run_schedule(args.seed, args.ranks, args.rounds)
+        sim = run_schedule(args.seed, args.ranks, args.rounds, hybrid=args.hybrid)
     except AssertionError as exc:
         print(f"seed {args.seed} ranks {args.ranks}: FAILED: {exc}", file=sys.stderr)
         return 1

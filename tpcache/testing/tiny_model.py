@@ -25,8 +25,11 @@ def make_tiny_llama(
     max_position_embeddings: int = 4096,
     std: float = 0.5,
     seed: int = 0,
+    sliding_window: int = 0,
 ) -> Path:
-    """Write a random Llama (config.json + model.safetensors) into ``path``; returns the path."""
+    """Write a random Llama (config.json + model.safetensors) into ``path``; returns the path.
+    ``sliding_window`` > 0: a Mistral instead (the same weights; every layer attends to the last
+    ``sliding_window`` tokens only)."""
     import torch
     from safetensors.torch import save_file
 
@@ -51,6 +54,8 @@ def make_tiny_llama(
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if sliding_window:
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=sliding_window)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     gen = torch.Generator().manual_seed(seed)
 
@@ -79,4 +84,54 @@ def make_tiny_llama(
             }
         )
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def make_tiny_gemma2(
+    path: str | Path,
+    *,
+    num_layers: int = 4,
+    sliding_window: int = 64,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab_size: int = 512,
+    std: float = 0.5,
+    embed_std: float = 0.05,
+    seed: int = 0,
+) -> Path:
+    """Write a random Gemma 2 (sliding-window and full-attention layers interleaved) into ``path``
+    with transformers' own class; weights from N(0, std) as above, norms at their identity. Gemma
+    scales embeddings by sqrt(hidden_size), so they are drawn from N(0, embed_std): with them as
+    large as the rest, a token's own embedding decides the next token and the KV hardly matters."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.zero_()  # Gemma's RMSNorm scales by (1 + weight)
+            else:
+                scale = embed_std if "embed" in name else std
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    path = Path(path)
+    model.to(torch.bfloat16).save_pretrained(path)
     return path

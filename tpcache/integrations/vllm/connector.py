@@ -39,11 +39,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpcache.vllm")
 
 
+def require_full_attention(kv_cache_config: KVCacheConfig) -> None:
+    """Refuse a model whose KV blocks vLLM does not keep for the whole request: a sliding-window
+    group frees blocks behind its window while the request runs (``remove_skipped_blocks``: another
+    request may get them while a save still reads them) and names its shared null block for every
+    skipped page of a hit; Mamba state is no page of tokens. Only full-attention groups are served."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ValueError(
+                f"TPCacheConnector serves full-attention models only; this model's layers {group.layer_names[:3]} "
+                f"use {type(spec).__name__} (sliding-window and Mamba layers are not supported through vLLM yet)"
+            )
+
+
 class TPCacheConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is not None:
+            require_full_attention(kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.model_name = str(vllm_config.model_config.model)

@@ -1,0 +1,107 @@
+"""Insert: adopting the KV an engine wrote into a lease's pages as cached pages of the tree.
+
+Invariants:
+- a refused insert changes nothing (everything is validated before the first change);
+- nothing is inserted below a page still loading (if its load fails the page goes, and a device
+  child would hang from nothing);
+- the lease pins its whole device path, so nothing it holds has an evictable-looking ancestor;
+- with components, the engine's component slots are adopted where the node lacks that data (a
+  state only where the configuration keeps one), then the lease's SWA behind its window is freed
+  (``hybrid``), after the write policy started the backups that keep a host copy of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from tpcache.core.hashing import TokenIds, as_token_bytes
+from tpcache.core.records import Lease
+from tpcache.core.tiers import DeviceState
+from tpcache.core.tree import Node
+
+if TYPE_CHECKING:
+    from tpcache.core.backup import Backup
+    from tpcache.core.hybrid import Hybrid
+    from tpcache.core.leases import Leases
+    from tpcache.core.ledger import Ledger
+
+
+class Inserter:
+    def __init__(self, ledger: Ledger, book: Leases, backup: Backup, hybrid: Hybrid | None) -> None:
+        self.ledger = ledger
+        self.book = book
+        self.backup = backup
+        self.hybrid = hybrid
+
+    def insert(
+        self, lease: Lease, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None
+    ) -> tuple[int, int]:
+        """Adopt the KV the engine wrote into ``pages`` for the full pages of ``tokens``.
+
+        ``pages[i]`` holds page i of the tokens; it is either the cached node's own page or a page
+        of this lease. Pages already cached are duplicates and go back to the lease. Nothing is
+        inserted below a page still loading (if its load fails the page goes, and a device child
+        would hang from nothing). New nodes are pinned by the lease until it is released.
+        ``parts``: per component, the slot holding page i's data (-1: none), see ``hybrid.adopt``.
+        The lease's SWA slots behind its window are freed by the insert (``part_slots`` lists what
+        it still holds): a later insert passes -1 for those pages, and the engine writes them no more.
+        Returns (inserted pages, duplicate pages)."""
+        lease_id = lease.lease_id
+        walk = self.ledger.tree.walk(as_token_bytes(tokens))
+        if len(pages) < walk.num_pages:
+            raise ValueError(f"insert needs a device page for each of {walk.num_pages} full pages")
+        if parts and self.hybrid is None:
+            raise ValueError("component slots given to a configuration without components")
+        # Validate everything before mutating anything: a refused insert changes nothing.
+        owned = set(lease.pages)
+        plan: list[tuple[int, Node | None, int]] = []  # (page index, existing node, page) to adopt
+        duplicates = 0
+        for i in range(walk.num_pages):
+            node = walk.nodes[i] if i < len(walk.nodes) else None
+            if node is not None and node.device_state == DeviceState.LOADING:
+                break
+            page = pages[i]
+            if node is not None and node.on_device:
+                if page != node.device_page:
+                    if page not in owned:
+                        raise ValueError(f"page {page} is neither cached here nor held by lease {lease_id}")
+                    duplicates += 1
+                continue
+            if page not in owned:
+                raise ValueError(f"page {page} is not held by lease {lease_id}")
+            owned.discard(page)
+            plan.append((i, node, page))
+        if parts:
+            self.hybrid.check_insert(lease, walk.nodes + [None] * (walk.num_pages - len(walk.nodes)), parts)  # type: ignore[union-attr]
+        led = self.ledger
+        led.tick()
+        hashes = walk.hashes if plan else []
+        path = list(walk.nodes)
+        inserted: list[Node] = []
+        for i, node, page in plan:
+            lease.pages.remove(page)
+            if node is None:
+                node = led.add(path[i - 1] if i else led.tree.root, walk.pages[i], hashes[i])
+                path.append(node)
+            led.update(node, device=(DeviceState.VALID, page))
+            inserted.append(node)
+        # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
+        pinned = {n.node_id for n in lease.device_nodes}
+        for node in path:
+            pin = node.on_device and node.node_id not in pinned
+            led.update(node, stamp=True, device_pins=1 if pin else 0)
+            if pin:
+                lease.device_nodes.append(node)
+        if self.hybrid is not None:
+            on_device = [n for n in path if n.device_state == DeviceState.VALID]
+            gained = self.hybrid.adopt(lease, on_device, parts or {}, walk.num_pages - 1)
+            inserted_ids = {n.node_id for n in inserted}
+            self.backup.on_insert(inserted + [n for n in gained if n.node_id not in inserted_ids])
+            self.hybrid.release_out_of_window(lease, on_device)
+        else:
+            self.backup.on_insert(inserted)
+        self.book.refresh(lease)
+        led.stats.inserted_pages += len(inserted)
+        led.stats.duplicate_pages += duplicates
+        return len(inserted), duplicates

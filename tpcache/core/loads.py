@@ -1,0 +1,90 @@
+"""Load-back: a lease's host hits copied back to device, for every component its hit needs.
+
+Invariants:
+- a page another request is already loading is shared: the lease pins it and waits for that load,
+  and nothing at or below it is loaded here (if that load fails, a page loaded under it would hang
+  from nothing, and a component loaded into it would outlive its full page);
+- everything the hit needs is pinned before anything is allocated (our own evictions never take
+  it), and every pool is checked before any is evicted from: a refused load changes nothing;
+- loaded data becomes device-valid only when the round agrees the copy landed on every rank; until
+  then it is ``LOADING`` and no match reads it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tpcache.core.allocator import OutOfPages
+from tpcache.core.records import Lease, OpKind
+from tpcache.core.tiers import DeviceState, HostState
+
+if TYPE_CHECKING:
+    from tpcache.core.eviction import Evictor
+    from tpcache.core.hybrid import Hybrid
+    from tpcache.core.leases import Leases
+    from tpcache.core.ledger import Ledger
+    from tpcache.core.outbox import Outbox
+    from tpcache.core.tree import Node
+
+
+class Loader:
+    def __init__(self, ledger: Ledger, book: Leases, outbox: Outbox, evictor: Evictor, hybrid: Hybrid | None) -> None:
+        self.ledger = ledger
+        self.book = book
+        self.outbox = outbox
+        self.evictor = evictor
+        self.hybrid = hybrid
+
+    def load(self, lease: Lease) -> list[int]:
+        """Start loading the host pages (and component data) of the lease's hit back to device.
+        Returns the device pages of the hit, loading ones included, in page order."""
+        led = self.ledger
+        prefix: list[Node] = []
+        todo: list[Node] = []
+        shared_load = False
+        first_loading = -1
+        nodes = led.tree.walk(lease.tokens).nodes
+        for node in nodes:
+            if node.on_device and not todo:
+                if node.device_state == DeviceState.LOADING and not shared_load:
+                    shared_load, first_loading = True, len(prefix)
+                prefix.append(node)
+            elif not shared_load and node.host_state == HostState.VALID and node.device_state == DeviceState.NONE:
+                todo.append(node)
+            else:
+                break
+        plan = None
+        if self.hybrid is not None:
+            plan = self.hybrid.plan_load(nodes, len(prefix) + len(todo), first_loading)
+            prefix, todo = prefix[: plan.pages], todo[: max(0, plan.pages - len(prefix))]
+        # Pin the prefix before allocating: the eviction must not take it (nor its host-only pages).
+        before = len(lease.device_nodes)
+        self.book.pin_device(lease, prefix)
+        try:
+            slots = self.hybrid.reserve(lease, plan, len(todo)) if plan is not None else {}
+            pages = self.evictor.alloc_device(len(todo)) if todo else []
+        except OutOfPages:
+            for node in lease.device_nodes[before:]:
+                led.update(node, device_pins=-1)
+            del lease.device_nodes[before:]
+            raise
+        for node in prefix:
+            if node.device_state == DeviceState.LOADING:
+                for op in self.outbox.inflight[OpKind.LOAD]:
+                    if node in op.nodes and op.op_id not in lease.ops:
+                        self.book.wait_for(lease, op.op_id)
+        for node, page in zip(todo, pages, strict=True):
+            # the lease's pin (a loading page is never evicted) and the op's read of the host slot
+            led.update(node, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
+            lease.device_nodes.append(node)
+        if plan is not None and (todo or plan.loads):
+            op_nodes, full_index, parts = self.hybrid.start_loads(lease, plan, todo, slots)  # type: ignore[union-attr]
+            op = self.outbox.issue(OpKind.LOAD, op_nodes, lease.lease_id, full_index=full_index, parts=parts)
+            self.book.wait_for(lease, op.op_id)
+            led.stats.loads_issued_pages += len(todo)
+        elif todo:
+            op = self.outbox.issue(OpKind.LOAD, todo, lease.lease_id)
+            self.book.wait_for(lease, op.op_id)
+            led.stats.loads_issued_pages += len(todo)
+        self.book.refresh(lease)
+        return [n.device_page for n in prefix + todo]
