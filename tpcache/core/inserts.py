@@ -84,14 +84,18 @@ class Inserter:
             if node is None:
                 node = led.add(path[i - 1] if i else led.tree.root, walk.pages[i], hashes[i])
                 path.append(node)
-            led.update(node, device=(DeviceState.VALID, page))
+            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
             inserted.append(node)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
+        # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
+        # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.
         pinned = {n.node_id for n in lease.device_nodes}
+        fresh = {n.node_id for n in inserted}
         for node in path:
-            pin = node.on_device and node.node_id not in pinned
-            led.update(node, stamp=True, device_pins=1 if pin else 0)
-            if pin:
+            if node.node_id in fresh:
+                lease.device_nodes.append(node)
+            elif node.on_device and node.node_id not in pinned:
+                led.update(node, stamp=True, device_pins=1)
                 lease.device_nodes.append(node)
         if self.hybrid is not None:
             on_device = [n for n in path if n.device_state == DeviceState.VALID]

@@ -186,7 +186,10 @@ class Ledger:
             node.last_access = self.clock
         if hit:
             node.hits += 1
-        self._refresh(node, was_evictable, was_protected, was_mirror)
+        # Pins, a stamp or a hit change only the node's own candidacy; a tier change or a host pin
+        # can also decide its parent's and the device page above a host-only chain.
+        around = device is not None or host is not None or storage is not None or host_pins != 0
+        self._refresh(node, was_evictable, was_protected, was_mirror, around)
 
     def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int] | None = None) -> Node:
         """A new node under ``parent`` (stamped now), optionally with a host slot being written."""
@@ -266,7 +269,9 @@ class Ledger:
         node.record = record_of(node)
         digest.value = (digest.value + node.record) & DIGEST_MASK
 
-    def _refresh(self, node: Node, was_evictable: bool, was_protected: bool, was_mirror: bool) -> None:
+    def _refresh(
+        self, node: Node, was_evictable: bool, was_protected: bool, was_mirror: bool, around: bool = True
+    ) -> None:
         digest = self.digest
         digest.value = (digest.value - node.record) & DIGEST_MASK
         node.record = record_of(node)
@@ -279,7 +284,10 @@ class Ledger:
                 self.mirrors[node.node_id] = node
             else:
                 del self.mirrors[node.node_id]
-        self.candidates.offer_around(node)
+        if around:
+            self.candidates.offer_around(node)
+        else:
+            self.candidates.offer(node)
 
     # ------------------------------------------------------------------ leases in the digest
 
