@@ -82,4 +82,6 @@ def test_torchrun_restarts_a_group_that_lost_a_rank(tmp_path: Path) -> None:
                 c.release(lk.lease)
         # The whole log: the restarted ranks' start-up blocks push these lines out of log()'s tail.
         log = service.log_path.read_text(errors="replace")
-        assert "must be restarted" in log or "Signals.SIGKILL" in log, service.log()
+        # Rank 0 says so if its round timed out first; else torchrun, which stops it, names the kill.
+        said = ("must be restarted", "Signals.SIGKILL", "exitcode: -9")
+        assert any(line in log for line in said), service.log()
