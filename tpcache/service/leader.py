@@ -273,7 +273,7 @@ class Leader:
         batch = {"b": self.batch_no, "s": first_seq, "n": count, "e": [e.wire() for e in entries], "x": False}
         # Send first, even a batch of leader-only lookups: followers apply their part in parallel
         # and are already waiting in the round (asleep, no CPU) when rank 0 gets there, instead of
-        # rank 0 waiting for them to wake (measured: round p50 about 840 -> 470 us under load).
+        # rank 0 waiting for them to wake (a wake-up costs about as much as the round itself).
         if self.ch.outs:
             self.ch.broadcast(batch)
         # Here every request applies, local ones in their place: a client's match after its own
