@@ -36,7 +36,8 @@ class EvictionPolicy(Protocol):
 
 
 class LRU:
-    """Least recently used first."""
+    """Least recently used first. A page is used when a lease pins it (lock, load, insert) and when
+    that lease lets it go, so a page a running request holds counts as used until it ends."""
 
     name = "lru"
 
