@@ -105,6 +105,19 @@ def check_pairs(keys: Sequence[StorageKey], bufs: Sequence[Any], what: str) -> l
     return ks
 
 
+def encode_for_shard(keys: Sequence[StorageKey], shard: tuple[int, int] | None) -> list[bytes]:
+    """Each key's canonical encoding (ASCII bytes); a key of another TP shard than the backend's
+    ``shard`` (None: any) is refused, so one rank can never read or write another's pages."""
+    out = []
+    for k in keys:
+        if shard is not None and k.shard != shard:
+            raise StorageKeyError(
+                f"key for shard {k.tp_rank}of{k.tp_size} given to the storage of shard {shard[0]}of{shard[1]}"
+            )
+        out.append(k.encode().encode("ascii"))
+    return out
+
+
 class StorageBackend(ABC):
     """Batched page storage keyed by :class:`StorageKey`. Implementations are thread-safe."""
 

@@ -59,6 +59,7 @@ from tpcache.io.storage.base import (
     StorageError,
     check_keys,
     check_pairs,
+    encode_for_shard,
 )
 from tpcache.io.storage.buffers import byte_view
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
@@ -622,15 +623,7 @@ class FileBackend(StorageBackend):
 
     # ---- StorageBackend ----------------------------------------------------------------------
     def _encode(self, keys: Sequence[StorageKey]) -> list[bytes]:
-        out = []
-        for k in keys:
-            if self._shard is not None and k.shard != self._shard:
-                raise StorageKeyError(
-                    f"key for shard {k.tp_rank}of{k.tp_size} given to the storage of shard "
-                    f"{self._shard[0]}of{self._shard[1]}"
-                )
-            out.append(k.encode().encode("ascii"))
-        return out
+        return encode_for_shard(keys, self._shard)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -36,9 +36,10 @@ from tpcache.io.storage.base import (
     StorageCounters,
     check_keys,
     check_pairs,
+    encode_for_shard,
 )
 from tpcache.io.storage.buffers import byte_view
-from tpcache.io.storage.keys import StorageKey, StorageKeyError
+from tpcache.io.storage.keys import StorageKey
 from tpcache.io.storage.record import HEADER_SIZE, RecordError, encode_header, parse_value, payload_checksum
 
 DEFAULT_PREFIX = "tpcache/"
@@ -100,15 +101,7 @@ class RemoteBackend(StorageBackend):
         return f"{self.scheme} store at {self.where}"
 
     def _echoes(self, keys: Sequence[StorageKey]) -> list[bytes]:
-        out = []
-        for k in keys:
-            if self._shard is not None and k.shard != self._shard:
-                raise StorageKeyError(
-                    f"key for shard {k.tp_rank}of{k.tp_size} given to the storage of shard "
-                    f"{self._shard[0]}of{self._shard[1]}"
-                )
-            out.append(k.encode().encode("ascii"))
-        return out
+        return encode_for_shard(keys, self._shard)
 
     def _names(self, echoes: list[bytes]) -> list[str]:
         return [self._prefix + e.decode("ascii") for e in echoes]
