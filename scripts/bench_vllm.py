@@ -30,16 +30,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(worker_stats)
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries only the result
-}
+from tpcache.testing.vllm_env import VLLM_CPU_ENV  # noqa: E402
+
+ENV = {**VLLM_CPU_ENV, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the result
 
 
 def workload(args: argparse.Namespace) -> list[list[int]]:

@@ -28,16 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with a function (stats, faults)
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-}
+from tpcache.testing.vllm_env import VLLM_CPU_ENV
+
+ENV = {**VLLM_CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _sampling(max_tokens: int) -> Any:
