@@ -425,6 +425,24 @@ class InsertRequest(Body):
 
 
 @dataclass(frozen=True, slots=True)
+class AppendResult(Body):
+    inserted_pages: int = _field(COUNT)
+    duplicate_pages: int = _field(COUNT)  # as insert's
+
+
+@register("append", AppendResult)
+@dataclass(frozen=True, slots=True)
+class AppendRequest(Body):
+    """Insert the full pages of ``tokens``, which follow what the lease's last insert or append
+    cached (a running request's new pages, alone); ``device_page_ids[i]`` holds page i of them."""
+
+    tokens: array = _field(Ids())
+    device_page_ids: array = _field(Ids())
+    lease: int = _field(U64)
+    namespace: str = _field(NAMESPACE, "")
+
+
+@dataclass(frozen=True, slots=True)
 class AllocResult(Body):
     device_page_ids: array = _field(Ids())
 

@@ -15,11 +15,13 @@ Measured, in thread CPU time (steadier than wall time on a shared machine), medi
 - ``cases``: per page, a hit cycle (lock a cached prefix, insert it back, release) and a miss
   cycle (lock an unseen prefix, alloc, insert, release, evicting as the pool is full), with the
   cache holding 10k, 100k and 1M pages;
-- ``insert``: inserting 2 new pages after a 14-page and after a 140-page context (the cost
-  should follow the pages added, not the path);
+- ``insert``: 2 new pages after a 14-page and after a 140-page context, given to ``append`` alone
+  (``append_*``: the cost follows the pages added, not the path) and to ``insert`` with the whole
+  sequence (``context_*``: it walks the path);
 - ``step``: an engine step with 625k cached pages and 256 running requests of ~140 pages, each
-  doing match + alloc(2) + insert, then one round; ``sparse_ms``: the same step when only 16
-  requests complete a page;
+  doing alloc(2) + append of its 2 new pages, then one round (the floor hashes and inserts the
+  same 2 pages); ``sparse_ms``: the same step when only 16 requests complete a page;
+  ``whole_insert_ms``: the step with match + alloc(2) + insert of the whole sequence instead;
 - ``bytes_per_page`` (RSS growth over the cached pages, page size 16) and ``max_gc_pause_ms``
   (the longest collection while the largest cache was built, from ``gc.callbacks``).
 """
@@ -231,25 +233,35 @@ def insert_cost(repeats: int) -> dict[str, Any]:
             reqs = [sequence(r * 1000 + i, context + 2) for i in range(50)]
             for tokens in reqs:
                 core_miss(core, tokens[: context * PAGE])
-            t = 0.0
-            for tokens in reqs:
+            t = t_append = 0.0
+            for i, tokens in enumerate(reqs):
                 lease, match = core.lock(tokens)
                 have = list(match.device_page_ids)
-                fresh = core.alloc(lease, 2)
-                start = time.thread_time()
-                core.insert(lease, tokens, have + fresh)
-                t += time.thread_time() - start
+                if i % 2:  # the whole sequence to insert
+                    fresh = core.alloc(lease, 2)
+                    start = time.thread_time()
+                    core.insert(lease, tokens, have + fresh)
+                    t += time.thread_time() - start
+                else:  # the context inserted (the lease's sequence), then its next 2 pages alone
+                    core.insert(lease, tokens[: context * PAGE], have[:context])
+                    fresh = core.alloc(lease, 2)
+                    start = time.thread_time()
+                    core.append(lease, tokens[context * PAGE :], fresh)
+                    t_append += time.thread_time() - start
                 core.release(lease)
                 drain(core)
-            samples.append(t / len(reqs))
-        out[f"context_{context}_us"] = round(statistics.median(samples) * 1e6, 2)
+            samples.append((2 * t / len(reqs), 2 * t_append / len(reqs)))
+        out[f"context_{context}_us"] = round(statistics.median(s[0] for s in samples) * 1e6, 2)
+        out[f"append_{context}_us"] = round(statistics.median(s[1] for s in samples) * 1e6, 2)
     out["ratio_long_to_short"] = round(out["context_140_us"] / out["context_14_us"], 2)
+    out["append_ratio_long_to_short"] = round(out["append_140_us"] / out["append_14_us"], 2)
     return out
 
 
-def engine_step(cached_pages: int, running: int, completing: int) -> tuple[float, float]:
-    """CPU seconds of one scheduler step (match + alloc(2) + insert for ``completing`` of the
-    ``running`` requests, then one round) for the core and for the floor."""
+def engine_step(cached_pages: int, running: int, completing: int, whole: bool = False) -> tuple[float, float]:
+    """CPU seconds of one scheduler step (alloc(2) + append of 2 new pages for ``completing`` of
+    the ``running`` requests, then one round; ``whole``: match + alloc(2) + insert of the whole
+    sequence instead) for the core and for the floor."""
     core = CacheCore(CacheConfig(page_size=PAGE, device_pages=cached_pages + running * (CONTEXT_PAGES + 8)))
     cache = DictPrefixCache(cached_pages + running * (CONTEXT_PAGES + 8))
     for i in range(cached_pages // CONTEXT_PAGES):
@@ -275,10 +287,15 @@ def engine_step(cached_pages: int, running: int, completing: int) -> tuple[float
     def core_step() -> None:
         for j in range(completing):
             lease, pages = leases[j]
-            tokens = contexts[j] = contexts[j] + sequence(7_000_000 + j * 1000 + len(contexts[j]) // PAGE, 2)
-            core.match(tokens)
-            pages += core.alloc(lease, 2)
-            core.insert(lease, tokens, pages)
+            new = sequence(7_000_000 + j * 1000 + len(contexts[j]) // PAGE, 2)
+            tokens = contexts[j] = contexts[j] + new
+            fresh = core.alloc(lease, 2)
+            pages += fresh
+            if whole:
+                core.match(tokens)
+                core.insert(lease, tokens, pages)
+            else:
+                core.append(lease, new, fresh)
         drain(core)
 
     def dict_step() -> None:
@@ -344,12 +361,14 @@ def main() -> int:
     insert = insert_cost(args.repeats)
     full_ours, full_floor = engine_step(args.step_pages, 256, 256)
     sparse_ours, sparse_floor = engine_step(args.step_pages, 256, 16)
+    whole_ours, _ = engine_step(args.step_pages, 256, 256, whole=True)
     step = {
         "ms": round(full_ours * 1e3, 2),
         "floor_ms": round(full_floor * 1e3, 2),
         "ratio": round(full_ours / full_floor, 2),
         "sparse_ms": round(sparse_ours * 1e3, 3),
         "sparse_floor_ms": round(sparse_floor * 1e3, 3),
+        "whole_insert_ms": round(whole_ours * 1e3, 2),
     }
     out = {"cases": cases, "insert": insert, "step": step, **memory}
     if args.json:

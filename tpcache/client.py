@@ -60,6 +60,12 @@ class _Ops:
             p.InsertRequest(tokens=tokens, device_page_ids=device_page_ids, lease=lease, namespace=namespace)
         )
 
+    def append(self, tokens: Iterable[int], device_page_ids: Iterable[int], lease: int, namespace: str = "") -> Any:
+        """Cache a running request's new pages, alone: they follow what its last insert or append cached."""
+        return self.call(
+            p.AppendRequest(tokens=tokens, device_page_ids=device_page_ids, lease=lease, namespace=namespace)
+        )
+
     def load(self, lease: int) -> Any:
         return self.call(p.LoadRequest(lease=lease))
 

@@ -46,6 +46,23 @@ def test_a_locked_prefix_is_reported_with_its_pages(service: Service) -> None:
             c.release(lk2.lease)  # the lease is gone after abort
 
 
+def test_a_running_request_appends_its_new_pages_alone(service: Service) -> None:
+    with service.client() as c:
+        tokens = fresh_tokens(8)
+        lk = c.lock(tokens)
+        with pytest.raises(p.InvalidArgument, match="insert the whole sequence"):
+            c.append(tokens[:4], c.alloc(lk.lease, 1).device_page_ids, lease=lk.lease)  # nothing inserted yet
+        pages = list(c.alloc(lk.lease, 2).device_page_ids)
+        c.insert(tokens, pages, lease=lk.lease)
+        more = fresh_tokens(4)
+        extra = list(c.alloc(lk.lease, 1).device_page_ids)
+        assert c.append(more, extra, lease=lk.lease).inserted_pages == 1
+        c.release(lk.lease)
+        lk2 = c.lock(tokens + more)
+        assert (lk2.hit_tokens, list(lk2.device_page_ids)) == (12, pages + extra)
+        c.release(lk2.lease)
+
+
 def test_engine_errors_become_typed_protocol_errors(service: Service) -> None:
     with service.client() as c:
         with pytest.raises(p.NotFound):

@@ -48,6 +48,10 @@ SAMPLES: dict[str, tuple[p.Body, p.Body]] = {
         p.InsertRequest(tokens=range(32), device_page_ids=[4, 5], lease=3),
         p.InsertResult(inserted_pages=1, duplicate_pages=1),
     ),
+    "append": (
+        p.AppendRequest(tokens=range(16), device_page_ids=[6], lease=3),
+        p.AppendResult(inserted_pages=1, duplicate_pages=0),
+    ),
     "alloc": (p.AllocRequest(lease=3, num_pages=2), p.AllocResult(device_page_ids=[10, 11])),
     "load": (p.LoadRequest(lease=3), p.LoadResult(device_page_ids=[12])),
     "step": (p.StepRequest(), p.StepResult(round=41)),

@@ -264,6 +264,14 @@ class CacheCore:
         self._refuse_if_closed()
         return self.inserter.insert(self.book.live(lease_id), tokens, pages, parts)
 
+    def append(
+        self, lease_id: int, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None
+    ) -> tuple[int, int]:
+        """``insert`` of the pages that follow the lease's last insert or append, given alone (a
+        running request's new pages): costs what it adds, not its context; see ``Inserter.append``."""
+        self._refuse_if_closed()
+        return self.inserter.append(self.book.live(lease_id), tokens, pages, parts)
+
     def load(self, lease_id: int) -> list[int]:
         """Start loading the host pages along the lease's path (and the component data its hit
         reads) back to device; see ``loads``. Returns the device pages of the hit's prefix, loading
@@ -376,7 +384,8 @@ class CacheCore:
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
         for lease_id, tokens, pages, parts in held:
             self.device.take(pages)
-            lease = Lease(lease_id, tokens=tokens, pages=pages)
+            lease = Lease(lease_id, tokens=tokens)
+            lease.pages.extend(pages)
             for c, slots in parts.items():
                 self.ledger.parts[c].device.take(slots)
                 lease.parts[c] = LeasePart(pages=slots)

@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tpcache.core.hashing import TokenIds, as_token_bytes
-from tpcache.core.records import Lease
+from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
-from tpcache.core.tree import Node
+from tpcache.core.tree import Node, Walk
 
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
@@ -47,8 +47,39 @@ class Inserter:
         The lease's SWA slots behind its window are freed by the insert (``part_slots`` lists what
         it still holds): a later insert passes -1 for those pages, and the engine writes them no more.
         Returns (inserted pages, duplicate pages)."""
+        return self._adopt(lease, self.ledger.tree.walk(as_token_bytes(tokens)), None, pages, parts)
+
+    def append(
+        self, lease: Lease, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None
+    ) -> tuple[int, int]:
+        """``insert`` of the full pages of ``tokens`` that follow the sequence the lease's last insert
+        or append adopted (its cursor); ``pages[i]`` and ``parts[c][i]`` are those of page i of
+        ``tokens``. Costs what it adds: no walk from the root and no pass over the lease's path.
+
+        The lease has a cursor after an insert or append that adopted its whole sequence and left
+        the lease pinning exactly that path; a load, a prefetch's pins or a failed load clears it, and
+        so does an append stopped by a page still loading. Without one: ``NoCursor``."""
+        cursor = lease.cursor
+        if cursor is None:
+            raise NoCursor(f"lease {lease.lease_id} has no sequence to continue: insert the whole sequence")
+        if self.hybrid is not None:  # components index pages from the root: insert the whole path
+            path = cursor.path()
+            before = b"".join(n.tokens for n in path)
+            padded = {c: [-1] * len(path) + list(v) for c, v in parts.items()} if parts else None
+            return self.insert(lease, before + as_token_bytes(tokens), [n.device_page for n in path] + pages, padded)
+        return self._adopt(lease, self.ledger.tree.walk(as_token_bytes(tokens), cursor), cursor, pages, parts)
+
+    def _adopt(
+        self,
+        lease: Lease,
+        walk: Walk,
+        start: Node | None,
+        pages: list[int],
+        parts: Mapping[int, Sequence[int]] | None,
+    ) -> tuple[int, int]:
+        """Adopt the walk's pages below ``start`` (None: the root, and ``walk`` covers the whole
+        sequence; a node: the lease's cursor, which the lease pins with its whole path)."""
         lease_id = lease.lease_id
-        walk = self.ledger.tree.walk(as_token_bytes(tokens))
         if len(pages) < walk.num_pages:
             raise ValueError(f"insert needs a device page for each of {walk.num_pages} full pages")
         if parts and self.hybrid is None:
@@ -77,19 +108,21 @@ class Inserter:
         led = self.ledger
         led.tick()
         hashes = walk.hashes if plan else []
+        top = led.tree.root if start is None else start
         path = list(walk.nodes)
         inserted: list[Node] = []
         for i, node, page in plan:
             lease.pages.remove(page)
             if node is None:
-                node = led.add(path[i - 1] if i else led.tree.root, walk.pages[i], hashes[i])
+                node = led.add(path[i - 1] if i else top, walk.pages[i], hashes[i])
                 path.append(node)
             led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
             inserted.append(node)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
         # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.
-        pinned = {n.node_id for n in lease.device_nodes}
+        # Below a cursor the lease pins nothing, so an append needs no look at what it holds.
+        pinned = {n.node_id for n in lease.device_nodes} if start is None else ()
         fresh = {n.node_id for n in inserted}
         for node in path:
             if node.node_id in fresh:
@@ -97,6 +130,11 @@ class Inserter:
             elif node.on_device and node.node_id not in pinned:
                 led.update(node, stamp=True, device_pins=1)
                 lease.device_nodes.append(node)
+        # ``append`` may continue from here when the whole sequence is adopted and the lease pins
+        # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
+        whole = len(path) == walk.num_pages and all(n.device_state == DeviceState.VALID for n in path)
+        depth = (0 if start is None else start.depth) + len(path)
+        lease.cursor = (path[-1] if path else top) if whole and len(lease.device_nodes) == depth else None
         if self.hybrid is not None:
             on_device = [n for n in path if n.device_state == DeviceState.VALID]
             gained = self.hybrid.adopt(lease, on_device, parts or {}, walk.num_pages - 1)

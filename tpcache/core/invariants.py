@@ -60,6 +60,14 @@ def check(core: CacheCore) -> None:
         if len(set(ids)) != len(ids):
             fail(f"lease {lease.lease_id} pins a node twice on device")
         pinned = set(ids)
+        for held in (lease.device_nodes, lease.host_nodes, lease.pages):
+            if held.total != held.recount():
+                fail(f"lease {lease.lease_id}: a holding's total is stale (changed around its methods)")
+        cursor = lease.cursor
+        if cursor is not None and (
+            len(ids) != cursor.depth or any(n.node_id not in pinned or not n.device_valid for n in cursor.path())
+        ):
+            fail(f"lease {lease.lease_id}: it does not pin exactly the valid path to its cursor {cursor.node_id}")
         for n in lease.device_nodes:  # a lease pins whole paths: no pinned page has an unpinned ancestor
             if n.parent is not None and n.parent.parent is not None and n.parent.node_id not in pinned:
                 fail(f"lease {lease.lease_id} pins node {n.node_id} but not its parent {n.parent.node_id}")

@@ -53,7 +53,7 @@ class Leases:
     def refresh(self, lease: Lease) -> None:
         """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
         self.ledger.refresh_lease(lease, [] if lease.prefetch is None else lease.prefetch.fields())
-        kept = 0 if lease.releasing else mix(lease.lease_id, mix_ids(lease.pages))
+        kept = 0 if lease.releasing else mix(lease.lease_id, lease.pages.total)
         if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
             slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
             kept = mix(kept, mix_ids(slots))
@@ -63,6 +63,7 @@ class Leases:
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
     def pin_device(self, lease: Lease, nodes: list[Node]) -> None:
+        lease.cursor = None  # it may pin below the cursor: ``append`` needs an insert first
         pinned = {n.node_id for n in lease.device_nodes}
         for node in nodes:
             if node.node_id not in pinned:
@@ -101,6 +102,7 @@ class Leases:
             else:
                 self.ledger.update(node, device_pins=-1)
                 lease.device_nodes.remove(node)
+                lease.cursor = None
 
     def drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
         """Let go of device pins on pages whose load failed (they are gone from device)."""
@@ -108,7 +110,8 @@ class Leases:
         for node in lease.device_nodes:
             if node.node_id in dropped:
                 self.ledger.update(node, device_pins=-1)
-        lease.device_nodes = [n for n in lease.device_nodes if n.node_id not in dropped]
+        lease.device_nodes.retain(lambda n: n.node_id not in dropped)
+        lease.cursor = None
 
     def drop_failed_part_loads(self, lease: Lease, part: int, nodes: list[Node]) -> None:
         """The same for one component's data whose load failed."""

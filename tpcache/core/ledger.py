@@ -64,16 +64,18 @@ def record_of(node: Node) -> int:
 
 
 def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
-    """A lease's contribution to the state digest: what it pins, holds and waits for, and per
-    component what it pins and holds, and its protected prefix."""
+    """A lease's contribution to the state digest: what it pins, holds and waits for (its holdings'
+    totals, see ``holdings``), where ``append`` continues, and per component what it pins and holds,
+    and its protected prefix."""
+    cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
     record = mix(
         _LEASE_TAG,
         lease.lease_id,
-        mix_ids([n.node_id for n in lease.device_nodes]),
-        mix_ids([n.node_id for n in lease.host_nodes]),
-        mix_ids(lease.pages),
+        lease.device_nodes.total,
+        lease.host_nodes.total,
+        lease.pages.total,
         mix_ids(lease.ops),
-        int(lease.releasing),
+        int(lease.releasing) | cursor << 1,
         mix_ids(prefetch_fields),
     )
     fields: list[int] = []

@@ -66,7 +66,7 @@ class Loader:
         except OutOfPages:
             for node in lease.device_nodes[before:]:
                 led.update(node, device_pins=-1)
-            del lease.device_nodes[before:]
+            lease.device_nodes.truncate(before)
             raise
         for node in prefix:
             if node.device_state == DeviceState.LOADING:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from tpcache.core.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHolding, PageHolding
+
 if TYPE_CHECKING:
     from tpcache.core.hitrule import QueryPlan
     from tpcache.core.tree import Node, Walk
@@ -130,9 +132,9 @@ class Lease:
 
     lease_id: int
     tokens: bytes = b""  # what the request locked: load and prefetch work along this path
-    device_nodes: list[Node] = field(default_factory=list)  # pinned on device, one pin each
-    host_nodes: list[Node] = field(default_factory=list)  # pinned on host, one pin each
-    pages: list[int] = field(default_factory=list)  # device pages allocated to it, not in the tree
+    device_nodes: NodeHolding = field(init=False)  # pinned on device, one pin each
+    host_nodes: NodeHolding = field(init=False)  # pinned on host, one pin each
+    pages: PageHolding = field(init=False)  # device pages allocated to it, not in the tree
     ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
     releasing: bool = False
     prefetch: PrefetchState | None = None
@@ -140,6 +142,14 @@ class Lease:
     kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
     parts: dict[int, LeasePart] = field(default_factory=dict)  # by component (hybrid configurations)
     hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
+    # The end of the sequence its last insert or append adopted, while ``append`` may continue it:
+    # the lease pins every device node from the root to it and none below it.
+    cursor: Node | None = None
+
+    def __post_init__(self) -> None:
+        self.device_nodes = NodeHolding(self.lease_id, DEVICE_PINS)
+        self.host_nodes = NodeHolding(self.lease_id, HOST_PINS)
+        self.pages = PageHolding(self.lease_id, PAGES)
 
 
 @dataclass
@@ -209,6 +219,10 @@ class CacheClosed(RuntimeError):
 
 class UnknownLease(KeyError):
     """No live lease has this id (never issued, or already released)."""
+
+
+class NoCursor(ValueError):
+    """``append`` on a lease whose sequence cannot be continued (see ``Inserter.append``)."""
 
 
 class ReadyNotAdvanced(RuntimeError):

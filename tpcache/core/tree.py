@@ -211,18 +211,20 @@ class RadixTree:
         self.nodes: dict[int, Node] = {0: self.root}
         self._next_id = 1
 
-    def walk(self, token_bytes: bytes) -> Walk:
-        """Follow the longest existing path of full pages. Pure (it may fill the run caches).
+    def walk(self, token_bytes: bytes, start: Node | None = None) -> Walk:
+        """Follow the longest existing path of full pages, from the root or from ``start`` (then the
+        tokens are those of the pages below it, and the walk's nodes and hashes continue its path).
+        Pure (it may fill the run caches).
 
         Along a chain of single-child nodes the walk compares the whole chain's tokens at once
         (one memcmp) instead of looking pages up one by one; see ``_run``."""
         step = self.page_size * 4
-        walk = Walk(token_bytes, step, self.seed, self.root.hash)
+        node = self.root if start is None else start
+        walk = Walk(token_bytes, step, self.seed, node.hash)
         nodes = walk.nodes
         segments = walk.segments
         end = walk.num_pages * step
         pos = 0
-        node = self.root
         while pos < end:
             if len(node.children) == 1:
                 run, first = node.run or self._run(node)

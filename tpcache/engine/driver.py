@@ -185,6 +185,20 @@ class Operations:
         by_index = {self._component(c): list(v) for c, v in parts.items()} if parts else None
         return self.driver.apply(self.core.insert, lease, tokens, list(device_pages), by_index)
 
+    def append(
+        self,
+        lease: int,
+        tokens: TokenIds,
+        device_pages: Sequence[int],
+        parts: Mapping[int | str, Sequence[int]] | None = None,
+    ) -> tuple[int, int]:
+        """Cache the full pages of ``tokens``, which follow what the lease's last ``insert`` or
+        ``append`` cached (a running request's new pages, given alone); ``device_pages[i]`` holds
+        page i of ``tokens``. Costs what it adds. ``NoCursor`` (a ValueError) when the lease's
+        sequence cannot be continued (see ``CacheCore.append``): call ``insert`` with all of it."""
+        by_index = {self._component(c): list(v) for c, v in parts.items()} if parts else None
+        return self.driver.apply(self.core.append, lease, tokens, list(device_pages), by_index)
+
     def chunk_tokens(self, lease: int, start: int, want: int) -> int:
         """How many tokens of a prefill chunk starting at ``start`` the pools take now (pure)."""
         return self.core.chunk_tokens(lease, start, want)

@@ -247,6 +247,13 @@ def _insert(h: RankHandler, body: p.InsertRequest, ctx: Ctx) -> p.Body:
     return p.InsertResult(inserted, dup)
 
 
+@handles(p.AppendRequest)
+def _append(h: RankHandler, body: p.AppendRequest, ctx: Ctx) -> p.Body:
+    h.leased(body.lease, ctx)
+    inserted, dup = h.tp.append(body.lease, body.tokens, body.device_page_ids)
+    return p.AppendResult(inserted, dup)
+
+
 @handles(p.LoadRequest)
 def _load(h: RankHandler, body: p.LoadRequest, ctx: Ctx) -> p.Body:
     h.leased(body.lease, ctx)

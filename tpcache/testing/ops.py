@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tpcache.core import CacheClosed, CacheCore, OutOfPages, UnknownLease
+from tpcache.core import CacheClosed, CacheCore, NoCursor, OutOfPages, UnknownLease
 from tpcache.core.hitrule import keeps_state
 
 if TYPE_CHECKING:
@@ -33,9 +33,19 @@ def tokens_for(pages: tuple[int, ...], page_size: int, tail: int) -> list[int]:
     return out + [7] * tail
 
 
-def random_op(rng: random.Random, page_size: int, alphabet: int = 4, max_pages: int = 6, requests: float = 0.0) -> Op:
+def random_op(
+    rng: random.Random,
+    page_size: int,
+    alphabet: int = 4,
+    max_pages: int = 6,
+    requests: float = 0.0,
+    appends: float = 0.0,
+) -> Op:
     """One random client op. ``requests``: the share of whole requests (lock, load, compute, insert,
-    release in one go, as an engine runs them), which keep leases short and the tiers moving."""
+    release in one go, as an engine runs them), which keep leases short and the tiers moving.
+    ``appends``: the share of running requests growing by a page or two (``append``)."""
+    if appends and rng.random() < appends:
+        return ("append", rng.randrange(8), tuple(rng.randrange(alphabet) for _ in range(rng.randint(1, 2))))
     if requests and rng.random() < requests:
         if rng.random() < 0.15:  # pages leave both tiers; storage may still hold them
             return ("evict", rng.randint(2, 6))
@@ -116,6 +126,34 @@ def _compute_and_insert(
         target.insert(lease_id, tokens, prefix + fresh)
 
 
+def _append(
+    target: CacheCore | TPCache,
+    core: CacheCore,
+    lease_id: int,
+    tokens: list[int],
+    more: tuple[int, ...],
+    write_kv: Callable[[int, int], None] | None,
+    write_part: Callable[[int, int, int], None] | None,
+) -> list[int]:
+    """A running request's next pages: compute them, then ``append`` them alone. Returns the
+    request's tokens after them (its partial last page, if any, is dropped: decode filled it)."""
+    ps = core.page_size
+    full = tokens[: len(tokens) // ps * ps]
+    new = tokens_for(more, ps, 0)
+    new = [t + len(full) // ps * 10 for t in new]  # the pages' depths, as tokens_for numbers them
+    hashes = core.match(full + new).page_hashes[len(full) // ps :]
+    fresh = target.alloc(lease_id, len(more))
+    if write_kv is not None:
+        for page, page_hash in zip(fresh, hashes, strict=True):
+            write_kv(page, page_hash)
+    parts = None
+    if core.ledger.parts:
+        rows = part_slots(target, lease_id, 0, hashes, write_part)
+        parts = {c: row for c, row in rows.items()}
+    target.append(lease_id, new, fresh, parts)
+    return full + new
+
+
 def evict(core: CacheCore, n: int, host: bool = True) -> None:
     """Forget up to ``n`` pages on device (and on host), and as much of each component's data."""
     core.evict_device(n)
@@ -145,6 +183,10 @@ def apply(
             tokens = tokens_for(op[1], core.page_size, op[2])
             lease_id, _ = target.lock(tokens)
             leases.append((lease_id, tokens))
+        elif kind == "append" and leases:
+            at = op[1] % len(leases)
+            lease_id, tokens = leases[at]
+            leases[at] = (lease_id, _append(target, core, lease_id, tokens, op[2], write_kv, write_part))
         elif kind in ("insert", "load", "load_insert", "release", "prefetch") and leases:
             lease_id, tokens = leases[op[1] % len(leases)]
             if kind == "load_insert":
@@ -175,5 +217,5 @@ def apply(
             evict(core, op[1], host=kind == "evict")
         elif kind == "cap":
             target.set_retention_cap(op[1])
-    except (OutOfPages, CacheClosed, UnknownLease):
+    except (OutOfPages, CacheClosed, UnknownLease, NoCursor):
         pass

@@ -436,7 +436,7 @@ def snapshot(core: CacheCore) -> dict[str, object]:
     ]
     leases = [
         (lid, [n.node_id for n in x.device_nodes], [n.node_id for n in x.host_nodes], x.pages, x.ops, x.releasing)
-        + (None if x.prefetch is None else tuple(x.prefetch.fields()), x.hit_pages)
+        + (None if x.prefetch is None else tuple(x.prefetch.fields()), x.hit_pages, x.cursor and x.cursor.node_id)
         + tuple(
             (c, [n.node_id for n in h.device_nodes], [n.node_id for n in h.host_nodes], h.pages)
             for c, h in x.parts.items()
@@ -620,7 +620,10 @@ def _hybrid(seed: int, kind: str, config: CacheConfig, faults: Faults) -> tuple[
 def _run(sim: SimCluster, rng: random.Random, rounds: int, ops_per_round: int) -> None:
     faults, page = sim.faults, sim.config.page_size
     for _ in range(rounds):
-        ops = [random_op(rng, page, sim.alphabet, requests=sim.requests) for _ in range(rng.randint(0, ops_per_round))]
+        ops = [
+            random_op(rng, page, sim.alphabet, requests=sim.requests, appends=0.1)
+            for _ in range(rng.randint(0, ops_per_round))
+        ]
         if sim.live[0].core.closed and faults.kill_at is None and rng.random() < 0.3:
             ops.append(("flush",))
         sim.apply_ops(ops)

@@ -1,0 +1,162 @@
+"""``append``: a running request's new pages, given alone, cached as ``insert`` of its whole sequence
+would cache them (same tree, pins, stamps and digest), at a cost that does not depend on its context."""
+
+import random
+
+import pytest
+
+from tpcache.core import CacheConfig, CacheCore, NoCursor, check
+from tpcache.core.holdings import NodeHolding
+from tpcache.replay import drain
+from tpcache.testing.ops import part_slots
+from tpcache.testing.sim import snapshot
+
+P = 4
+
+
+def toks(*pages: int, depth: int = 0) -> list[int]:
+    return [v * 1000 + (depth + d) * 10 + i for d, v in enumerate(pages) for i in range(P)]
+
+
+def core_of(**kw) -> CacheCore:
+    return CacheCore(CacheConfig(**{"page_size": P, "device_pages": 64, "host_pages": 16, **kw}))
+
+
+def start(core: CacheCore, tokens: list[int]) -> int:
+    """Lock, compute what the device lacks, insert: a request after its prefill."""
+    lease, m = core.lock(tokens)
+    fresh = core.alloc(lease, m.num_pages - m.device_pages)
+    core.insert(lease, tokens, m.device_page_ids + fresh, part_slots(core, lease, m.device_pages, m.page_hashes))
+    return lease
+
+
+def grow(core: CacheCore, lease: int, seq: list[int], more: list[int], *, whole: bool) -> list[int]:
+    """One decode step that completes ``more``'s pages: ``append`` them, or ``insert`` it all."""
+    n = len(more) // P
+    hashes = core.match(seq + more).page_hashes
+    fresh = core.alloc(lease, n)
+    if whole:
+        have = [node.device_page for node in core.match(seq).nodes]
+        slots = part_slots(core, lease, len(seq) // P, hashes)
+        core.insert(lease, seq + more, have + fresh, slots)
+    else:
+        slots = {c: row[len(seq) // P :] for c, row in part_slots(core, lease, len(seq) // P, hashes).items()}
+        core.append(lease, more, fresh, slots)
+    check(core)
+    return seq + more
+
+
+@pytest.mark.parametrize("kind", ["full", "hybrid"])
+def test_append_caches_what_an_insert_of_the_whole_sequence_caches(kind):
+    """The same random requests on two cores, one appending and one inserting whole sequences: the
+    same state, field by field and in the digest, after every step."""
+    extra = {"swa_window": 2 * P, "swa_device_pages": 64, "mamba_every": 1, "mamba_device_states": 64}
+    cores = [core_of(**(extra if kind == "hybrid" else {})) for _ in range(2)]
+    rng = random.Random(7)
+    running: list[tuple[int, list[int]]] = []
+    for step in range(40):
+        choice = rng.random()
+        if choice < 0.3 or not running:
+            seq = toks(*(rng.randrange(3) for _ in range(rng.randint(1, 4))))
+            leases = [start(core, seq) for core in cores]
+            assert leases[0] == leases[1]
+            running.append((leases[0], seq))
+        elif choice < 0.85:
+            at = rng.randrange(len(running))
+            lease, seq = running[at]
+            more = toks(*(rng.randrange(3) for _ in range(rng.randint(1, 2))), depth=len(seq) // P)
+            for core, whole in zip(cores, (False, True), strict=True):
+                grown = grow(core, lease, seq, more, whole=whole)
+            running[at] = (lease, grown)
+        else:
+            lease, _ = running.pop(rng.randrange(len(running)))
+            for core in cores:
+                core.release(lease)
+        for core in cores:
+            drain(core)
+            check(core)
+        assert snapshot(cores[0]) == snapshot(cores[1]), f"step {step}"
+        assert cores[0].digest.value == cores[1].digest.value
+
+
+def test_append_costs_what_it_adds_not_the_context():
+    """An append walks only its own pages: the run caches along the context stay untouched."""
+    core = core_of(device_pages=256)
+    seq = toks(*range(100))
+    lease = start(core, seq)
+    core.match(seq)  # builds the run cache of the 100-page chain
+    chain_top = core.tree.root.children[bytes(core.match(seq).walk.pages[0])]
+    built = chain_top.run
+    assert built is not None
+    calls = []
+    original = core.tree.walk
+    core.tree.walk = lambda data, start=None: calls.append((len(data), start)) or original(data, start)  # type: ignore[method-assign]
+    core.append(lease, toks(5, depth=100), core.alloc(lease, 1))
+    assert calls == [(P * 4, core.lease(lease).device_nodes[-2])]  # one page's bytes, from the cursor
+    assert core.match(seq + toks(5, depth=100)).device_pages == 101
+    check(core)
+
+
+def test_without_a_sequence_to_continue_append_is_refused_and_changes_nothing():
+    core = core_of()
+    lease, _ = core.lock(toks(1, 2))
+    page = core.alloc(lease, 1)
+    before = snapshot(core), core.digest.value
+    with pytest.raises(NoCursor, match="insert the whole sequence"):
+        core.append(lease, toks(3, depth=2), page)  # locked, never inserted: nothing to continue
+    assert (snapshot(core), core.digest.value) == before
+
+    # A lease that pins a path other than the one it inserted (it locked other tokens) has no cursor.
+    start(core, toks(1, 2))
+    other, _ = core.lock(toks(1, 2, 3))
+    core.insert(other, toks(1), [core.match(toks(1)).device_page_ids[0]])
+    assert core.lease(other).cursor is None
+    with pytest.raises(NoCursor):
+        core.append(other, toks(4, depth=1), core.alloc(other, 1))
+    check(core)
+
+
+def test_a_load_clears_the_cursor():
+    """A load pins what it brings back outside the inserted sequence: append needs an insert again."""
+    core = core_of()
+    lease = start(core, toks(1, 2))
+    assert core.lease(lease).cursor is core.lease(lease).device_nodes[-1]
+    core.load(lease)
+    assert core.lease(lease).cursor is None
+    with pytest.raises(NoCursor):
+        core.append(lease, toks(3, depth=2), core.alloc(lease, 1))
+    check(core)
+
+
+def test_append_refuses_a_page_the_lease_does_not_hold_and_changes_nothing():
+    core = core_of()
+    lease = start(core, toks(1, 2))
+    stranger = start(core, toks(7))
+    foreign = core.lease(stranger).device_nodes[0].device_page
+    before = snapshot(core), core.digest.value
+    with pytest.raises(ValueError, match="not held by lease"):
+        core.append(lease, toks(3, depth=2), [foreign])
+    assert (snapshot(core), core.digest.value) == before
+
+
+def test_a_holding_changes_only_through_its_methods_and_keeps_its_total():
+    class N:
+        def __init__(self, node_id: int) -> None:
+            self.node_id = node_id
+
+    held = NodeHolding(3, 1, [N(i) for i in range(6)])
+    for change in (lambda: held.insert(0, N(9)), lambda: held.pop(), held.clear, lambda: held.__delitem__(0)):
+        with pytest.raises(TypeError):
+            change()
+    held.truncate(4)
+    held.remove(held[1])
+    held.retain(lambda n: n.node_id != 2)
+    assert [n.node_id for n in held] == [0, 3]
+    assert held.total == held.recount() == NodeHolding(3, 1, [N(3), N(0)]).total  # order does not matter
+    assert held.total != NodeHolding(4, 1, [N(0), N(3)]).total  # another lease's holding differs
+
+    core = core_of()
+    lease = core.lease(start(core, toks(1, 2, 3)))
+    list.append(lease.pages, 10**6)  # behind the holding's back: the check finds it
+    with pytest.raises(Exception, match="holding's total is stale"):
+        check(core)

@@ -1,0 +1,109 @@
+"""What a lease holds, as lists that keep their own digest.
+
+A lease's record in the state digest covers every node it pins and every page it holds. Mixing
+those lists whole would make each change to a lease cost the length of its path; instead each list
+keeps ``total``, the sum (mod 2**62) of one term per entry, updated by the entry that changed, so a
+request that adds two pages to a 140-page context re-records its lease in O(2). The sum does not
+depend on the order of the entries: ranks that hold the same entries agree.
+
+Invariant: ``total == recount()`` after every change; ``invariants.check`` recomputes it. Only the
+methods below change a holding (anything else raises), so the sum cannot drift.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from tpcache.core.digest import DIGEST_MASK
+
+if TYPE_CHECKING:
+    from tpcache.core.tree import Node
+
+_TERM = struct.Struct("<qqq")
+_digest = xxhash.xxh3_64_intdigest
+
+DEVICE_PINS = 1  # the kinds of holding
+HOST_PINS = 2
+PAGES = 3
+
+
+class _Holding(list):
+    """A list that keeps ``total`` equal to the sum of ``term`` over its entries."""
+
+    __slots__ = ("lease_id", "kind", "total")
+
+    def __init__(self, lease_id: int, kind: int, items: Iterable[Any] = ()) -> None:
+        super().__init__()
+        self.lease_id = lease_id
+        self.kind = kind
+        self.total = 0
+        self.extend(items)
+
+    def _key(self, item: Any) -> int:
+        raise NotImplementedError
+
+    def _term(self, item: Any) -> int:
+        """One entry's share of the total: the same id under another kind or lease is another term."""
+        return _digest(_TERM.pack(self.lease_id, self.kind, self._key(item))) & DIGEST_MASK
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.total = (self.total + self._term(item)) & DIGEST_MASK
+
+    def extend(self, items: Iterable[Any]) -> None:
+        start = len(self)
+        super().extend(items)
+        total = self.total
+        for item in self[start:]:
+            total += self._term(item)
+        self.total = total & DIGEST_MASK
+
+    def remove(self, item: Any) -> None:
+        super().remove(item)
+        self.total = (self.total - self._term(item)) & DIGEST_MASK
+
+    def truncate(self, length: int) -> None:
+        """Drop every entry from position ``length`` on."""
+        total = self.total
+        for item in self[length:]:
+            total -= self._term(item)
+        super().__delitem__(slice(length, None))
+        self.total = total & DIGEST_MASK
+
+    def retain(self, keep: Callable[[Any], bool]) -> None:
+        """Keep only the entries ``keep`` accepts, in order."""
+        kept = [item for item in self if keep(item)]
+        super().clear()
+        self.total = 0
+        self.extend(kept)
+
+    def recount(self) -> int:
+        """The total computed from scratch (the invariant's check)."""
+        return sum(self._term(item) for item in self) & DIGEST_MASK
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{type(self).__name__} changes only through append/extend/remove/truncate/retain")
+
+    __setitem__ = __delitem__ = __iadd__ = insert = pop = clear = sort = reverse = _refuse  # type: ignore[assignment]
+
+
+class NodeHolding(_Holding):
+    """Nodes a lease pins (one pin each), keyed by node id."""
+
+    __slots__ = ()
+
+    def _key(self, item: Node) -> int:
+        return item.node_id
+
+
+class PageHolding(_Holding):
+    """Device pages a lease holds outside the tree."""
+
+    __slots__ = ()
+
+    def _key(self, item: int) -> int:
+        return item
