@@ -113,10 +113,11 @@ class Inserter:
         inserted: list[Node] = []
         for i, node, page in plan:
             lease.pages.remove(page)
-            if node is None:
-                node = led.add(path[i - 1] if i else top, walk.pages[i], hashes[i])
+            if node is None:  # stamped as it is made (the clock ticked above)
+                node = led.add(path[i - 1] if i else top, walk.pages[i], hashes[i], None, (DeviceState.VALID, page), 1)
                 path.append(node)
-            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
+            else:
+                led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
             inserted.append(node)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease

@@ -193,14 +193,27 @@ class Ledger:
         around = device is not None or host is not None or storage is not None or host_pins != 0
         self._refresh(node, was_evictable, was_protected, was_mirror, around)
 
-    def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int] | None = None) -> Node:
-        """A new node under ``parent`` (stamped now), optionally with a host slot being written."""
+    def add(
+        self,
+        parent: Node,
+        tokens: bytes,
+        hash_: int,
+        host: tuple[HostState, int] | None = None,
+        device: tuple[DeviceState, int] | None = None,
+        device_pins: int = 0,
+    ) -> Node:
+        """A new node under ``parent`` (stamped now), optionally with a host slot being written or a
+        device page (and its pins): one record and one offer for a node and its first state."""
         node = self.tree.add_child(parent, tokens, hash_, self.clock)
         if self.parts:
             node.comp = fresh_record(len(self.parts), self.clock)
         if host is not None:
             check_transition(HostState, node.host_state, host[0])
             node.host_state, node.host_slot = host
+        if device is not None:
+            check_transition(DeviceState, node.device_state, device[0])
+            node.device_state, node.device_page = device
+            node.device_pins = device_pins
         self._refresh(node, False, False, False)
         return node
 
