@@ -33,6 +33,7 @@ class ReplayResult:
     pages: int = 0
     refused_pages: int = 0  # pages not cached because every device page was pinned
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this thread's CPU time: steadier than ``seconds`` on a shared machine
     digest: int = 0
     held: dict[str, int] | None = None  # hybrid: device pages (slots) each component holds at the end
     mean_held: dict[str, float] | None = None  # hybrid: the same, averaged over the requests
@@ -45,6 +46,10 @@ class ReplayResult:
     def pages_per_s(self) -> float:
         return self.pages / self.seconds if self.seconds else 0.0
 
+    @property
+    def pages_per_cpu_s(self) -> float:
+        return self.pages / self.cpu_seconds if self.cpu_seconds else 0.0
+
     def to_dict(self) -> dict[str, float | int]:
         d: dict[str, float | int] = asdict(self)
         if self.held is None:
@@ -52,6 +57,8 @@ class ReplayResult:
         d["hit_rate"] = round(self.hit_rate, 6)
         d["pages_per_s"] = round(self.pages_per_s, 1)
         d["seconds"] = round(self.seconds, 3)
+        d["pages_per_cpu_s"] = round(self.pages_per_cpu_s, 1)
+        d["cpu_seconds"] = round(self.cpu_seconds, 3)
         return d
 
 
@@ -147,7 +154,7 @@ def replay(
     result = ReplayResult()
     specs = config.components()
     totals = dict.fromkeys(["full", *(s.name for s in specs)], 0)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     for req in requests:
         if specs:
             replay_hybrid_request(core, request_tokens(req), result, chunk_tokens)
@@ -157,7 +164,7 @@ def replay(
             replay_request(core, request_tokens(req), result)
         if progress is not None:
             progress(1)
-    result.seconds = time.perf_counter() - start
+    result.seconds, result.cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu_start
     result.digest = core.digest.value
     if specs:
         result.held = _held(core)

@@ -88,7 +88,7 @@ def test_replay_script_prints_json():
         timeout=120,
     )
     d = json.loads(out.stdout)
-    for key in ("requests", "input_tokens", "hit_tokens", "hit_rate", "pages_per_s"):
+    for key in ("requests", "input_tokens", "hit_tokens", "hit_rate", "pages_per_s", "pages_per_cpu_s"):
         assert key in d
     assert d["hit_rate"] == pytest.approx(d["hit_tokens"] / d["input_tokens"], abs=1e-6)
 
