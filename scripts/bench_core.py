@@ -284,24 +284,26 @@ def engine_step(cached_pages: int, running: int, completing: int, whole: bool = 
     drain(core)
     gc.collect()
 
+    # The step's new tokens, made before it is timed (an engine has them from its sampler).
+    news = [sequence(7_000_000 + j * 1000 + CONTEXT_PAGES, 2) for j in range(completing)]
+
     def core_step() -> None:
         for j in range(completing):
             lease, pages = leases[j]
-            new = sequence(7_000_000 + j * 1000 + len(contexts[j]) // PAGE, 2)
-            tokens = contexts[j] = contexts[j] + new
             fresh = core.alloc(lease, 2)
             pages += fresh
-            if whole:
+            if whole:  # the whole sequence, as an engine without append gives it
+                tokens = contexts[j] + news[j]
                 core.match(tokens)
                 core.insert(lease, tokens, pages)
             else:
-                core.append(lease, new, fresh)
+                core.append(lease, news[j], fresh)
         drain(core)
 
     def dict_step() -> None:
         # An engine hashes a request's new pages only (it keeps the keys of the ones before).
         for j in range(completing):
-            new = contexts[j][-2 * PAGE :]
+            new = news[j]
             parent = dkeys[j][-1]
             keys = []
             for i in range(0, len(new), PAGE):

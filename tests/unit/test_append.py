@@ -8,7 +8,7 @@ import pytest
 from tpcache.core import CacheConfig, CacheCore, NoCursor, check
 from tpcache.core.holdings import NodeHolding
 from tpcache.replay import drain
-from tpcache.testing.ops import part_slots
+from tpcache.testing.ops import apply, part_slots, random_op
 from tpcache.testing.sim import snapshot
 
 P = 4
@@ -160,3 +160,31 @@ def test_a_holding_changes_only_through_its_methods_and_keeps_its_total():
     list.append(lease.pages, 10**6)  # behind the holding's back: the check finds it
     with pytest.raises(Exception, match="holding's total is stale"):
         check(core)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_touch_is_update_node_by_node(seed):
+    """The path-wide pin/stamp/hit that lock and release use leaves exactly what one ``update``
+    per node leaves: nodes, digest, counters and the eviction candidates."""
+    cores = [core_of(device_pages=24, write_policy="write_through") for _ in range(2)]
+    leases: list[list] = [[], []]
+    rng = random.Random(seed)
+    for _ in range(60):
+        op = random_op(rng, P, requests=0.3, appends=0.1)
+        for core, held in zip(cores, leases, strict=True):
+            apply(core, op, held)
+            drain(core)
+    a, b = cores
+    for pins, stamp, hit in ((+1, True, True), (-1, True, False)):
+        on_device = [[n for n in c.tree.nodes.values() if n.parent is not None and n.on_device] for c in cores]
+        assert on_device[0], "the schedule left nothing on device"
+        a.ledger.tick(), b.ledger.tick()
+        a.ledger.touch(on_device[0], pins, stamp=stamp, hit=hit)
+        for node in on_device[1]:
+            b.ledger.update(node, device_pins=pins, stamp=stamp, hit=hit)
+        assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
+        counters = [(c.ledger.evictable_device_pages, c.ledger.protected_device_pages) for c in cores]
+        assert counters[0] == counters[1]
+        assert a.candidates.device_heap == b.candidates.device_heap
+        assert a.candidates.host_heap == b.candidates.host_heap
+    check(a)

@@ -226,8 +226,7 @@ class CacheCore:
         stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
-        for node in result.nodes[:dev]:
-            led.update(node, stamp=True, hit=True, device_pins=+1)
+        led.touch(result.nodes[:dev], +1, stamp=True, hit=True)
         for node in result.nodes[dev:]:
             led.update(node, stamp=True, hit=True, host_pins=+1)
         lease.device_nodes.extend(result.nodes[:dev])

@@ -161,8 +161,7 @@ class Leases:
             for node in held.host_nodes:
                 led.update(node, part=c, host_pins=-1)
             led.parts[c].device.free(held.pages)
-        for node in lease.device_nodes:
-            led.update(node, device_pins=-1, stamp=True)  # last used now: LRU by the end of use
+        led.touch(lease.device_nodes, -1, stamp=True)  # last used now: LRU by the end of use
         for node in lease.host_nodes:
             led.update(node, host_pins=-1)
         led.device.free(lease.pages)

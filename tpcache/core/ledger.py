@@ -1,7 +1,8 @@
 """The ledger: the one mutator of node state.
 
 Every change to a node's tier state, pins, access stamp or hit count goes through ``update`` (for a
-component of a hybrid model: ``update(node, part=c, ...)``), and nodes enter and leave the tree
+component of a hybrid model: ``update(node, part=c, ...)``; for the pins, stamps and hits of a whole
+path: ``touch``, the same change in one loop), and nodes enter and leave the tree
 through ``add``/``remove``. The ledger keeps what summarizes the nodes equal to them after every
 call: the state digest (the sum of ``record_of`` over nodes and leases), the evictable/protected
 counters, the mirror index and the eviction candidate heaps, and each component's (``Part``).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Iterable
 from typing import Protocol
 
 import xxhash
@@ -39,6 +41,7 @@ from tpcache.core.tree import Node, RadixTree, drop_pages
 
 _RECORD = struct.Struct("<QqqqqqqQ")
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
+_NO_IDS = mix_ids([])
 _VALID = DeviceState.VALID
 _NONE = DeviceState.NONE
 _MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
@@ -68,16 +71,17 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
     totals, see ``holdings``), where ``append`` continues, and per component what it pins and holds,
     and its protected prefix."""
     cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
-    record = mix(
+    packed = _RECORD.pack(  # digest.mix of these 8 fields, without its padding
         _LEASE_TAG,
         lease.lease_id,
         lease.device_nodes.total,
         lease.host_nodes.total,
         lease.pages.total,
-        mix_ids(lease.ops),
+        mix_ids(lease.ops) if lease.ops else _NO_IDS,
         int(lease.releasing) | cursor << 1,
-        mix_ids(prefetch_fields),
+        mix_ids(prefetch_fields) if prefetch_fields else _NO_IDS,
     )
+    record = xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
     fields: list[int] = []
     for c, held in lease.parts.items():
         if held.device_nodes or held.host_nodes or held.pages:  # an empty entry holds nothing
@@ -192,6 +196,33 @@ class Ledger:
         # can also decide its parent's and the device page above a host-only chain.
         around = device is not None or host is not None or storage is not None or host_pins != 0
         self._refresh(node, was_evictable, was_protected, was_mirror, around)
+
+    def touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
+        """``update(node, device_pins=..., stamp=..., hit=...)`` for each node in order, in one loop:
+        the same changes, records, counters and offers. A pin, a stamp or a hit changes no tier, so
+        no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
+        clock, offer, record = self.clock, self.candidates.offer, record_of
+        value = self.digest.value
+        evictable = protected = 0
+        for node in nodes:
+            pins = node.device_pins
+            new = node.device_pins = pins + device_pins
+            state = node.device_state
+            if state == _VALID:
+                evictable += (new == 0) - (pins == 0)
+            if state != _NONE:
+                protected += (new > 0) - (pins > 0)
+            if stamp:
+                node.last_access = clock
+            if hit:
+                node.hits += 1
+            value -= node.record
+            node.record = record(node)
+            value += node.record
+            offer(node)
+        self.digest.value = value & DIGEST_MASK
+        self.evictable_device_pages += evictable
+        self.protected_device_pages += protected
 
     def add(
         self,
