@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcache.core import CacheConfig, CacheCore, OpKind, check
+from tpcache.core.tiers import DeviceState, HostState
 from tpcache.testing.ops import apply, take_transfers, tokens_for
 
 PAGE = 4
@@ -98,7 +99,7 @@ def test_hits_never_point_at_pages_that_are_not_valid():
         m = core.match(tokens_for(tuple(rng.randrange(3) for _ in range(4)), PAGE, 0))
         assert m.device_page_ids == [n.device_page for n in m.nodes[: m.device_pages]]
         for node in m.nodes[: m.device_pages]:
-            assert core.device.is_owned(node.device_page) and node.device_state.name == "VALID"
+            assert core.device.is_owned(node.device_page) and node.device_state == DeviceState.VALID
         for node in m.nodes[m.device_pages :]:
-            assert node.host_state.name == "VALID"
+            assert node.host_state == HostState.VALID
         check(core)

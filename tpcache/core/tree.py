@@ -18,12 +18,18 @@ from array import array
 import xxhash
 
 from tpcache.core.hashing import namespace_seed, root_hash
-from tpcache.core.tiers import DeviceState, HostState, StorageState  # noqa: F401
+from tpcache.core.tiers import DeviceState, HostState, StorageState
 
 _U64 = struct.Struct("<Q")
 
 
-class Node:
+class PyNode:
+    """One page of the tree: the reference implementation of ``_node.Node`` (the same fields,
+    methods and behaviour in C), used where the extension is not built. A node of the C type is
+    never tracked by the garbage collector (nor is a children dict holding only such nodes), so a full
+    collection costs what the rest of the process holds, not the cache's size; its state fields
+    read back as plain ints (compare them with the tier enums)."""
+
     __slots__ = (
         "node_id",
         "parent",
@@ -44,6 +50,7 @@ class Node:
         "comp",
         "record",
         "run",
+        "run_at",
         "pages_run",
     )
 
@@ -66,7 +73,8 @@ class Node:
         self.hits = 0
         self.comp: list[int] | None = None  # per-component data of a hybrid model (components.py)
         self.record = 0  # this node's current contribution to the state digest
-        self.run: tuple[Run, int] | None = None  # the chain below, cached (tree._run): (run, index of my child)
+        self.run: Run | None = None  # the chain below, cached (tree._run), and where my child is in it:
+        self.run_at = 0  # (an index, not a tuple with the run: a tuple would be tracked by the collector)
         self.pages_run: Run | None = None  # the run whose cached device pages include this node
 
     @property
@@ -99,9 +107,24 @@ class Node:
 
     def __repr__(self) -> str:
         return (
-            f"Node(id={self.node_id}, depth={self.depth}, dev={self.device_state.name}:{self.device_page}, "
-            f"host={self.host_state.name}:{self.host_slot}, storage={self.storage_state.name})"
+            f"Node(id={self.node_id}, depth={self.depth}, dev={DeviceState(self.device_state).name}:"
+            f"{self.device_page}, host={HostState(self.host_state).name}:{self.host_slot}, "
+            f"storage={StorageState(self.storage_state).name})"
         )
+
+    def __copy__(self) -> PyNode:
+        other = PyNode.__new__(PyNode)
+        for name in PyNode.__slots__:
+            setattr(other, name, getattr(self, name))
+        return other
+
+
+try:
+    from tpcache.core._node import Node
+except ImportError:  # built without a C compiler
+    Node = PyNode  # type: ignore[misc,assignment]
+
+NATIVE_NODES = Node is not PyNode
 
 
 class Run:
@@ -227,7 +250,7 @@ class RadixTree:
         pos = 0
         while pos < end:
             if len(node.children) == 1:
-                run, first = node.run or self._run(node)
+                run, first = (node.run, node.run_at) if node.run is not None else self._run(node)
                 chain = run.nodes
                 offset = first * step
                 count = min(len(chain) - first, (end - pos) // step)
@@ -258,11 +281,12 @@ class RadixTree:
     def _run(self, node: Node) -> tuple[Run, int]:
         """Build the run cache of the single-child chain below ``node``.
 
-        ``node.run = (Run(tokens of c1..ck, [c1..ck]), 0)`` where c1 is node's only child and each
-        next node is its predecessor's only child; every chain node ci except the last gets the
-        same run with its own start. Invariant: a run never spans a node with two or more children;
-        ``_invalidate`` keeps it so when a child is added or removed. A run shorter than the chain
-        (the chain grew at its end) is still correct: the walk goes on from its last node.
+        ``node.run = Run(tokens of c1..ck, [c1..ck])``, ``node.run_at = 0``, where c1 is node's only
+        child and each next node is its predecessor's only child; every chain node ci except the last
+        gets the same run with its own start (``run_at = i``). Invariant: a run never spans a node
+        with two or more children; ``_invalidate`` keeps it so when a child is added or removed. A run
+        shorter than the chain (the chain grew at its end) is still correct: the walk goes on from its
+        last node.
         """
         chain: list[Node] = []
         cur = node
@@ -270,10 +294,10 @@ class RadixTree:
             (cur,) = cur.children.values()
             chain.append(cur)
         run = Run(b"".join(c.tokens for c in chain), chain)
-        node.run = (run, 0)
+        node.run, node.run_at = run, 0
         for i, c in enumerate(chain[:-1]):
-            c.run = (run, i + 1)
-        return node.run
+            c.run, c.run_at = run, i + 1
+        return run, 0
 
     @staticmethod
     def _invalidate(node: Node) -> None:
@@ -307,3 +331,14 @@ class RadixTree:
 
     def __len__(self) -> int:
         return len(self.nodes) - 1
+
+    def dispose(self) -> None:
+        """Break the tree's reference cycles (child to parent, node to its cached run) so that
+        reference counting frees it: with native nodes the collector cannot see these cycles.
+        Called when the tree is dropped; the tree is empty afterwards."""
+        for node in self.nodes.values():
+            node.parent = node.run = node.pages_run = None
+        self.nodes = {}
+
+    def __del__(self) -> None:
+        self.dispose()

@@ -1,0 +1,116 @@
+"""Tree nodes in C (``tpcache/core/_node.c``): untracked by the garbage collector, freed when their
+tree goes, and held equal to the pure-Python reference node (``tree.PyNode``) by running the same
+schedules with each and comparing everything that decides what a rank does."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tpcache.core import CacheConfig, CacheCore
+from tpcache.core.tree import NATIVE_NODES, Node, PyNode, RadixTree
+
+pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The same schedules, printed as (digest, snapshot) per seed: with and without the extension.
+SCHEDULES = textwrap.dedent(
+    """
+    import json, sys
+    SEEDS = [(3, None), (11, None), (27, None), (5, "both"), (8, "swa")]
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name == "tpcache.core._node":
+                raise ImportError("blocked: the reference nodes")
+    if sys.argv[1] == "pure":
+        sys.meta_path.insert(0, Block())
+    from tpcache.core.tree import NATIVE_NODES
+    from tpcache.testing import sim
+    out = {"native": NATIVE_NODES, "runs": []}
+    for seed, hybrid in SEEDS:
+        cluster = sim.run_schedule(seed, 2, hybrid=hybrid)
+        core = cluster.ranks[0].core
+        out["runs"].append([core.digest.value, json.dumps(sim.snapshot(core), default=str), cluster.log])
+    print(json.dumps(out))
+    """
+)
+
+
+def _schedules(mode: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", SCHEDULES, mode], cwd=REPO, capture_output=True, text=True, timeout=600, check=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_native_and_reference_nodes_reach_the_same_states():
+    native, pure = _schedules("native"), _schedules("pure")
+    assert (native["native"], pure["native"]) == (True, False)
+    assert len(native["runs"]) == 5
+    for i, (a, b) in enumerate(zip(native["runs"], pure["runs"], strict=True)):
+        assert a == b, f"schedule {i}: native and reference nodes diverge"
+
+
+def test_nodes_and_their_children_dicts_are_not_tracked():
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8))
+    lease, m = core.lock(list(range(12)))
+    core.insert(lease, list(range(12)), core.alloc(lease, 3))
+    for node in core.tree.nodes.values():
+        assert not gc.is_tracked(node) and not gc.is_tracked(node.children)
+    assert gc.is_tracked(PyNode(1, None, b"", 0, 0))  # what the extension spares the collector
+
+
+def test_a_dropped_tree_frees_its_nodes():
+    """The collector cannot see the child-to-parent cycles of native nodes: the tree breaks them
+    itself, so dropping a core (or an agreed flush's reset) frees every node."""
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8))
+    lease, _ = core.lock(list(range(12)))
+    core.insert(lease, list(range(12)), core.alloc(lease, 3))
+    core.match(list(range(12)))  # cached runs: node -> run -> node cycles too
+    leaf = max(core.tree.nodes.values(), key=lambda n: n.depth)
+    assert leaf.depth == 3 and sys.getrefcount(leaf) > 2
+    del core, lease
+    gc.collect()
+    assert leaf.parent is None and sys.getrefcount(leaf) == 2  # this test's name and the call's argument
+
+    tree = RadixTree(4)
+    a = tree.add_child(tree.root, b"x" * 16, 1, 0)
+    tree.add_child(a, b"y" * 16, 2, 0)
+    del tree
+    assert a.parent is None and sys.getrefcount(a) == 2
+
+
+def test_a_native_node_has_the_reference_nodes_fields_and_behaviour():
+    tree = RadixTree(4)
+    parent = tree.add_child(tree.root, b"p" * 16, 2**64 - 1, 5)
+    node = tree.add_child(parent, b"c" * 16, 7, 6)
+    ref_parent = PyNode(1, None, b"p" * 16, 2**64 - 1, 5)
+    ref = PyNode(2, ref_parent, b"c" * 16, 7, 6)
+    ref_parent.depth = parent.depth
+    ref.depth = node.depth
+    for name in PyNode.__slots__:
+        if name not in ("parent", "children"):
+            assert getattr(node, name) == getattr(ref, name), name
+    assert node.depth == 2 and node.hash == 7 and parent.hash == 2**64 - 1
+    for state, expect in ((0, (False, False)), (1, (True, False)), (2, (True, True))):
+        node.device_state = ref.device_state = state
+        assert (node.on_device, node.device_valid) == (ref.on_device, ref.device_valid) == expect
+        assert node.resident == ref.resident
+    node.host_state = ref.host_state = 1
+    assert node.on_host and node.resident and ref.on_host
+    assert [n.node_id for n in node.path()] == [parent.node_id, node.node_id]
+    assert repr(node) == repr(ref).replace("id=2", f"id={node.node_id}")
+    other = copy.copy(node)
+    assert type(other) is Node and other is not node and other.parent is parent and other.record == node.record
+    with pytest.raises(TypeError, match="parent"):
+        Node(9, "not a node", b"", 0, 0)
+    with pytest.raises(OverflowError):
+        node.device_page = 2**63
