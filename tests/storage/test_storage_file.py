@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.storage.storage_helpers import flip_byte, make_keys, make_page, segment_files
+from tpcache.dist.parallel import ParallelGroup
 from tpcache.io.storage.base import StorageError
 from tpcache.io.storage.file import FileBackend
-from tpcache.dist.parallel import ParallelGroup
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 from tpcache.io.storage.record import HEADER, HEADER_SIZE, RECORD_VERSION, encode_header, payload_checksum
 
