@@ -183,7 +183,9 @@ class ServiceConfig:
             )
         if self.storage_location() and not (self.kv_layout or self.model_layout):
             name = "storage_dir" if self.storage_dir else "storage_url"
-            raise SettingError(name, getattr(self, name), "needs kv_layout: the storage tier stores page bytes")
+            raise SettingError(
+                name, getattr(self, name), "needs kv_layout or model_layout: the storage tier stores page bytes"
+            )
         if self.storage_url:
             from tpcache.io.storage.url import StorageURLError, parse_storage_url
 
@@ -209,7 +211,7 @@ class ServiceConfig:
         try:
             return ParallelGroup.of_world(world_size, self.pp_size, self.tp_size)
         except GroupShapeError as exc:
-            raise SettingError(name, getattr(self, name), f"{exc} (rank processes: {world_size})") from None
+            raise SettingError(name, getattr(self, name), str(exc)) from None
 
     def rank_layout(self, world_size: int) -> Any:
         """This group's per-rank ``KVLayout`` (None: metadata only): ``kv_layout`` as written, or each
@@ -357,7 +359,8 @@ def parse_kv_layout(text: str, page_size: int, setting: str = "kv_layout") -> An
 
     match = _LAYOUT.fullmatch(text.strip())
     if match is None:
-        raise SettingError(setting, text, f"must be {LAYOUT_SYNTAX}")
+        syntax = LAYOUT_SYNTAX if setting == "kv_layout" else LAYOUT_SYNTAX.replace(" per rank", "")
+        raise SettingError(setting, text, f"must be {syntax}")
     layers, heads, head_dim, dtype = match.groups()
     try:
         return KVLayout(int(layers), int(heads), int(head_dim), dtype, page_size)
