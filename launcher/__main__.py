@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N -m launcher serve [options]   one rank per process (torchrun env)
     python -m launcher local --nproc N [options]              N ranks on this host, no torchrun
+    python -m launcher local --pp-size P --tp-size T [options]  a group of P stages x T tensor ranks
     python -m launcher demo [--trace PATH] [--nproc 2] [--json]   the main job, end to end
 
 Every option can also come from the environment (TPCACHE_<NAME>) or a --config TOML, JSON or
@@ -31,11 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one rank (under torchrun, or with RANK/WORLD_SIZE/MASTER_* set)")
     add_service_options(serve)
     local = sub.add_parser("local", help="run N ranks on this host without torchrun (gloo on CPU)")
-    local.add_argument("--nproc", type=int, default=2, help="number of rank processes [default 2]")
+    local.add_argument(
+        "--nproc", type=int, default=None, help="number of rank processes [default: pp_size x tp_size, or 2]"
+    )
     add_service_options(local)
     demo = sub.add_parser("demo", help="start a local service, replay a workload through it, print a summary")
     demo.add_argument("--trace", metavar="PATH", help="Mooncake-format trace (JSON lines); default: built-in workload")
-    demo.add_argument("--nproc", type=int, default=2, help="number of rank processes [default 2]")
+    demo.add_argument(
+        "--nproc", type=int, default=None, help="number of rank processes [default: pp_size x tp_size, or 2]"
+    )
     demo.add_argument("--conversations", type=int, default=100, help="built-in workload size [default 100]")
     demo.add_argument("--requests", type=int, default=None, help="replay at most this many requests")
     demo.add_argument("--seed", type=int, default=0, help="built-in workload seed [default 0]")
@@ -49,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolved = config_from_args(args, DEMO_DEFAULTS if args.command == "demo" else None)
         if args.command in ("local", "demo"):
+            if args.nproc is None:
+                config = resolved.config
+                args.nproc = config.pp_size * config.tp_size if config.tp_size else 2
             if args.nproc < 1:
                 raise ConfigError(f"--nproc {args.nproc}: must be an integer >= 1 (rank processes)")
             preflight(resolved, range(args.nproc), args.nproc)  # every rank, before any starts

@@ -224,3 +224,46 @@ def test_the_launcher_refuses_bad_settings_before_starting_any_rank(capsys: pyte
     )
     assert main(["local", "--nproc", "0"]) == 2
     assert "--nproc 0: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_pp_x_tp_group_is_checked_before_any_rank_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    model = ["--model-layout", "L32xH8xD128:bf16"]
+    cases = [
+        (
+            ["--nproc", "3", "--pp-size", "2", "--tp-size", "2"],
+            "--tp-size 2: PP2xTP2 needs 4 ranks, but the world size is 3",
+        ),
+        (
+            ["--nproc", "6", "--pp-size", "4"],
+            "--pp-size 4: 6 ranks cannot form 4 pipeline stage(s) x 1 context rank(s)",
+        ),
+        (
+            ["--pp-size", "3", "--tp-size", "2", *model],
+            "--model-layout L32xH8xD128:bf16: 32 layers cannot be split evenly",
+        ),
+        (
+            ["--pp-size", "2", "--tp-size", "3", *model],
+            "--model-layout L32xH8xD128:bf16: 8 KV heads cannot be split evenly",
+        ),
+        (
+            ["--kv-layout", "L2xH2xD4:bf16", "--model-layout", "L4xH4xD4:bf16"],
+            "--model-layout L4xH4xD4:bf16: give kv_layout",
+        ),
+    ]
+    for argv, message in cases:
+        assert main(["local", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tpcache: configuration error: {message}"), err
+        assert err.count("\n") == 1
+
+
+def test_each_rank_of_a_group_holds_its_slice_of_the_model_layout() -> None:
+    resolved = resolve(cli={"model_layout": "L32xH8xD128:bf16", "pp_size": "2", "tp_size": "2"}, env={})
+    config = resolved.config
+    assert config.group(4).name == "PP2xTP2"
+    assert format_kv_layout(config.rank_layout(4)) == "L16xH4xD128:bf16"  # 512 KiB a page, not the model's 2 MiB
+    with pytest.raises(ConfigError, match=r"x 512 KiB a page \(L32xH8xD128:bf16 over the group\) = 8 GiB"):
+        check_memory(resolved, 4, available=1 << 30, world=4)
+    plain = resolve(cli={"model_layout": "L32xH8xD128:bf16"}, env={}).config
+    assert plain.group(8).name == "PP1xTP8" and format_kv_layout(plain.rank_layout(8)) == "L32xH1xD128:bf16"
+    assert {"pp_size", "tp_size", "model_layout"} <= set(config.group_settings())  # equal on every rank

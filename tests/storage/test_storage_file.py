@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.storage.storage_helpers import flip_byte, make_keys, make_page, segment_files
+from tpcache.dist.parallel import ParallelGroup
 from tpcache.io.storage.base import StorageError
 from tpcache.io.storage.file import FileBackend
-from tpcache.io.storage.keys import StorageKey
+from tpcache.io.storage.keys import StorageKey, StorageKeyError
 from tpcache.io.storage.record import HEADER, HEADER_SIZE, RECORD_VERSION, encode_header, payload_checksum
 
 PAGE = 4096
@@ -165,6 +166,24 @@ def test_record_of_another_layout_or_rank_is_foreign(tmp_path: Path, other: dict
         assert a2.exists([mine]) == [False]
         if "rank" in other:
             assert a2.stats()["startup_discarded_foreign"] >= 1
+
+
+def test_stages_sharing_a_directory_read_only_their_own_slice(tmp_path: Path) -> None:
+    group = ParallelGroup(pp_size=2, tp_size=2)
+    s0, s1 = group.place(0), group.place(2)  # tensor rank 0 of stage 0 and of stage 1
+    k0, k1 = StorageKey.of("ns", 1, s0, 9), StorageKey.of("ns", 1, s1, 9)
+    with FileBackend(tmp_path, capacity_bytes=1 << 20, shard=s1) as b1:
+        assert b1.put([k1], [make_page(1, PAGE)]) == [True]
+        with pytest.raises(StorageKeyError, match="p0of2.r0of2 given to the storage of shard p1of2.r0of2"):
+            b1.get([k0], [bytearray(PAGE)])
+    b0 = FileBackend(tmp_path, capacity_bytes=1 << 20, shard=s0)
+    assert b0.put([k0], [make_page(0, PAGE)]) == [True]
+    # Stage 1's record where stage 0's was (the same page, same length): foreign, never served.
+    shutil.copyfile(segment_files(tmp_path, "p1of2.r0of2")[0], segment_files(tmp_path, "p0of2.r0of2")[0])
+    ok, data = read_all(b0, [k0])
+    assert ok == [False] and data[0] == bytes(PAGE)
+    assert b0.stats()["misses_foreign"] == 1
+    b0.close()
 
 
 def test_record_of_a_newer_format_version_is_foreign(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ class EngineCache(TPCache):
         if storage is not None:
             worker = StorageWorker(storage)
             version = engine_layout_version(kv_layout, engine_format)
-            key_of = storage_key_factory(config.namespace, version, self.rank, self.world_size)
+            key_of = storage_key_factory(config.namespace, version, self.shard)
         self.storage = storage
         self.shell = Shell(transfer, self.host_pool, worker, key_of)
         self.driver = Driver(CacheCore(config), self.shell, collective, rank=self.rank, round_timeout_s=round_timeout_s)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from protocol.round_vector import HEALTH_IO_ERROR
 from tpcache.core.records import OpKind, Transfer
+from tpcache.dist.parallel import Shard
 from tpcache.io.kv_pool import HostPool
 from tpcache.io.storage import StorageKey, StorageWorker
 from tpcache.io.transfer import LoadHandle, TransferEngine
@@ -240,8 +241,10 @@ class Shell:
         return plan.answer(full, swa, states)
 
 
-def storage_key_factory(namespace: str, layout_version: int, rank: int, world: int) -> Callable[[int], StorageKey]:
+def storage_key_factory(namespace: str, layout_version: int, shard: Shard) -> Callable[[int], StorageKey]:
+    """The storage key of this rank's slice (``shard``: tensor rank, stage, context rank) of a page."""
+
     def key_of(page_hash: int) -> StorageKey:
-        return StorageKey(namespace, layout_version, rank, world, page_hash)
+        return StorageKey.of(namespace, layout_version, shard, page_hash)
 
     return key_of

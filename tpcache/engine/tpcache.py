@@ -20,6 +20,7 @@ import xxhash
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.round import RoundReport
 from tpcache.dist.collective import Collective
+from tpcache.dist.parallel import GroupShapeError, ParallelGroup
 from tpcache.engine.driver import Driver, Operations
 from tpcache.engine.shell import PartIO, Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout
@@ -31,14 +32,18 @@ log = logging.getLogger("tpcache.engine")
 KV_FORMAT_VERSION = 1
 
 
-def layout_version(layout: KVLayout, component: str = "") -> int:
+def layout_version(layout: KVLayout, component: str = "", group: ParallelGroup | None = None) -> int:
     """A stable id of the page byte format: storage never reads pages written in another layout.
     A component's data (``component``: "swa", "mamba") has its own id, so its keys never meet the
-    full pages' keys or another component's."""
+    full pages' keys or another component's. A group with pipeline stages or context ranks adds its
+    shape (``PP2xTP2``), so a store written by one shape is never read by another; plain TP keeps
+    the id it always had (its stores stay readable)."""
     fields = (KV_FORMAT_VERSION, layout.num_layers, layout.heads_per_rank, layout.head_dim, layout.dtype)
     desc = "/".join(str(f) for f in (*fields, layout.page_size))
     if component:
         desc += f"/{component}"
+    if group is not None and (group.pp_size > 1 or group.cp_size > 1):
+        desc += f"/{group.name}"
     return xxhash.xxh32_intdigest(desc.encode()) & 0x7FFFFFFF
 
 
@@ -79,15 +84,26 @@ class TPCache(Operations):
         transfer_threads: int | None = 1,
         transfer_delay: Any = None,
         part_layouts: Mapping[str, KVLayout] | None = None,
+        group: ParallelGroup | None = None,
     ) -> None:
         """``storage``: a backend, or a storage URL (file://, mooncake://, redis://) opened for this
         rank's shard. ``transfer_delay``: test hook passed to the TransferEngine (seconds, or op id
         -> seconds). ``part_layouts``: for a hybrid model, the layout of each component's data by
         name ("swa": the sliding-window layers' KV per page, page size as the cache's; "mamba": one
         state per "page", see ``kv_pool.state_layout``), with ``kv_layout`` the full-attention
-        layers'."""
+        layers'. ``group``: the shape of the group (``ParallelGroup(pp_size=2, tp_size=2)``; default
+        plain TP over the collective's ranks): this rank's place in it (``self.shard``) follows from
+        its global rank, ``kv_layout`` is its slice of a page (its stage's layers, its heads, with
+        context ranks its share of a page's tokens) and its storage keys carry that place."""
+        group = ParallelGroup(tp_size=collective.world_size) if group is None else group
+        if group.world_size != collective.world_size:
+            raise GroupShapeError(
+                f"{group.name} needs {group.world_size} ranks, but the collective has {collective.world_size}"
+            )
+        self.group = group
+        self.shard = group.place(collective.rank)
         if isinstance(storage, str):
-            storage = open_storage(storage, shard=(collective.rank, collective.world_size))
+            storage = open_storage(storage, shard=self.shard)
         if storage is not None and not config.storage:
             config = CacheConfig(**{**config.to_dict(), "storage": True})
         if config.storage and storage is None:
@@ -104,8 +120,8 @@ class TPCache(Operations):
         self.host_pool: HostPool | None = None
         transfer = worker = key_of = None
         if kv_layout is not None:
-            if kv_layout.page_size != config.page_size:
-                raise ValueError(f"KV layout page size {kv_layout.page_size} != cache page size {config.page_size}")
+            if kv_layout.page_size * group.cp_size != config.page_size:
+                raise ValueError(self._page_size_error("KV layout", kv_layout.page_size, config.page_size))
             if self.device_pool is None:
                 self.device_pool = DevicePool(kv_layout, config.device_pages, device)
             if self.device_pool.num_pages < config.device_pages:
@@ -116,7 +132,8 @@ class TPCache(Operations):
             transfer = TransferEngine(self.device_pool, self.host_pool, threads=transfer_threads, delay=transfer_delay)
             if storage is not None:
                 worker = StorageWorker(storage)
-                key_of = storage_key_factory(config.namespace, layout_version(kv_layout), self.rank, self.world_size)
+                version = layout_version(kv_layout, group=group)
+                key_of = storage_key_factory(config.namespace, version, self.shard)
         elif storage is not None:
             raise ValueError("the storage tier needs a KV layout (pages have bytes to store)")
         self.storage = storage  # owned: closed with the cache
@@ -150,10 +167,8 @@ class TPCache(Operations):
             layout = layouts.get(spec.name)
             if layout is None:
                 raise ValueError(f"the {spec.name} component needs its layout (part_layouts[{spec.name!r}])")
-            if spec.is_window and layout.page_size != config.page_size:
-                raise ValueError(
-                    f"{spec.name} layout page size {layout.page_size} != cache page size {config.page_size}"
-                )
+            if spec.is_window and layout.page_size * self.group.cp_size != config.page_size:
+                raise ValueError(self._page_size_error(f"{spec.name} layout", layout.page_size, config.page_size))
             if not spec.is_window and config.mamba_state_bytes and layout.page_bytes != config.mamba_state_bytes:
                 raise ValueError(
                     f"mamba layout holds {layout.page_bytes} bytes a state, config says {config.mamba_state_bytes}"
@@ -163,17 +178,30 @@ class TPCache(Operations):
             self.part_pools[spec.name] = (dev, host)
             key_of = None
             if storage:
-                version = layout_version(layout, spec.name)
-                key_of = storage_key_factory(config.namespace, version, self.rank, self.world_size)
+                version = layout_version(layout, spec.name, self.group)
+                key_of = storage_key_factory(config.namespace, version, self.shard)
             out[spec.index] = PartIO(TransferEngine(dev, host, threads=threads), host, key_of, spec.is_window)
         return out
 
+    def _page_size_error(self, what: str, layout_tokens: int, page_size: int) -> str:
+        if self.group.cp_size == 1:
+            return f"{what} page size {layout_tokens} != cache page size {page_size}"
+        return (
+            f"{what} holds {layout_tokens} tokens a page, but each of {self.group.cp_size} context ranks "
+            f"holds {page_size / self.group.cp_size:g} of a {page_size}-token page"
+        )
+
     def _describe_layouts(self, layouts: Mapping[str, KVLayout]) -> str:
-        """What the round's layout field covers beside the configuration: every component's KV layout."""
-        if self.kv_layout is None:
-            return ""
-        named = {"full": self.kv_layout, **layouts}
-        return json.dumps({name: layout_version(lay, "" if name == "full" else name) for name, lay in named.items()})
+        """What the round's layout field covers beside the configuration: the group's shape and
+        every component's KV layout (equal on every rank of a well-formed group: a stage's slice
+        differs from another's only in which layers, never in their number)."""
+        described: dict[str, object] = {"group": self.group.name}
+        if self.kv_layout is not None:
+            named = {"full": self.kv_layout, **layouts}
+            described.update(
+                {name: layout_version(lay, "" if name == "full" else name, self.group) for name, lay in named.items()}
+            )
+        return json.dumps(described)
 
     @property
     def seq(self) -> int:
@@ -232,6 +260,9 @@ class TPCache(Operations):
             "round": self.round.number,
             "rank": self.rank,
             "world_size": self.world_size,
+            "group": self.group.name,
+            "stage": self.shard.pp_rank,
+            "tp_rank": self.shard.tp_rank,
             "transport": self.collective.name,
             "disabled_features": sorted(self.round.disabled),
             "broken": self.driver.broken or "",

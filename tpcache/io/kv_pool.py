@@ -84,16 +84,28 @@ class KVLayout:
         tp_size: int,
         dtype: torch.dtype | str = torch.bfloat16,
         page_size: int = 16,
+        *,
+        pp_size: int = 1,
+        cp_size: int = 1,
     ) -> KVLayout:
-        """The layout of one rank's shard: the KV heads are split evenly over `tp_size` ranks."""
+        """The layout of one rank's shard: the KV heads are split evenly over `tp_size` ranks and,
+        with `pp_size` pipeline stages, the layers evenly over the stages (each rank holds its
+        stage's `num_layers / pp_size`); with `cp_size` context ranks each holds `page_size /
+        cp_size` tokens of every `page_size`-token page."""
+        _positive_int("num_layers", num_layers)
         _positive_int("num_kv_heads", num_kv_heads)
         _positive_int("tp_size", tp_size)
+        _positive_int("page_size", page_size)
         if num_kv_heads % tp_size:
             raise KVLayoutError(
                 f"{num_kv_heads} KV heads cannot be split evenly over tp_size={tp_size} ranks "
                 "(replicated KV heads are not supported)"
             )
-        return cls(num_layers, num_kv_heads // tp_size, head_dim, dtype, page_size)
+        if num_layers % _positive_int("pp_size", pp_size):
+            raise KVLayoutError(f"{num_layers} layers cannot be split evenly over pp_size={pp_size} pipeline stages")
+        if page_size % _positive_int("cp_size", cp_size):
+            raise KVLayoutError(f"a {page_size}-token page cannot be split evenly over cp_size={cp_size} context ranks")
+        return cls(num_layers // pp_size, num_kv_heads // tp_size, head_dim, dtype, page_size // cp_size)
 
     @property
     def itemsize(self) -> int:

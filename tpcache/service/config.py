@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 from tpcache.core import CacheConfig
 from tpcache.core.config import WRITE_POLICIES
 from tpcache.core.eviction import POLICIES
+from tpcache.dist.parallel import GroupShapeError, ParallelGroup
 from tpcache.dist.store import is_loopback_host
 from tpcache.io.memory import format_bytes
 
@@ -95,9 +96,30 @@ class ServiceConfig:
         "(the form hello and stats report); empty: metadata only (no KV bytes; copies complete at once)",
         metavar="LAYOUT",
     )
+    model_layout: str = _opt(
+        "",
+        "KV page layout of the whole model (every layer, every KV head), same syntax as --kv-layout, e.g. "
+        "L32xH8xD128:bf16: each rank holds its stage's layers and its tensor rank's heads (instead of --kv-layout)",
+        metavar="LAYOUT",
+    )
+    # --- the group: pipeline stages x tensor ranks
+    pp_size: int = _opt(
+        1,
+        "pipeline-parallel stages; each stage's ranks hold its contiguous share of the layers. Rank r is stage "
+        "r // tp_size, tensor rank r mod tp_size",
+        min=1,
+        max=1 << 16,
+    )
+    tp_size: int = _opt(
+        0,
+        "tensor-parallel ranks per stage, each holding its share of the KV heads; 0: the world size / pp_size. "
+        "pp_size x tp_size must equal the number of ranks",
+        min=0,
+        max=1 << 16,
+    )
     storage_dir: str = _opt(
         "",
-        "directory of the storage tier (L3, needs --kv-layout); rank r uses DIR/rank<r>; empty: off",
+        "directory of the storage tier (L3, needs --kv-layout or --model-layout); rank r uses DIR/rank<r>; empty: off",
         rank_local=True,
     )
     storage_url: str = _opt(
@@ -155,9 +177,15 @@ class ServiceConfig:
             raise SettingError(
                 "storage_url", self.storage_url, "give storage_dir or storage_url, not both (storage_dir D is file://D)"
             )
-        if self.storage_location() and not self.kv_layout:
+        if self.kv_layout and self.model_layout:
+            raise SettingError(
+                "model_layout", self.model_layout, "give kv_layout (one rank's) or model_layout (the model's), not both"
+            )
+        if self.storage_location() and not (self.kv_layout or self.model_layout):
             name = "storage_dir" if self.storage_dir else "storage_url"
-            raise SettingError(name, getattr(self, name), "needs kv_layout: the storage tier stores page bytes")
+            raise SettingError(
+                name, getattr(self, name), "needs kv_layout or model_layout: the storage tier stores page bytes"
+            )
         if self.storage_url:
             from tpcache.io.storage.url import StorageURLError, parse_storage_url
 
@@ -174,6 +202,40 @@ class ServiceConfig:
             )
         if self.kv_layout:
             parse_kv_layout(self.kv_layout, self.page_size)
+        if self.model_layout:
+            self.rank_layout(self.pp_size * max(self.tp_size, 1))
+
+    def group(self, world_size: int) -> ParallelGroup:
+        """The group's shape for ``world_size`` ranks; a SettingError names the size that does not fit."""
+        name = "tp_size" if self.tp_size else "pp_size"
+        try:
+            return ParallelGroup.of_world(world_size, self.pp_size, self.tp_size)
+        except GroupShapeError as exc:
+            raise SettingError(name, getattr(self, name), str(exc)) from None
+
+    def rank_layout(self, world_size: int) -> Any:
+        """This group's per-rank ``KVLayout`` (None: metadata only): ``kv_layout`` as written, or each
+        rank's slice of ``model_layout`` (its stage's layers, its tensor rank's heads)."""
+        if self.kv_layout:
+            return parse_kv_layout(self.kv_layout, self.page_size)
+        if not self.model_layout:
+            return None
+        from tpcache.io.errors import KVLayoutError
+
+        model = parse_kv_layout(self.model_layout, self.page_size, "model_layout")
+        group = self.group(world_size)
+        try:
+            return type(model).from_model(
+                model.num_layers,
+                model.heads_per_rank,
+                model.head_dim,
+                group.tp_size,
+                model.dtype,
+                self.page_size,
+                pp_size=group.pp_size,
+            )
+        except KVLayoutError as exc:
+            raise SettingError("model_layout", self.model_layout, f"{exc} ({group.name})") from None
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -290,19 +352,20 @@ LAYOUT_SYNTAX = "L<layers>xH<kv heads per rank>xD<head dim>:<dtype>, e.g. L32xH8
 _SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8"}
 
 
-def parse_kv_layout(text: str, page_size: int) -> Any:
-    """A ``KVLayout`` from ``L32xH8xD128:bf16`` (imports torch)."""
+def parse_kv_layout(text: str, page_size: int, setting: str = "kv_layout") -> Any:
+    """A ``KVLayout`` from ``L32xH8xD128:bf16`` (imports torch); errors name ``setting``."""
     from tpcache.io.errors import KVLayoutError
     from tpcache.io.kv_pool import KVLayout
 
     match = _LAYOUT.fullmatch(text.strip())
     if match is None:
-        raise SettingError("kv_layout", text, f"must be {LAYOUT_SYNTAX}")
+        syntax = LAYOUT_SYNTAX if setting == "kv_layout" else LAYOUT_SYNTAX.replace(" per rank", "")
+        raise SettingError(setting, text, f"must be {syntax}")
     layers, heads, head_dim, dtype = match.groups()
     try:
         return KVLayout(int(layers), int(heads), int(head_dim), dtype, page_size)
     except (KVLayoutError, ValueError, TypeError) as exc:
-        raise SettingError("kv_layout", text, str(exc)) from None
+        raise SettingError(setting, text, str(exc)) from None
 
 
 def format_kv_layout(layout: Any) -> str:

@@ -5,9 +5,11 @@ share again (under torchrun nothing ran before it) and the ranks compare results
 right after the group forms (``process.agree``). Every problem is one line that names the setting
 as its source spells it, the value and what would work.
 
-What is checked: the client endpoint's and the metrics ports are free, the storage directory can
-be created and written, the ready file's directory exists, and the memory the KV pools need
-(computed from the layout and the pool sizes) is available on this host.
+What is checked: the group's shape fits the number of ranks (``pp_size x tp_size``, and the model's
+layers and KV heads split evenly over them), the client endpoint's and the metrics ports are free,
+the storage directory can be created and written, the ready file's directory exists, and the
+memory the KV pools need (computed from each rank's layout and the pool sizes) is available on
+this host.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from urllib.parse import urlparse
 
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.io.storage.url import parse_storage_url
-from tpcache.service.config import ConfigError, Resolved, ServiceConfig, parse_kv_layout, spelling
+from tpcache.service.config import DEFAULT, ConfigError, Resolved, ServiceConfig, SettingError, spelling
 
 
 @dataclass(frozen=True)
@@ -34,20 +36,28 @@ class PoolBytes:
     host: int
 
     @classmethod
-    def of(cls, config: ServiceConfig) -> PoolBytes:
-        if not config.kv_layout:
+    def of(cls, config: ServiceConfig, world: int) -> PoolBytes:
+        """For one rank of a group of ``world`` ranks (its slice of the model's layout)."""
+        layout = config.rank_layout(world)
+        if layout is None:
             return cls(0, 0, 0)
-        page = parse_kv_layout(config.kv_layout, config.page_size).page_bytes
+        page = layout.page_bytes
         # The engine keeps a one-slot host pool even without a host tier (copies need a target).
         return cls(page, page * config.device_pages, page * max(config.host_pages, 1))
 
 
 def check_memory(
-    resolved: Resolved, ranks_on_host: int, *, device_on_host: bool = True, available: int | None = None
+    resolved: Resolved,
+    ranks_on_host: int,
+    *,
+    device_on_host: bool = True,
+    available: int | None = None,
+    world: int | None = None,
 ) -> None:
-    """Raise ConfigError when the pools of ``ranks_on_host`` ranks do not fit in available memory."""
+    """Raise ConfigError when the pools of ``ranks_on_host`` ranks (of ``world``, default all of
+    them) do not fit in available memory."""
     config = resolved.config
-    pools = PoolBytes.of(config)
+    pools = PoolBytes.of(config, ranks_on_host if world is None else world)
     per_rank = pools.host + (pools.device if device_on_host else 0)
     need = per_rank * ranks_on_host
     have = available_memory() if available is None else available
@@ -58,20 +68,24 @@ def check_memory(
         tiers.insert(0, f"device tier {config.device_pages:,} pages")
     raise ConfigError(
         f"not enough memory for the KV pools: {ranks_on_host} rank(s) on this host x ({' + '.join(tiers)}) x "
-        f"{format_bytes(pools.page_bytes)} a page ({config.kv_layout}) = {format_bytes(need)}, but this machine has "
-        f"{format_bytes(have)} available; lower --device-pages or --host-pages"
+        f"{format_bytes(pools.page_bytes)} a page ({_layout_text(config)}) = {format_bytes(need)}, but this machine "
+        f"has {format_bytes(have)} available; lower --device-pages or --host-pages"
     )
 
 
-def check_device_memory(resolved: Resolved, free_bytes: int) -> None:
+def _layout_text(config: ServiceConfig) -> str:
+    return config.kv_layout or f"{config.model_layout} over the group"
+
+
+def check_device_memory(resolved: Resolved, free_bytes: int, world: int) -> None:
     """Raise ConfigError when this rank's device tier does not fit in the GPU's free memory."""
     config = resolved.config
-    pools = PoolBytes.of(config)
+    pools = PoolBytes.of(config, world)
     if pools.device > free_bytes:
         raise ConfigError(
             f"not enough GPU memory for the device tier: {config.device_pages:,} pages x "
-            f"{format_bytes(pools.page_bytes)} ({config.kv_layout}) = {format_bytes(pools.device)}, but the GPU has "
-            f"{format_bytes(free_bytes)} free; lower --device-pages"
+            f"{format_bytes(pools.page_bytes)} ({_layout_text(config)}) = {format_bytes(pools.device)}, but the GPU "
+            f"has {format_bytes(free_bytes)} free; lower --device-pages"
         )
 
 
@@ -153,6 +167,17 @@ def preflight(
 ) -> None:
     """Every machine check for ``ranks`` (the ranks this process answers for) of a group of
     ``world`` ranks, ``ranks_on_host`` of them on this host. Raises ConfigError."""
+    world = ranks.stop if world is None else world
+    check_group(resolved, world)
     check_ports(resolved, ranks, world)
     check_paths(resolved, ranks)
-    check_memory(resolved, ranks_on_host, device_on_host=device_on_host)
+    check_memory(resolved, ranks_on_host, device_on_host=device_on_host, world=world)
+
+
+def check_group(resolved: Resolved, world: int) -> None:
+    """The group's shape fits ``world`` ranks and splits the model's layout evenly."""
+    try:
+        resolved.config.group(world)
+        resolved.config.rank_layout(world)
+    except SettingError as exc:
+        raise exc.where(resolved.sources.get(exc.name, DEFAULT)) from None

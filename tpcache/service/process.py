@@ -39,7 +39,6 @@ from tpcache.service.config import (
     describe_sources,
     format_bytes,
     format_kv_layout,
-    parse_kv_layout,
 )
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
@@ -129,11 +128,12 @@ def agree(config: ServiceConfig, problem: str | None) -> str | None:
 def build_cache(config: ServiceConfig, collective: Any, device: Any, pool: Any = None, storage: Any = None) -> Any:
     from tpcache.engine import TPCache
 
-    layout = parse_kv_layout(config.kv_layout, config.page_size) if config.kv_layout else None
+    world = collective.world_size
     return TPCache(
         config.cache_config(),
         collective,
-        kv_layout=layout,
+        group=config.group(world),
+        kv_layout=config.rank_layout(world),
         device_pool=pool,
         device=device,
         storage=storage,
@@ -183,7 +183,7 @@ def serve(resolved: Resolved) -> int:
     rank, world, device = init_group(config.round_timeout_s)
     if device is not None and problem is None:
         try:
-            check_device_memory(resolved, torch.cuda.mem_get_info(device)[0])
+            check_device_memory(resolved, torch.cuda.mem_get_info(device)[0], world)
         except ConfigError as exc:
             problem = str(exc)
     problem = agree(config, problem)
@@ -209,7 +209,8 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag)
         from tpcache.io.storage import open_storage, parse_storage_url
 
         spec = parse_storage_url(config.storage_location())
-        storage = open_storage(spec, shard=(rank, world), capacity_bytes=config.storage_bytes)
+        shard = config.group(world).place(rank)
+        storage = open_storage(spec, shard=shard, capacity_bytes=config.storage_bytes)
         if rank == 0:
             log.info("storage tier: %s", spec.describe())
     collective = make_collective(config.transport, device=device)
@@ -269,7 +270,7 @@ def startup_block(
     """What this rank runs, in one log record: version, settings and their sources, memory per
     tier, transport, endpoints, storage, metrics."""
     config = resolved.config
-    pools = PoolBytes.of(config)
+    pools = PoolBytes.of(config, world)
     where = (
         "GPU " + str(tp.device_pool.kv.device) if tp.device_pool is not None and tp.device_pool.kv.is_cuda else "host"
     )
@@ -305,12 +306,20 @@ def startup_block(
     lines = [
         f"tpcache {package_version()}: rank {rank} of {world} serving (pid {os.getpid()})",
         *(f"  settings {line}" for line in describe_sources(resolved)),
+        f"  group: {holds(tp)}",
         f"  memory: {memory}",
         f"  round transport: {tp.collective.name}; {front}internal channel {inbox}",
         f"  storage: {store}",
         f"  metrics: {metrics}",
     ]
     return "\n".join(lines)
+
+
+def holds(tp: Any) -> str:
+    """What this rank holds of each page, in words (its stage's layers, its tensor rank's heads)."""
+    layout = tp.kv_layout
+    per = (layout.num_layers, layout.heads_per_rank) if layout is not None else (None, None)
+    return tp.group.describe(tp.rank, *per)
 
 
 def _tag_log_records(rank: int) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from tpcache.testing.registry import SCENARIOS, rank_rng, scenario
 
-SCENARIO_MODULES = ("tpcache.testing.scenarios", "tpcache.testing.store_scenarios")
+SCENARIO_MODULES = ("tpcache.testing.scenarios", "tpcache.testing.store_scenarios", "tpcache.testing.group_scenarios")
 
 __all__ = ["SCENARIOS", "GroupFailed", "free_port", "rank_rng", "run_group", "scenario"]
 

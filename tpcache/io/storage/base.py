@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from tpcache.dist.parallel import Shard
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 
 # Why a get missed.
@@ -105,15 +106,28 @@ def check_pairs(keys: Sequence[StorageKey], bufs: Sequence[Any], what: str) -> l
     return ks
 
 
-def encode_for_shard(keys: Sequence[StorageKey], shard: tuple[int, int] | None) -> list[bytes]:
-    """Each key's canonical encoding (ASCII bytes); a key of another TP shard than the backend's
-    ``shard`` (None: any) is refused, so one rank can never read or write another's pages."""
+def check_shard(shard: tuple[int, ...] | None) -> Shard | None:
+    """A backend's ``shard`` argument as a ``Shard``, checked with the keys' rules: ``(tp_rank,
+    tp_size)`` for plain TP, or a whole ``Shard`` (stage and context rank included)."""
+    if shard is None:
+        return None
+    try:
+        full = Shard(*shard)
+    except TypeError:
+        what = "(tp_rank, tp_size[, pp_rank, pp_size, cp_rank, cp_size])"
+        raise StorageKeyError(f"a shard is {what}, got {shard!r}") from None
+    StorageKey.of("", 0, full, 0)  # raises StorageKeyError for a rank outside its size
+    return full
+
+
+def encode_for_shard(keys: Sequence[StorageKey], shard: Shard | None) -> list[bytes]:
+    """Each key's canonical encoding (ASCII bytes); a key of another shard (tensor rank, stage or
+    context rank) than the backend's ``shard`` (None: any) is refused, so one rank can never read
+    or write another's slice of a page."""
     out = []
     for k in keys:
         if shard is not None and k.shard != shard:
-            raise StorageKeyError(
-                f"key for shard {k.tp_rank}of{k.tp_size} given to the storage of shard {shard[0]}of{shard[1]}"
-            )
+            raise StorageKeyError(f"key for shard {k.shard.label} given to the storage of shard {Shard(*shard).label}")
         out.append(k.encode().encode("ascii"))
     return out
 

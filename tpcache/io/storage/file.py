@@ -6,7 +6,8 @@ writes at close to raw sequential speed, and a batch read back is contiguous on 
 ``scripts/bench_storage.py --layouts`` measures both against raw sequential I/O.
 
 Layout: ``<root>/<owner>/<segno:010d>.seg`` plus ``<root>/<owner>/LOCK``, where the owner is
-``r<rank>of<size>`` for an instance bound to one TP shard (ranks can share ``root``) or ``all``.
+``r<rank>of<size>`` for an instance bound to one TP shard (``p<stage>of<stages>.r<rank>of<size>``
+with pipeline stages; ranks can share ``root``) or ``all``.
 Each record is ``record.HEADER`` + key echo + payload (see ``record``). A sealed segment has an
 index ``<segno:010d>.idx`` (see ``segment_index``), written when it is sealed and rewritten at close
 (or after a delete) when records in it died since, so a restart reads one small file per segment
@@ -59,6 +60,7 @@ from tpcache.io.storage.base import (
     StorageError,
     check_keys,
     check_pairs,
+    check_shard,
     encode_for_shard,
 )
 from tpcache.io.storage.buffers import byte_view
@@ -188,8 +190,8 @@ class FileBackend(StorageBackend):
         fsync: ``always`` (each record synced before its True), ``batch`` (one sync per segment
             touched, per call, before any True), ``never`` (survives a process kill, not a
             power loss).
-        shard: ``(tp_rank, tp_size)`` this instance serves; keys of other shards are rejected.
-            None serves every shard from one owner directory.
+        shard: ``(tp_rank, tp_size)`` or a ``Shard`` (with its stage) this instance serves; keys
+            of other shards are rejected. None serves every shard from one owner directory.
         segment_bytes: target segment size; capped at ``capacity_bytes // 16`` so compaction
             headroom stays small relative to capacity.
         verify_on_open: also check every payload checksum at start (reads all data).
@@ -201,7 +203,7 @@ class FileBackend(StorageBackend):
         *,
         capacity_bytes: int,
         fsync: FsyncMode = "batch",
-        shard: tuple[int, int] | None = None,
+        shard: tuple[int, ...] | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         verify_on_open: bool = False,
     ) -> None:
@@ -211,13 +213,8 @@ class FileBackend(StorageBackend):
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
-        if shard is not None:
-            # Validates the pair with the same rules as keys.
-            StorageKey("", 0, shard[0], shard[1], 0)
-            owner = f"r{shard[0]}of{shard[1]}"
-        else:
-            owner = "all"
-        self._shard = shard
+        self._shard = check_shard(shard)  # validated with the same rules as keys
+        owner = "all" if self._shard is None else self._shard.label
         self._fsync = fsync
         self._capacity = capacity_bytes
         self._segment_bytes = max(1, min(segment_bytes, capacity_bytes // 16))

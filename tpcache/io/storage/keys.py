@@ -5,15 +5,19 @@ Invariants:
   ``[A-Za-z0-9._-]`` components joined by ``/``; no component is empty, ``.`` or ``..``, so an
   encoded key used as a relative path can never leave its directory.
 - ``decode(encode(k)) == k`` and ``decode`` rejects every string ``encode`` cannot produce.
-- Two keys that differ in any field (namespace, layout version, TP rank or size, page hash)
-  encode differently, so ranks never read each other's shards and a layout change never reads
-  old bytes as new ones.
+- Two keys that differ in any field (namespace, layout version, TP rank or size, pipeline
+  stage or stage count, context rank or count, page hash) encode differently, so ranks never read
+  each other's shards and a layout change never reads old bytes as new ones. A plain TP key
+  (one stage, one context rank) has no stage or context component: ``v1/n_llama/3/0of4/00ab...``;
+  with stages, ``v1/n_llama/3/p1of2/0of2/00ab...`` (and ``c0of2`` after the stage with context ranks).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from tpcache.dist.parallel import Shard
 
 KEY_FORMAT = "v1"
 MAX_NAMESPACE_BYTES = 100  # hex-encoded that is 202 chars, still under NAME_MAX (255)
@@ -25,7 +29,10 @@ MAX_PAGE_HASH = (1 << 64) - 1
 _SAFE_NAMESPACE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 _ENCODED = re.compile(
     r"v1/(?:n_(?P<plain>[A-Za-z0-9_-][A-Za-z0-9._-]*)|x_(?P<hex>(?:[0-9a-f]{2})*))"
-    r"/(?P<layout>0|[1-9][0-9]*)/(?P<rank>0|[1-9][0-9]*)of(?P<size>[1-9][0-9]*)/(?P<hash>[0-9a-f]{16})"
+    r"/(?P<layout>0|[1-9][0-9]*)"
+    r"(?:/p(?P<stage>0|[1-9][0-9]*)of(?P<stages>[1-9][0-9]*))?"
+    r"(?:/c(?P<cp>0|[1-9][0-9]*)of(?P<cps>[1-9][0-9]*))?"
+    r"/(?P<rank>0|[1-9][0-9]*)of(?P<size>[1-9][0-9]*)/(?P<hash>[0-9a-f]{16})"
 )
 
 
@@ -58,6 +65,17 @@ class StorageKey:
     tp_rank: int
     tp_size: int
     page_hash: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @classmethod
+    def of(cls, namespace: str, layout_version: int, shard: Shard, page_hash: int) -> StorageKey:
+        """The key of ``shard``'s slice of the page ``page_hash``."""
+        s = Shard(*shard)
+        stage, context = (s.pp_rank, s.pp_size), (s.cp_rank, s.cp_size)
+        return cls(namespace, layout_version, s.tp_rank, s.tp_size, page_hash, *stage, *context)
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str):
@@ -73,19 +91,25 @@ class StorageKey:
         _check_int("layout_version", self.layout_version, 0, MAX_LAYOUT_VERSION)
         _check_int("tp_size", self.tp_size, 1, MAX_TP_SIZE)
         _check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        _check_int("pp_size", self.pp_size, 1, MAX_TP_SIZE)
+        _check_int("pp_rank", self.pp_rank, 0, self.pp_size - 1)
+        _check_int("cp_size", self.cp_size, 1, MAX_TP_SIZE)
+        _check_int("cp_rank", self.cp_rank, 0, self.cp_size - 1)
         _check_int("page_hash", self.page_hash, 0, MAX_PAGE_HASH)
 
     def encode(self) -> str:
         """The versioned, filesystem-safe form, e.g. ``v1/n_llama/3/0of4/00ab...``."""
+        stage = f"/p{self.pp_rank}of{self.pp_size}" if self.pp_size > 1 else ""
+        context = f"/c{self.cp_rank}of{self.cp_size}" if self.cp_size > 1 else ""
         return (
-            f"{KEY_FORMAT}/{_encode_namespace(self.namespace)}/{self.layout_version}"
+            f"{KEY_FORMAT}/{_encode_namespace(self.namespace)}/{self.layout_version}{stage}{context}"
             f"/{self.tp_rank}of{self.tp_size}/{self.page_hash:016x}"
         )
 
     @property
-    def shard(self) -> tuple[int, int]:
-        """``(tp_rank, tp_size)``: the shard this key belongs to."""
-        return (self.tp_rank, self.tp_size)
+    def shard(self) -> Shard:
+        """The slice of the page this key holds: tensor rank, stage and context rank with their sizes."""
+        return Shard(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, self.cp_rank, self.cp_size)
 
     @classmethod
     def decode(cls, encoded: str) -> StorageKey:
@@ -102,7 +126,9 @@ class StorageKey:
                 namespace = bytes.fromhex(m["hex"]).decode("utf-8")
             except UnicodeDecodeError:
                 raise StorageKeyError(f"namespace in {encoded[:80]!r} is not UTF-8") from None
-        key = cls(namespace, int(m["layout"]), int(m["rank"]), int(m["size"]), int(m["hash"], 16))
+        stage = (int(m["stage"]), int(m["stages"])) if m["stages"] is not None else (0, 1)
+        context = (int(m["cp"]), int(m["cps"])) if m["cps"] is not None else (0, 1)
+        key = cls(namespace, int(m["layout"]), int(m["rank"]), int(m["size"]), int(m["hash"], 16), *stage, *context)
         # Only the canonical spelling is accepted, so one key has exactly one encoded form.
         if key.encode() != encoded:
             raise StorageKeyError(f"non-canonical encoded storage key: {encoded[:80]!r}")

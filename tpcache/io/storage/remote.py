@@ -36,6 +36,7 @@ from tpcache.io.storage.base import (
     StorageCounters,
     check_keys,
     check_pairs,
+    check_shard,
     encode_for_shard,
 )
 from tpcache.io.storage.buffers import byte_view
@@ -59,9 +60,8 @@ class RemoteBackend(StorageBackend):
 
     scheme = ""
 
-    def __init__(self, *, shard: tuple[int, int] | None, prefix: str, retry_s: float, where: str) -> None:
-        if shard is not None:
-            StorageKey("", 0, shard[0], shard[1], 0)  # validates the pair with the keys' rules
+    def __init__(self, *, shard: tuple[int, ...] | None, prefix: str, retry_s: float, where: str) -> None:
+        shard = check_shard(shard)  # validated with the keys' rules
         if not isinstance(prefix, str) or any(c.isspace() for c in prefix):
             raise ValueError(f"key prefix must be a string without whitespace, got {prefix!r}")
         if retry_s < 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
+from tpcache.dist.parallel import Shard
 from tpcache.io.storage.base import StorageBackend
 
 _SIZE = re.compile(r"([0-9]+)\s*(|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
@@ -131,11 +132,12 @@ def file_url(path: str | Path) -> str:
     return "file://" + quote(str(Path(path).resolve()))
 
 
-def open_storage(url: str | StorageURL, *, shard: tuple[int, int], capacity_bytes: int = 1 << 30) -> StorageBackend:
-    """The backend ``url`` names, serving TP shard ``(rank, size)``.
+def open_storage(url: str | StorageURL, *, shard: tuple[int, ...], capacity_bytes: int = 1 << 30) -> StorageBackend:
+    """The backend ``url`` names, serving TP shard ``(rank, size)`` or a ``Shard`` of a PP x TP group.
 
     ``capacity_bytes`` bounds a file backend (``?capacity=`` overrides it); shared stores size
-    themselves. A file URL keeps each rank in ``PATH/rank<r>``, as ``--storage-dir`` always has.
+    themselves. A file URL keeps each rank in ``PATH/rank<r>`` (r the global rank), as
+    ``--storage-dir`` always has.
     """
     spec = url if isinstance(url, StorageURL) else parse_storage_url(url)
     s = dict(spec.settings)
@@ -143,7 +145,7 @@ def open_storage(url: str | StorageURL, *, shard: tuple[int, int], capacity_byte
         from tpcache.io.storage.file import DEFAULT_SEGMENT_BYTES, FileBackend
 
         return FileBackend(
-            Path(spec.location) / f"rank{shard[0]}",
+            Path(spec.location) / f"rank{Shard(*shard).rank}",
             capacity_bytes=s.get("capacity", capacity_bytes),
             fsync=s.get("fsync", "batch"),
             shard=shard,
