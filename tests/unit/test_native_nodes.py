@@ -112,5 +112,3 @@ def test_a_native_node_has_the_reference_nodes_fields_and_behaviour():
     assert type(other) is Node and other is not node and other.parent is parent and other.record == node.record
     with pytest.raises(TypeError, match="parent"):
         Node(9, "not a node", b"", 0, 0)
-    with pytest.raises(OverflowError):
-        node.device_page = 2**63

@@ -4,46 +4,38 @@
  * A cache of a million pages is a million nodes; as Python objects with __slots__ each is tracked by
  * the collector, and each full collection walks all of them (a pause of the scheduler on every
  * rank). This type has no GC support, so neither its instances nor the children dicts holding them
- * (a dict holding only untracked values stays untracked) are ever walked; integer fields are stored
- * unboxed. The tree breaks its own parent/child cycles when it is dropped (tree.RadixTree.dispose),
+ * (a dict holding only untracked values stays untracked) are ever walked. The tree breaks its own parent/child cycles when it is dropped (tree.RadixTree.dispose),
  * which the collector, not seeing these objects, could not.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
+/* Every field is an object pointer read and written as T_OBJECT_EX: the interpreter specializes
+ * those attribute accesses as it does __slots__ (other member types take its slow generic path). */
+#define FIELDS(X)                                                                                     \
+    X(node_id) X(parent) X(children) X(tokens) X(hash) X(depth) X(device_page) X(device_state)      \
+    X(device_pins) X(host_slot) X(host_state) X(host_pins) X(storage_state) X(last_access)           \
+    X(created_at) X(hits) X(comp) X(record) X(run) X(run_at) X(pages_run)
+
+#define DECLARE(name) PyObject *name;
 typedef struct {
     PyObject_HEAD
-    PyObject *parent;
-    PyObject *children;
-    PyObject *tokens;
-    PyObject *comp;
-    PyObject *run;
-    PyObject *pages_run;
-    unsigned long long hash;
-    long long node_id, depth, device_page, device_state, device_pins, host_slot, host_state, host_pins;
-    long long storage_state, last_access, created_at, hits, record, run_at;
+    FIELDS(DECLARE)
 } Node;
 
-
 static void node_dealloc(Node *self) {
-    Py_CLEAR(self->parent);
-    Py_CLEAR(self->children);
-    Py_CLEAR(self->tokens);
-    Py_CLEAR(self->comp);
-    Py_CLEAR(self->run);
-    Py_CLEAR(self->pages_run);
+#define CLEAR(name) Py_CLEAR(self->name);
+    FIELDS(CLEAR)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyTypeObject NodeType;
 
 static int node_init(Node *self, PyObject *args, PyObject *kwds) {
-    long long node_id, clock;
-    unsigned long long hash;
-    PyObject *parent, *tokens;
+    PyObject *node_id, *parent, *tokens, *hash, *clock;
     static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LOSKL", kwlist, &node_id, &parent, &tokens, &hash, &clock))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
         return -1;
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
@@ -52,45 +44,61 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     PyObject *children = PyDict_New();
     if (children == NULL)
         return -1;
+    long long up = parent == Py_None ? -1 : PyLong_AsLongLong(((Node *)parent)->depth);
+    PyObject *depth = up == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(up + 1);
+    if (depth == NULL) {
+        Py_DECREF(children);
+        return -1;
+    }
+    PyObject *zero = PyLong_FromLong(0), *minus_one = PyLong_FromLong(-1);  /* cached small ints */
+#define SET(name, value)                                                                            \
+    do {                                                                                            \
+        PyObject *v_ = (value);                                                                     \
+        Py_INCREF(v_);                                                                              \
+        Py_XSETREF(self->name, v_);                                                                 \
+    } while (0)
+    SET(node_id, node_id);
+    SET(parent, parent);
     Py_XSETREF(self->children, children);
-    Py_INCREF(tokens);
-    Py_XSETREF(self->tokens, tokens);
-    Py_INCREF(parent);
-    Py_XSETREF(self->parent, parent);
-    Py_INCREF(Py_None);
-    Py_XSETREF(self->comp, Py_None);
-    Py_INCREF(Py_None);
-    Py_XSETREF(self->run, Py_None);
-    Py_INCREF(Py_None);
-    Py_XSETREF(self->pages_run, Py_None);
-    self->node_id = node_id;
-    self->hash = hash;
-    self->depth = parent == Py_None ? 0 : ((Node *)parent)->depth + 1;
-    self->device_page = self->host_slot = -1;
-    self->device_state = self->host_state = self->storage_state = 0;
-    self->device_pins = self->host_pins = self->hits = self->record = self->run_at = 0;
-    self->last_access = self->created_at = clock;
+    SET(tokens, tokens);
+    SET(hash, hash);
+    Py_XSETREF(self->depth, depth);
+    SET(device_page, minus_one);
+    SET(device_state, zero);
+    SET(device_pins, zero);
+    SET(host_slot, minus_one);
+    SET(host_state, zero);
+    SET(host_pins, zero);
+    SET(storage_state, zero);
+    SET(last_access, clock);
+    SET(created_at, clock);
+    SET(hits, zero);
+    SET(comp, Py_None);
+    SET(record, zero);
+    SET(run, Py_None);
+    SET(run_at, zero);
+    SET(pages_run, Py_None);
+    Py_DECREF(zero);
+    Py_DECREF(minus_one);
     return 0;
 }
 
-#define OBJ(name) {#name, T_OBJECT, offsetof(Node, name), 0, NULL}
-#define I64(name) {#name, T_LONGLONG, offsetof(Node, name), 0, NULL}
-
-static PyMemberDef node_members[] = {
-    OBJ(parent), OBJ(children), OBJ(tokens), OBJ(comp), OBJ(run), OBJ(pages_run),
-    {"hash", T_ULONGLONG, offsetof(Node, hash), 0, NULL},
-    I64(node_id), I64(depth), I64(device_page), I64(device_state), I64(device_pins), I64(host_slot),
-    I64(host_state), I64(host_pins), I64(storage_state), I64(last_access), I64(created_at), I64(hits),
-    I64(record), I64(run_at),
-    {NULL, 0, 0, 0, NULL},
-};
+#define MEMBER(name) {#name, T_OBJECT_EX, offsetof(Node, name), 0, NULL},
+static PyMemberDef node_members[] = {FIELDS(MEMBER){NULL, 0, 0, 0, NULL}};
 
 /* Tier states: NONE 0, then LOADING/WRITING 1, VALID/DURABLE 2 (tpcache/core/tiers.py). */
-static PyObject *node_on_device(Node *self, void *c) { return PyBool_FromLong(self->device_state != 0); }
-static PyObject *node_device_valid(Node *self, void *c) { return PyBool_FromLong(self->device_state == 2); }
-static PyObject *node_on_host(Node *self, void *c) { return PyBool_FromLong(self->host_state != 0); }
+static int state_of(PyObject *v) {
+    long s = v == NULL ? -1 : PyLong_AsLong(v);
+    if (s == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    return (int)s;
+}
+
+static PyObject *node_on_device(Node *self, void *c) { return PyBool_FromLong(state_of(self->device_state) != 0); }
+static PyObject *node_device_valid(Node *self, void *c) { return PyBool_FromLong(state_of(self->device_state) == 2); }
+static PyObject *node_on_host(Node *self, void *c) { return PyBool_FromLong(state_of(self->host_state) != 0); }
 static PyObject *node_resident(Node *self, void *c) {
-    return PyBool_FromLong(self->device_state != 0 || self->host_state != 0);
+    return PyBool_FromLong(state_of(self->device_state) != 0 || state_of(self->host_state) != 0);
 }
 
 static PyGetSetDef node_getset[] = {
@@ -101,19 +109,20 @@ static PyGetSetDef node_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
+
 static PyObject *node_path(Node *self, PyObject *unused) {
     /* Nodes from the first page down to this one (the root excluded). */
     Py_ssize_t n = 0;
-    for (Node *cur = self; (PyObject *)cur != Py_None && cur->parent != NULL && cur->parent != Py_None;
-         cur = (Node *)cur->parent)
+    for (PyObject *cur = (PyObject *)self; is_node(cur) && is_node(((Node *)cur)->parent); cur = ((Node *)cur)->parent)
         n++;
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
-    Node *cur = self;
-    for (Py_ssize_t i = n - 1; i >= 0; i--, cur = (Node *)cur->parent) {
+    PyObject *cur = (PyObject *)self;
+    for (Py_ssize_t i = n - 1; i >= 0; i--, cur = ((Node *)cur)->parent) {
         Py_INCREF(cur);
-        PyList_SET_ITEM(out, i, (PyObject *)cur);
+        PyList_SET_ITEM(out, i, cur);
     }
     return out;
 }
@@ -122,14 +131,10 @@ static PyObject *node_copy(Node *self, PyObject *unused) {
     Node *other = (Node *)NodeType.tp_alloc(&NodeType, 0);
     if (other == NULL)
         return NULL;
-    PyObject **src[] = {&self->parent, &self->children, &self->tokens, &self->comp, &self->run, &self->pages_run};
-    PyObject **dst[] = {&other->parent, &other->children, &other->tokens, &other->comp, &other->run, &other->pages_run};
-    for (int i = 0; i < 6; i++) {
-        Py_XINCREF(*src[i]);
-        *dst[i] = *src[i];
-    }
-    other->hash = self->hash;
-    memcpy(&other->node_id, &self->node_id, offsetof(Node, run_at) + sizeof(long long) - offsetof(Node, node_id));
+#define COPY(name)                                                                                  \
+    Py_XINCREF(self->name);                                                                         \
+    other->name = self->name;
+    FIELDS(COPY)
     return (PyObject *)other;
 }
 
@@ -141,12 +146,15 @@ static PyMethodDef node_methods[] = {
 
 static const char *STATES[3][3] = {{"NONE", "LOADING", "VALID"}, {"NONE", "WRITING", "VALID"}, {"NONE", "WRITING", "DURABLE"}};
 
-static const char *state_name(int kind, long long v) { return v >= 0 && v < 3 ? STATES[kind][v] : "?"; }
+static const char *state_name(int kind, PyObject *v) {
+    int s = state_of(v);
+    return s >= 0 && s < 3 ? STATES[kind][s] : "?";
+}
 
 static PyObject *node_repr(Node *self) {
-    return PyUnicode_FromFormat("Node(id=%lld, depth=%lld, dev=%s:%lld, host=%s:%lld, storage=%s)", self->node_id,
-                                self->depth, state_name(0, self->device_state), self->device_page,
-                                state_name(1, self->host_state), self->host_slot, state_name(2, self->storage_state));
+    return PyUnicode_FromFormat("Node(id=%S, depth=%S, dev=%s:%S, host=%s:%S, storage=%s)", self->node_id, self->depth,
+                                state_name(0, self->device_state), self->device_page, state_name(1, self->host_state),
+                                self->host_slot, state_name(2, self->storage_state));
 }
 
 static PyTypeObject NodeType = {

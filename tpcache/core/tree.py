@@ -27,8 +27,7 @@ class PyNode:
     """One page of the tree: the reference implementation of ``_node.Node`` (the same fields,
     methods and behaviour in C), used where the extension is not built. A node of the C type is
     never tracked by the garbage collector (nor is a children dict holding only such nodes), so a full
-    collection costs what the rest of the process holds, not the cache's size; its state fields
-    read back as plain ints (compare them with the tier enums)."""
+    collection costs what the rest of the process holds, not the cache's size."""
 
     __slots__ = (
         "node_id",
