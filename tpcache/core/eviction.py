@@ -22,6 +22,8 @@ from tpcache.core.allocator import OutOfPages
 from tpcache.core.components import host_parts_idle
 from tpcache.core.tiers import DeviceState, HostState
 
+_VALID, _NONE, _HOST_VALID = DeviceState.VALID, DeviceState.NONE, HostState.VALID
+
 if TYPE_CHECKING:
     from tpcache.core.ledger import Ledger
     from tpcache.core.tree import Node, RadixTree
@@ -122,11 +124,19 @@ class Candidates:
         self.host_heap: list[Entry] = []
 
     def offer(self, node: Node) -> None:
+        """Push ``node`` on the heap of each tier it is a candidate of (older entries of it go stale).
+        The heaps are rebuilt when stale entries outnumber the nodes; a rebuild never changes which
+        node a pop returns (it keeps one entry per candidate, the current one)."""
+        state = node.device_state
+        device = state == _VALID and not node.device_pins
+        host = state == _NONE and node.host_state == _HOST_VALID and not node.host_pins
+        if not (device or host):
+            return  # pinned, or not readable on either tier: the common case inside a request
         if len(self.device_heap) + len(self.host_heap) > 4 * len(self.tree.nodes) + 64:
             self.rebuild()
-        if is_device_candidate(node):
+        if device and is_device_candidate(node):
             heapq.heappush(self.device_heap, (self.policy.key(node), node.node_id))
-        if is_host_candidate(node):
+        if host and is_host_candidate(node):
             heapq.heappush(self.host_heap, (self.policy.key(node), node.node_id))
 
     def offer_around(self, node: Node) -> None:
