@@ -21,8 +21,8 @@ first writer's bytes, ``upsert`` replaces them; the TCP transport reads local me
 is registered or not (RDMA reads only registered memory, so direct puts are TCP only); a missing
 key reads -704; a key whose segment holder died still "exists" for the master's client TTL while
 every read fails (-800); the store evicts per key, so one rank's shard of a page can vanish while
-another's stays. All of those are misses here. A master that does not answer costs its RPC timeout (seconds) once,
-then calls fail fast (see ``remote``).
+another's stays. All of those are misses here. A master that does not answer costs its RPC
+timeout (seconds) once, then calls fail fast (see ``remote``).
 
 This rank contributes ``segment_bytes`` of its own memory to the store (0 by default): pages
 kept in a rank's own segment vanish when the rank exits, so durable data belongs on segment
@@ -60,6 +60,7 @@ TENANT_QUOTA_EXCEEDED = -1700
 _NO_SPACE = (NO_AVAILABLE_HANDLE, TENANT_QUOTA_EXCEEDED)
 _UNREACHABLE = (RPC_FAIL, RPC_TIMEOUT)
 _ALIGN = 64
+Reasons = list[str | None]  # per key: None once written, else why not
 
 DEFAULT_STAGING_BYTES = 64 << 20
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
@@ -212,7 +213,7 @@ class MooncakeBackend(RemoteBackend):
         return {i: addr for (i, addr), code in zip(found.items(), codes, strict=True) if code == 0}
 
     def _put_staged(
-        self, idx: list[int], names: list[str], heads: list[bytes], payloads: list[memoryview], reasons: list
+        self, idx: list[int], names: list[str], heads: list[bytes], payloads: list[memoryview], reasons: Reasons
     ) -> None:
         """Records copied whole into the staging buffer, then one ``batch_upsert_from`` per chunk."""
         sizes = [len(heads[i]) + len(payloads[i]) for i in idx]
@@ -233,7 +234,7 @@ class MooncakeBackend(RemoteBackend):
                 self._outcomes([i for i, _, _ in todo], codes, reasons)
 
     def _put_direct(
-        self, direct: dict[int, int], names: list[str], heads: list[bytes], payloads: list[memoryview], reasons: list
+        self, direct: dict[int, int], names: list[str], heads: list[bytes], payloads: list[memoryview], reasons: Reasons
     ) -> None:
         """Headers in the staging buffer, payloads read where the caller keeps them: each value is
         put from two buffers (``batch_put_from_multi_buffers``), with no copy of the page."""
@@ -250,7 +251,7 @@ class MooncakeBackend(RemoteBackend):
             self._outcomes([i for i, _ in todo], codes, reasons)
             self._counters.add("puts_direct", sum(1 for c in codes if c == 0))
 
-    def _outcomes(self, idx: list[int], codes: Any, reasons: list) -> None:
+    def _outcomes(self, idx: list[int], codes: Any, reasons: Reasons) -> None:
         codes = list(codes)
         self._check_reachable(codes)
         for i, code in zip(idx, codes, strict=True):

@@ -62,8 +62,8 @@ def payload_checksum(payload: memoryview | bytes) -> int:
 def copy_checksum(dst: memoryview, src: memoryview | bytes) -> int:
     """Copy ``src`` into ``dst`` (same length) and return the payload checksum of the bytes now in
     ``dst``. Each block is hashed right after it is copied, while it is still in the CPU's cache,
-    so the page crosses memory once rather than twice; the checksum covers what ``dst`` holds,
-    never what ``src`` held, so a write into ``src`` during the copy fails the check."""
+    so the page is read from memory once, not twice. The checksum covers what ``dst`` holds, never
+    what ``src`` held: a write into ``src`` during the copy fails the check."""
     n = len(dst)
     if n <= COPY_BLOCK:
         dst[:] = src
