@@ -11,6 +11,9 @@ import pytest
 from tpcache.testing.servers import MooncakeStore, RedisServer, ServerError
 
 BACKENDS = ("mooncake", "redis")
+# Test pages are smaller than the Mooncake backend's direct-put threshold; 0 puts every writable
+# page (the host pool's, a bytearray) from the caller's memory, the path large pages take.
+MOONCAKE_DIRECT = "&direct_put=0"
 
 
 def _started(server: MooncakeStore | RedisServer) -> MooncakeStore | RedisServer:
@@ -45,7 +48,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def store_url(request: pytest.FixtureRequest, backend: str) -> str:
     """The URL of the session's server for ``backend`` (started on first use)."""
     name = {"mooncake": "mooncake_store", "redis": "redis_server"}[backend]
-    return request.getfixturevalue(name).url
+    url = request.getfixturevalue(name).url
+    return url + MOONCAKE_DIRECT if backend == "mooncake" else url
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ reads, values that are not this key's page are counted misses, never served."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +169,63 @@ def test_a_full_server_is_no_space(tmp_path) -> None:
         assert results[0] and not results[-1]
         assert b.stats()["put_failures_no_space"] == results.count(False)
         b.close()
+
+
+def _mooncake(request: pytest.FixtureRequest, direct_put: str) -> StorageBackend:
+    url = request.getfixturevalue("mooncake_store").url
+    return open_storage(f"{url}&direct_put={direct_put}&prefix={request.node.name}/", shard=(0, 1))
+
+
+def test_mooncake_puts_large_writable_pages_from_the_callers_memory(request: pytest.FixtureRequest) -> None:
+    """At or above ``direct_put`` a writable page is put from where the caller keeps it; a smaller
+    or read-only page, or a key the store has already (a put would keep the old value), goes
+    through the staging buffer. Each reads back as written, in one call."""
+    big, small = 4 * PAGE, PAGE
+    with _mooncake(request, f"{big}") as b:
+        keys = make_keys(5)
+        old = make_keys(1, base=100)[0]
+        _raw_put(b, old, _record(old, make_page(1, big)))
+        pages = [
+            bytearray(make_page(0, big)),  # direct
+            torch.full((big // 4,), 3.0),  # direct: a host-pool-like tensor
+            make_page(2, big),  # read-only bytes: staged
+            bytearray(make_page(3, small)),  # small: staged
+            bytearray(make_page(4, big)),  # its key is in the store already: staged upsert
+        ]
+        assert b.put([*keys[:4], old], pages) == [True] * 5
+        assert b.stats()["puts_direct"] == 2
+        out = [bytearray(big), torch.zeros(big // 4), bytearray(big), bytearray(small), bytearray(big)]
+        assert b.get([*keys[:4], old], out) == [True] * 5
+        assert bytes(out[0]) == bytes(pages[0]) and torch.equal(out[1], pages[1])
+        assert [bytes(o) for o in out[2:]] == [pages[2], bytes(pages[3]), bytes(pages[4])]
+
+
+class _ChangesPagesInFlight:
+    """The Mooncake client, except that a direct put's page changes after tpcache checksummed it
+    and before the store reads it (a caller that broke its promise to hold the page still)."""
+
+    def __init__(self, store: Any, page: bytearray) -> None:
+        self._store, self._page = store, page
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def batch_put_from_multi_buffers(self, *args: Any) -> Any:
+        self._page[100] ^= 0xFF
+        return self._store.batch_put_from_multi_buffers(*args)
+
+
+def test_a_page_that_changes_during_a_direct_put_is_never_served(request: pytest.FixtureRequest) -> None:
+    with _mooncake(request, "0") as b:
+        key = make_keys(1)[0]
+        page = bytearray(make_page(9, PAGE))
+        b._store = _ChangesPagesInFlight(b._store, page)  # type: ignore[attr-defined]
+        try:
+            assert b.put([key], [page]) == [True]  # the store holds a value; tpcache cannot tell it changed
+        finally:
+            b._store = b._store._store  # type: ignore[attr-defined]
+        out = [bytearray(PAGE)]
+        assert b.get([key], out) == [False]
+        assert out[0] == bytearray(PAGE)
+        s = b.stats()
+        assert (s["puts_direct"], s["hits"], s["misses_corrupt"]) == (1, 0, 1)

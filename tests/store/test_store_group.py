@@ -87,8 +87,8 @@ def _outage_controls(request: pytest.FixtureRequest, target: str) -> tuple[str, 
         return server.url, server.stop, server.start
     store = request.getfixturevalue("mooncake_store")
     if target == "mooncake-holder":
-        return store.url, store.kill_holder, store.start_holder
-    return store.url, store.stop_master, store.start_master
+        return store_url(request, "mooncake"), store.kill_holder, store.start_holder
+    return store_url(request, "mooncake"), store.stop_master, store.start_master
 
 
 @pytest.mark.parametrize("target", ["mooncake-holder", "mooncake-master", "redis"])
@@ -120,6 +120,8 @@ def test_a_store_that_goes_away_mid_run_fails_cleanly_and_comes_back(
         # After the restart: new pages become durable and hit again; what the store lost misses.
         assert (r["written_after"], r["ready_after"], r["ready_lost"]) == (2, 2, 0)
     down = [r["stats_while_down"] for r in ranks]
+    if target.startswith("mooncake"):
+        assert all(s["puts_direct"] > 0 for s in down)  # the host pool's pages went without a copy
     if target == "mooncake-holder":
         assert all(s["misses_io_error"] > 0 for s in down)  # "exists" still said yes; the reads failed
     else:

@@ -53,3 +53,12 @@ def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
+
+
+def address_of(view: memoryview) -> int | None:
+    """The address of a writable byte view's first byte, or None for a read-only one (ctypes
+    cannot take the address of memory it may not write). The address is valid as long as the
+    view's memory is."""
+    if view.readonly or not len(view):
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))

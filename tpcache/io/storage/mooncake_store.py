@@ -1,17 +1,28 @@
 """Mooncake Store backend: pages in a Mooncake distributed store (master + memory segments).
 
-Each call is one batched transfer through a staging buffer registered with the store
-(``register_buffer``): ``batch_upsert_from`` writes the records packed in it, ``batch_get_into``
-reads values into it. Reads are verified after their payload is copied out to the caller's
-buffer, never in the staging buffer: a transfer the store gave up on may still land there later,
-and the caller's host pages are never handed to the store, so no late write can reach them.
+Reads and small writes go through a staging buffer registered with the store
+(``register_buffer``): ``batch_get_into`` reads values into it, ``batch_upsert_from`` writes the
+records packed in it. Reads are verified after their payload is copied out to the caller's
+buffer, never in the staging buffer: a transfer the store gave up on (its client stops waiting
+after a timeout) may still land there later, and the caller's host pages are never handed to the
+store to write, so no late write can reach them.
+
+Large writes (``direct_put_bytes`` and up, TCP) skip the copy: the record's header goes in the
+staging buffer and the store reads the page where the caller keeps it
+(``batch_put_from_multi_buffers``, one value from two buffers). A late read there is harmless:
+the header's checksum was taken from the page before the transfer, so a page that changed
+before the store read it is a value that fails verification, never a hit. That call keeps an
+existing value (first writer wins), so keys the store already has (``batch_is_exist``) are
+written through the staging buffer with ``upsert``, which replaces them; a key another writer
+creates between the two calls keeps that writer's value, which a read verifies like any other.
 
 Store semantics this relies on (``mooncake-transfer-engine`` 0.3.13, probed): ``put`` keeps the
-first writer's bytes, so writes use ``upsert``, which replaces them; a missing key reads -704; a
-key whose segment holder died still "exists" for the master's client TTL while every read fails
-(-800); the store evicts per key, so one rank's shard of a page can vanish while another's stays.
-All of those are misses here. A master that does not answer costs its RPC timeout (seconds) once,
-then calls fail fast (see ``remote``).
+first writer's bytes, ``upsert`` replaces them; the TCP transport reads local memory whether it
+is registered or not (RDMA reads only registered memory, so direct puts are TCP only); a missing
+key reads -704; a key whose segment holder died still "exists" for the master's client TTL while
+every read fails (-800); the store evicts per key, so one rank's shard of a page can vanish while
+another's stays. All of those are misses here. A master that does not answer costs its RPC
+timeout (seconds) once, then calls fail fast (see ``remote``).
 
 This rank contributes ``segment_bytes`` of its own memory to the store (0 by default): pages
 kept in a rank's own segment vanish when the rank exits, so durable data belongs on segment
@@ -36,6 +47,7 @@ from tpcache.io.storage.base import (
     PUT_TOO_LARGE,
     StorageError,
 )
+from tpcache.io.storage.buffers import address_of
 from tpcache.io.storage.remote import DEFAULT_PREFIX, DEFAULT_RETRY_S, RemoteBackend, Sink, StoreUnavailable
 
 # Mooncake's ErrorCode values (mooncake-store types.h); Python sees plain ints.
@@ -48,9 +60,13 @@ TENANT_QUOTA_EXCEEDED = -1700
 _NO_SPACE = (NO_AVAILABLE_HANDLE, TENANT_QUOTA_EXCEEDED)
 _UNREACHABLE = (RPC_FAIL, RPC_TIMEOUT)
 _ALIGN = 64
+Reasons = list[str | None]  # per key: None once written, else why not
 
 DEFAULT_STAGING_BYTES = 64 << 20
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
+# Pages at least this large are put from the caller's memory. Each such value is two transfers
+# (header, page) instead of one, a fixed cost per page that a copy of a small page undercuts.
+DEFAULT_DIRECT_PUT_BYTES = 256 << 10
 
 
 def _load_client() -> Any:
@@ -96,8 +112,10 @@ class MooncakeBackend(RemoteBackend):
         protocol, device: the transfer engine's protocol (``tcp``, ``rdma``) and RDMA devices.
         segment_bytes: memory this rank contributes to the store (see the module docstring).
         local_buffer_bytes: the client's own transfer buffer (Mooncake's ``local_buffer_size``).
-        staging_bytes: the registered buffer every call transfers through; a call larger than it
-            runs in several transfers, a page larger than it is refused (``too_large``).
+        staging_bytes: the registered buffer gets and small puts transfer through; a call larger
+            than it runs in several transfers, a page larger than it is refused (``too_large``).
+        direct_put_bytes: pages at least this large are put straight from the caller's memory
+            (TCP only; see the module docstring).
     """
 
     scheme = "mooncake"
@@ -114,12 +132,17 @@ class MooncakeBackend(RemoteBackend):
         segment_bytes: int = 0,
         local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        direct_put_bytes: int = DEFAULT_DIRECT_PUT_BYTES,
         prefix: str = DEFAULT_PREFIX,
         retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=f"{master} (metadata {metadata})")
-        if staging_bytes < 4096 or segment_bytes < 0 or local_buffer_bytes <= 0:
-            raise ValueError("staging_bytes must be >= 4096, segment_bytes >= 0, local_buffer_bytes > 0")
+        if staging_bytes < 4096 or segment_bytes < 0 or local_buffer_bytes <= 0 or direct_put_bytes < 0:
+            raise ValueError(
+                "staging_bytes must be >= 4096, segment_bytes >= 0, local_buffer_bytes > 0, direct_put_bytes >= 0"
+            )
+        self._direct_min = direct_put_bytes if protocol == "tcp" else None
+        self._counters.set("puts_direct", 0)
         host = master.rpartition(":")[0] or master
         hostname = local_hostname or local_address_towards(host)
         # The transfer engine reads these when it starts; the user's own settings win.
@@ -166,28 +189,73 @@ class MooncakeBackend(RemoteBackend):
         return [c == 1 for c in codes]
 
     def _put(self, names: list[str], heads: list[bytes], payloads: list[memoryview]) -> list[str | None]:
-        sizes = [len(h) + len(p) for h, p in zip(heads, payloads, strict=True)]
         reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+        direct = self._direct(names, payloads)
+        staged = [i for i in range(len(names)) if i not in direct]
+        self._put_staged(staged, names, heads, payloads, reasons)
+        self._put_direct(direct, names, heads, payloads, reasons)
+        return reasons
+
+    def _direct(self, names: list[str], payloads: list[memoryview]) -> dict[int, int]:
+        """Key index -> payload address for the pages put straight from the caller's memory: large
+        enough, writable (ctypes gives no address of read-only memory), on TCP, and not in the
+        store already (a put keeps an existing value; those go through ``batch_upsert_from``)."""
+        if self._direct_min is None:
+            return {}
+        found = {}
+        for i, p in enumerate(payloads):
+            if len(p) >= self._direct_min and (addr := address_of(p)) is not None:
+                found[i] = addr
+        if not found:
+            return {}
+        codes = list(self._store.batch_is_exist([names[i] for i in found]))
+        self._check_reachable(codes)
+        return {i: addr for (i, addr), code in zip(found.items(), codes, strict=True) if code == 0}
+
+    def _put_staged(
+        self, idx: list[int], names: list[str], heads: list[bytes], payloads: list[memoryview], reasons: Reasons
+    ) -> None:
+        """Records copied whole into the staging buffer, then one ``batch_upsert_from`` per chunk."""
+        sizes = [len(heads[i]) + len(payloads[i]) for i in idx]
         for chunk in self._plan(sizes):
             todo = []
-            for i, off in chunk:
+            for j, off in chunk:
+                i = idx[j]
                 if off < 0:
                     reasons[i] = PUT_TOO_LARGE
                     continue
                 self._view[off : off + len(heads[i])] = heads[i]
-                self._view[off + len(heads[i]) : off + sizes[i]] = payloads[i]
-                todo.append((i, off))
-            if not todo:
-                continue
-            codes = list(
-                self._store.batch_upsert_from(
-                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
+                self._view[off + len(heads[i]) : off + sizes[j]] = payloads[i]
+                todo.append((i, off, sizes[j]))
+            if todo:
+                codes = self._store.batch_upsert_from(
+                    [names[i] for i, _, _ in todo], [self._base + off for _, off, _ in todo], [n for _, _, n in todo]
                 )
+                self._outcomes([i for i, _, _ in todo], codes, reasons)
+
+    def _put_direct(
+        self, direct: dict[int, int], names: list[str], heads: list[bytes], payloads: list[memoryview], reasons: Reasons
+    ) -> None:
+        """Headers in the staging buffer, payloads read where the caller keeps them: each value is
+        put from two buffers (``batch_put_from_multi_buffers``), with no copy of the page."""
+        idx = list(direct)
+        for chunk in self._plan([len(heads[i]) for i in idx]):
+            todo = [(idx[j], off) for j, off in chunk]
+            for i, off in todo:
+                self._view[off : off + len(heads[i])] = heads[i]
+            codes = self._store.batch_put_from_multi_buffers(
+                [names[i] for i, _ in todo],
+                [[self._base + off, direct[i]] for i, off in todo],
+                [[len(heads[i]), len(payloads[i])] for i, _ in todo],
             )
-            self._check_reachable(codes)
-            for (i, _), code in zip(todo, codes, strict=True):
-                reasons[i] = None if code == 0 else PUT_NO_SPACE if code in _NO_SPACE else PUT_IO_ERROR
-        return reasons
+            self._outcomes([i for i, _ in todo], codes, reasons)
+            self._counters.add("puts_direct", sum(1 for c in codes if c == 0))
+
+    def _outcomes(self, idx: list[int], codes: Any, reasons: Reasons) -> None:
+        codes = list(codes)
+        self._check_reachable(codes)
+        for i, code in zip(idx, codes, strict=True):
+            reasons[i] = None if code == 0 else PUT_NO_SPACE if code in _NO_SPACE else PUT_IO_ERROR
 
     def _get(self, names: list[str], sizes: list[int], sink: Sink) -> None:
         for chunk in self._plan(sizes):

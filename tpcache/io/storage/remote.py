@@ -41,7 +41,14 @@ from tpcache.io.storage.base import (
 )
 from tpcache.io.storage.buffers import byte_view
 from tpcache.io.storage.keys import StorageKey
-from tpcache.io.storage.record import HEADER_SIZE, RecordError, encode_header, parse_value, payload_checksum
+from tpcache.io.storage.record import (
+    HEADER_SIZE,
+    RecordError,
+    copy_checksum,
+    encode_header,
+    parse_value,
+    payload_checksum,
+)
 
 DEFAULT_PREFIX = "tpcache/"
 DEFAULT_RETRY_S = 1.0
@@ -166,17 +173,15 @@ class RemoteBackend(StorageBackend):
             if reason is None:
                 try:
                     head = parse_value(value, echoes[i], len(view))
-                    view[:] = memoryview(value)[HEADER_SIZE + len(echoes[i]) :]
-                    if payload_checksum(view) != head.payload_xxh:
+                    # Verified in the caller's buffer, after the copy: a late write into a transfer
+                    # buffer cannot change bytes already checked.
+                    if copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echoes[i]) :]) != head.payload_xxh:
                         view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
                         reason = MISS_CORRUPT
                 except RecordError as exc:
                     reason = exc.reason
             results[i] = reason is None
-            if reason is None:
-                self._counters.add("hits")
-                self._counters.add("bytes_read", len(view))
-            else:
+            if reason is not None:
                 self._counters.miss(reason)
 
         with self._lock:
@@ -191,6 +196,9 @@ class RemoteBackend(StorageBackend):
             for i, r in enumerate(results):
                 if r is None:
                     sink(i, None, MISS_IO_ERROR)
+            hits = [i for i, r in enumerate(results) if r]
+            self._counters.add("hits", len(hits))
+            self._counters.add("bytes_read", sum(len(views[i]) for i in hits))
         return [bool(r) for r in results]
 
     def delete(self, keys: Sequence[StorageKey]) -> list[bool]:

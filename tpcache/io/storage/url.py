@@ -36,6 +36,7 @@ _SETTINGS: dict[str, dict[str, str]] = {
         "segment": "size",
         "local_buffer": "size",
         "staging": "size",
+        "direct_put": "size",
         **_COMMON,
     },
     "redis": {"timeout": "float", "batch": "size", **_COMMON},
@@ -155,7 +156,12 @@ def open_storage(url: str | StorageURL, *, shard: tuple[int, ...], capacity_byte
     if spec.backend == "mooncake":
         from tpcache.io.storage.mooncake_store import MooncakeBackend
 
-        renames = {"segment": "segment_bytes", "local_buffer": "local_buffer_bytes", "staging": "staging_bytes"}
+        renames = {
+            "segment": "segment_bytes",
+            "local_buffer": "local_buffer_bytes",
+            "staging": "staging_bytes",
+            "direct_put": "direct_put_bytes",
+        }
         kwargs = {renames.get(k, k): v for k, v in s.items() if k != "metadata"}
         return MooncakeBackend(spec.location, s["metadata"], shard=shard, **kwargs, **common)
     from tpcache.io.storage.redis_store import RedisBackend
