@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from tpcache.core.admission import Admitted, Admitter, Materialized, Shape
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.backup import Backup, MirrorRelease
 from tpcache.core.completions import Completions
@@ -43,6 +44,7 @@ from tpcache.core.outbox import Outbox
 from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.records import CacheClosed, Lease, LeasePart, MatchResult, OpKind, Ready, Stats, Transfer
+from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.tree import Node, RadixTree
 
@@ -71,7 +73,11 @@ class CacheCore:
         self.prefetcher = Prefetcher(
             config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed, self.hybrid
         )
-        self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher)
+        self.staging = Staging(self.ledger)
+        self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher, self.staging)
+        self.admitter = Admitter(
+            config, self.ledger, self.book, self.outbox, self.loader, self.prefetcher, lambda: self.closed
+        )
         self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
@@ -183,7 +189,8 @@ class CacheCore:
                 i += 1
         result.device_page_array = walk.device_page_ids(i)
         result.device_pages = i
-        while i < n and nodes[i].host_state == HostState.VALID and nodes[i].device_state == DeviceState.NONE:
+        host_hits = not self.staging.enabled  # buffer mode: host slots only stage, they are never a hit
+        while host_hits and i < n and nodes[i].host_state == HostState.VALID and not nodes[i].device_state:
             i += 1
         result.host_pages = i - result.device_pages
         result.nodes = nodes if i == n else nodes[:i]
@@ -214,16 +221,20 @@ class CacheCore:
     # ------------------------------------------------------------------ sequenced operations
 
     def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
-        """Match, stamp the matched path, pin it (device prefix on device, host tail on host)."""
+        """Match, stamp the matched path, pin it (device prefix on device, host tail on host); count the hit."""
+        return self._lock(tokens, count=True)
+
+    def _lock(self, tokens: TokenIds, count: bool) -> tuple[int, MatchResult]:
         led = self.ledger
         led.tick()
         token_bytes = as_token_bytes(tokens)
         result = self.match(token_bytes)
-        stats, ps = led.stats, self.page_size
-        stats.lookups += 1
-        stats.lookup_tokens += result.num_pages * ps
-        stats.device_hit_tokens += result.device_pages * ps
-        stats.host_hit_tokens += result.host_pages * ps
+        if count:
+            stats, ps = led.stats, self.page_size
+            stats.lookups += 1
+            stats.lookup_tokens += result.num_pages * ps
+            stats.device_hit_tokens += result.device_pages * ps
+            stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
         for node in result.nodes[:dev]:
@@ -237,6 +248,25 @@ class CacheCore:
         self.book.refresh(lease)
         self.backup.on_hit(result.nodes)
         return lease.lease_id, result
+
+    # ------------------------------------------------------------------ admission in phases (admission.py)
+
+    def admit(self, tokens: TokenIds, prefetch: bool = True) -> tuple[int, MatchResult]:
+        """``lock`` without counting a hit (``commit`` counts it); with storage, start its prefetch."""
+        lease_id, result = self._lock(tokens, count=False)
+        self.admitter.admit(self.book.get(lease_id), result.device_pages + result.host_pages, prefetch)
+        return lease_id, result
+
+    def select(self, lease_id: int) -> Shape:
+        return self.admitter.select(self.book.live(lease_id))
+
+    def materialize(self, lease_id: int, planned: Shape) -> Materialized:
+        lease = self.book.live(lease_id)
+        self.ledger.tick()
+        return self.admitter.materialize(lease, planned)
+
+    def commit(self, lease_id: int) -> Admitted:
+        return self.admitter.commit(self.book.live(lease_id))
 
     def alloc(self, lease_id: int, n: int, part: int = 0) -> list[int]:
         """Give the lease ``n`` device pages, evicting unpinned pages as needed (or refuse first);
@@ -303,10 +333,14 @@ class CacheCore:
         return len(self.engine_pages.hit_nodes(self.lease(lease_id)))
 
     def release(self, lease_id: int) -> bool:
-        """Release (finish or abort) a lease. Returns True when released now; a lease with copies
-        into its pages in flight is parked and released by the commit that completes the last."""
+        """Release (finish or abort) a lease: True when now; with copies into its pages in flight it is
+        parked and released by the commit that completes the last."""
         self.ledger.tick()
-        return self.book.release(self.book.get(lease_id))
+        lease = self.book.get(lease_id)
+        self.staging.note(lease.host_nodes)  # buffer mode: slots it held may be done with
+        done = self.book.release(lease)
+        self.staging.release()
+        return done
 
     def request_flush(self) -> None:
         """Ask for an agreed flush: the cache closes now and resets in the round where every rank
@@ -331,6 +365,7 @@ class CacheCore:
 
     def after_commit(self) -> None:
         """Once per round's commit, alike on every rank: retry waiting backups, pace prefetches."""
+        self.staging.release()
         self.backup.retry_backlog()
         if self.hybrid is not None:
             self.backup.retry_part_backlogs()

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 
-# state -> event -> next state. "cancel": the lease is being released or the cache closed.
+# state -> event -> next state. "cancel": the lease is being released, the cache closed, or its
+# admission stopped waiting for it. "reissue": the prefix it hangs from moved; ask again at once.
 TRANSITIONS: dict[str, dict[str, str]] = {
     "querying": {
         "hit": "reading",
+        "reissue": "querying",
         "looked_up": "done",
         "no_slots": "deferred",
         "give_up": "done",
@@ -46,9 +48,16 @@ TRANSITIONS: dict[str, dict[str, str]] = {
         "gone": "done",
         "cancel": "done",
     },
-    "deferred": {"slots": "reading", "no_slots": "deferred", "give_up": "done", "gone": "done", "cancel": "done"},
+    "deferred": {
+        "slots": "reading",
+        "no_slots": "deferred",
+        "give_up": "done",
+        "gone": "done",
+        "cancel": "done",
+        "reissue": "querying",
+    },
     "reading": {"landed": "done", "short": "retry_wait", "exhausted": "done", "cancel": "done"},
-    "retry_wait": {"due": "querying", "gone": "done", "cancel": "done"},
+    "retry_wait": {"due": "querying", "gone": "done", "cancel": "done", "reissue": "querying"},
     "done": {"start": "querying"},
 }
 
@@ -102,6 +111,36 @@ class Prefetcher:
         if state is None or state.status == "done" or policy == "best_effort" or self.closed():
             return True  # a closed cache serves misses: nothing is worth waiting for
         return policy == "timeout" and state.rounds >= timeout_rounds
+
+    def anchor_moved(self, lease: Lease) -> bool:
+        """Whether the prefix a waiting fetch hangs from changed since its lookup was issued (a page
+        landed or went above it): the lookup asks for the wrong pages. Pure."""
+        state = lease.prefetch
+        if state is None or state.status not in ("querying", "deferred", "retry_wait"):
+            return False
+        found = self._continuation(state)
+        return found is None or found[1] != state.start
+
+    def reissue(self, lease: Lease) -> None:
+        """Ask again at once from where the prefix ends now; the earlier lookup's ack becomes stale.
+        Past the attempt cap the fetch stops instead."""
+        state = lease.prefetch
+        assert state is not None
+        if state.attempts >= self.config.prefetch_max_attempts:
+            self.abandon(lease)
+            return
+        _to(state, "reissue")
+        self.ledger.stats.prefetch_reissued += 1
+        self._query(lease)
+
+    def abandon(self, lease: Lease) -> None:
+        """Stop waiting for the fetch: whatever it still brings is a stale completion (a read in
+        flight still lands in its slots, which the lease holds until it ends)."""
+        state = lease.prefetch
+        if state is None or state.status == "done":
+            return
+        state.op_id = -1
+        _to(state, "cancel")
 
     # ------------------------------------------------------------------ agreed completions
 
