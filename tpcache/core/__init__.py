@@ -1,6 +1,6 @@
 """The sans-IO, deterministic core of tpcache."""
 
-from tpcache.core.admission import Admitted, AdmissionError, IllegalAdmissionEvent, Materialized, NotAdmitted, Shape
+from tpcache.core.admission import AdmissionError, Admitted, IllegalAdmissionEvent, Materialized, NotAdmitted, Shape
 from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
 from tpcache.core.cache import CacheCore
 from tpcache.core.config import CacheConfig

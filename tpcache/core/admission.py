@@ -160,13 +160,13 @@ class Admitter:
     def select(self, lease: Lease) -> Shape:
         """The shape the request would be admitted with now. Pure."""
         adm = self.get(lease)
-        nodes = self._path(lease)
+        walk = self.ledger.tree.walk(lease.tokens)
         if self.closed():
-            return Shape(len(nodes))
-        device, reach = self._reach(nodes, adm.no_staged)
+            return Shape(walk.num_pages)
+        device, reach = self._reach(walk.nodes, adm.no_staged)
         state = lease.prefetch
         waiting = state is not None and state.status != "done" and not adm.no_staged
-        return Shape(len(nodes), device, reach - device, waiting)
+        return Shape(walk.num_pages, device, reach - device, waiting)
 
     # ------------------------------------------------------------------ sequenced
 
@@ -213,15 +213,16 @@ class Admitter:
             storage = loaded  # host only stages: every loaded page came from storage
         else:
             storage = _overlap(max(adm.load_from, adm.locked_pages), adm.load_to, 0, hit) if loaded else 0
-        nodes = self._path(lease)[:hit]
+        walk = self.ledger.tree.walk(lease.tokens)
         stats.lookups += 1
-        stats.lookup_tokens += len(self._path(lease)) * ps
+        stats.lookup_tokens += walk.num_pages * ps
         stats.device_hit_tokens += (hit - loaded) * ps
         stats.host_hit_tokens += (loaded - storage) * ps
         stats.storage_hit_tokens += storage * ps
         stats.admissions_committed += 1
         self.leases.refresh(lease)
-        return Admitted(hit, [n.device_page for n in nodes], (hit - loaded) * ps, (loaded - storage) * ps, storage * ps)
+        pages = [n.device_page for n in walk.nodes[:hit]]
+        return Admitted(hit, pages, (hit - loaded) * ps, (loaded - storage) * ps, storage * ps)
 
     # ------------------------------------------------------------------ internals
 

@@ -125,7 +125,8 @@ class Completions:
         if self.staging.enabled:  # a staged page that reached device needs no host slot: its leases let go
             landed = {n.node_id for _, n in zip(range(ok), op.nodes, strict=False)}
             for lease in waiters:
-                anchors = {n.node_id for tier, n in lease.prefetch.anchor if tier == "host"} if lease.prefetch else set()
+                held = lease.prefetch.anchor if lease.prefetch is not None else []
+                anchors = {n.node_id for tier, n in held if tier == "host"}
                 mine = [n for n in lease.host_nodes if n.node_id in landed and n.node_id not in anchors]
                 self.leases.unpin_host(lease, mine)
         for lease in waiters if failed else ():  # every request sharing a failed load lets go of its pages

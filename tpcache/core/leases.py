@@ -52,10 +52,7 @@ class Leases:
 
     def refresh(self, lease: Lease) -> None:
         """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
-        fields = [] if lease.prefetch is None else lease.prefetch.fields()
-        if lease.admission is not None:
-            fields = fields + lease.admission.fields()
-        self.ledger.refresh_lease(lease, fields)
+        self.ledger.refresh_lease(lease, lease.state_fields())
         kept = 0 if lease.releasing else mix(lease.lease_id, mix_ids(lease.pages))
         if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
             slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]

@@ -164,6 +164,11 @@ class Lease:
     hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
     admission: Admission | None = None  # a request admitted in phases (``admission.py``)
 
+    def state_fields(self) -> list[int]:
+        """What the state digest covers of its prefetch and its admission."""
+        fields = [] if self.prefetch is None else self.prefetch.fields()
+        return fields if self.admission is None else fields + self.admission.fields()
+
 
 @dataclass
 class MatchResult:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from protocol.round_vector import HEALTH_COMMIT_FAILED, HEALTH_PREPARE_FAILED
-from tpcache.core import Admitted, CacheClosed, CacheCore, Materialized, MatchResult, Shape, Transfer
+from tpcache.core import Admitted, CacheClosed, CacheCore, MatchResult, Materialized, Shape, Transfer
 from tpcache.core.hashing import TokenIds
 from tpcache.core.round import Round, RoundReport
 from tpcache.dist.collective import Collective, CollectiveError
