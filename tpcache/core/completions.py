@@ -146,6 +146,9 @@ class Completions:
             else:
                 led.free_host_copy(node)
         led.stats.prefetch_read_pages += ok
+        lease = self.leases.table.get(op.lease_id)
+        if lease is not None and lease.prefetch is not None:  # the anchor it lets go of may be done staging
+            self.staging.note(n for _, n in lease.prefetch.anchor)
         self.prefetch.on_read(op, ok)
 
     def _storage_query(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:

@@ -6,7 +6,8 @@ ranks, so a page present on only some ranks is a miss. Host slots are allocated 
 is known. The lease pins the prefix the fetch hangs from and the pages it reads; its release waits
 for the fetch's copies to land. Retries are paced in rounds and capped per request; a completion of
 an op that is not the current attempt's is stale and ignored. Admission waits only as the stop
-policy says (``admissible``).
+policy says (``admissible``). In buffer mode (host slots only stage) a hit larger than the free staging slots is
+read in the part that fits, and the request computes the rest.
 
 With components, a lookup asks for each page's full, SWA and state keys, and each rank answers with
 the hit ``hitrule.hit_length`` allows over what its storage holds (``QueryPlan``); the read brings
@@ -130,6 +131,7 @@ class Prefetcher:
             self.abandon(lease)
             return
         _to(state, "reissue")
+        state.op_id = -1  # stale from here on, even if nothing is left to ask for
         self.ledger.stats.prefetch_reissued += 1
         self._query(lease)
 
@@ -257,7 +259,11 @@ class Prefetcher:
             return
         parent, k, hashes, pages, _ = found
         anchor = self.leases.pin_anchor(lease, parent)
-        slots = self.evictor.alloc_host(end - k)
+        if self.config.host_mode == "buffer":  # staging: read what the pool holds now, compute the rest
+            slots = self.evictor.alloc_host_upto(end - k) or None
+            end = k + len(slots) if slots else end
+        else:
+            slots = self.evictor.alloc_host(end - k)
         part_slots = self._part_slots(k, end) if slots is not None and self.hybrid is not None else {}
         if part_slots is None:
             self.ledger.host.free(slots)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from tpcache.core.tiers import HostState, StorageState
 from tpcache.core.tree import Node
 
 
-def _staging_done(node: Node) -> bool:
+def staging_done(node: Node) -> bool:
     """The node's host slot is no longer needed: its page is valid there, nothing reads it, no write
     of it to storage is in flight, and no host-only page hangs from it (it would hang from nothing)."""
     return (
@@ -63,7 +63,7 @@ class Staging:
             for node_id, node in list(self.candidates.items()):
                 if led.tree.nodes.get(node_id) is not node or node.host_state == HostState.NONE:
                     del self.candidates[node_id]
-                elif _staging_done(node):
+                elif staging_done(node):
                     del self.candidates[node_id]
                     parent = node.parent
                     led.free_host_copy(node)
