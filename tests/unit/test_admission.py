@@ -2,7 +2,7 @@
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore, IllegalAdmissionEvent, NotAdmitted, OpKind, check
+from tpcache.core import AdmissionError, CacheConfig, CacheCore, IllegalAdmissionEvent, NotAdmitted, OpKind, check
 from tpcache.core.admission import TRANSITIONS
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.records import ADMISSION_STATES
@@ -264,3 +264,10 @@ def test_a_reissued_lookup_makes_the_earlier_ack_stale():
     read = core.inflight[OpKind.STORAGE_READ][0]
     assert read.num_pages == 2 and read.nodes[0].parent is nodes(core, toks(1))[0]
     check(core)
+
+
+def test_a_hybrid_model_is_refused_rather_than_admitted_past_its_hit_rule():
+    core = CacheCore(CacheConfig(page_size=P, device_pages=8, swa_window=P, swa_device_pages=8))
+    with pytest.raises(AdmissionError, match="full-attention"):
+        core.admit(toks(1))
+    assert not core.leases

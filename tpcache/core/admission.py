@@ -134,6 +134,12 @@ class Admitter:
         self.closed = closed
         self.buffer = config.host_mode == "buffer"
 
+    def check_supported(self) -> None:
+        """Phased admission plans full-attention pages; a hybrid model's hit also needs its window
+        and states (the hit rule), which ``lock`` and ``load`` apply: refuse rather than over-count."""
+        if self.ledger.parts:
+            raise AdmissionError("admission in phases covers full-attention models; use lock and load for hybrid ones")
+
     def admit(self, lease: Lease, locked_pages: int, prefetch: bool) -> None:
         """Give a freshly locked lease its admission (and, with storage, start its prefetch)."""
         lease.admission = Admission(locked_pages)

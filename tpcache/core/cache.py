@@ -253,6 +253,7 @@ class CacheCore:
 
     def admit(self, tokens: TokenIds, prefetch: bool = True) -> tuple[int, MatchResult]:
         """``lock`` without counting a hit (``commit`` counts it); with storage, start its prefetch."""
+        self.admitter.check_supported()
         lease_id, result = self._lock(tokens, count=False)
         self.admitter.admit(self.book.get(lease_id), result.device_pages + result.host_pages, prefetch)
         return lease_id, result

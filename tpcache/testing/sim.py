@@ -176,7 +176,7 @@ class FakeIO:
                 landed = self.rng.randrange(op.num_pages)
             if op.kind in (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ):
                 landed = min(landed, self._present(op))  # storage answers for what this rank holds
-                if self.victim and self.rng.random() < self.faults.read_fail:
+                if self.victim and self.faults.read_fail and self.rng.random() < self.faults.read_fail:
                     landed = 0
             for k, (i, _) in enumerate(op.full_moves()):
                 self._copy(
