@@ -271,3 +271,15 @@ def test_a_hybrid_model_is_refused_rather_than_admitted_past_its_hit_rule():
     with pytest.raises(AdmissionError, match="full-attention"):
         core.admit(toks(1))
     assert not core.leases
+
+
+def test_a_closed_cache_admits_with_no_hit_and_counts_none():
+    core = core_of()
+    cached(core, toks(1, 2))
+    lease, _ = core.admit(toks(1, 2))
+    core.close("a rank diverged")
+    assert core.select(lease).planned_pages == 0
+    out = core.materialize(lease, core.select(lease))
+    assert out.status == "ready" and out.shape.device_pages == 0
+    assert core.commit(lease).hit_pages == 0 and core.stats.device_hit_tokens == 0
+    check(core)

@@ -181,9 +181,7 @@ class Admitter:
         if adm.state not in ("queued", "parked"):
             raise IllegalAdmissionEvent(f"admission in state {adm.state!r} cannot materialize")
         if self.closed():  # a closed cache serves misses: admit now, with nothing
-            adm.hit = 0
-            _to(adm, "ready")
-            return Materialized("ready", Shape(planned.num_pages))
+            return self._ready(lease, adm, 0, planned.num_pages)
         state = lease.prefetch
         if state is not None and state.status != "done" and not adm.no_staged:
             if self.prefetcher.anchor_moved(lease):
