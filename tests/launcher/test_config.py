@@ -267,3 +267,17 @@ def test_each_rank_of_a_group_holds_its_slice_of_the_model_layout() -> None:
     plain = resolve(cli={"model_layout": "L32xH8xD128:bf16"}, env={}).config
     assert plain.group(8).name == "PP1xTP8" and format_kv_layout(plain.rank_layout(8)) == "L32xH1xD128:bf16"
     assert {"pp_size", "tp_size", "model_layout"} <= set(config.group_settings())  # equal on every rank
+
+
+def test_host_mode_has_one_name_is_checked_before_start_and_must_match_across_ranks(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--host-mode buffer: needs a storage tier"):
+        resolve(cli={"host_mode": "buffer"}, env={})
+    with pytest.raises(ConfigError, match=r"^TPCACHE_HOST_MODE=mirror: must be one of cache, buffer"):
+        resolve(env={"TPCACHE_HOST_MODE": "mirror"})
+    store = {"storage_dir": str(tmp_path), "kv_layout": "L2xH1xD8:bf16"}
+    with pytest.raises(ConfigError, match="needs host_pages >= 1"):
+        resolve(cli={"host_mode": "buffer", **store}, env={})
+    (tmp_path / "c.toml").write_text('host_mode = "buffer"\nhost_pages = 8\n')
+    config = resolve(cli=store, env={}, file=tmp_path / "c.toml").config
+    assert config.cache_config().host_mode == "buffer"
+    assert config.group_settings()["host_mode"] == "buffer"  # ranks that differ stop together at start

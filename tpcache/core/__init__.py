@@ -1,5 +1,6 @@
 """The sans-IO, deterministic core of tpcache."""
 
+from tpcache.core.admission import AdmissionError, Admitted, IllegalAdmissionEvent, Materialized, NotAdmitted, Shape
 from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
 from tpcache.core.cache import CacheCore
 from tpcache.core.config import CacheConfig
@@ -17,19 +18,25 @@ from tpcache.core.records import (
 )
 
 __all__ = [
+    "AdmissionError",
+    "Admitted",
     "CacheClosed",
     "CacheConfig",
     "CacheCore",
     "HostAllocator",
+    "IllegalAdmissionEvent",
     "InvariantViolation",
     "Lease",
+    "Materialized",
     "MatchResult",
     "NoCursor",
+    "NotAdmitted",
     "OpKind",
     "OutOfPages",
     "PageAllocator",
     "Ready",
     "ReadyNotAdvanced",
+    "Shape",
     "Transfer",
     "UnknownLease",
     "check",

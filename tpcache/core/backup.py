@@ -58,6 +58,7 @@ class Backup:
         self.policy = config.write_policy if config.host_pages else "none"
         self.threshold = config.write_through_threshold
         self.storage = config.storage
+        self.buffer = config.host_mode == "buffer"  # host only stages: a page durable in storage needs no copy
         self.enabled = True  # a closed cache starts no copies (it does not trust its own state)
 
     # ------------------------------------------------------------------ write policies
@@ -87,6 +88,7 @@ class Backup:
                 or node.parent is None
                 or node.host_state != HostState.NONE
                 or node.device_state != DeviceState.VALID
+                or (self.buffer and node.storage_state != StorageState.NONE)
             ):
                 continue
             seen.add(node.node_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from tpcache.core.admission import Admitted, Admitter, Materialized, Shape
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.backup import Backup, MirrorRelease
 from tpcache.core.completions import Completions
@@ -42,7 +43,8 @@ from tpcache.core.loads import Loader
 from tpcache.core.outbox import Outbox
 from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.prefetch import Prefetcher
-from tpcache.core.records import CacheClosed, Lease, LeasePart, MatchResult, OpKind, Ready, Stats, Transfer
+from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready, Stats, Transfer
+from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.tree import Node, RadixTree
 
@@ -71,7 +73,11 @@ class CacheCore:
         self.prefetcher = Prefetcher(
             config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed, self.hybrid
         )
-        self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher)
+        self.staging = Staging(self.ledger)
+        self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher, self.staging)
+        self.admitter = Admitter(
+            config, self.ledger, self.book, self.outbox, self.loader, self.prefetcher, lambda: self.closed
+        )
         self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
@@ -183,7 +189,8 @@ class CacheCore:
                 i += 1
         result.device_page_array = walk.device_page_ids(i)
         result.device_pages = i
-        while i < n and nodes[i].host_state == HostState.VALID and nodes[i].device_state == DeviceState.NONE:
+        host_hits = not self.staging.enabled  # buffer mode: host slots only stage, they are never a hit
+        while host_hits and i < n and nodes[i].host_state == HostState.VALID and not nodes[i].device_state:
             i += 1
         result.host_pages = i - result.device_pages
         result.nodes = nodes if i == n else nodes[:i]
@@ -214,16 +221,20 @@ class CacheCore:
     # ------------------------------------------------------------------ sequenced operations
 
     def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
-        """Match, stamp the matched path, pin it (device prefix on device, host tail on host)."""
+        """Match, stamp the matched path, pin it (device prefix on device, host tail on host); count the hit."""
+        return self._lock(tokens, count=True)
+
+    def _lock(self, tokens: TokenIds, count: bool) -> tuple[int, MatchResult]:
         led = self.ledger
         led.tick()
         token_bytes = as_token_bytes(tokens)
         result = self.match(token_bytes)
-        stats, ps = led.stats, self.page_size
-        stats.lookups += 1
-        stats.lookup_tokens += result.num_pages * ps
-        stats.device_hit_tokens += result.device_pages * ps
-        stats.host_hit_tokens += result.host_pages * ps
+        if count:
+            stats, ps = led.stats, self.page_size
+            stats.lookups += 1
+            stats.lookup_tokens += result.num_pages * ps
+            stats.device_hit_tokens += result.device_pages * ps
+            stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
         led.touch(result.nodes[:dev], +1, stamp=True, hit=True)
@@ -236,6 +247,26 @@ class CacheCore:
         self.book.refresh(lease)
         self.backup.on_hit(result.nodes)
         return lease.lease_id, result
+
+    # ------------------------------------------------------------------ admission in phases (admission.py)
+
+    def admit(self, tokens: TokenIds, prefetch: bool = True) -> tuple[int, MatchResult]:
+        """``lock`` without counting a hit (``commit`` counts it); with storage, start its prefetch."""
+        self.admitter.check_supported()
+        lease_id, result = self._lock(tokens, count=False)
+        self.admitter.admit(self.book.get(lease_id), result.device_pages + result.host_pages, prefetch)
+        return lease_id, result
+
+    def select(self, lease_id: int) -> Shape:
+        return self.admitter.select(self.book.live(lease_id))
+
+    def materialize(self, lease_id: int, planned: Shape) -> Materialized:
+        lease = self.book.live(lease_id)
+        self.ledger.tick()
+        return self.admitter.materialize(lease, planned)
+
+    def commit(self, lease_id: int) -> Admitted:
+        return self.admitter.commit(self.book.live(lease_id))
 
     def alloc(self, lease_id: int, n: int, part: int = 0) -> list[int]:
         """Give the lease ``n`` device pages, evicting unpinned pages as needed (or refuse first);
@@ -310,10 +341,14 @@ class CacheCore:
         return len(self.engine_pages.hit_nodes(self.lease(lease_id)))
 
     def release(self, lease_id: int) -> bool:
-        """Release (finish or abort) a lease. Returns True when released now; a lease with copies
-        into its pages in flight is parked and released by the commit that completes the last."""
+        """Release (finish or abort) a lease: True when now; with copies into its pages in flight it is
+        parked and released by the commit that completes the last."""
         self.ledger.tick()
-        return self.book.release(self.book.get(lease_id))
+        lease = self.book.get(lease_id)
+        self.staging.note(lease.host_nodes)  # buffer mode: slots it held may be done with
+        done = self.book.release(lease)
+        self.staging.release()
+        return done
 
     def request_flush(self) -> None:
         """Ask for an agreed flush: the cache closes now and resets in the round where every rank
@@ -338,6 +373,7 @@ class CacheCore:
 
     def after_commit(self) -> None:
         """Once per round's commit, alike on every rank: retry waiting backups, pace prefetches."""
+        self.staging.release()
         self.backup.retry_backlog()
         if self.hybrid is not None:
             self.backup.retry_part_backlogs()
@@ -373,23 +409,10 @@ class CacheCore:
         What outlives it: lease and op ids keep counting from the given (agreed) values, the
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release."""
-        cap = self.evictor.retention_cap_tokens
-        held = [
-            (x.lease_id, x.tokens, list(x.pages), {c: list(h.pages) for c, h in x.parts.items() if h.pages})
-            for x in self.leases.values()
-            if not x.releasing
-        ]
+        cap, kept = self.evictor.retention_cap_tokens, self.book.kept()
         self.__init__(self.config)  # type: ignore[misc]
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
-        for lease_id, tokens, pages, parts in held:
-            self.device.take(pages)
-            lease = Lease(lease_id, tokens=tokens)
-            lease.pages.extend(pages)
-            for c, slots in parts.items():
-                self.ledger.parts[c].device.take(slots)
-                lease.parts[c] = LeasePart(pages=slots)
-            self.book.table[lease_id] = lease
-            self.book.refresh(lease)
+        self.book.take_back(kept)
 
     def _engine_op(self, lease_id: int, blocks: list[int]) -> tuple[Lease, list[int]]:
         self._refuse_if_closed()

@@ -18,13 +18,17 @@ from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.records import Lease, OpKind, Transfer
+from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.tree import Node
 
 
 class Completions:
-    def __init__(self, ledger: Ledger, outbox: Outbox, leases: Leases, backup: Backup, prefetch: Prefetcher) -> None:
+    def __init__(
+        self, ledger: Ledger, outbox: Outbox, leases: Leases, backup: Backup, prefetch: Prefetcher, staging: Staging
+    ) -> None:
         self.ledger = ledger
+        self.staging = staging
         self.outbox = outbox
         self.leases = leases
         self.backup = backup
@@ -54,6 +58,7 @@ class Completions:
             led.remove_if_empty(node)
         for lease in waiters:
             self.leases.op_done(lease, op.op_id)
+        self.staging.note(op.nodes)  # buffer mode: an agreed copy may end these pages' staging
         return op
 
     def _parts(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
@@ -117,6 +122,13 @@ class Completions:
                 led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
                 failed.append(node)
         led.stats.loads_done_pages += ok if op.full_index is None else sum(i < ok for i in op.full_index)
+        if self.staging.enabled:  # a staged page that reached device needs no host slot: its leases let go
+            landed = {n.node_id for _, n in zip(range(ok), op.nodes, strict=False)}
+            for lease in waiters:
+                held = lease.prefetch.anchor if lease.prefetch is not None else []
+                anchors = {n.node_id for tier, n in held if tier == "host"}
+                mine = [n for n in lease.host_nodes if n.node_id in landed and n.node_id not in anchors]
+                self.leases.unpin_host(lease, mine)
         for lease in waiters if failed else ():  # every request sharing a failed load lets go of its pages
             self.leases.drop_failed_loads(lease, failed)
 
@@ -134,6 +146,9 @@ class Completions:
             else:
                 led.free_host_copy(node)
         led.stats.prefetch_read_pages += ok
+        lease = self.leases.table.get(op.lease_id)
+        if lease is not None and lease.prefetch is not None:  # the anchor it lets go of may be done staging
+            self.staging.note(n for _, n in lease.prefetch.anchor)
         self.prefetch.on_read(op, ok)
 
     def _storage_query(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 WRITE_POLICIES = ("none", "write_through", "write_through_selective", "write_back")
+# "cache": the host pool is a cached tier (L2). "buffer": host slots only stage storage reads on their
+# way to device and backups on their way to storage; nothing is served from host (``staging.py``).
+HOST_MODES = ("cache", "buffer")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class CacheConfig:
     page_size: int = 16
     device_pages: int = 1024
     host_pages: int = 0
+    host_mode: str = "cache"  # one of HOST_MODES
     write_policy: str = "write_through"
     write_through_threshold: int = 2  # hits before write_through_selective backs a page up
     retention_cap_tokens: int = -1  # evictable device tokens kept when idle; -1 unlimited, 0 none
@@ -52,6 +56,7 @@ class CacheConfig:
     prefetch_max_attempts: int = 3  # storage lookups per request before it proceeds without
     prefetch_retry_rounds: int = 2  # rounds between attempts (paced, never a busy retry)
     prefetch_max_deferrals: int = 8  # rounds a prefetch may wait for host slots
+    admission_max_deferrals: int = 32  # "try again" answers before a request is admitted with its device hit
     # Sliding-window attention layers: window in tokens (0: none), their own pools in pages.
     swa_window: int = 0
     swa_device_pages: int = 0
@@ -76,8 +81,19 @@ class CacheConfig:
             raise ValueError("write_through_threshold must be >= 1")
         if min(self.prefetch_max_pages, self.prefetch_max_attempts) < 1 or self.prefetch_retry_rounds < 0:
             raise ValueError("prefetch_max_pages and prefetch_max_attempts must be >= 1, retry rounds >= 0")
-        if self.prefetch_max_deferrals < 0:
-            raise ValueError("prefetch_max_deferrals must be >= 0")
+        if self.prefetch_max_deferrals < 0 or self.admission_max_deferrals < 0:
+            raise ValueError("prefetch_max_deferrals and admission_max_deferrals must be >= 0")
+        if self.host_mode not in HOST_MODES:
+            raise ValueError(f"unknown host mode {self.host_mode!r}; choose one of {HOST_MODES}")
+        if self.host_mode == "buffer" and not (self.host_pages and self.storage):
+            raise ValueError("host_mode 'buffer' stages storage reads and writes: it needs host_pages > 0 and storage")
+        if self.host_mode == "buffer" and self.write_policy == "write_back":
+            raise ValueError(
+                "host_mode 'buffer' stages backups on their way to storage as pages are written "
+                "(write_through or write_through_selective), not at eviction (write_back)"
+            )
+        if self.host_mode == "buffer" and (self.swa_window or self.mamba_every):
+            raise ValueError("host_mode 'buffer' serves full-attention models only (no swa_window, no mamba_every)")
         if self.plan_mismatch_limit < 1:
             raise ValueError("plan_mismatch_limit must be >= 1")
         if self.retention_cap_tokens < -1:

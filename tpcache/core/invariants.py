@@ -82,7 +82,7 @@ def check(core: CacheCore) -> None:
             dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
         for n in lease.host_nodes:
             host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
-        fields = [] if lease.prefetch is None else lease.prefetch.fields()
+        fields = lease.state_fields()
         if lease.record != lease_record(lease, fields):
             fail(f"lease {lease.lease_id}: its digest record is stale (changed outside the ledger)")
         digest.add(lease_record(lease, fields))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
-from tpcache.core.records import Lease, UnknownLease
+from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
 from tpcache.core.tree import Node
 
@@ -52,7 +52,7 @@ class Leases:
 
     def refresh(self, lease: Lease) -> None:
         """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
-        self.ledger.refresh_lease(lease, [] if lease.prefetch is None else lease.prefetch.fields())
+        self.ledger.refresh_lease(lease, lease.state_fields())
         kept = 0 if lease.releasing else mix(lease.lease_id, lease.pages.total)
         if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
             slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
@@ -123,6 +123,30 @@ class Leases:
             if node.node_id in dropped:
                 self.ledger.update(node, part=part, device_pins=-1)
         held.device_nodes = [n for n in held.device_nodes if n.node_id not in dropped]
+
+    # ------------------------------------------------------------------ across an agreed flush
+
+    def kept(self) -> list[tuple[int, bytes, list[int], dict[int, list[int]]]]:
+        """What a flush keeps of the live leases: id, tokens, and the device pages and component
+        slots each allocated (the engine may still be writing KV into them)."""
+        return [
+            (x.lease_id, x.tokens, list(x.pages), {c: list(h.pages) for c, h in x.parts.items() if h.pages})
+            for x in self.table.values()
+            if not x.releasing
+        ]
+
+    def take_back(self, kept: list[tuple[int, bytes, list[int], dict[int, list[int]]]]) -> None:
+        """Re-open, in a fresh core, the leases a flush kept, holding their pages and slots again."""
+        led = self.ledger
+        for lease_id, tokens, pages, parts in kept:
+            led.device.take(pages)
+            lease = Lease(lease_id, tokens=tokens)
+            lease.pages.extend(pages)
+            for c, slots in parts.items():
+                led.parts[c].device.take(slots)
+                lease.parts[c] = LeasePart(pages=slots)
+            self.table[lease_id] = lease
+            self.refresh(lease)
 
     # ------------------------------------------------------------------ waits and release
 

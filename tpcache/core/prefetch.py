@@ -6,7 +6,8 @@ ranks, so a page present on only some ranks is a miss. Host slots are allocated 
 is known. The lease pins the prefix the fetch hangs from and the pages it reads; its release waits
 for the fetch's copies to land. Retries are paced in rounds and capped per request; a completion of
 an op that is not the current attempt's is stale and ignored. Admission waits only as the stop
-policy says (``admissible``).
+policy says (``admissible``). In buffer mode (host slots only stage) a hit larger than the free staging slots is
+read in the part that fits, and the request computes the rest.
 
 With components, a lookup asks for each page's full, SWA and state keys, and each rank answers with
 the hit ``hitrule.hit_length`` allows over what its storage holds (``QueryPlan``); the read brings
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 
-# state -> event -> next state. "cancel": the lease is being released or the cache closed.
+# state -> event -> next state. "cancel": the lease is being released, the cache closed, or its
+# admission stopped waiting for it. "reissue": the prefix it hangs from moved; ask again at once.
 TRANSITIONS: dict[str, dict[str, str]] = {
     "querying": {
         "hit": "reading",
+        "reissue": "querying",
         "looked_up": "done",
         "no_slots": "deferred",
         "give_up": "done",
@@ -46,9 +49,16 @@ TRANSITIONS: dict[str, dict[str, str]] = {
         "gone": "done",
         "cancel": "done",
     },
-    "deferred": {"slots": "reading", "no_slots": "deferred", "give_up": "done", "gone": "done", "cancel": "done"},
+    "deferred": {
+        "slots": "reading",
+        "no_slots": "deferred",
+        "give_up": "done",
+        "gone": "done",
+        "cancel": "done",
+        "reissue": "querying",
+    },
     "reading": {"landed": "done", "short": "retry_wait", "exhausted": "done", "cancel": "done"},
-    "retry_wait": {"due": "querying", "gone": "done", "cancel": "done"},
+    "retry_wait": {"due": "querying", "gone": "done", "cancel": "done", "reissue": "querying"},
     "done": {"start": "querying"},
 }
 
@@ -102,6 +112,37 @@ class Prefetcher:
         if state is None or state.status == "done" or policy == "best_effort" or self.closed():
             return True  # a closed cache serves misses: nothing is worth waiting for
         return policy == "timeout" and state.rounds >= timeout_rounds
+
+    def anchor_moved(self, lease: Lease) -> bool:
+        """Whether the prefix a waiting fetch hangs from changed since its lookup was issued (a page
+        landed or went above it): the lookup asks for the wrong pages. Pure."""
+        state = lease.prefetch
+        if state is None or state.status not in ("querying", "deferred", "retry_wait"):
+            return False
+        found = self._continuation(state)
+        return found is None or found[1] != state.start
+
+    def reissue(self, lease: Lease) -> None:
+        """Ask again at once from where the prefix ends now; the earlier lookup's ack becomes stale.
+        Past the attempt cap the fetch stops instead."""
+        state = lease.prefetch
+        assert state is not None
+        if state.attempts >= self.config.prefetch_max_attempts:
+            self.abandon(lease)
+            return
+        _to(state, "reissue")
+        state.op_id = -1  # stale from here on, even if nothing is left to ask for
+        self.ledger.stats.prefetch_reissued += 1
+        self._query(lease)
+
+    def abandon(self, lease: Lease) -> None:
+        """Stop waiting for the fetch: whatever it still brings is a stale completion (a read in
+        flight still lands in its slots, which the lease holds until it ends)."""
+        state = lease.prefetch
+        if state is None or state.status == "done":
+            return
+        state.op_id = -1
+        _to(state, "cancel")
 
     # ------------------------------------------------------------------ agreed completions
 
@@ -218,7 +259,11 @@ class Prefetcher:
             return
         parent, k, hashes, pages, _ = found
         anchor = self.leases.pin_anchor(lease, parent)
-        slots = self.evictor.alloc_host(end - k)
+        if self.config.host_mode == "buffer":  # staging: read what the pool holds now, compute the rest
+            slots = self.evictor.alloc_host_upto(end - k) or None
+            end = k + len(slots) if slots else end
+        else:
+            slots = self.evictor.alloc_host(end - k)
         part_slots = self._part_slots(k, end) if slots is not None and self.hybrid is not None else {}
         if part_slots is None:
             self.ledger.host.free(slots)  # type: ignore[arg-type]

@@ -117,6 +117,28 @@ class PrefetchState:
         return [code, self.op_id, *counts, self.start, int(self.read)]
 
 
+ADMISSION_STATES = ("queued", "parked", "ready", "committed")
+
+
+@dataclass
+class Admission:
+    """One request's admission in phases (``admission.py`` holds its transition table); lives on
+    its lease and ends with it."""
+
+    locked_pages: int  # the cache's hit (device + host) when admitted: what storage did not bring
+    state: str = "queued"  # one of ADMISSION_STATES
+    deferrals: int = 0  # "again" answers so far
+    no_staged: bool = False  # selected again after a short delivery: plan the device hit only
+    load_from: int = -1  # pages [load_from, load_to) are what its own load brings (-1: none started)
+    load_to: int = -1
+    hit: int = 0  # once ready: the pages delivered
+
+    def fields(self) -> list[int]:
+        """What the state digest covers of it."""
+        code = ADMISSION_STATES.index(self.state)
+        return [code, self.locked_pages, self.deferrals, int(self.no_staged), self.load_from, self.load_to, self.hit]
+
+
 @dataclass
 class LeasePart:
     """What a lease holds of one component: nodes pinned on device or host, slots allocated to it."""
@@ -142,6 +164,7 @@ class Lease:
     kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
     parts: dict[int, LeasePart] = field(default_factory=dict)  # by component (hybrid configurations)
     hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
+    admission: Admission | None = None  # a request admitted in phases (``admission.py``)
     # The end of the sequence its last insert or append adopted, while ``append`` may continue it:
     # the lease pins every device node from the root to it and none below it.
     cursor: Node | None = None
@@ -150,6 +173,11 @@ class Lease:
         self.device_nodes = NodeHolding(self.lease_id, DEVICE_PINS)
         self.host_nodes = NodeHolding(self.lease_id, HOST_PINS)
         self.pages = PageHolding(self.lease_id, PAGES)
+
+    def state_fields(self) -> list[int]:
+        """What the state digest covers of its prefetch and its admission."""
+        fields = [] if self.prefetch is None else self.prefetch.fields()
+        return fields if self.admission is None else fields + self.admission.fields()
 
 
 @dataclass
@@ -206,6 +234,13 @@ class Stats:
     prefetch_hit_pages: int = 0
     prefetch_read_pages: int = 0
     prefetch_stale_completions: int = 0
+    prefetch_reissued: int = 0  # lookups issued again at once because the prefix they hang from moved
+    storage_hit_tokens: int = 0  # tokens a committed admission loaded from pages read from storage
+    admissions_committed: int = 0
+    admission_retries: int = 0  # "try again" answers of materialize
+    admission_reselects: int = 0  # fewer pages arrived than planned: selected again without staged hits
+    admission_gave_up: int = 0  # past the deferral cap: admitted with what the device holds
+    staging_freed_pages: int = 0  # buffer mode: host staging slots freed once their copy was agreed
     part_device_evicted: int = 0  # component device copies freed by eviction (tombstones or whole nodes)
     part_host_evicted: int = 0
     swa_released_pages: int = 0  # SWA pages behind a request's window freed after its insert

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from protocol.round_vector import HEALTH_COMMIT_FAILED, HEALTH_PREPARE_FAILED
-from tpcache.core import CacheClosed, CacheCore, MatchResult, Transfer
+from tpcache.core import Admitted, CacheClosed, CacheCore, MatchResult, Materialized, Shape, Transfer
 from tpcache.core.hashing import TokenIds
 from tpcache.core.round import Round, RoundReport
 from tpcache.dist.collective import Collective, CollectiveError
@@ -227,6 +227,27 @@ class Operations:
     def admissible(self, lease: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
         """Whether to admit the lease's request now under the prefetch stop policy (pure, agreed state)."""
         return self.core.admissible(lease, policy, timeout_rounds)
+
+    def admit(self, tokens: TokenIds, prefetch: bool = True) -> tuple[int, MatchResult]:
+        """Open a request for admission in phases (``select``, ``materialize``, ``commit``): its
+        prefix is pinned and, with a storage tier, its rest looked up; no hit is counted yet."""
+        return self.driver.apply(self.core.admit, tokens, prefetch)
+
+    def select(self, lease: int) -> Shape:
+        """The prefill shape the request would be admitted with now (pure; allocates nothing)."""
+        return self.core.select(lease)
+
+    def materialize(self, lease: int, planned: Shape) -> Materialized:
+        """Bring the planned hit to device: "ready", "again" (keep it queued) or "short" (select again)."""
+        return self.driver.apply(self.core.materialize, lease, planned)
+
+    def commit(self, lease: int) -> Admitted:
+        """Admit the request with the delivered hit; only now is the hit counted."""
+        return self.driver.apply(self.core.commit, lease)
+
+    def admission_queue(self) -> list[int]:
+        """Leases waiting for admission, oldest first (pure)."""
+        return self.core.admitter.queue()
 
     def release(self, lease: int) -> bool:
         """Finish or abort a request. Parked until copies into its pages land."""

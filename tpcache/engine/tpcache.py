@@ -276,7 +276,9 @@ class TPCache(Operations):
             seq=self.seq,
             digest=core.digest.value,
             device_pages_used=core.device.used,
-            host_pages_used=core.host.used,
+            # buffer mode: every host slot in use stages a copy; none is a cached page
+            host_pages_used=0 if core.staging.enabled else core.host.used,
+            host_staging_pages_used=core.host.used if core.staging.enabled else 0,
             evictable_device_tokens=core.evictable_device_tokens,
             protected_device_tokens=core.protected_device_tokens,
             retention_cap_tokens=core.retention_cap_tokens,

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tpcache.core import CacheConfig
-from tpcache.core.config import WRITE_POLICIES
+from tpcache.core.config import HOST_MODES, WRITE_POLICIES
 from tpcache.core.eviction import POLICIES
 from tpcache.dist.parallel import GroupShapeError, ParallelGroup
 from tpcache.dist.store import is_loopback_host
@@ -84,6 +84,13 @@ class ServiceConfig:
     page_size: int = _opt(16, "tokens per page", min=1, max=1 << 16)
     device_pages: int = _opt(4096, "pages in the device tier (L1)", min=1)
     host_pages: int = _opt(0, "pages in the host tier (L2); 0 disables it", min=0)
+    host_mode: str = _opt(
+        "cache",
+        "cache: host pages are a cached tier (L2) that serves hits; buffer: host slots only stage storage "
+        "reads on their way to device and backups on their way to storage (needs a storage tier, --host-pages "
+        "and write_through or write_through_selective)",
+        choices=HOST_MODES,
+    )
     write_policy: str = _opt("write_through", "when device pages are backed up to host", choices=WRITE_POLICIES)
     write_through_threshold: int = _opt(2, "hits before write_through_selective backs a page up", min=1)
     retention_cap_tokens: int = _opt(-1, "evictable device tokens kept when idle; -1 unlimited", min=-1)
@@ -204,6 +211,15 @@ class ServiceConfig:
             parse_kv_layout(self.kv_layout, self.page_size)
         if self.model_layout:
             self.rank_layout(self.pp_size * max(self.tp_size, 1))
+        if self.host_mode == "buffer":
+            if not self.storage_location():
+                raise SettingError("host_mode", self.host_mode, "needs a storage tier (storage_dir or storage_url)")
+            if not self.host_pages:
+                raise SettingError("host_mode", self.host_mode, "needs host_pages >= 1 (the staging slots)")
+            if self.write_policy == "write_back":
+                raise SettingError(
+                    "host_mode", self.host_mode, "stages writes as pages are written: use write_through(_selective)"
+                )
 
     def group(self, world_size: int) -> ParallelGroup:
         """The group's shape for ``world_size`` ranks; a SettingError names the size that does not fit."""
@@ -242,6 +258,7 @@ class ServiceConfig:
             page_size=self.page_size,
             device_pages=self.device_pages,
             host_pages=self.host_pages,
+            host_mode=self.host_mode,
             write_policy=self.write_policy,
             write_through_threshold=self.write_through_threshold,
             retention_cap_tokens=self.retention_cap_tokens,

@@ -85,6 +85,26 @@ COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         {"": "prefetch_hit_pages"},
     ),
     ("prefetch_read_pages", "Pages a storage prefetch read into the host tier", "", {"": "prefetch_read_pages"}),
+    (
+        "staging_freed_pages",
+        "Host staging slots (buffer host mode) freed once the copy they staged was agreed complete",
+        "",
+        {"": "staging_freed_pages"},
+    ),
+    ("admissions_committed", "Requests admitted in phases (commit)", "", {"": "admissions_committed"}),
+    ("admission_retries", "Materialize answers 'try again' (the request stays queued)", "", {"": "admission_retries"}),
+    (
+        "admission_reselects",
+        "Materializes that delivered fewer pages than planned (selected again without a staged hit)",
+        "",
+        {"": "admission_reselects"},
+    ),
+    (
+        "admission_gave_up",
+        "Requests admitted with their device hit after the deferral cap",
+        "",
+        {"": "admission_gave_up"},
+    ),
     ("rounds", "Rounds committed (one all-reduce each)", "", {"": "rounds"}),
 )
 
@@ -272,6 +292,16 @@ class _SnapshotCollector:
             total.add_metric([tier], float(self.m.capacity.get(tier, 0)))
         yield used
         yield total
+        yield _gauge(
+            "tpcache_staging_pages_used",
+            "Host slots staging storage reads and writes (buffer host mode; not cached pages)",
+            float(stats.get("host_staging_pages_used", 0) or 0),
+        )
+        yield _gauge(
+            "tpcache_staging_pages_capacity",
+            "Host slots for staging (buffer host mode; 0 in cache mode)",
+            float(self.m.capacity.get("staging", 0)),
+        )
         yield _gauge(
             "tpcache_leases", "Leases open (requests holding pins, pages or copies)", float(stats.get("leases", 0) or 0)
         )

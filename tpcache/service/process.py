@@ -216,7 +216,9 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag)
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))
-    capacity = {"device": config.device_pages, "host": config.host_pages}
+    buffer = config.host_mode == "buffer"  # host slots are staging then, not a cached tier
+    capacity = {"device": config.device_pages, "host": 0 if buffer else config.host_pages}
+    capacity["staging"] = config.host_pages if buffer else 0
     metrics = RankMetrics(rank, storage=storage, capacity=capacity, version=package_version())
     ctx = zmq.Context()
     channels: Channels | None = None

@@ -8,6 +8,9 @@ driven split-phase). Every rank applies the same client operations in the same o
 sequencing gives. Hybrid schedules (``hybrid="swa" | "mamba" | "both"``) add a sliding-window and/or
 a Mamba component with their own small pools, so tombstones, window-only stamps, out-of-window
 release and component loads, backups, write-outs and prefetches all happen under every fault.
+Buffer schedules (``buffer=True``) run host as staging only (``host_mode="buffer"``) with an engine
+admitting requests in phases (``admissions.py``), and add their own faults: one rank's storage
+reads failing, one rank's storage losing data, one rank's copies running slow.
 Faults: a divergence in one rank's state or vector (in every field the digests and queues must
 catch, component data included), a rank's plan diverging, a rank dying, a rank's I/O turning
 unhealthy, a rank failing to prepare or to commit. After every round the checker asserts:
@@ -19,7 +22,9 @@ unhealthy, a rank failing to prepare or to commit. After every round the checker
 - every rank's core passes ``invariants.check`` (no leak, no double free, pins accounted);
 - every page a match reports as a hit really holds that page's data on every rank, and so does
   every SWA page and state the hit reads (for a hybrid model);
-- a queue whose digest disagrees applies no completion.
+- a queue whose digest disagrees applies no completion;
+- in buffer mode: no match reports a host page, no hit is counted but by a commit, every committed
+  hit's pages hold their data on every rank, and no staging slot outlives its agreed copy.
 
 Reproduce a failing seed: ``python -m tpcache.testing.sim --seed S --ranks N``.
 """
@@ -34,13 +39,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from protocol.round_vector import HEALTH_IO_ERROR
-from tpcache.core import CacheConfig, CacheCore, MatchResult, OpKind, Transfer, UnknownLease, check
+from tpcache.core import (
+    Admitted,
+    CacheClosed,
+    CacheConfig,
+    CacheCore,
+    MatchResult,
+    OpKind,
+    Transfer,
+    UnknownLease,
+    check,
+)
 from tpcache.core.components import DEV, DSLOT, HOST, HSLOT, STORE
+from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.dist.collective import CollectiveError, CollectiveTimeout, to_int64_array
 from tpcache.dist.sim import SimGroup
 from tpcache.engine.driver import Driver, Operations
+from tpcache.testing.admissions import admission_step, buffer_config, buffer_violations
 from tpcache.testing.ops import apply, evict, random_op, tokens_for
 
 GARBAGE = -1  # what a slot holds after a failed or torn copy
@@ -66,6 +83,9 @@ class Faults:
     prepare_fail_at: int | None = None  # round at which one rank cannot prepare its vector
     commit_fail_at: int | None = None  # round at which one rank's commit raises
     shm: bool = False  # exchange vectors through a real shared-memory segment
+    read_fail: float = 0.0  # probability one rank's storage lookup or read returns nothing
+    lose_at: int | None = None  # round at which one rank's storage loses half its pages
+    slow: int = 0  # extra rounds each copy takes on one rank
 
     def closes_at(self, now: int) -> bool:
         """Whether a fault that must close the cache happens in round ``now``."""
@@ -91,10 +111,12 @@ class FakeIO:
         self.unhealthy = False
         self.fail_landed = False
         self.window_parts: dict[int, bool] = {}  # component -> is it sliding-window data
+        self.victim = False  # the rank the per-rank faults (read_fail, slow) hit
 
     def start(self, ops: Sequence[Transfer]) -> None:
         for op in ops:
-            self.due[op.op_id] = (self.now + self.rng.randint(0, self.faults.max_delay), op)
+            slow = self.faults.slow if self.victim else 0
+            self.due[op.op_id] = (self.now + self.rng.randint(0, self.faults.max_delay) + slow, op)
 
     def landed(self) -> Mapping[int, int]:
         if self.fail_landed:
@@ -154,6 +176,8 @@ class FakeIO:
                 landed = self.rng.randrange(op.num_pages)
             if op.kind in (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ):
                 landed = min(landed, self._present(op))  # storage answers for what this rank holds
+                if self.victim and self.faults.read_fail and self.rng.random() < self.faults.read_fail:
+                    landed = 0
             for k, (i, _) in enumerate(op.full_moves()):
                 self._copy(
                     op.kind, i < landed, self.device, self.host, op.device_pages[k], op.host_slots[k], op.page_hashes[i]
@@ -188,7 +212,23 @@ class SimRank(Operations):
         io.window_parts = {spec.index: spec.is_window for spec in config.components()}
         self.driver = Driver(CacheCore(config), io, rank=rank)
         self.leases: list[tuple[int, list[int]]] = []
+        self.waiting: dict[int, list[int]] = {}  # admissions in phases: lease id -> tokens
+        self._committed = (self.core.stats, 0)  # (the core's counters, storage tokens committed into them)
         self.alive = True
+
+    @property
+    def committed_storage_tokens(self) -> int:
+        """Storage-hit tokens the commits this rank's current counters saw delivered (a flush resets both)."""
+        stats, tokens = self._committed
+        return tokens if stats is self.core.stats else 0
+
+    def on_commit(self, lease_id: int, tokens: list[int], admitted: Admitted) -> None:
+        """What the engine is told at commit: every hit page must hold its own data on this rank."""
+        hashes = self.core.tree.walk(as_token_bytes(tokens)).hashes
+        for page, page_hash in zip(admitted.device_page_ids, hashes, strict=False):
+            if self.io.device.get(page) != page_hash:
+                raise SimFailure(f"rank {self.rank} committed a hit on device page {page} without its data")
+        self._committed = (self.core.stats, self.committed_storage_tokens + admitted.storage_tokens)
 
 
 class SimCluster:
@@ -204,6 +244,8 @@ class SimCluster:
 
             self.shm = ShmCollective.local_group(ranks)
         self.ranks = [SimRank(r, config, FakeIO(random.Random(seed * 1000 + r), faults)) for r in range(ranks)]
+        self.ranks[-1].io.victim = True
+        self.buffer = config.host_mode == "buffer"
         self.calls = [0] * ranks  # collectives issued by each rank
         self.now = 0
         self.after_commit = False  # the retention cap is checked only right after a commit
@@ -211,6 +253,7 @@ class SimCluster:
         self.alphabet = 4  # distinct token values per page position: fewer, more shared prefixes
         self.requests = 0.0  # share of whole requests among the random ops
         self.log: list[str] = []
+        self.lost: set[int | tuple[int, int]] = set()  # storage keys a fault took (durable marks go stale)
 
     @property
     def live(self) -> list[SimRank]:
@@ -228,6 +271,7 @@ class SimCluster:
         """Sequenced client ops: every live rank applies the same ops in the same order."""
         self.after_commit = False
         for op in ops:
+            outcomes: dict[int, list[tuple]] = {}
             self.excused = self.excused or op[0] == "flush"
             for rank in self.live:
                 if op[0] == "flush":  # as an engine does: abort every request, then flush
@@ -235,11 +279,24 @@ class SimCluster:
                         with contextlib.suppress(UnknownLease):
                             rank.release(lease_id)
                     rank.leases.clear()
+                    for lease_id in list(rank.waiting):
+                        with contextlib.suppress(UnknownLease):
+                            rank.release(lease_id)
+                    rank.waiting.clear()
                     rank.request_flush()
                 elif op[0] in ("evict", "demote"):  # test-only sequenced ops: forget pages on every rank
                     rank.driver.apply(evict, rank.core, op[1], op[0] == "evict")
+                elif op[0] == "admit":
+                    tokens = tokens_for(op[1], self.config.page_size, op[2])
+                    with contextlib.suppress(CacheClosed):
+                        rank.waiting[rank.admit(tokens)[0]] = tokens
+                elif op[0] == "admissions":  # the engine's scheduler step
+                    outcomes[rank.rank] = admission_step(rank, rank.waiting, rank.io.write_device, rank.on_commit)
                 else:
                     apply(rank, op, rank.leases, rank.io.write_device, rank.io.write_part)
+            open_outcomes = {repr(v) for r, v in outcomes.items() if not self.ranks[r].core.closed}
+            if len(open_outcomes) > 1:
+                raise SimFailure(f"round {self.now}: open ranks admitted differently: {outcomes}")
 
     def round(self) -> None:
         self.now += 1
@@ -307,6 +364,12 @@ class SimCluster:
         if f.prepare_fail_at == now:
             self.log.append(f"round {now}: rank {victim.rank} cannot prepare")
             victim.io.fail_landed = True
+        if f.lose_at == now and victim.io.storage:
+            lost = sorted(victim.io.storage, key=repr)[::2]
+            self.log.append(f"round {now}: rank {victim.rank}'s storage loses {len(lost)} pages")
+            for key in lost:
+                del victim.io.storage[key]
+            self.lost.update(lost)
         if f.kill_at == now:
             self.log.append(f"round {now}: rank {victim.rank} dies")
             victim.alive = False
@@ -365,10 +428,15 @@ class SimCluster:
             cap = rank.core.retention_cap_tokens
             if not rank.core.closed and 0 <= cap < rank.core.evictable_device_tokens and self.after_commit:
                 raise SimFailure(f"round {now}: {rank.core.evictable_device_tokens} evictable tokens, cap {cap}")
+            if self.buffer:
+                for problem in buffer_violations(rank.core, rank.committed_storage_tokens, self.after_commit):
+                    raise SimFailure(f"round {now}: rank {rank.rank}: {problem}")
         for tokens in probes:
             answers = []
             for rank in live:
                 m = rank.match(tokens)
+                if self.buffer and m.host_pages:
+                    raise SimFailure(f"round {now}: rank {rank.rank} reports {m.host_pages} host pages in buffer mode")
                 answers.append((m.device_pages, m.host_pages, m.device_page_ids))
                 for node in m.nodes[: m.device_pages]:
                     if rank.io.device.get(node.device_page) != node.hash:
@@ -385,7 +453,8 @@ class SimCluster:
                             f"that does not hold page {node.hash:x}"
                         )
                 for node in m.nodes:
-                    if node.storage_state == StorageState.DURABLE and rank.io.storage.get(node.hash) != node.hash:
+                    durable = node.storage_state == StorageState.DURABLE and node.hash not in self.lost
+                    if durable and rank.io.storage.get(node.hash) != node.hash:
                         raise SimFailure(f"round {now}: rank {rank.rank} marks page {node.hash:x} durable, not stored")
                 self._check_parts(rank, m)
                 answers[-1] += (sorted((c, [n.node_id for n in ns]) for c, ns in m.parts.items()),)
@@ -544,9 +613,10 @@ def _diverge_part(core: CacheCore, what: str, rng: random.Random) -> str:
 
 
 def run_schedule(
-    seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3, hybrid: str | None = None
+    seed: int, ranks: int, rounds: int = 30, ops_per_round: int = 3, hybrid: str | None = None, buffer: bool = False
 ) -> SimCluster:
-    """One seeded schedule: random config, ops, delays and (for some seeds) one fault."""
+    """One seeded schedule: random config, ops, delays and (for some seeds) one fault; ``buffer``:
+    host as staging only, requests admitted in phases, and the storage faults of that mode."""
     rng = random.Random(seed)
     page = rng.choice([2, 4])
     config = CacheConfig(
@@ -579,6 +649,16 @@ def run_schedule(
     alphabet = 4
     if hybrid is not None:
         config, faults, alphabet = _hybrid(seed, hybrid, config, faults)
+    if buffer:
+        config = buffer_config(seed, config)
+        extra = random.Random(seed * 6151 + 6)
+        faults = replace(
+            faults,
+            read_fail=extra.choice([0.0, 0.1, 0.3]),
+            lose_at=extra.randint(3, rounds - 3) if extra.random() < 0.3 else None,
+            slow=extra.choice([0, 0, 2, 5]),
+        )
+        alphabet = 3
     sim = SimCluster(seed, ranks, config, faults)
     sim.alphabet = alphabet
     sim.requests = 0.4 if hybrid is not None else 0.0
@@ -624,6 +704,9 @@ def _run(sim: SimCluster, rng: random.Random, rounds: int, ops_per_round: int) -
             random_op(rng, page, sim.alphabet, requests=sim.requests, appends=0.1)
             for _ in range(rng.randint(0, ops_per_round))
         ]
+        if sim.buffer:  # requests admitted in phases, then the engine's scheduler step
+            admits = [("admit", tuple(rng.randrange(sim.alphabet) for _ in range(rng.randint(1, 6))), 1)]
+            ops += admits * rng.randint(0, 2) + [("admissions",)]
         if sim.live[0].core.closed and faults.kill_at is None and rng.random() < 0.3:
             ops.append(("flush",))
         sim.apply_ops(ops)
@@ -649,6 +732,10 @@ def _run(sim: SimCluster, rng: random.Random, rounds: int, ops_per_round: int) -
             if lease_id in rank.core.leases:
                 rank.release(lease_id)
         rank.leases.clear()
+        for lease_id in list(rank.waiting):
+            if lease_id in rank.core.leases:
+                rank.release(lease_id)
+        rank.waiting.clear()
     if faults.kill_at is not None:
         return
     for _ in range(300):  # write-back under a zero cap with a tiny host pool drains a page or so a round
@@ -661,6 +748,8 @@ def _run(sim: SimCluster, rng: random.Random, rounds: int, ops_per_round: int) -
             raise SimFailure(f"seed {sim.seed}: leases left after drain: {sorted(rank.core.leases)}")
         if rank.core.outbox.busy() and not rank.core.closed:
             raise SimFailure(f"seed {sim.seed}: copies left in flight after drain")
+        if sim.buffer and rank.core.host.used and not rank.core.closed:
+            raise SimFailure(f"seed {sim.seed}: rank {rank.rank} holds {rank.core.host.used} staging slots after drain")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,9 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--hybrid", choices=HYBRIDS, help="with sliding-window and/or Mamba components")
+    ap.add_argument("--buffer", action="store_true", help="host as staging only, requests admitted in phases")
     args = ap.parse_args(argv)
     try:
-        sim = run_schedule(args.seed, args.ranks, args.rounds, hybrid=args.hybrid)
+        sim = run_schedule(args.seed, args.ranks, args.rounds, hybrid=args.hybrid, buffer=args.buffer)
     except AssertionError as exc:
         print(f"seed {args.seed} ranks {args.ranks}: FAILED: {exc}", file=sys.stderr)
         return 1
