@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore, NoCursor, check
+from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check
 from tpcache.core.holdings import NodeHolding
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, part_slots, random_op
@@ -116,15 +116,35 @@ def test_without_a_sequence_to_continue_append_is_refused_and_changes_nothing():
     check(core)
 
 
-def test_a_load_clears_the_cursor():
-    """A load pins what it brings back outside the inserted sequence: append needs an insert again."""
-    core = core_of()
-    lease = start(core, toks(1, 2))
-    assert core.lease(lease).cursor is core.lease(lease).device_nodes[-1]
-    core.load(lease)
+def test_a_load_that_pins_pages_clears_the_cursor_and_a_refused_one_keeps_it():
+    """A load pins what it brings back outside the inserted sequence: append needs an insert again.
+    A load that pins nothing new keeps the cursor, and a refused one changes nothing."""
+    core = core_of(device_pages=6, host_pages=8, write_policy="write_through")
+    seq = toks(1, 2, 3, 4, 5, 6)
+    lease = start(core, seq)
+    core.release(lease)
+    drain(core)
+    core.evict_device(3)  # pages 4-6 on host only
+    lease, m = core.lock(seq)
+    assert (m.device_pages, m.host_pages) == (3, 3)
+    core.insert(lease, seq[: 3 * P], m.device_page_ids)
+    cursor = core.lease(lease).cursor
+    assert cursor is not None and cursor.depth == 3
+    other, _ = core.lock(toks(9, 9, 9))
+    core.insert(other, toks(9, 9, 9), core.alloc(other, 3))  # the rest of the device, pinned
+    before = snapshot(core), core.digest.value
+    with pytest.raises(OutOfPages):
+        core.load(lease)
+    after = snapshot(core), core.digest.value
+    assert after[0].pop("clock") == before[0].pop("clock") + 1  # the refused op still ticked, on every rank
+    assert after == before and core.lease(lease).cursor is cursor
+    check(core)
+    core.release(other)
+    drain(core)
+    core.load(lease)  # brings pages 4-6 back, pinned by the lease
     assert core.lease(lease).cursor is None
     with pytest.raises(NoCursor):
-        core.append(lease, toks(3, depth=2), core.alloc(lease, 1))
+        core.append(lease, toks(7, depth=6), [])
     check(core)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore
-from tpcache.core.tree import NATIVE_NODES, Node, PyNode, RadixTree
+from tpcache.core.tree import NATIVE_NODES, Node, PyNode, RadixTree, Run
+from tpcache.replay import drain
 
 pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
 
@@ -86,6 +87,26 @@ def test_a_dropped_tree_frees_its_nodes():
     tree.add_child(a, b"y" * 16, 2, 0)
     del tree
     assert a.parent is None and sys.getrefcount(a) == 2
+
+
+def test_pages_leaving_the_tree_leave_no_cycle_behind():
+    """A node leaves the tree without a reference to a cached run (a run's page cache covers the
+    host-only pages of its chain too): nothing the collector cannot see outlives the tree's pages."""
+    core = CacheCore(CacheConfig(page_size=4, device_pages=64, host_pages=64, write_policy="write_through"))
+    for i in range(60):
+        tokens = [i * 1000 + t for t in range(16)]
+        lease, _ = core.lock(tokens)
+        core.insert(lease, tokens, core.alloc(lease, 4))
+        drain(core)
+        core.release(lease)
+        drain(core)
+        core.evict_device(1)
+        core.match(tokens)  # caches the run's pages, the host-only last page included
+        core.evict_host(1)
+        core.evict_device(64), core.evict_host(64)
+    assert len(core.tree) == 0
+    gc.collect()
+    assert sum(1 for o in gc.get_objects() if type(o) is Run) == 0
 
 
 def test_a_native_node_has_the_reference_nodes_fields_and_behaviour():

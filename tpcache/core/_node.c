@@ -112,17 +112,20 @@ static PyGetSetDef node_getset[] = {
 static int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
 static PyObject *node_path(Node *self, PyObject *unused) {
-    /* Nodes from the first page down to this one (the root excluded). */
-    Py_ssize_t n = 0;
-    for (PyObject *cur = (PyObject *)self; is_node(cur) && is_node(((Node *)cur)->parent); cur = ((Node *)cur)->parent)
-        n++;
-    PyObject *out = PyList_New(n);
+    /* Nodes from the first page down to this one (the root excluded). One checked walk: appending
+     * may run a collection, and a collection may dispose of a dropped tree (parents set to None). */
+    PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
-    PyObject *cur = (PyObject *)self;
-    for (Py_ssize_t i = n - 1; i >= 0; i--, cur = ((Node *)cur)->parent) {
-        Py_INCREF(cur);
-        PyList_SET_ITEM(out, i, cur);
+    for (PyObject *cur = (PyObject *)self; is_node(cur) && is_node(((Node *)cur)->parent); cur = ((Node *)cur)->parent) {
+        if (PyList_Append(out, cur) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    if (PyList_Reverse(out) < 0) {
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
 }

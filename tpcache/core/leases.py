@@ -63,10 +63,10 @@ class Leases:
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
     def pin_device(self, lease: Lease, nodes: list[Node]) -> None:
-        lease.cursor = None  # it may pin below the cursor: ``append`` needs an insert first
         pinned = {n.node_id for n in lease.device_nodes}
         for node in nodes:
             if node.node_id not in pinned:
+                lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
                 self.ledger.update(node, device_pins=+1)
                 lease.device_nodes.append(node)
                 pinned.add(node.node_id)

@@ -58,15 +58,16 @@ class Loader:
             plan = self.hybrid.plan_load(nodes, len(prefix) + len(todo), first_loading)
             prefix, todo = prefix[: plan.pages], todo[: max(0, plan.pages - len(prefix))]
         # Pin the prefix before allocating: the eviction must not take it (nor its host-only pages).
-        before = len(lease.device_nodes)
+        before, cursor = len(lease.device_nodes), lease.cursor
         self.book.pin_device(lease, prefix)
         try:
             slots = self.hybrid.reserve(lease, plan, len(todo)) if plan is not None else {}
             pages = self.evictor.alloc_device(len(todo)) if todo else []
-        except OutOfPages:
+        except OutOfPages:  # a refused load changes nothing
             for node in lease.device_nodes[before:]:
                 led.update(node, device_pins=-1)
             lease.device_nodes.truncate(before)
+            lease.cursor = cursor
             raise
         for node in prefix:
             if node.device_state == DeviceState.LOADING:
@@ -77,6 +78,7 @@ class Loader:
             # the lease's pin (a loading page is never evicted) and the op's read of the host slot
             led.update(node, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
             lease.device_nodes.append(node)
+            lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
         if plan is not None and (todo or plan.loads):
             op_nodes, full_index, parts = self.hybrid.start_loads(lease, plan, todo, slots)  # type: ignore[union-attr]
             op = self.outbox.issue(OpKind.LOAD, op_nodes, lease.lease_id, full_index=full_index, parts=parts)

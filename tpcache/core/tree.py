@@ -324,7 +324,8 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.tokens]
         del self.nodes[node.node_id]
-        node.parent = None
+        drop_pages(node)  # a host-only node may still be in a run's page cache
+        node.parent = node.run = None  # no cycle outlives it (the collector cannot see native nodes)
         if not parent.children:
             self._invalidate(parent)
 
@@ -335,7 +336,7 @@ class RadixTree:
         """Break the tree's reference cycles (child to parent, node to its cached run) so that
         reference counting frees it: with native nodes the collector cannot see these cycles.
         Called when the tree is dropped; the tree is empty afterwards."""
-        for node in self.nodes.values():
+        for node in getattr(self, "nodes", {}).values():  # (a tree whose __init__ raised has none)
             node.parent = node.run = node.pages_run = None
         self.nodes = {}
 
