@@ -410,6 +410,7 @@ class CacheCore:
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release."""
         cap, kept = self.evictor.retention_cap_tokens, self.book.kept()
+        self.tree.dispose()  # the old tree goes now, not at the collection that finds the old core
         self.__init__(self.config)  # type: ignore[misc]
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
         self.book.take_back(kept)
