@@ -106,7 +106,9 @@ class RankHandler:
             elif value is None or isinstance(value, (bool, int, float, str)):
                 out[key] = value
         out.update(self.service_counters)
-        out["storage_hit_tokens"] = out.get("prefetch_hit_pages", 0) * self.tp.config.page_size
+        # What prefetches found in storage (agreed, before anything loads); ``storage_hit_tokens`` is
+        # the core's: tokens a committed admission actually took from storage.
+        out["storage_prefetch_hit_tokens"] = out.get("prefetch_hit_pages", 0) * self.tp.config.page_size
         out["rank"] = self.rank
         out["world_size"] = self.tp.world_size
         out["transport"] = self.tp.collective.name
