@@ -1,10 +1,11 @@
-"""Runs vLLM engines one after another on a plan and writes what they produced as JSON.
+"""Runs vLLM engines one after another on a suite of plans and writes what they produced as JSON.
 
-    python tests/vllm/driver.py PLAN.json OUT.json
+    python tests/vllm/driver.py SUITE.json OUT.json
 
-The plan names the model directory, the TP size and a list of engines, each with its connector
-settings (none: plain vLLM) and its steps. Engines run one at a time in this process (vLLM spawns
-its engine core and workers; this script is their ``__main__``). Steps:
+A suite is ``{"runs": {name: plan}}``. A plan names the model directory, the TP size and a list of
+engines, each with its connector settings (none: plain vLLM) and its steps. Every engine of every
+plan runs in turn in this one process (vLLM spawns each engine's core and workers; this script is
+their ``__main__``): one ``import vllm`` serves them all. Steps:
 
     {"op": "generate", "name": N, "prompts": [[ids...]], "max_tokens": K}
     {"op": "conversation", "name": N, "users": [[[ids...] per turn] per conversation], "max_tokens": K}
@@ -15,16 +16,23 @@ its engine core and workers; this script is their ``__main__``). Steps:
     {"op": "settle"}                        wait until every worker holds no lease and nothing is pending
     {"op": "stats", "name": N}              every worker's tpcache statistics
 
-An engine's ``corrupt_before`` ({"dir", "prompts", "page"}) damages stored pages before it starts.
-Results: {engine: {step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}.
+An engine's ``corrupt_before`` ({"dir", "prompts", "page"}) damages stored pages before it starts;
+``in_process`` runs its engine core in this process (see ``_layout``). Results: {run: {engine:
+{step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}}. Each engine also gets
+``log``, the byte range of the log (this process's stdout, which vLLM's processes share) written
+while it ran, and, where it raised (at start-up or in a step), ``error``: the engines after it
+still run, so each scenario reports its own failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +135,33 @@ def _corrupt(spec: dict[str, Any]) -> int:
     return hit
 
 
-def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _layout(in_process: bool) -> Iterator[None]:
+    """vLLM's default layout (an engine core process, a worker process per rank), or its engine
+    core in this process (at TP=1 the worker too: nothing to spawn). In-process, the worker binds
+    this thread to its core, and the processes spawned later would inherit that: undone after."""
+    if not in_process:
+        yield
+        return
+    affinity = os.sched_getaffinity(0)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()  # the in-process worker's process group, and vLLM's env cache
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.sched_setaffinity(0, affinity)
+
+
+def run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any]) -> None:
+    """Start the engine, run its steps into ``out`` (so what ran before a failure is kept), shut it down."""
+    with _layout(engine.get("in_process", False)):
+        _run_engine(plan, engine, out)
+
+
+def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any]) -> None:
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -154,7 +188,7 @@ def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
         }
     started = time.monotonic()
     llm = LLM(**kwargs)
-    out: dict[str, Any] = {"startup_s": time.monotonic() - started}
+    out["startup_s"] = time.monotonic() - started
     try:
         for i, step in enumerate(engine["steps"]):
             op, name = step["op"], step.get("name", f"{step['op']}{i}")
@@ -179,19 +213,39 @@ def run_engine(plan: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-    return out
+
+
+def _log_offset() -> int:
+    """Where this process's stdout (the log) stands: vLLM's processes write through the same file."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return os.lseek(sys.stdout.fileno(), 0, os.SEEK_CUR)
+
+
+def run_plan(plan: dict[str, Any], results: dict[str, Any]) -> None:
+    for engine in plan["engines"]:
+        out: dict[str, Any] = {}
+        results[engine["name"]] = out
+        start = _log_offset()
+        try:
+            if engine.get("corrupt_before"):
+                spec = {**engine["corrupt_before"], "model": plan["model"], "block_size": plan.get("block_size", 32)}
+                results.setdefault("corrupted", {})[engine["name"]] = _corrupt(spec)
+            run_engine(plan, engine, out)
+        except Exception as exc:  # the next engines still run; the tests reading this one fail with it
+            traceback.print_exc()
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["log"] = [start, _log_offset()]
 
 
 def main(argv: list[str]) -> int:
-    plan = json.loads(Path(argv[1]).read_text())
+    suite = json.loads(Path(argv[1]).read_text())
     os.environ.update(ENV)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.get("kv_space_gib", 1))
     results: dict[str, Any] = {}
-    for engine in plan["engines"]:
-        if engine.get("corrupt_before"):
-            spec = {**engine["corrupt_before"], "model": plan["model"], "block_size": plan.get("block_size", 32)}
-            results.setdefault("corrupted", {})[engine["name"]] = _corrupt(spec)
-        results[engine["name"]] = run_engine(plan, engine)
+    for name, plan in suite["runs"].items():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.get("kv_space_gib", 1))
+        results[name] = {}
+        run_plan(plan, results[name])
         Path(argv[2]).write_text(json.dumps(results))
     return 0
 

@@ -1,13 +1,26 @@
-"""The vLLM ring's scenario: one plan per TP size, run by ``driver.py`` in a subprocess.
+"""The vLLM ring's scenarios: plans run by ``driver.py`` in a subprocess, several plans per driver.
 
-Three engines run one after another on a random tiny Llama made for the run:
+The Llama plan (one per TP size): three engines run one after another on a random tiny Llama:
 
-1. ``ref``: plain vLLM, its own prefix caching off: the tokens every other run must reproduce;
+1. ``ref``: plain vLLM, its own prefix caching off: the tokens every other run must reproduce. It
+   runs in-process (its engine core in the driver; at TP=1 its worker too), which spares the
+   interpreters an engine start spawns: the same worker and model runner compute its tokens. The
+   engines with tpcache keep vLLM's default layout, where the engine core's loop keeps stepping
+   while the connector has work (``settle`` relies on it);
 2. ``conn``: vLLM with tpcache (host tier and a storage directory) and fewer KV blocks than the
    multi-turn workload needs: the batch, the batch again after ``reset_prefix_cache``, the
    conversations, then faults armed on one rank at run time;
 3. ``fresh``: a new vLLM on the same storage directory, after the last rank's stored copy of one
    page of two prompts was damaged: hits come from storage and stop where a rank has no good copy.
+
+The sliding-window plans (TP=1): a tiny Gemma 2 (plain vLLM in-process, then vLLM with tpcache:
+the batch, again after ``reset_prefix_cache``, then with wrong copies), and a tiny Mistral that
+the connector must refuse at start-up (in vLLM's default layout: the reason has to reach the log
+from the worker process).
+
+Every engine start costs a few fresh interpreters that import vLLM (its engine core and one
+worker per rank), so the ring runs as two driver processes, one per xdist worker
+(``tests/vllm/conftest.py``): every TP=1 engine in one, the TP=2 engines in the other.
 """
 
 from __future__ import annotations
@@ -22,12 +35,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tpcache.testing.tiny_model import make_tiny_llama
+from tpcache.testing.tiny_model import make_tiny_gemma2, make_tiny_llama
 
 DRIVER = Path(__file__).with_name("driver.py")
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 VOCAB = 512
+WINDOW = 2 * BLOCK  # the sliding-window models' window: shorter than the shared prefix
+REFUSAL = "TPCacheConnector serves full-attention models only"
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -98,7 +113,7 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
         "max_model_len": 512,
         "kv_space_gib": 1,
         "engines": [
-            {"name": "ref", "prefix_caching": False, "steps": ref_steps},
+            {"name": "ref", "prefix_caching": False, "in_process": True, "steps": ref_steps},
             # 20 blocks of 32 tokens: less than the four conversations need together
             {"name": "conn", "connector": connector, "num_gpu_blocks_override": 20, "steps": conn_steps},
             {
@@ -112,17 +127,101 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-def run(tp: int, workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
-    """Make the model, run the plan in a subprocess; fail with the log's tail if it does not finish."""
-    workdir.mkdir(parents=True, exist_ok=True)
+def _tp1_plan(workdir: Path, engines: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "model": str(workdir / "model"),
+        "tp": 1,
+        "block_size": BLOCK,
+        "max_model_len": 512,
+        "kv_space_gib": 1,
+        "engines": engines,
+    }
+
+
+def _generate(name: str) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "prompts": prompts()["batch"], "max_tokens": 8}
+
+
+def gemma_plan(workdir: Path) -> dict[str, Any]:
+    """Interleaved sliding-window and full layers: token-identical, hits past the window, and a
+    wrong copy (the negative control) changes the tokens."""
+    make_tiny_gemma2(workdir / "model", sliding_window=WINDOW)
+    reset = {"op": "reset_prefix_cache"}
+    conn = [
+        _generate("batch"),
+        reset,
+        _generate("batch_again"),
+        {"op": "settle", "name": "settled"},
+        {"op": "arm", "spec": {"scramble_loads": {"rank": 0, "count": 4}}},  # negative control
+        reset,
+        _generate("batch_scrambled"),
+        {"op": "arm", "spec": {}},
+        {"op": "settle", "name": "settled_scrambled"},
+    ]
+    return _tp1_plan(
+        workdir,
+        [
+            {"name": "ref", "prefix_caching": False, "in_process": True, "steps": [_generate("batch")]},
+            {"name": "conn", "connector": {"host_pages": 256}, "steps": conn},
+        ],
+    )
+
+
+def mistral_plan(workdir: Path) -> dict[str, Any]:
+    """Every layer sliding-window: the connector refuses the model when vLLM starts."""
+    make_tiny_llama(workdir / "model", sliding_window=WINDOW)
+    return _tp1_plan(workdir, [{"name": "engine", "connector": {"host_pages": 64}, "steps": [_generate("batch")]}])
+
+
+def llama_plan(tp: int, workdir: Path) -> dict[str, Any]:
+    """The Llama plan for ``tp``, its model made in ``workdir``."""
     make_tiny_llama(workdir / "model", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
-    return run_plan(plan(tp, workdir), workdir, timeout_s)
+    return plan(tp, workdir)
 
 
-def run_plan(the_plan: dict[str, Any], workdir: Path, timeout_s: float = 900) -> dict[str, Any]:
-    """Run a plan (its model already made) in a subprocess; fail with the log's tail if it fails."""
-    plan_file, out_file, log_file = workdir / "plan.json", workdir / "out.json", workdir / "driver.log"
-    plan_file.write_text(json.dumps(the_plan))
+class Results(dict):
+    """One plan's results, by engine. Reading an engine that raised fails the reading test with
+    that engine's error and the end of its part of the driver's log, so a failure shows in the
+    tests of its own scenario while the others still pass."""
+
+    def __init__(self, data: dict[str, Any], log: bytes) -> None:
+        super().__init__(data)
+        self._log = log
+
+    def __getitem__(self, engine: str) -> Any:
+        value = super().__getitem__(engine)
+        if isinstance(value, dict) and "error" in value:
+            raise AssertionError(
+                f"vLLM engine {engine!r} failed: {value['error']}\nthe end of its log:\n{self.log(engine)[-6000:]}"
+            )
+        return value
+
+    def error(self, engine: str) -> str | None:
+        """What the engine raised, or None where it ran to the end."""
+        return super().__getitem__(engine).get("error")
+
+    def started(self, engine: str) -> bool:
+        """Whether vLLM came up (its constructor returned) for this engine."""
+        return "startup_s" in super().__getitem__(engine)
+
+    def log(self, engine: str) -> str:
+        """What the driver and the engine's processes logged while it ran."""
+        start, end = super().__getitem__(engine)["log"]
+        return self._log[start:end].decode(errors="replace")
+
+
+def run(tp: int, workdir: Path, timeout_s: float = 840) -> Results:
+    """The Llama plan at ``tp`` alone in one driver run."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return run_suite({"llama": llama_plan(tp, workdir / "llama")}, workdir, timeout_s)["llama"]
+
+
+def run_suite(plans: dict[str, dict[str, Any]], workdir: Path, timeout_s: float = 840) -> dict[str, Results]:
+    """Run the plans (their models already made) in one driver subprocess, one after another;
+    fail with the log's tail if the driver itself does not finish."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_file, out_file, log_file = workdir / "suite.json", workdir / "out.json", workdir / "driver.log"
+    plan_file.write_text(json.dumps({"runs": plans}))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log_file, "w") as log:
         # Its own session: on a timeout the whole group goes (vLLM's engine core and workers too).
@@ -142,10 +241,11 @@ def run_plan(the_plan: dict[str, Any], workdir: Path, timeout_s: float = 900) ->
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    text = log_file.read_bytes()
     if code != 0:
-        tail = log_file.read_text()[-6000:]
+        tail = text[-6000:].decode(errors="replace")
         raise AssertionError(f"the vLLM driver failed ({code}); the end of its log:\n{tail}")
-    return json.loads(out_file.read_text())
+    return {name: Results(out, text) for name, out in json.loads(out_file.read_text()).items()}
 
 
 def total(stats: list[dict[str, Any]], key: str) -> list[int]:

@@ -1,23 +1,30 @@
 """vLLM (CPU build) on tpcache at TP=1 and TP=2: token-identical to plain vLLM, hits from host and
-storage, and recomputation of whatever the ranks did not agree on. One driver run per TP size
-(three engines, one after another: see scenario.py); every test reads its part of that run."""
+storage, and recomputation of whatever the ranks did not agree on. Three engines per TP size, one
+after another (see scenario.py), in the driver run of that size's xdist group (conftest.py); every
+test reads its part of that run."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm.scenario import BLOCK, prompts, run, total
+from tests.vllm.conftest import TP1_GROUP, TP2_GROUP
+from tests.vllm.scenario import BLOCK, prompts, total
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("vllm")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(1, marks=pytest.mark.xdist_group(TP1_GROUP), id="tp1"),
+        pytest.param(2, marks=pytest.mark.xdist_group(TP2_GROUP), id="tp2"),
+    ],
+)
+def runs(request: pytest.FixtureRequest) -> dict[str, Any]:
     tp = request.param
-    out = run(tp, Path(tmp_path_factory.mktemp(f"vllm_tp{tp}")))
+    out = request.getfixturevalue(f"vllm_tp{tp}")["llama"]
     out["tp"] = tp
     return out
 

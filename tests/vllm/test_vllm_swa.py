@@ -12,55 +12,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm.scenario import BLOCK, prompts, run_plan, total
-from tpcache.testing.tiny_model import make_tiny_gemma2, make_tiny_llama
+from tests.vllm.conftest import TP1_GROUP
+from tests.vllm.scenario import BLOCK, REFUSAL, WINDOW, Results, total
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("vllm")]
-
-WINDOW = 2 * BLOCK
-
-
-def plan(workdir: Path, engines: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "model": str(workdir / "model"),
-        "tp": 1,
-        "block_size": BLOCK,
-        "max_model_len": 512,
-        "kv_space_gib": 1,
-        "engines": engines,
-    }
+# Both models run in the TP=1 group's driver (conftest.py), after the Llama engines.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group(TP1_GROUP), pytest.mark.timeout(900)]
 
 
-def generate(name: str) -> dict[str, Any]:
-    return {"op": "generate", "name": name, "prompts": prompts()["batch"], "max_tokens": 8}
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    workdir = Path(tmp_path_factory.mktemp("vllm_gemma2"))
-    make_tiny_gemma2(workdir / "model", sliding_window=WINDOW)
-    reset = {"op": "reset_prefix_cache"}
-    conn = [
-        generate("batch"),
-        reset,
-        generate("batch_again"),
-        {"op": "settle", "name": "settled"},
-        {"op": "arm", "spec": {"scramble_loads": {"rank": 0, "count": 4}}},  # negative control
-        reset,
-        generate("batch_scrambled"),
-        {"op": "arm", "spec": {}},
-        {"op": "settle", "name": "settled_scrambled"},
-    ]
-    engines = [
-        {"name": "ref", "prefix_caching": False, "steps": [generate("batch")]},
-        {"name": "conn", "connector": {"host_pages": 256}, "steps": conn},
-    ]
-    return run_plan(plan(workdir, engines), workdir)
+@pytest.fixture
+def gemma(vllm_tp1: dict[str, Results]) -> Results:
+    return vllm_tp1["gemma"]
 
 
 def test_an_interleaved_sliding_window_model_on_tpcache_is_token_identical(gemma: dict[str, Any]) -> None:
@@ -81,8 +46,8 @@ def test_its_tokens_depend_on_the_loaded_kv(gemma: dict[str, Any]) -> None:
     assert gemma["conn"]["batch_scrambled"]["tokens"] != gemma["ref"]["batch"]["tokens"]
 
 
-def test_a_sliding_window_only_model_is_refused_by_the_connector_with_the_reason(tmp_path: Path) -> None:
-    make_tiny_llama(tmp_path / "model", sliding_window=WINDOW)  # a Mistral: every layer windowed
-    engines = [{"name": "engine", "connector": {"host_pages": 64}, "steps": [generate("batch")]}]
-    with pytest.raises(AssertionError, match="TPCacheConnector serves full-attention models only"):
-        run_plan(plan(tmp_path, engines), tmp_path)
+def test_a_sliding_window_only_model_is_refused_by_the_connector_with_the_reason(vllm_tp1: dict[str, Results]) -> None:
+    mistral = vllm_tp1["mistral"]  # a Mistral: every layer windowed
+    assert mistral.error("engine") is not None, "vLLM started a sliding-window-only model with tpcache"
+    assert REFUSAL in mistral.log("engine"), mistral.log("engine")[-6000:]
+    assert not mistral.started("engine")  # refused at start-up, before any request
