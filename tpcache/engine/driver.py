@@ -182,8 +182,7 @@ class Operations:
     ) -> tuple[int, int]:
         """Cache the full pages of ``tokens`` whose KV is in ``device_pages``; ``parts``: per
         component, the slot holding each page's data of that component (-1: none)."""
-        by_index = {self._component(c): list(v) for c, v in parts.items()} if parts else None
-        return self.driver.apply(self.core.insert, lease, tokens, list(device_pages), by_index)
+        return self.driver.apply(self.core.insert, lease, tokens, list(device_pages), self._by_index(parts))
 
     def append(
         self,
@@ -196,12 +195,14 @@ class Operations:
         ``append`` cached (a running request's new pages, given alone); ``device_pages[i]`` holds
         page i of ``tokens``. Costs what it adds. ``NoCursor`` (a ValueError) when the lease's
         sequence cannot be continued (see ``CacheCore.append``): call ``insert`` with all of it."""
-        by_index = {self._component(c): list(v) for c, v in parts.items()} if parts else None
-        return self.driver.apply(self.core.append, lease, tokens, list(device_pages), by_index)
+        return self.driver.apply(self.core.append, lease, tokens, list(device_pages), self._by_index(parts))
 
     def chunk_tokens(self, lease: int, start: int, want: int) -> int:
         """How many tokens of a prefill chunk starting at ``start`` the pools take now (pure)."""
         return self.core.chunk_tokens(lease, start, want)
+
+    def _by_index(self, parts: Mapping[int | str, Sequence[int]] | None) -> dict[int, list[int]] | None:
+        return {self._component(c): list(v) for c, v in parts.items()} if parts else None
 
     def _component(self, component: int | str) -> int:
         if isinstance(component, int):
