@@ -52,7 +52,9 @@ def test_a_dead_rank_closes_the_survivors_instead_of_hanging():
     )
     assert results[2] is None  # it crashed
     for r in results[:2]:
-        assert r["closed_at"] == 8
+        # Closed by the round the rank died in, never later. A machine that starves the dying rank
+        # past the round timeout before it dies closes them a round earlier, for the same reason.
+        assert r["closed_at"] is not None and r["closed_at"] <= 8
         assert "collective failed" in r["closed"]
 
 
