@@ -21,6 +21,9 @@ from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
 from tpcache.core.tree import Node
 
+# What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
+Kept = tuple[int, bytes, list[int], dict[int, list[int]]]
+
 
 class Leases:
     def __init__(self, ledger: Ledger, outbox: Outbox) -> None:
@@ -126,7 +129,7 @@ class Leases:
 
     # ------------------------------------------------------------------ across an agreed flush
 
-    def kept(self) -> list[tuple[int, bytes, list[int], dict[int, list[int]]]]:
+    def kept(self) -> list[Kept]:
         """What a flush keeps of the live leases: id, tokens, and the device pages and component
         slots each allocated (the engine may still be writing KV into them)."""
         return [
@@ -135,7 +138,7 @@ class Leases:
             if not x.releasing
         ]
 
-    def take_back(self, kept: list[tuple[int, bytes, list[int], dict[int, list[int]]]]) -> None:
+    def take_back(self, kept: list[Kept]) -> None:
         """Re-open, in a fresh core, the leases a flush kept, holding their pages and slots again."""
         led = self.ledger
         for lease_id, tokens, pages, parts in kept:
