@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N -m launcher serve [options]   one rank per process (torchrun env)
     python -m launcher local --nproc N [options]              N ranks on this host, no torchrun
     python -m launcher local --pp-size P --tp-size T [options]  a group of P stages x T tensor ranks
-    python -m launcher demo [--trace PATH] [--nproc 2] [--json]   the main job, end to end
+    python -m launcher demo [--trace PATH] [--nproc 2] [--in-flight N] [--json]   the main job, end to end
 
 Every option can also come from the environment (TPCACHE_<NAME>) or a --config TOML, JSON or
 YAML file, under one name: --round-timeout-s, TPCACHE_ROUND_TIMEOUT_S, round_timeout_s.
@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--conversations", type=int, default=100, help="built-in workload size [default 100]")
     demo.add_argument("--requests", type=int, default=None, help="replay at most this many requests")
     demo.add_argument("--seed", type=int, default=0, help="built-in workload seed [default 0]")
+    demo.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests in flight: 1 sends one call at a time; N > 1 replays in pipelined waves of N [default 1]",
+    )
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_service_options(demo, DEMO_DEFAULTS)
     return parser
@@ -59,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.nproc = config.pp_size * config.tp_size if config.tp_size else 2
             if args.nproc < 1:
                 raise ConfigError(f"--nproc {args.nproc}: must be an integer >= 1 (rank processes)")
+            if args.command == "demo" and args.in_flight < 1:
+                raise ConfigError(f"--in-flight {args.in_flight}: must be an integer >= 1 (requests in flight)")
             preflight(resolved, range(args.nproc), args.nproc)  # every rank, before any starts
     except ConfigError as exc:
         print(f"tpcache: configuration error: {exc}", file=sys.stderr)
@@ -74,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "local":
         return run_local(resolved, args.nproc)
     try:
-        summary = run_demo(resolved, args.nproc, args.trace, args.conversations, args.requests, args.seed)
+        summary = run_demo(
+            resolved, args.nproc, args.trace, args.conversations, args.requests, args.seed, args.in_flight
+        )
     except Interrupted as stopped:
         print(stopped.line(), file=sys.stderr, flush=True)
         return {signal.SIGINT: 130, signal.SIGTERM: 0}.get(stopped.signum, 1)

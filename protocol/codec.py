@@ -15,6 +15,8 @@ after the request id was read carries it in ``request_id``, so the reply can sti
 
 from __future__ import annotations
 
+import sys
+from array import array
 from typing import Any
 
 import msgpack
@@ -35,6 +37,9 @@ from protocol.messages import (
     RESULT_TYPES,
     Body,
     ErrorInfo,
+    Ids,
+    MatchRequest,
+    MatchResult,
     Request,
     Response,
     is_u64,
@@ -45,6 +50,7 @@ _OK_KEYS = frozenset(("v", "id", "op", "ok", "result"))
 _ERROR_KEYS = frozenset(("v", "id", "ok", "error"))
 _ERROR_INFO_KEYS = frozenset(("code", "name", "message"))
 MAX_ERROR_MESSAGE = 1024  # characters of an error message a server sends
+_LITTLE = sys.byteorder == "little"
 
 # ---------------------------------------------------------------------------------------------
 # Header scan. One table entry per first byte: (kind, length bytes that follow, fixed length).
@@ -112,6 +118,11 @@ try:  # the same scan in C (protocol/_speedups.c), built at install where a comp
     from protocol._speedups import scan as _c_scan
 except ImportError:
     _c_scan = None
+try:  # the fast reader of a plain match request and writer of its reply (protocol/_speedups.c)
+    from protocol._speedups import match_reply as _c_match_reply
+    from protocol._speedups import match_request as _c_match_request
+except ImportError:
+    _c_match_request = _c_match_reply = None
 _C_SCAN_MAX_DEPTH = 64
 _C_SCAN_MAX_BOUND = 2**62
 
@@ -291,9 +302,61 @@ def encode_request(request: Request, limits: Limits = DEFAULT_LIMITS) -> bytes:
     )
 
 
+def _fast_match_allowed(limits: Limits) -> bool:
+    """Whether the C reader is there and every bound but the frame's, the bin's and the id count's
+    admits any frame it reads (4 envelope keys, at most 3 arguments, keys of at most 9 bytes,
+    depth 2, 14 objects)."""
+    if limits is DEFAULT_LIMITS:
+        return _FAST_MATCH
+    return _c_match_request is not None and (
+        limits.max_depth >= 2 and limits.max_objects >= 14 and limits.max_map_len >= 4 and limits.max_str_len >= 9
+    )
+
+
+_FAST_MATCH = _fast_match_allowed(Limits())
+
+
 def decode_request(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Request:
     """The request in one frame. Raises only ProtocolError subclasses; ``request_id`` is set on
-    the error whenever the frame's id could be read."""
+    the error whenever the frame's id could be read.
+
+    A plain match request (``decode_match``) is read by the C reader where it was built; any other
+    frame, and any frame it declines, takes the general path (``decode_request_py``), which decides
+    every error."""
+    request = decode_match(frame, limits) if type(frame) is bytes else None
+    return request if request is not None else decode_request_py(frame, limits)
+
+
+def decode_match(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Request | None:
+    """The request in ``frame`` when it is a plain match request, read in C: exactly the keys
+    ``v`` (1), ``id``, ``op`` ("match") and ``args`` with ``tokens`` and optionally an empty
+    ``namespace`` and a nil or bool ``storage``, within ``limits``, ids non-negative. None for
+    anything else, or without the C reader (then ``decode_request_py`` reads the frame the same
+    way, or raises)."""
+    if len(frame) > limits.max_message_bytes or not _fast_match_allowed(limits):
+        return None
+    found = _c_match_request(frame, limits.max_bin_len, limits.max_ids)
+    if found is None:
+        return None
+    request_id, tokens, storage = found
+    if not _LITTLE:  # pragma: no cover - big-endian hosts only
+        tokens.byteswap()
+    body = _new(MatchRequest)
+    _set_tokens(body, tokens)
+    _set_namespace(body, "")
+    _set_storage(body, storage)
+    return _trusted_request(request_id, body)
+
+
+# The slots' own descriptors: writes that skip the frozen __setattr__ (the fast reader checked every field).
+_new = object.__new__
+_set_tokens = MatchRequest.tokens.__set__  # type: ignore[attr-defined]
+_set_namespace = MatchRequest.namespace.__set__  # type: ignore[attr-defined]
+_set_storage = MatchRequest.storage.__set__  # type: ignore[attr-defined]
+
+
+def decode_request_py(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Request:
+    """``decode_request`` without the fast match reader: the reference every frame can take."""
     obj = _unpack(frame, limits)
     request_id = _check_envelope(obj, "request", _REQUEST_KEYS)
     if request_id is None:
@@ -361,6 +424,25 @@ def encode_response(response: Response, limits: Limits = DEFAULT_LIMITS) -> byte
 def encode_ok(request_id: int, result: Body, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """The frame of a successful reply, without building a Response (the server's hot path;
     ``request_id`` is the id of a request it decoded)."""
+    if type(result) is MatchResult and _c_match_reply is not None and _LITTLE:
+        r: MatchResult = result
+        frame = _c_match_reply(
+            request_id, r.hit_tokens, r.device_pages, r.host_pages, r.storage_pages, _match_ids(r.device_page_ids)
+        )
+        if len(frame) > limits.max_message_bytes:
+            raise MessageTooLarge(f"the encoded message is {len(frame)} bytes, more than {limits.max_message_bytes}")
+        return frame
+    return encode_ok_py(request_id, result, limits)
+
+
+def _match_ids(ids: Any) -> Any:
+    """What the C writer copies as the ids' bin: an ``array('i')`` as is, anything else packed
+    (and checked) the reference way."""
+    return ids if type(ids) is array and ids.typecode == "i" else Ids().to_wire(ids)
+
+
+def encode_ok_py(request_id: int, result: Body, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """``encode_ok`` without the C writer of match replies: the reference encoding."""
     if RESULT_TYPES.get(result.OP) is not type(result):
         raise InvalidArgument(f"{type(result).__name__} is not a result body")
     obj = {"v": PROTOCOL_VERSION, "id": request_id, "op": result.OP, "ok": True, "result": result.to_wire()}
@@ -411,10 +493,13 @@ def _error_info(raw: Any) -> ErrorInfo:
 
 __all__ = [
     "MAX_ERROR_MESSAGE",
+    "decode_match",
     "decode_request",
+    "decode_request_py",
     "decode_response",
     "encode_request",
     "encode_ok",
+    "encode_ok_py",
     "encode_response",
     "error_response",
     "ok_response",

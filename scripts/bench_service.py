@@ -1,16 +1,20 @@
 """Service throughput and latency against a raw ZMQ + msgpack echo floor, in one run.
 
-    python scripts/bench_service.py --json [--window 256] [--seconds 2] [--slices 3] [--tokens 4096]
+    python scripts/bench_service.py --json [--window 256] [--seconds 2] [--runs 5] [--tokens 4096]
 
 Starts a local 2-rank service (metadata only, CPU), inserts a 4,096-token prefix, then drives
 ``match`` requests for it (a full hit) from one DEALER with ``--window`` requests in flight, and
 measures requests/s and latency. The floor is a ROUTER echo server in its own process that
 decodes each request with msgpack and answers with a reply of the service's shape: the cost of
-ZMQ and msgpack alone. The two are measured in alternating slices and each side keeps its best,
-so both see the same machine load. ``ratio`` = service requests/s / echo requests/s (target >= 0.5
-with enough in flight: the service applies every waiting request in one round).
-``rank0_cpu_us_per_request`` (and rank 1's) is the CPU time each rank process spent per request
-in its least costly slice: steadier than the rates on a shared machine.
+ZMQ and msgpack alone, in one process (the service also runs a second rank on the same cores).
+
+A run is one service slice followed by one echo slice, so both halves see the same machine load;
+``--runs`` runs (5 by default) alternate. ``ratio`` is the median over runs of service requests/s
+over echo requests/s in the same run (target >= 0.8), ``ratio_min``/``ratio_max`` its spread and
+``ratios`` every run's. ``requests_per_s`` and the latencies are the service's median run,
+``echo_requests_per_s`` the echo's. ``rank0_cpu_us_per_request`` (and rank 1's, and
+``echo_cpu_us_per_request``) is the CPU time the process spent per request, median over runs:
+steadier than the rates on a shared machine.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import msgpack
@@ -143,7 +148,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--window", type=int, default=256, help="requests in flight [256]")
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per slice [2]")
-    parser.add_argument("--slices", type=int, default=3, help="alternating service/echo slices; best of each [3]")
+    parser.add_argument("--runs", type=int, default=5, help="alternating service + echo runs; medians [5]")
+    parser.add_argument("--slices", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per match request [4096]")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page [16]")
     parser.add_argument("--echo-server", type=int, default=0, help=argparse.SUPPRESS)
@@ -151,11 +157,12 @@ def main() -> int:
     if args.echo_server:
         echo_server(args.echo_server)
         return 0
-    if args.slices < 1 or args.seconds <= 0:
-        parser.error("--slices must be at least 1 and --seconds positive")
+    if args.runs < 1 or args.seconds <= 0:
+        parser.error("--runs must be at least 1 and --seconds positive")
     page = args.page_size
     tokens = list(range(args.tokens))
     out: dict[str, Any] = {"tokens": args.tokens, "page_size": page, "window": args.window, "ranks": 2}
+    out["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
     out["core_match_per_s"] = core_match_rate(tokens, page)
     with tempfile.TemporaryDirectory(prefix="tpcache-bench-") as tmp:
         ready = str(Path(tmp) / "ready.json")
@@ -180,37 +187,44 @@ def main() -> int:
                 c.insert(tokens, c.alloc(lease, args.tokens // page).device_page_ids, lease=lease)
                 c.release(lease)
                 assert c.match(tokens).hit_tokens == args.tokens // page * page
-                # Alternate service and echo slices so both see the same machine load; keep each
-                # side's best slice (a shared machine only ever makes a slice slower).
-                best: dict[str, float] | None = None
-                floor: dict[str, float] | None = None
-                cpu_per_request = [float("inf")] * len(info["pids"])
-                for _ in range(args.slices):
+                # Alternate service and echo slices so both see the same machine load; a run's
+                # ratio compares the two halves of that run only.
+                runs: list[dict[str, Any]] = []
+                for _ in range(args.runs):
                     rounds0 = c.stats().values["rounds"]
                     cpu0 = [cpu_seconds(pid) for pid in info["pids"]]
                     served = drive(info["endpoint"], pack_ids(tokens), args.window, args.seconds)
-                    requests = served["requests_per_s"] * args.seconds
+                    requests = max(served["requests_per_s"] * args.seconds, 1)
                     for r, pid in enumerate(info["pids"]):
-                        spent = (cpu_seconds(pid) - cpu0[r]) * 1e6 / max(requests, 1)
-                        cpu_per_request[r] = min(cpu_per_request[r], spent)
+                        served[f"rank{r}_cpu_us_per_request"] = (cpu_seconds(pid) - cpu0[r]) * 1e6 / requests
                     stats = c.stats().values
                     served["rounds_per_s"] = round((stats["rounds"] - rounds0) / args.seconds, 1)
                     served["round_us_p50"] = stats.get("round_p50_us")
-                    if best is None or served["requests_per_s"] > best["requests_per_s"]:
-                        best = served
+                    echo_cpu0 = cpu_seconds(echo.pid)
                     echoed = drive(f"tcp://127.0.0.1:{port}", pack_ids(tokens), args.window, args.seconds)
-                    if floor is None or echoed["requests_per_s"] > floor["requests_per_s"]:
-                        floor = echoed
-                assert best is not None and floor is not None
-                out.update(best)
-                for r, spent in enumerate(cpu_per_request):
-                    out[f"rank{r}_cpu_us_per_request"] = spent
+                    echo_requests = max(echoed["requests_per_s"] * args.seconds, 1)
+                    served["echo_cpu_us_per_request"] = (cpu_seconds(echo.pid) - echo_cpu0) * 1e6 / echo_requests
+                    served["echo_requests_per_s"] = echoed["requests_per_s"]
+                    served["echo_latency_us_p50"] = echoed["latency_us_p50"]
+                    rate = echoed["requests_per_s"]
+                    served["ratio"] = served["requests_per_s"] / rate if rate else 0.0
+                    runs.append(served)
         finally:
             stop_ranks(procs)
             stop_echo(echo, port)
-    out["echo_requests_per_s"] = floor["requests_per_s"]
-    out["echo_latency_us_p50"] = floor["latency_us_p50"]
-    out["ratio"] = out["requests_per_s"] / floor["requests_per_s"] if floor["requests_per_s"] else 0.0
+    ratios = sorted(run["ratio"] for run in runs)
+    middle = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
+    for key in ("requests_per_s", "latency_us_p50", "latency_us_p99", "rounds_per_s", "round_us_p50"):
+        out[key] = middle[key]
+    for key in ("rank0_cpu_us_per_request", "rank1_cpu_us_per_request", "echo_cpu_us_per_request"):
+        out[key] = median([run[key] for run in runs])
+    out["echo_requests_per_s"] = median([run["echo_requests_per_s"] for run in runs])
+    out["echo_latency_us_p50"] = median([run["echo_latency_us_p50"] for run in runs])
+    out["ratio"] = median(ratios)
+    out["ratio_min"], out["ratio_max"] = ratios[0], ratios[-1]
+    out["ratios"] = [round(r, 3) for r in (run["ratio"] for run in runs)]
+    out["runs"] = len(runs)
+    out["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
     if args.json:
         print(json.dumps(out))
