@@ -92,3 +92,36 @@ def test_demo_runs_end_to_end() -> None:
     assert summary["exit_codes"] == [0, 0] and summary["health"] == "open"
     assert summary["hit_rate"] <= summary["unbounded_hit_rate"] <= 1
     assert summary["pool_tokens"] == {"device": 2048 * 16, "host": 8192 * 16}
+
+
+@pytest.mark.multiprocess
+def test_demo_pipelined_mode_says_what_it_measured() -> None:
+    from launcher.demo import format_summary
+
+    run = subprocess.run(
+        [sys.executable, "-m", "launcher", "demo", "--conversations", "4", "--in-flight", "4", "--json"],
+        cwd=REPO,
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads(run.stdout)
+    assert summary["in_flight"] == 4 and summary["requests"] > 4
+    assert summary["digests_equal"] is True and summary["exit_codes"] == [0, 0] and summary["health"] == "open"
+    assert 0 < summary["hit_rate"] <= summary["unbounded_hit_rate"] <= 1
+    assert summary["calls_per_s"] > summary["requests_per_s"] > 0  # every request makes several calls
+    text = format_summary(summary)
+    assert "pipelined, 4 requests in flight" in text and "one call at a time" not in text
+    sequential = format_summary({**summary, "in_flight": 1})
+    assert "one call at a time" in sequential and "--in-flight" in sequential
+    refused = format_summary({**summary, "refused_pages": 12345})
+    assert "12,345 pages refused" in refused
+
+
+def test_demo_in_flight_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from launcher.__main__ import main
+
+    assert main(["demo", "--in-flight", "0"]) == 2  # refused before any rank starts
+    assert "--in-flight 0: must be an integer >= 1" in capsys.readouterr().err
