@@ -111,8 +111,8 @@ class Inserter:
         top = led.tree.root if start is None else start
         path = list(walk.nodes)
         inserted: list[Node] = []
+        lease.pages.discard({page for _, _, page in plan})  # now in the tree
         for i, node, page in plan:
-            lease.pages.remove(page)
             if node is None:  # stamped as it is made (the clock ticked above)
                 node = led.add(path[i - 1] if i else top, walk.pages[i], hashes[i], None, (DeviceState.VALID, page), 1)
                 path.append(node)

@@ -37,7 +37,12 @@ from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import Node, RadixTree, drop_pages
+from tpcache.core.tree import NATIVE_NODES, Node, RadixTree, drop_pages
+
+if NATIVE_NODES:
+    from tpcache.core import _node as _native
+else:
+    _native = None  # type: ignore[assignment]
 
 _RECORD = struct.Struct("<QqqqqqqQ")
 _LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
@@ -47,7 +52,7 @@ _NONE = DeviceState.NONE
 _MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
 
 
-def record_of(node: Node) -> int:
+def reference_record_of(node: Node) -> int:
     """A node's contribution to the state digest: every field that decides a hit, a page number or
     an eviction (tier states, device page, host slot, pins, stamp, hits, creation time), and every
     field of its component record (``components.STRIDE`` per component)."""
@@ -64,6 +69,13 @@ def record_of(node: Node) -> int:
     if node.comp is not None:
         packed += array("q", node.comp).tobytes()
     return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
+
+
+if _native is not None:  # the same records, in C (_account.c); it calls the reference for component records
+    _native.set_record_fallback(reference_record_of)
+    record_of = _native.record_of
+else:
+    record_of = reference_record_of
 
 
 def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
@@ -106,6 +118,17 @@ def is_evictable(node: Node) -> bool:
 def is_protected(node: Node) -> bool:
     """On device (valid or loading) and pinned by a lease or an op."""
     return node.device_state != _NONE and node.device_pins > 0
+
+
+EVICTABLE, PROTECTED, MIRROR = 1, 2, 4  # the bits of flags_of
+
+
+def reference_flags_of(node: Node) -> int:
+    """What a node counts as: ``is_evictable`` | ``is_protected`` << 1 | ``is_mirror`` << 2."""
+    return is_evictable(node) | is_protected(node) << 1 | is_mirror(node) << 2
+
+
+flags_of = _native.flags_of if _native is not None else reference_flags_of  # the same bits, in C
 
 
 class CandidateIndex(Protocol):
@@ -170,7 +193,7 @@ class Ledger:
         if part:
             self._update_part(node, self.parts[part], device, host, storage, device_pins, host_pins, stamp)
             return
-        was_evictable, was_protected, was_mirror = is_evictable(node), is_protected(node), is_mirror(node)
+        was = flags_of(node)
         if device is not None:
             state, page = device
             check_transition(DeviceState, node.device_state, state)
@@ -195,12 +218,26 @@ class Ledger:
         # Pins, a stamp or a hit change only the node's own candidacy; a tier change or a host pin
         # can also decide its parent's and the device page above a host-only chain.
         around = device is not None or host is not None or storage is not None or host_pins != 0
-        self._refresh(node, was_evictable, was_protected, was_mirror, around)
+        self._refresh(node, was, around)
 
     def touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
         """``update(node, device_pins=..., stamp=..., hit=...)`` for each node in order, in one loop:
         the same changes, records, counters and offers. A pin, a stamp or a hit changes no tier, so
         no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
+        if _native is not None:  # the same loop in C (_account.c)
+            value, evictable, protected = _native.touch(
+                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
+            )
+            self.digest.value = value
+        else:
+            value, evictable, protected = self._touch(nodes, device_pins, stamp, hit)
+            self.digest.value = value & DIGEST_MASK
+        self.evictable_device_pages += evictable
+        self.protected_device_pages += protected
+
+    def _touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool, hit: bool) -> tuple[int, int, int]:
+        """The reference loop of ``touch``: the digest's new value (unmasked), the evictable and
+        protected deltas."""
         clock, offer, record = self.clock, self.candidates.offer, record_of
         value = self.digest.value
         evictable = protected = 0
@@ -220,9 +257,7 @@ class Ledger:
             node.record = record(node)
             value += node.record
             offer(node)
-        self.digest.value = value & DIGEST_MASK
-        self.evictable_device_pages += evictable
-        self.protected_device_pages += protected
+        return value, evictable, protected
 
     def add(
         self,
@@ -245,7 +280,7 @@ class Ledger:
             check_transition(DeviceState, node.device_state, device[0])
             node.device_state, node.device_page = device
             node.device_pins = device_pins
-        self._refresh(node, False, False, False)
+        self._refresh(node, 0, False)
         return node
 
     def remove_if_empty(self, node: Node) -> None:
@@ -315,21 +350,22 @@ class Ledger:
         node.record = record_of(node)
         digest.value = (digest.value + node.record) & DIGEST_MASK
 
-    def _refresh(
-        self, node: Node, was_evictable: bool, was_protected: bool, was_mirror: bool, around: bool = True
-    ) -> None:
+    def _refresh(self, node: Node, was: int, around: bool = True) -> None:
+        """Re-record ``node`` and move the counters and the mirror index from its ``flags_of`` before
+        the change (``was``) to now; offer it (``around``: and the nodes its change can decide)."""
         digest = self.digest
         digest.value = (digest.value - node.record) & DIGEST_MASK
         node.record = record_of(node)
         digest.value = (digest.value + node.record) & DIGEST_MASK
-        evictable, protected, mirror = is_evictable(node), is_protected(node), is_mirror(node)
-        self.evictable_device_pages += evictable - was_evictable
-        self.protected_device_pages += protected - was_protected
-        if mirror != was_mirror:
-            if mirror:
-                self.mirrors[node.node_id] = node
-            else:
-                del self.mirrors[node.node_id]
+        now = flags_of(node)
+        if now != was:
+            self.evictable_device_pages += (now & EVICTABLE) - (was & EVICTABLE)
+            self.protected_device_pages += ((now & PROTECTED) - (was & PROTECTED)) >> 1
+            if (now ^ was) & MIRROR:
+                if now & MIRROR:
+                    self.mirrors[node.node_id] = node
+                else:
+                    del self.mirrors[node.node_id]
         if around:
             self.candidates.offer_around(node)
         else:
