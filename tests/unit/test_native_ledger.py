@@ -10,11 +10,14 @@ import random
 import pytest
 import xxhash
 
-from tpcache.core import CacheConfig, CacheCore
+from tpcache.core import CacheConfig, CacheCore, check
+from tpcache.core.accounting import flags_of, record_of, reference_flags_of, reference_record_of
 from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
 from tpcache.core.holdings import NodeHolding, PageHolding
-from tpcache.core.ledger import flags_of, record_of, reference_flags_of, reference_record_of
 from tpcache.core.tree import NATIVE_NODES, RadixTree
+from tpcache.replay import drain
+from tpcache.testing.ops import apply, random_op
+from tpcache.testing.sim import snapshot
 
 pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
 
@@ -121,3 +124,55 @@ def test_holding_terms_match_the_reference(seed):
     assert len(pages) == 20 and pages.total == pages.recount()
     with pytest.raises(AttributeError, match="node_id"):
         _node.terms(1, 1, [object()])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dropping_a_device_leaf_in_one_step_is_free_then_remove(seed):
+    """``Ledger.drop_device_leaf`` (eviction's common case) leaves what ``free_device_copy`` +
+    ``remove_if_empty`` leave: nodes, digest, counters, free pages; it refuses any other node."""
+    cores = [CacheCore(CacheConfig(page_size=4, device_pages=24, host_pages=0))]
+    cores.append(CacheCore(cores[0].config))
+    leases: list[list] = [[], []]
+    rng = random.Random(seed)
+    for _ in range(60):
+        op = random_op(rng, 4, requests=0.3, appends=0.1)
+        for core, held in zip(cores, leases, strict=True):
+            apply(core, op, held)
+            drain(core)
+    for core, held in zip(cores, leases, strict=True):
+        for lease, _ in held[: len(held) // 2]:  # some pages stay pinned
+            core.release(lease)
+        drain(core)
+    a, b = cores
+    fast = refused = 0
+    for na in sorted(a.tree.nodes.values(), key=lambda n: -n.depth):
+        nb = b.tree.nodes[na.node_id]
+        if na.parent is None or not na.device_valid or na.device_pins:
+            assert not a.ledger.drop_device_leaf(na)
+            refused += 1
+            continue
+        if a.ledger.drop_device_leaf(na):
+            b.ledger.free_device_copy(nb)
+            b.ledger.remove_if_empty(nb)
+            fast += 1
+        assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
+        assert a.ledger.device._free == b.ledger.device._free  # the same pages, freed in the same order
+        assert (a.ledger.evictable_device_pages, a.ledger.protected_device_pages) == (
+            b.ledger.evictable_device_pages,
+            b.ledger.protected_device_pages,
+        )
+    assert fast and refused
+    check(a)
+
+
+def test_a_leaf_with_a_host_copy_is_not_dropped_in_one_step():
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8, host_pages=8, write_policy="write_through"))
+    lease, _ = core.lock(list(range(8)))
+    core.insert(lease, list(range(8)), core.alloc(lease, 2))
+    drain(core)
+    core.release(lease)
+    leaf = max(core.tree.nodes.values(), key=lambda n: n.depth)
+    assert leaf.device_valid and leaf.on_host and not leaf.device_pins
+    before = (snapshot(core), core.digest.value)
+    assert not core.ledger.drop_device_leaf(leaf)
+    assert (snapshot(core), core.digest.value) == before

@@ -1,7 +1,7 @@
-/* The ledger's per-node kernels in C: a node's digest record, the pins/stamps/hits of a path
- * (Ledger.touch) and a holding's digest terms. tpcache/core/ledger.py and holdings.py keep the
- * Python versions as the reference; tests hold the two equal (same records, digests, counters,
- * offers).
+/* The ledger's per-node kernels in C: a node's digest record and counter flags, the pins, stamps
+ * and hits of a path (Ledger.touch) and a holding's digest terms (the candidates' kernels are in
+ * _candidates.c). accounting.py, ledger.py and holdings.py keep the Python versions as the
+ * reference; tests hold the two equal (same records, digests, counters).
  *
  * Records are XXH3-64 (seed 0, default secret) of the same little-endian fields the reference
  * packs, so digests do not depend on which path computed them. Only inputs of 17-128 bytes occur
@@ -60,17 +60,9 @@ static uint64_t xxh3_17to128(const uint8_t *input, size_t len) {
     return acc ^ (acc >> 32);
 }
 
-/* The reference record (ledger._record_of), called for what the kernel does not cover: a node with a
- * component record, or a reference node. Set once by ledger.py. */
+/* The reference record (accounting.reference_record_of), called for what the kernel does not cover: a node with a
+ * component record, or a reference node. Set once by accounting.py. */
 static PyObject *record_fallback = NULL;
-
-static int field(PyObject *v, int64_t *out) {
-    long long x = PyLong_AsLongLong(v);
-    if (x == -1 && PyErr_Occurred())
-        return -1;
-    *out = x;
-    return 0;
-}
 
 /* The record of a native node without components: 0 and an exception on a field that is not an int. */
 static int record_native(Node *n, uint64_t *out) {
@@ -270,301 +262,7 @@ static PyObject *py_terms(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromUnsignedLongLong(total & DIGEST_MASK);
 }
 
-/* eviction.py's is_device_candidate, is_host_candidate and host_subtree_droppable, for what the
- * kernel leaves to the reference: a page whose children live only on host, a node with components,
- * a reference node. Set once by eviction.py. */
-static PyObject *is_device_candidate = NULL, *is_host_candidate = NULL, *subtree_droppable = NULL;
-
-static PyObject *py_set_candidacy(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "set_candidacy takes 3 functions, not %zd", nargs);
-    Py_INCREF(args[0]);
-    Py_XSETREF(is_device_candidate, args[0]);
-    Py_INCREF(args[1]);
-    Py_XSETREF(is_host_candidate, args[1]);
-    Py_INCREF(args[2]);
-    Py_XSETREF(subtree_droppable, args[2]);
-    Py_RETURN_NONE;
-}
-
-static int call_bool(PyObject *fn, PyObject *node) {
-    if (fn == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_node: eviction's candidacy functions are not set");
-        return -1;
-    }
-    PyObject *r = PyObject_CallOneArg(fn, node);
-    if (r == NULL)
-        return -1;
-    int v = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return v;
-}
-
-/* Which heaps a node is a candidate of: 1 device, 2 host (eviction.Candidates.offer's test). */
-static int candidacy(PyObject *obj) {
-    if (!is_node(obj)) {
-        int d = call_bool(is_device_candidate, obj), h = d < 0 ? -1 : call_bool(is_host_candidate, obj);
-        return d < 0 || h < 0 ? -1 : d | h << 1;
-    }
-    Node *n = (Node *)obj;
-    int64_t state, pins, hs, hp;
-    if (field(n->device_state, &state) || field(n->device_pins, &pins) || field(n->host_state, &hs) ||
-        field(n->host_pins, &hp))
-        return -1;
-    if (n->parent == Py_None)
-        return 0;
-    PyObject *child;
-    Py_ssize_t pos = 0;
-    if (state == 2 && pins == 0) {
-        int host_children = 0;
-        while (PyDict_Next(n->children, &pos, NULL, &child)) {
-            int64_t cd, ch;
-            if (!is_node(child))
-                return call_bool(is_device_candidate, obj);
-            if (field(((Node *)child)->device_state, &cd) || field(((Node *)child)->host_state, &ch))
-                return -1;
-            if (cd != 0)
-                return 0;
-            host_children |= ch != 0;
-        }
-        if (!host_children || hs != 0)
-            return 1;
-        return call_bool(subtree_droppable, obj);
-    }
-    if (state != 0 || hs != 2 || hp != 0)
-        return 0;
-    if (n->comp != Py_None) {
-        int h = call_bool(is_host_candidate, obj);
-        return h < 0 ? -1 : h << 1;
-    }
-    while (PyDict_Next(n->children, &pos, NULL, &child)) {
-        int64_t ch;
-        if (!is_node(child)) {
-            int h = call_bool(is_host_candidate, obj);
-            return h < 0 ? -1 : h << 1;
-        }
-        if (field(((Node *)child)->host_state, &ch))
-            return -1;
-        if (ch != 0)
-            return 0;
-    }
-    return 2;
-}
-
-/* A policy's key (eviction.LRU/LFU/FIFO.key): kind 0 LRU, 1 LFU, 2 FIFO. */
-static PyObject *policy_key(Node *n, long kind) {
-    PyObject *depth = PyNumber_Negative(n->depth);
-    if (depth == NULL)
-        return NULL;
-    PyObject *key;
-    if (kind == 0)
-        key = PyTuple_Pack(3, n->last_access, depth, n->hash);
-    else if (kind == 1)
-        key = PyTuple_Pack(4, n->hits, n->last_access, depth, n->hash);
-    else
-        key = PyTuple_Pack(3, n->created_at, depth, n->hash);
-    Py_DECREF(depth);
-    return key;
-}
-
-static PyObject *heappush = NULL, *heappop = NULL; /* _heapq's, so heaps are laid out as heapq lays them */
-
-static int load_heapq(void) {
-    if (heappush != NULL)
-        return 0;
-    PyObject *m = PyImport_ImportModule("_heapq");
-    if (m == NULL)
-        return -1;
-    heappush = PyObject_GetAttrString(m, "heappush");
-    heappop = PyObject_GetAttrString(m, "heappop");
-    Py_DECREF(m);
-    return heappush == NULL || heappop == NULL ? -1 : 0;
-}
-
-static int key_kind(PyObject *cands, long *kind) {
-    PyObject *k = PyObject_GetAttrString(cands, "key_kind");
-    if (k == NULL)
-        return -1;
-    *kind = PyLong_AsLong(k);
-    Py_DECREF(k);
-    return *kind == -1 && PyErr_Occurred() ? -1 : 0;
-}
-
-static int push(PyObject *heap, Node *n, long kind) {
-    PyObject *key = policy_key(n, kind);
-    if (key == NULL)
-        return -1;
-    PyObject *entry = PyTuple_Pack(2, key, n->node_id);
-    Py_DECREF(key);
-    if (entry == NULL)
-        return -1;
-    PyObject *r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL);
-    Py_DECREF(entry);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-/* offer(candidates, node): eviction.Candidates.offer and _push, for the policies written here
- * (``candidates.key_kind`` >= 0); any other policy gets ``candidates._push(node, which)``. */
-static PyObject *py_offer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2)
-        return PyErr_Format(PyExc_TypeError, "offer takes 2 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *node = args[1];
-    int which = candidacy(node);
-    long kind;
-    if (which < 0)
-        return NULL;
-    if (which == 0)
-        Py_RETURN_NONE;
-    if (key_kind(cands, &kind) < 0 || load_heapq() < 0)
-        return NULL;
-    if (kind < 0 || !is_node(node))
-        return PyObject_CallMethod(cands, "_push", "Oi", node, which);
-    PyObject *dev = PyObject_GetAttrString(cands, "device_heap"), *host = PyObject_GetAttrString(cands, "host_heap");
-    PyObject *tree = PyObject_GetAttrString(cands, "tree"), *nodes = tree ? PyObject_GetAttrString(tree, "nodes") : NULL;
-    PyObject *out = NULL;
-    if (dev == NULL || host == NULL || nodes == NULL)
-        goto done;
-    Py_ssize_t stale = PyObject_Length(dev) + PyObject_Length(host), live = PyObject_Length(nodes);
-    if (stale < 0 || live < 0)
-        goto done;
-    if (stale > 4 * live + 64) { /* the heaps are new lists after a rebuild */
-        PyObject *r = PyObject_CallMethod(cands, "rebuild", NULL);
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
-        Py_SETREF(dev, PyObject_GetAttrString(cands, "device_heap"));
-        Py_SETREF(host, PyObject_GetAttrString(cands, "host_heap"));
-        if (dev == NULL || host == NULL)
-            goto done;
-    }
-    if ((which & 1 && push(dev, (Node *)node, kind) < 0) || (which & 2 && push(host, (Node *)node, kind) < 0))
-        goto done;
-    out = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(dev);
-    Py_XDECREF(host);
-    Py_XDECREF(tree);
-    Py_XDECREF(nodes);
-    return out;
-}
-
-static int offer1(PyObject *cands, PyObject *node) {
-    PyObject *args[2] = {cands, node};
-    PyObject *r = py_offer(NULL, args, 2);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-static int state_field(PyObject *node, int device, int64_t *out) {
-    return field(device ? ((Node *)node)->device_state : ((Node *)node)->host_state, out);
-}
-
-/* offer_around(candidates, node): eviction.Candidates.offer_around (see there). */
-static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2)
-        return PyErr_Format(PyExc_TypeError, "offer_around takes 2 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *node = args[1];
-    if (!is_node(node))
-        return PyErr_Format(PyExc_TypeError, "offer_around takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
-    if (offer1(cands, node) < 0)
-        return NULL;
-    PyObject *first = ((Node *)node)->parent;
-    if (!is_node(first) || !is_node(((Node *)first)->parent))
-        Py_RETURN_NONE;
-    Py_INCREF(first); /* an offer may run Python: hold what the walk stands on */
-    PyObject *parent = Py_NewRef(first), *out = NULL;
-    if (offer1(cands, parent) < 0)
-        goto done;
-    for (;;) {
-        int64_t ds, hs;
-        if (state_field(parent, 1, &ds) || state_field(parent, 0, &hs))
-            goto done;
-        if (!(ds == 0 && hs != 0))
-            break;
-        PyObject *up = ((Node *)parent)->parent;
-        if (!is_node(up) || !is_node(((Node *)up)->parent)) {
-            out = Py_NewRef(Py_None);
-            goto done;
-        }
-        Py_SETREF(parent, Py_NewRef(up));
-    }
-    int64_t ds;
-    if (state_field(parent, 1, &ds))
-        goto done;
-    if (parent != first && ds == 2 && offer1(cands, parent) < 0)
-        goto done;
-    out = Py_NewRef(Py_None);
-done:
-    Py_DECREF(parent);
-    Py_DECREF(first);
-    return out;
-}
-
-/* pop(candidates, heap, which) -> the next live candidate of ``heap`` or None: eviction.Candidates._pop
- * with live() (a current entry: its node is a candidate of that tier, with the key it was pushed with). */
-static PyObject *py_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "pop takes 3 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *heap = args[1];
-    long which = PyLong_AsLong(args[2]), kind;
-    if ((which == -1 && PyErr_Occurred()) || key_kind(cands, &kind) < 0 || load_heapq() < 0)
-        return NULL;
-    if (!PyList_Check(heap) || kind < 0)
-        return PyErr_Format(PyExc_TypeError, "pop takes a heap list, of a policy written here");
-    PyObject *tree = PyObject_GetAttrString(cands, "tree"), *nodes = tree ? PyObject_GetAttrString(tree, "nodes") : NULL;
-    Py_XDECREF(tree);
-    if (nodes == NULL)
-        return NULL;
-    PyObject *out = NULL;
-    while (PyList_GET_SIZE(heap) > 0) {
-        PyObject *entry = PyObject_CallOneArg(heappop, heap);
-        if (entry == NULL)
-            goto done;
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
-            Py_DECREF(entry);
-            PyErr_SetString(PyExc_TypeError, "a heap entry is (key, node id)");
-            goto done;
-        }
-        PyObject *node = PyDict_GetItemWithError(nodes, PyTuple_GET_ITEM(entry, 1)); /* borrowed */
-        int live = 0;
-        if (node != NULL && !is_node(node)) {
-            Py_DECREF(entry);
-            PyErr_SetString(PyExc_TypeError, "pop: a tree of native nodes");
-            goto done;
-        }
-        if (node != NULL) {
-            int c = candidacy(node);
-            if (c < 0) {
-                Py_DECREF(entry);
-                goto done;
-            }
-            if (c & which) {
-                PyObject *key = policy_key((Node *)node, kind);
-                live = key == NULL ? -1 : PyObject_RichCompareBool(key, PyTuple_GET_ITEM(entry, 0), Py_EQ);
-                Py_XDECREF(key);
-            }
-        } else if (PyErr_Occurred()) {
-            live = -1;
-        }
-        if (live < 0) {
-            Py_DECREF(entry);
-            goto done;
-        }
-        if (live) {
-            out = Py_NewRef(node);
-            Py_DECREF(entry);
-            goto done;
-        }
-        Py_DECREF(entry);
-    }
-    out = Py_NewRef(Py_None);
-done:
-    Py_DECREF(nodes);
-    return out;
-}
-
-/* flags_of(node): ledger.reference_flags_of, evictable | protected << 1 | mirror << 2. */
+/* flags_of(node): accounting.reference_flags_of, evictable | protected << 1 | mirror << 2. */
 static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     if (!is_node(node))
         return PyErr_Format(PyExc_TypeError, "flags_of takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
@@ -578,18 +276,12 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
 }
 
 PyMethodDef account_methods[] = {
-    {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (ledger.record_of)."},
+    {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (accounting.record_of)."},
     {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
      "The reference record, for nodes with components or reference nodes."},
     {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
     {"terms", (PyCFunction)(void (*)(void))py_terms, METH_FASTCALL, "The sum of holdings' terms for keys (nodes or ints)."},
-    {"set_candidacy", (PyCFunction)(void (*)(void))py_set_candidacy, METH_FASTCALL,
-     "eviction's is_device_candidate, is_host_candidate and host_subtree_droppable."},
-    {"offer", (PyCFunction)(void (*)(void))py_offer, METH_FASTCALL, "eviction.Candidates.offer (see there)."},
-    {"offer_around", (PyCFunction)(void (*)(void))py_offer_around, METH_FASTCALL,
-     "eviction.Candidates.offer_around (see there)."},
-    {"pop", (PyCFunction)(void (*)(void))py_pop, METH_FASTCALL, "eviction.Candidates._pop (see there)."},
-    {"flags_of", (PyCFunction)py_flags_of, METH_O, "ledger.reference_flags_of (see there)."},
+    {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
     {"xxh3_17to128", (PyCFunction)py_xxh3, METH_O, "XXH3-64 of 17 to 128 bytes (for the tests)."},
     {NULL, NULL, 0, NULL},
 };

@@ -172,6 +172,10 @@ PyMODINIT_FUNC PyInit__node(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddFunctions(m, candidate_methods) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&NodeType);
     if (PyModule_AddObject(m, "Node", (PyObject *)&NodeType) < 0) {
         Py_DECREF(&NodeType);

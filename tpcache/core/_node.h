@@ -1,8 +1,9 @@
 /* The native tree node's layout, shared by the node type (_node.c) and the ledger's kernels
- * (_account.c), which read its fields directly. */
+ * (_account.c, _candidates.c), which read its fields directly. */
 #ifndef TPCACHE_NODE_H
 #define TPCACHE_NODE_H
 #include <Python.h>
+#include <stdint.h>
 
 /* Every field is an object pointer read and written as T_OBJECT_EX: the interpreter specializes
  * those attribute accesses as it does __slots__ (other member types take its slow generic path). */
@@ -18,8 +19,18 @@ typedef struct {
 } Node;
 
 extern PyTypeObject NodeType;
-extern PyMethodDef account_methods[];
+extern PyMethodDef account_methods[];   /* _account.c */
+extern PyMethodDef candidate_methods[]; /* _candidates.c */
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
+
+/* An int field's value: -1 and an exception if it is not an int64. */
+static inline int field(PyObject *v, int64_t *out) {
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)x;
+    return 0;
+}
 
 #endif

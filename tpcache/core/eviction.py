@@ -378,8 +378,9 @@ class Evictor:
             self._drop_host_subtree(node)
         if led.backup_backlog.pop(node.node_id, None) is not None:
             led.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier
-        led.free_device_copy(node)
-        led.remove_if_empty(node)
+        if not led.drop_device_leaf(node):
+            led.free_device_copy(node)
+            led.remove_if_empty(node)
 
     def _drop_host_subtree(self, node: Node) -> None:
         led = self.ledger

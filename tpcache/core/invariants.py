@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tpcache.core.accounting import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
 from tpcache.core.cache import CacheCore, OpKind
 from tpcache.core.components import (
     DEV,
@@ -26,7 +27,6 @@ from tpcache.core.components import (
 )
 from tpcache.core.digest import Digest
 from tpcache.core.eviction import is_device_candidate, is_host_candidate
-from tpcache.core.ledger import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.tree import Node
 
