@@ -125,12 +125,14 @@ class Inserter:
         # Below a cursor the lease pins nothing, so an append needs no look at what it holds.
         pinned = {n.node_id for n in lease.device_nodes} if start is None else ()
         fresh = {n.node_id for n in inserted}
+        pins: list[Node] = []
         for node in path:
             if node.node_id in fresh:
-                lease.device_nodes.append(node)
+                pins.append(node)
             elif node.on_device and node.node_id not in pinned:
                 led.update(node, stamp=True, device_pins=1)
-                lease.device_nodes.append(node)
+                pins.append(node)
+        lease.device_nodes.extend(pins)
         # ``append`` may continue from here when the whole sequence is adopted and the lease pins
         # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
         whole = len(path) == walk.num_pages and all(n.device_state == DeviceState.VALID for n in path)

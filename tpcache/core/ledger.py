@@ -194,6 +194,11 @@ class Ledger:
             check_transition(DeviceState, node.device_state, device[0])
             node.device_state, node.device_page = device
             node.device_pins = device_pins
+            if device_pins > 0 and host is None:  # an insert's page: protected, no mirror, no candidate
+                node.record = record_of(node)
+                self.digest.value = (self.digest.value + node.record) & DIGEST_MASK
+                self.protected_device_pages += 1
+                return node
         self._refresh(node, 0, False)
         return node
 
