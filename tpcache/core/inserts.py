@@ -112,13 +112,17 @@ class Inserter:
         path = list(walk.nodes)
         inserted: list[Node] = []
         lease.pages.discard({page for _, _, page in plan})  # now in the tree
-        for i, node, page in plan:
-            if node is None:  # stamped as it is made (the clock ticked above)
-                node = led.add(path[i - 1] if i else top, walk.pages[i], hashes[i], None, (DeviceState.VALID, page), 1)
-                path.append(node)
-            else:
-                led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
-            inserted.append(node)
+        new_from = next((k for k, (_, node, _) in enumerate(plan) if node is None), len(plan))
+        for _, node, page in plan[:new_from]:  # pages the tree has, off device
+            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)  # type: ignore[arg-type]
+            inserted.append(node)  # type: ignore[arg-type]
+        if new_from < len(plan):  # the rest is new, each page below the one before (stamped as made)
+            rest = plan[new_from:]
+            i, n = rest[0][0], len(rest)
+            parent = path[i - 1] if i else top
+            chain = led.add_pinned_chain(parent, walk.pages[i : i + n], hashes[i : i + n], [p for _, _, p in rest])
+            path.extend(chain)
+            inserted.extend(chain)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
         # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.

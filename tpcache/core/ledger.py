@@ -202,6 +202,22 @@ class Ledger:
         self._refresh(node, 0, False)
         return node
 
+    def add_pinned_chain(self, parent: Node, tokens: list[bytes], hashes: list[int], pages: list[int]) -> list[Node]:
+        """``add(..., device=(VALID, page), device_pins=1)`` for each page in turn, each below the one
+        before (an insert's new pages): the same nodes, records and counters, in one loop."""
+        nodes = self.tree.add_chain(parent, tokens, hashes, self.clock)
+        comp = len(self.parts)
+        value = self.digest.value
+        for node, page in zip(nodes, pages, strict=True):
+            if comp:
+                node.comp = fresh_record(comp, self.clock)
+            node.device_state, node.device_page, node.device_pins = _VALID, page, 1
+            node.record = record_of(node)
+            value += node.record
+        self.digest.value = value & DIGEST_MASK
+        self.protected_device_pages += len(nodes)
+        return nodes
+
     def remove_if_empty(self, node: Node) -> None:
         """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
         while (
@@ -335,7 +351,8 @@ class Ledger:
         drop_pages(node)
         node.device_state, node.device_page = _NONE, -1
         self.evictable_device_pages -= 1
-        self.digest.remove(node.record)
+        digest = self.digest
+        digest.value = (digest.value - node.record) & DIGEST_MASK
         node.record = 0
         self.backup_backlog.pop(node.node_id, None)
         self.tree.remove_leaf(node)
