@@ -6,9 +6,9 @@ import copy
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore, InvariantViolation, OpKind, OutOfPages, check
+from tpcache.core.accounting import record_of
 from tpcache.core.components import DEV, DPINS, DSLOT, FIELD_NAMES, HOST, STAMP, STRIDE
 from tpcache.core.hashing import as_token_bytes
-from tpcache.core.ledger import record_of
 from tpcache.core.round import Round
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.dist.collective import elementwise_min

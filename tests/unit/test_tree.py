@@ -74,3 +74,29 @@ def test_a_branch_inside_a_cached_run_is_found():
     add_path(tree, (1, 1, 2))  # a second child in the middle of the run
     assert len(tree.walk(path_tokens((1, 1, 2))).nodes) == 3
     assert len(tree.walk(path_tokens((1, 1, 1, 1))).nodes) == 4
+
+
+def test_a_chain_is_the_children_added_one_below_the_other():
+    """``add_chain`` makes the nodes (ids, parents, children, runs) that ``add_child`` in turn makes."""
+    pages = [path_tokens((v,)) for v in (1, 2, 3, 4)]
+    trees = RadixTree(PAGE), RadixTree(PAGE)
+    for tree in trees:  # a branch point, so the first new child invalidates a cached run
+        add_path(tree, (7, 8))
+        tree.walk(path_tokens((7, 8)))
+    a, b = trees
+    chain = a.add_chain(a.root, pages, [11, 12, 13, 14], 5)
+    parent = b.root
+    for page, h in zip(pages, [11, 12, 13, 14], strict=True):
+        parent = b.add_child(parent, page, h, 5)
+    assert [n.node_id for n in chain] == [n.node_id for n in parent.path()]
+    for x, y in zip(chain, parent.path(), strict=True):
+        assert (x.tokens, x.hash, x.depth, x.last_access, x.parent.node_id) == (
+            y.tokens,
+            y.hash,
+            y.depth,
+            y.last_access,
+            y.parent.node_id,
+        )
+    assert reference_walk(a, b"".join(pages)) == reference_walk(b, b"".join(pages))
+    assert a.walk(b"".join(pages)).nodes[-1].node_id == chain[-1].node_id
+    assert len(a) == len(b) == 6

@@ -11,26 +11,14 @@
 #include <Python.h>
 #include <structmember.h>
 
-/* Every field is an object pointer read and written as T_OBJECT_EX: the interpreter specializes
- * those attribute accesses as it does __slots__ (other member types take its slow generic path). */
-#define FIELDS(X)                                                                                     \
-    X(node_id) X(parent) X(children) X(tokens) X(hash) X(depth) X(device_page) X(device_state)      \
-    X(device_pins) X(host_slot) X(host_state) X(host_pins) X(storage_state) X(last_access)           \
-    X(created_at) X(hits) X(comp) X(record) X(run) X(run_at) X(pages_run)
 
-#define DECLARE(name) PyObject *name;
-typedef struct {
-    PyObject_HEAD
-    FIELDS(DECLARE)
-} Node;
+#include "_node.h"
 
 static void node_dealloc(Node *self) {
 #define CLEAR(name) Py_CLEAR(self->name);
     FIELDS(CLEAR)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
-
-static PyTypeObject NodeType;
 
 static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     PyObject *node_id, *parent, *tokens, *hash, *clock;
@@ -109,8 +97,6 @@ static PyGetSetDef node_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
-
 static PyObject *node_path(Node *self, PyObject *unused) {
     /* Nodes from the first page down to this one (the root excluded). One checked walk: appending
      * may run a collection, and a collection may dispose of a dropped tree (parents set to None). */
@@ -160,7 +146,7 @@ static PyObject *node_repr(Node *self) {
                                 self->host_slot, state_name(2, self->storage_state));
 }
 
-static PyTypeObject NodeType = {
+PyTypeObject NodeType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "tpcache.core._node.Node",
     .tp_basicsize = sizeof(Node),
@@ -176,7 +162,8 @@ static PyTypeObject NodeType = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "_node", "Tree nodes the garbage collector does not track.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_node", "Tree nodes the garbage collector does not track, and the ledger's per-node kernels.", -1,
+    account_methods,
 };
 
 PyMODINIT_FUNC PyInit__node(void) {
@@ -185,6 +172,10 @@ PyMODINIT_FUNC PyInit__node(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddFunctions(m, candidate_methods) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&NodeType);
     if (PyModule_AddObject(m, "Node", (PyObject *)&NodeType) < 0) {
         Py_DECREF(&NodeType);

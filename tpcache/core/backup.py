@@ -23,10 +23,11 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from tpcache.core.accounting import is_mirror
 from tpcache.core.components import DEV, HOST, HPINS, STORE, Part, host_parts_releasable, is_part_mirror
 from tpcache.core.digest import mix_ids
 from tpcache.core.eviction import Evictor
-from tpcache.core.ledger import Ledger, is_mirror
+from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.plans import Plan

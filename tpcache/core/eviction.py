@@ -14,6 +14,7 @@ skipped when popped.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from tpcache.core.allocator import OutOfPages
 from tpcache.core.components import host_parts_idle
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.tree import NATIVE_NODES
 
 _VALID, _NONE, _HOST_VALID = DeviceState.VALID, DeviceState.NONE, HostState.VALID
 
@@ -66,6 +68,7 @@ class FIFO:
 
 
 POLICIES: dict[str, type[LRU] | type[LFU] | type[FIFO]] = {"lru": LRU, "lfu": LFU, "fifo": FIFO}
+KEY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2}  # how _account.c knows each policy's key
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -114,6 +117,14 @@ def is_host_candidate(node: Node) -> bool:
     return not any(c.host_state != HostState.NONE for c in node.children.values())
 
 
+if NATIVE_NODES:  # the candidacy test in C; it calls these for the cases it leaves to them
+    from tpcache.core import _node as _native
+
+    _native.set_candidacy(is_device_candidate, is_host_candidate, host_subtree_droppable)
+else:
+    _native = None  # type: ignore[assignment]
+
+
 class Candidates:
     """The device and host candidate heaps of one tree."""
 
@@ -122,21 +133,30 @@ class Candidates:
         self.tree = tree
         self.device_heap: list[Entry] = []
         self.host_heap: list[Entry] = []
+        self.key_kind = KEY_KINDS.get(self.policy.name, -1)  # the policies the C kernels build keys for
+        if _native is not None:  # the same offers and pops in C (_account.c)
+            self.offer = functools.partial(_native.offer, self)  # type: ignore[method-assign]
+            self.offer_around = functools.partial(_native.offer_around, self)  # type: ignore[method-assign]
 
     def offer(self, node: Node) -> None:
         """Push ``node`` on the heap of each tier it is a candidate of (older entries of it go stale).
         The heaps are rebuilt when stale entries outnumber the nodes; a rebuild never changes which
-        node a pop returns (it keeps one entry per candidate, the current one)."""
+        node a pop returns (it keeps one entry per candidate, the current one). With native nodes
+        an instance attribute replaces this with the same test in C (``_account.c``)."""
         state = node.device_state
-        device = state == _VALID and not node.device_pins
-        host = state == _NONE and node.host_state == _HOST_VALID and not node.host_pins
-        if not (device or host):
-            return  # pinned, or not readable on either tier: the common case inside a request
+        device = state == _VALID and not node.device_pins and is_device_candidate(node)
+        host = state == _NONE and node.host_state == _HOST_VALID and not node.host_pins and is_host_candidate(node)
+        if device or host:
+            self._push(node, device | host << 1)
+        # else: pinned, not readable on either tier, or not a leaf of it: most offers
+
+    def _push(self, node: Node, which: int) -> None:
+        """Push ``node`` on the device heap (``which & 1``) and the host heap (``which & 2``)."""
         if len(self.device_heap) + len(self.host_heap) > 4 * len(self.tree.nodes) + 64:
             self.rebuild()
-        if device and is_device_candidate(node):
+        if which & 1:
             heapq.heappush(self.device_heap, (self.policy.key(node), node.node_id))
-        if host and is_host_candidate(node):
+        if which & 2:
             heapq.heappush(self.host_heap, (self.policy.key(node), node.node_id))
 
     def offer_around(self, node: Node) -> None:
@@ -165,9 +185,14 @@ class Candidates:
         heapq.heapify(self.host_heap)
 
     def pop_device(self) -> Node | None:
+        """The device candidate that goes first, off its heap (None: there is none)."""
+        if _native is not None and self.key_kind >= 0:
+            return _native.pop(self, self.device_heap, 1)  # the same loop in C
         return self._pop(self.device_heap, is_device_candidate)
 
     def pop_host(self) -> Node | None:
+        if _native is not None and self.key_kind >= 0:
+            return _native.pop(self, self.host_heap, 2)
         return self._pop(self.host_heap, is_host_candidate)
 
     def live(self, entry: Entry, is_candidate: Callable[[Node], bool]) -> Node | None:
@@ -349,12 +374,13 @@ class Evictor:
     def drop_device(self, node: Node) -> None:
         """Free a device page; with no host copy, the host-only pages below it go too."""
         led = self.ledger
-        if node.host_state == HostState.NONE:
+        if node.host_state == HostState.NONE and node.children:
             self._drop_host_subtree(node)
         if led.backup_backlog.pop(node.node_id, None) is not None:
             led.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier
-        led.free_device_copy(node)
-        led.remove_if_empty(node)
+        if not led.drop_device_leaf(node):
+            led.free_device_copy(node)
+            led.remove_if_empty(node)
 
     def _drop_host_subtree(self, node: Node) -> None:
         led = self.ledger

@@ -13,12 +13,18 @@ methods below change a holding (anything else raises), so the sum cannot drift.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from tpcache.core.digest import DIGEST_MASK
+from tpcache.core.tree import NATIVE_NODES
+
+if NATIVE_NODES:
+    from tpcache.core._node import terms as _native_terms
+else:
+    _native_terms = None
 
 if TYPE_CHECKING:
     from tpcache.core.tree import Node
@@ -50,29 +56,39 @@ class _Holding(list):
         """One entry's share of the total: the same id under another kind or lease is another term."""
         return _digest(_TERM.pack(self.lease_id, self.kind, self._key(item))) & DIGEST_MASK
 
+    def _terms(self, items: list[Any]) -> int:
+        """The sum of ``_term`` over ``items`` (in C where built: ``_account.c``, the same terms)."""
+        if _native_terms is not None:
+            return _native_terms(self.lease_id, self.kind, items)
+        return sum(self._term(item) for item in items)
+
     def append(self, item: Any) -> None:
         super().append(item)
-        self.total = (self.total + self._term(item)) & DIGEST_MASK
+        self.total = (self.total + self._terms([item])) & DIGEST_MASK
 
     def extend(self, items: Iterable[Any]) -> None:
         start = len(self)
         super().extend(items)
-        total = self.total
-        for item in self[start:]:
-            total += self._term(item)
-        self.total = total & DIGEST_MASK
+        self.total = (self.total + self._terms(self[start:])) & DIGEST_MASK
 
     def remove(self, item: Any) -> None:
         super().remove(item)
-        self.total = (self.total - self._term(item)) & DIGEST_MASK
+        self.total = (self.total - self._terms([item])) & DIGEST_MASK
+
+    def discard(self, items: Container[Any]) -> None:
+        """Drop every entry that is in ``items``, keeping the others in order (``remove`` of each,
+        for entries that are distinct, in one pass)."""
+        gone = [item for item in self if item in items]
+        if gone:
+            kept = [item for item in self if item not in items]
+            super().__delitem__(slice(None))
+            super().extend(kept)
+            self.total = (self.total - self._terms(gone)) & DIGEST_MASK
 
     def truncate(self, length: int) -> None:
         """Drop every entry from position ``length`` on."""
-        total = self.total
-        for item in self[length:]:
-            total -= self._term(item)
+        self.total = (self.total - self._terms(self[length:])) & DIGEST_MASK
         super().__delitem__(slice(length, None))
-        self.total = total & DIGEST_MASK
 
     def retain(self, keep: Callable[[Any], bool]) -> None:
         """Keep only the entries ``keep`` accepts, in order."""
@@ -86,7 +102,7 @@ class _Holding(list):
         return sum(self._term(item) for item in self) & DIGEST_MASK
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(f"{type(self).__name__} changes only through append/extend/remove/truncate/retain")
+        raise TypeError(f"{type(self).__name__} changes only through append/extend/remove/discard/truncate/retain")
 
     __setitem__ = __delitem__ = __iadd__ = insert = pop = clear = sort = reverse = _refuse  # type: ignore[assignment]
 

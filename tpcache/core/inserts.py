@@ -111,26 +111,32 @@ class Inserter:
         top = led.tree.root if start is None else start
         path = list(walk.nodes)
         inserted: list[Node] = []
-        for i, node, page in plan:
-            lease.pages.remove(page)
-            if node is None:  # stamped as it is made (the clock ticked above)
-                node = led.add(path[i - 1] if i else top, walk.pages[i], hashes[i], None, (DeviceState.VALID, page), 1)
-                path.append(node)
-            else:
-                led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
-            inserted.append(node)
+        lease.pages.discard({page for _, _, page in plan})  # now in the tree
+        new_from = next((k for k, (_, node, _) in enumerate(plan) if node is None), len(plan))
+        for _, node, page in plan[:new_from]:  # pages the tree has, off device
+            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)  # type: ignore[arg-type]
+            inserted.append(node)  # type: ignore[arg-type]
+        if new_from < len(plan):  # the rest is new, each page below the one before (stamped as made)
+            rest = plan[new_from:]
+            i, n = rest[0][0], len(rest)
+            parent = path[i - 1] if i else top
+            chain = led.add_pinned_chain(parent, walk.pages[i : i + n], hashes[i : i + n], [p for _, _, p in rest])
+            path.extend(chain)
+            inserted.extend(chain)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
         # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.
         # Below a cursor the lease pins nothing, so an append needs no look at what it holds.
         pinned = {n.node_id for n in lease.device_nodes} if start is None else ()
         fresh = {n.node_id for n in inserted}
+        pins: list[Node] = []
         for node in path:
             if node.node_id in fresh:
-                lease.device_nodes.append(node)
+                pins.append(node)
             elif node.on_device and node.node_id not in pinned:
                 led.update(node, stamp=True, device_pins=1)
-                lease.device_nodes.append(node)
+                pins.append(node)
+        lease.device_nodes.extend(pins)
         # ``append`` may continue from here when the whole sequence is adopted and the lease pins
         # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
         whole = len(path) == walk.num_pages and all(n.device_state == DeviceState.VALID for n in path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tpcache.core.accounting import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
 from tpcache.core.cache import CacheCore, OpKind
 from tpcache.core.components import (
     DEV,
@@ -26,7 +27,6 @@ from tpcache.core.components import (
 )
 from tpcache.core.digest import Digest
 from tpcache.core.eviction import is_device_candidate, is_host_candidate
-from tpcache.core.ledger import is_evictable, is_mirror, is_protected, lease_record, record_of
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.tree import Node
 
@@ -93,7 +93,7 @@ def check(core: CacheCore) -> None:
     for node in core.tree.nodes.values():
         if node.parent is None:
             continue
-        record = record_of(node)
+        record = reference_record_of(node)
         if node.record != record:
             fail(f"node {node.node_id}: its digest record is stale (a field changed outside the ledger)")
         digest.add(record)

@@ -11,13 +11,10 @@ counters, the mirror index and the eviction candidate heaps, and each component'
 
 from __future__ import annotations
 
-import struct
-from array import array
 from collections.abc import Iterable
 from typing import Protocol
 
-import xxhash
-
+from tpcache.core.accounting import EVICTABLE, MIRROR, PROTECTED, flags_of, lease_record, record_of
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.components import (
     DEV,
@@ -34,78 +31,18 @@ from tpcache.core.components import (
     is_part_mirror,
 )
 from tpcache.core.config import CacheConfig
-from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
+from tpcache.core.digest import DIGEST_MASK, Digest
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import Node, RadixTree, drop_pages
+from tpcache.core.tree import NATIVE_NODES, Node, RadixTree, drop_pages
 
-_RECORD = struct.Struct("<QqqqqqqQ")
-_LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
-_NO_IDS = mix_ids([])
+if NATIVE_NODES:
+    from tpcache.core import _node as _native
+else:
+    _native = None  # type: ignore[assignment]
+
 _VALID = DeviceState.VALID
 _NONE = DeviceState.NONE
-_MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
-
-
-def record_of(node: Node) -> int:
-    """A node's contribution to the state digest: every field that decides a hit, a page number or
-    an eviction (tier states, device page, host slot, pins, stamp, hits, creation time), and every
-    field of its component record (``components.STRIDE`` per component)."""
-    packed = _RECORD.pack(
-        node.hash,
-        node.device_state | node.host_state << 2 | node.storage_state << 4,
-        node.device_page,
-        node.host_slot,
-        node.device_pins << 32 | node.host_pins,
-        node.last_access,
-        node.hits,
-        node.created_at,
-    )
-    if node.comp is not None:
-        packed += array("q", node.comp).tobytes()
-    return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
-
-
-def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
-    """A lease's contribution to the state digest: what it pins, holds and waits for (its holdings'
-    totals, see ``holdings``), where ``append`` continues, and per component what it pins and holds,
-    and its protected prefix."""
-    cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
-    packed = _RECORD.pack(  # digest.mix of these 8 fields, without its padding
-        _LEASE_TAG,
-        lease.lease_id,
-        lease.device_nodes.total,
-        lease.host_nodes.total,
-        lease.pages.total,
-        mix_ids(lease.ops) if lease.ops else _NO_IDS,
-        int(lease.releasing) | cursor << 1,
-        mix_ids(prefetch_fields) if prefetch_fields else _NO_IDS,
-    )
-    record = xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
-    fields: list[int] = []
-    for c, held in lease.parts.items():
-        if held.device_nodes or held.host_nodes or held.pages:  # an empty entry holds nothing
-            fields += [c, len(held.device_nodes), *(n.node_id for n in held.device_nodes)]
-            fields += [len(held.host_nodes), *(n.node_id for n in held.host_nodes), len(held.pages), *held.pages]
-    if not fields and not lease.hit_pages:
-        return record
-    fields.append(lease.hit_pages)
-    return mix(record, mix_ids(fields))
-
-
-def is_mirror(node: Node) -> bool:
-    """On device, on host and durable in storage: the pages mirror release may free a copy of."""
-    return (node.device_state, node.host_state, node.storage_state) == _MIRROR
-
-
-def is_evictable(node: Node) -> bool:
-    """Device-VALID with no pins: counted as evictable device tokens (the retention cap's measure)."""
-    return node.device_state == _VALID and node.device_pins == 0
-
-
-def is_protected(node: Node) -> bool:
-    """On device (valid or loading) and pinned by a lease or an op."""
-    return node.device_state != _NONE and node.device_pins > 0
 
 
 class CandidateIndex(Protocol):
@@ -170,7 +107,7 @@ class Ledger:
         if part:
             self._update_part(node, self.parts[part], device, host, storage, device_pins, host_pins, stamp)
             return
-        was_evictable, was_protected, was_mirror = is_evictable(node), is_protected(node), is_mirror(node)
+        was = flags_of(node)
         if device is not None:
             state, page = device
             check_transition(DeviceState, node.device_state, state)
@@ -195,12 +132,26 @@ class Ledger:
         # Pins, a stamp or a hit change only the node's own candidacy; a tier change or a host pin
         # can also decide its parent's and the device page above a host-only chain.
         around = device is not None or host is not None or storage is not None or host_pins != 0
-        self._refresh(node, was_evictable, was_protected, was_mirror, around)
+        self._refresh(node, was, around)
 
     def touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
         """``update(node, device_pins=..., stamp=..., hit=...)`` for each node in order, in one loop:
         the same changes, records, counters and offers. A pin, a stamp or a hit changes no tier, so
         no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
+        if _native is not None:  # the same loop in C (_account.c)
+            value, evictable, protected = _native.touch(
+                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
+            )
+            self.digest.value = value
+        else:
+            value, evictable, protected = self._touch(nodes, device_pins, stamp, hit)
+            self.digest.value = value & DIGEST_MASK
+        self.evictable_device_pages += evictable
+        self.protected_device_pages += protected
+
+    def _touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool, hit: bool) -> tuple[int, int, int]:
+        """The reference loop of ``touch``: the digest's new value (unmasked), the evictable and
+        protected deltas."""
         clock, offer, record = self.clock, self.candidates.offer, record_of
         value = self.digest.value
         evictable = protected = 0
@@ -220,9 +171,7 @@ class Ledger:
             node.record = record(node)
             value += node.record
             offer(node)
-        self.digest.value = value & DIGEST_MASK
-        self.evictable_device_pages += evictable
-        self.protected_device_pages += protected
+        return value, evictable, protected
 
     def add(
         self,
@@ -245,8 +194,29 @@ class Ledger:
             check_transition(DeviceState, node.device_state, device[0])
             node.device_state, node.device_page = device
             node.device_pins = device_pins
-        self._refresh(node, False, False, False)
+            if device_pins > 0 and host is None:  # an insert's page: protected, no mirror, no candidate
+                node.record = record_of(node)
+                self.digest.value = (self.digest.value + node.record) & DIGEST_MASK
+                self.protected_device_pages += 1
+                return node
+        self._refresh(node, 0, False)
         return node
+
+    def add_pinned_chain(self, parent: Node, tokens: list[bytes], hashes: list[int], pages: list[int]) -> list[Node]:
+        """``add(..., device=(VALID, page), device_pins=1)`` for each page in turn, each below the one
+        before (an insert's new pages): the same nodes, records and counters, in one loop."""
+        nodes = self.tree.add_chain(parent, tokens, hashes, self.clock)
+        comp = len(self.parts)
+        value = self.digest.value
+        for node, page in zip(nodes, pages, strict=True):
+            if comp:
+                node.comp = fresh_record(comp, self.clock)
+            node.device_state, node.device_page, node.device_pins = _VALID, page, 1
+            node.record = record_of(node)
+            value += node.record
+        self.digest.value = value & DIGEST_MASK
+        self.protected_device_pages += len(nodes)
+        return nodes
 
     def remove_if_empty(self, node: Node) -> None:
         """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
@@ -315,21 +285,22 @@ class Ledger:
         node.record = record_of(node)
         digest.value = (digest.value + node.record) & DIGEST_MASK
 
-    def _refresh(
-        self, node: Node, was_evictable: bool, was_protected: bool, was_mirror: bool, around: bool = True
-    ) -> None:
+    def _refresh(self, node: Node, was: int, around: bool = True) -> None:
+        """Re-record ``node`` and move the counters and the mirror index from its ``flags_of`` before
+        the change (``was``) to now; offer it (``around``: and the nodes its change can decide)."""
         digest = self.digest
         digest.value = (digest.value - node.record) & DIGEST_MASK
         node.record = record_of(node)
         digest.value = (digest.value + node.record) & DIGEST_MASK
-        evictable, protected, mirror = is_evictable(node), is_protected(node), is_mirror(node)
-        self.evictable_device_pages += evictable - was_evictable
-        self.protected_device_pages += protected - was_protected
-        if mirror != was_mirror:
-            if mirror:
-                self.mirrors[node.node_id] = node
-            else:
-                del self.mirrors[node.node_id]
+        now = flags_of(node)
+        if now != was:
+            self.evictable_device_pages += (now & EVICTABLE) - (was & EVICTABLE)
+            self.protected_device_pages += ((now & PROTECTED) - (was & PROTECTED)) >> 1
+            if (now ^ was) & MIRROR:
+                if now & MIRROR:
+                    self.mirrors[node.node_id] = node
+                else:
+                    del self.mirrors[node.node_id]
         if around:
             self.candidates.offer_around(node)
         else:
@@ -358,6 +329,36 @@ class Ledger:
                     self.free_part_host(node, p)
         self.host.free([node.host_slot])
         self.update(node, host=(HostState.NONE, -1))
+
+    def drop_device_leaf(self, node: Node) -> bool:
+        """``free_device_copy`` then ``remove_if_empty`` in one step, for the page eviction frees
+        most: an unpinned device leaf with no other copy or component, below a device page or the
+        root. The same end state (nodes, digest, counters, free pages; the parent offered once
+        rather than twice). False, changing nothing, for any other node."""
+        parent = node.parent
+        if (
+            node.children
+            or node.comp is not None
+            or node.device_state != _VALID
+            or node.device_pins
+            or node.host_state != HostState.NONE
+            or node.host_pins
+            or parent is None
+            or (parent.parent is not None and parent.device_state != _VALID)
+        ):
+            return False
+        self.device.free([node.device_page])
+        drop_pages(node)
+        node.device_state, node.device_page = _NONE, -1
+        self.evictable_device_pages -= 1
+        digest = self.digest
+        digest.value = (digest.value - node.record) & DIGEST_MASK
+        node.record = 0
+        self.backup_backlog.pop(node.node_id, None)
+        self.tree.remove_leaf(node)
+        if parent.parent is not None:
+            self.candidates.offer(parent)
+        return True
 
     def free_device_copy(self, node: Node) -> None:
         """Drop a node's device page (evicted, or its load failed), with its components' device

@@ -318,6 +318,24 @@ class RadixTree:
             self._invalidate(parent)
         return node
 
+    def add_chain(self, parent: Node, tokens: list[bytes], hashes: list[int], clock: int) -> list[Node]:
+        """``add_child`` for each page in turn, each below the one before: the same nodes and ids."""
+        if tokens and tokens[0] in parent.children:
+            raise ValueError(f"node {parent.node_id} already has a child for this page")
+        out: list[Node] = []
+        nodes, next_id, first = self.nodes, self._next_id, parent
+        for page, hash_ in zip(tokens, hashes, strict=True):
+            node = Node(next_id, parent, page, hash_, clock)
+            parent.children[page] = node
+            nodes[next_id] = node
+            next_id += 1
+            out.append(node)
+            parent = node
+        self._next_id = next_id
+        if len(first.children) == 2:
+            self._invalidate(first)
+        return out
+
     def remove_leaf(self, node: Node) -> None:
         if node.children or node.parent is None:
             raise ValueError(f"node {node.node_id} is not a removable leaf")

@@ -1,0 +1,178 @@
+"""The ledger's kernels in C (``tpcache/core/_account.c``) against their Python references, one by
+one, on random node states: records, counter flags, holding terms, candidacy, offers and pops. The
+simulator schedules in ``test_native_nodes`` hold the whole core equal end to end."""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+import xxhash
+
+from tpcache.core import CacheConfig, CacheCore, check
+from tpcache.core.accounting import flags_of, record_of, reference_flags_of, reference_record_of
+from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
+from tpcache.core.holdings import NodeHolding, PageHolding
+from tpcache.core.tree import NATIVE_NODES, RadixTree
+from tpcache.replay import drain
+from tpcache.testing.ops import apply, random_op
+from tpcache.testing.sim import snapshot
+
+pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+
+if NATIVE_NODES:
+    from tpcache.core import _node
+
+
+def test_xxh3_matches_the_xxhash_package_for_every_length_it_takes():
+    rng = random.Random(1)
+    for n in range(17, 129):
+        for _ in range(8):
+            data = rng.randbytes(n)
+            assert _node.xxh3_17to128(data) == xxhash.xxh3_64_intdigest(data), n
+    with pytest.raises(ValueError, match="17 to 128"):
+        _node.xxh3_17to128(b"x" * 16)
+
+
+def random_tree(seed: int, n: int = 60) -> RadixTree:
+    """A tree whose nodes carry random tier states, pins, stamps and hits (not a state the cache
+    would reach: the kernels must agree on any field values)."""
+    rng = random.Random(seed)
+    tree = RadixTree(4)
+    nodes = [tree.root]
+    for _ in range(n):
+        parent = rng.choice(nodes)
+        node = tree.add_child(parent, rng.randbytes(16), rng.getrandbits(64), rng.randrange(100))
+        node.device_state = rng.choice([0, 0, 1, 2, 2])
+        node.host_state, node.storage_state = rng.choice([0, 1, 2, 2]), rng.randrange(3)
+        node.device_pins, node.host_pins = rng.choice([0, 0, 1, 3]), rng.choice([0, 0, 2])
+        node.device_page, node.host_slot = rng.randrange(-1, 1 << 40), rng.randrange(-1, 1 << 20)
+        node.last_access, node.hits = rng.randrange(1 << 40), rng.randrange(50)
+        nodes.append(node)
+    return tree
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_records_flags_and_candidacy_match_the_references(seed):
+    tree = random_tree(seed)
+    for node in tree.nodes.values():
+        assert record_of(node) == reference_record_of(node)
+        assert flags_of(node) == reference_flags_of(node)
+    node = next(iter(tree.nodes.values()))
+    node.comp = [1, 2, 3]  # a component record: the kernel hands it to the reference
+    assert record_of(node) == reference_record_of(node)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("seed", range(4))
+def test_offers_and_pops_match_the_reference(policy, seed):
+    """Two equal trees: every node offered in C on one and through the reference methods on the
+    other gives the same heaps, entry for entry; after the same changes (stale keys, new pins),
+    both pop the same nodes in the same order."""
+    trees = random_tree(seed, 80), random_tree(seed, 80)
+    native, ref = Candidates(policy, trees[0]), Candidates(policy, trees[1])
+    pairs = list(zip(trees[0].nodes.values(), trees[1].nodes.values(), strict=True))
+    for a, b in pairs + pairs[::3]:
+        native.offer(a)
+        Candidates.offer(ref, b)
+        native.offer_around(a)
+        Candidates.offer_around(ref, b)
+    assert native.device_heap == ref.device_heap and native.host_heap == ref.host_heap
+    assert any(is_device_candidate(a) for a, _ in pairs) and any(is_host_candidate(a) for a, _ in pairs)
+    for a, b in pairs[::4]:  # stale entries and nodes that stopped being candidates
+        a.last_access = b.last_access = a.last_access + 1
+        a.hits = b.hits = a.hits + 1
+        a.created_at = b.created_at = a.created_at + 1
+    for a, b in pairs[1::5]:
+        a.device_pins = b.device_pins = a.device_pins + 1
+        a.host_pins = b.host_pins = a.host_pins + 1
+    pops = 0
+    for heap in ("device", "host"):
+        is_candidate = is_device_candidate if heap == "device" else is_host_candidate
+        popped, expected = [], []
+        while (a := getattr(native, f"pop_{heap}")()) is not None:
+            popped.append(a.node_id)
+        while (b := ref._pop(getattr(ref, f"{heap}_heap"), is_candidate)) is not None:
+            expected.append(b.node_id)
+        assert popped == expected
+        pops += len(popped)
+    assert pops > 0
+
+
+def test_a_stale_entry_is_skipped_by_the_native_pop():
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8))
+    lease, _ = core.lock(list(range(8)))
+    core.insert(lease, list(range(8)), core.alloc(lease, 2))
+    core.release(lease)
+    leaf = max(core.tree.nodes.values(), key=lambda n: n.depth)
+    cands = core.candidates
+    heapq.heappush(cands.device_heap, ((leaf.last_access - 1, -leaf.depth, leaf.hash), leaf.node_id))  # an old key
+    assert cands.pop_device() is leaf
+    assert cands.pop_device() is None  # its parent has a device child until the leaf goes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_holding_terms_match_the_reference(seed):
+    rng = random.Random(seed)
+    tree = random_tree(seed, 30)
+    nodes = list(tree.nodes.values())
+    held = NodeHolding(rng.randrange(1 << 40), 1, nodes)
+    assert held.total == held.recount() == sum(held._term(n) for n in nodes) % (1 << 62)
+    pages = PageHolding(7, 3, [rng.randrange(1 << 50) for _ in range(40)])
+    pages.discard(set(pages[::2]))
+    assert len(pages) == 20 and pages.total == pages.recount()
+    with pytest.raises(AttributeError, match="node_id"):
+        _node.terms(1, 1, [object()])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dropping_a_device_leaf_in_one_step_is_free_then_remove(seed):
+    """``Ledger.drop_device_leaf`` (eviction's common case) leaves what ``free_device_copy`` +
+    ``remove_if_empty`` leave: nodes, digest, counters, free pages; it refuses any other node."""
+    cores = [CacheCore(CacheConfig(page_size=4, device_pages=24, host_pages=0))]
+    cores.append(CacheCore(cores[0].config))
+    leases: list[list] = [[], []]
+    rng = random.Random(seed)
+    for _ in range(60):
+        op = random_op(rng, 4, requests=0.3, appends=0.1)
+        for core, held in zip(cores, leases, strict=True):
+            apply(core, op, held)
+            drain(core)
+    for core, held in zip(cores, leases, strict=True):
+        for lease, _ in held[: len(held) // 2]:  # some pages stay pinned
+            core.release(lease)
+        drain(core)
+    a, b = cores
+    fast = refused = 0
+    for na in sorted(a.tree.nodes.values(), key=lambda n: -n.depth):
+        nb = b.tree.nodes[na.node_id]
+        if na.parent is None or not na.device_valid or na.device_pins:
+            assert not a.ledger.drop_device_leaf(na)
+            refused += 1
+            continue
+        if a.ledger.drop_device_leaf(na):
+            b.ledger.free_device_copy(nb)
+            b.ledger.remove_if_empty(nb)
+            fast += 1
+        assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
+        assert a.ledger.device._free == b.ledger.device._free  # the same pages, freed in the same order
+        assert (a.ledger.evictable_device_pages, a.ledger.protected_device_pages) == (
+            b.ledger.evictable_device_pages,
+            b.ledger.protected_device_pages,
+        )
+    assert fast and refused
+    check(a)
+
+
+def test_a_leaf_with_a_host_copy_is_not_dropped_in_one_step():
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8, host_pages=8, write_policy="write_through"))
+    lease, _ = core.lock(list(range(8)))
+    core.insert(lease, list(range(8)), core.alloc(lease, 2))
+    drain(core)
+    core.release(lease)
+    leaf = max(core.tree.nodes.values(), key=lambda n: n.depth)
+    assert leaf.device_valid and leaf.on_host and not leaf.device_pins
+    before = (snapshot(core), core.digest.value)
+    assert not core.ledger.drop_device_leaf(leaf)
+    assert (snapshot(core), core.digest.value) == before

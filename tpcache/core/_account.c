@@ -1,0 +1,287 @@
+/* The ledger's per-node kernels in C: a node's digest record and counter flags, the pins, stamps
+ * and hits of a path (Ledger.touch) and a holding's digest terms (the candidates' kernels are in
+ * _candidates.c). accounting.py, ledger.py and holdings.py keep the Python versions as the
+ * reference; tests hold the two equal (same records, digests, counters).
+ *
+ * Records are XXH3-64 (seed 0, default secret) of the same little-endian fields the reference
+ * packs, so digests do not depend on which path computed them. Only inputs of 17-128 bytes occur
+ * (a record is 64 bytes, a holding term 24), so only that branch of the algorithm is here, written
+ * from its specification (xxHash's doc/xxhash_spec.md); a test compares it with the xxhash
+ * package for every length it accepts.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_node.h"
+
+#define DIGEST_MASK ((UINT64_C(1) << 62) - 1)
+#define PRIME64_1 UINT64_C(0x9E3779B185EBCA87)
+#define PRIME_MX1 UINT64_C(0x165667919E3779F9)
+
+static const uint8_t SECRET[128] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+};
+
+static inline uint64_t read64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static inline void write64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++, v >>= 8)
+        p[i] = (uint8_t)v;
+}
+
+static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret) {
+    __uint128_t m = (__uint128_t)(read64(data) ^ read64(secret)) * (read64(data + 8) ^ read64(secret + 8));
+    return (uint64_t)m ^ (uint64_t)(m >> 64);
+}
+
+/* XXH3-64 of 17 to 128 bytes. */
+static uint64_t xxh3_17to128(const uint8_t *input, size_t len) {
+    uint64_t acc = len * PRIME64_1;
+    for (int i = (int)((len - 1) >> 5); i >= 0; i--) {
+        acc += mix16(input + 16 * i, SECRET + 32 * i);
+        acc += mix16(input + len - 16 * i - 16, SECRET + 32 * i + 16);
+    }
+    acc ^= acc >> 37;
+    acc *= PRIME_MX1;
+    return acc ^ (acc >> 32);
+}
+
+/* The reference record (accounting.reference_record_of), called for what the kernel does not cover: a node with a
+ * component record, or a reference node. Set once by accounting.py. */
+static PyObject *record_fallback = NULL;
+
+/* The record of a native node without components: 0 and an exception on a field that is not an int. */
+static int record_native(Node *n, uint64_t *out) {
+    int64_t ds, hs, ss, page, slot, dp, hp, last, hits, created;
+    unsigned long long hash = PyLong_AsUnsignedLongLong(n->hash);
+    if (hash == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    if (field(n->device_state, &ds) || field(n->host_state, &hs) || field(n->storage_state, &ss) ||
+        field(n->device_page, &page) || field(n->host_slot, &slot) || field(n->device_pins, &dp) ||
+        field(n->host_pins, &hp) || field(n->last_access, &last) || field(n->hits, &hits) ||
+        field(n->created_at, &created))
+        return -1;
+    uint8_t buf[64];
+    write64(buf, hash);
+    write64(buf + 8, (uint64_t)(ds | hs << 2 | ss << 4));
+    write64(buf + 16, (uint64_t)page);
+    write64(buf + 24, (uint64_t)slot);
+    write64(buf + 32, (uint64_t)dp << 32 | (uint64_t)hp);
+    write64(buf + 40, (uint64_t)last);
+    write64(buf + 48, (uint64_t)hits);
+    write64(buf + 56, (uint64_t)created);
+    *out = xxh3_17to128(buf, 64) & DIGEST_MASK;
+    return 0;
+}
+
+static int record_any(PyObject *node, uint64_t *out) {
+    if (is_node(node) && ((Node *)node)->comp == Py_None)
+        return record_native((Node *)node, out);
+    if (record_fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_node.record_of: no reference record for this node");
+        return -1;
+    }
+    PyObject *r = PyObject_CallOneArg(record_fallback, node);
+    if (r == NULL)
+        return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *py_record_of(PyObject *mod, PyObject *node) {
+    uint64_t r;
+    if (record_any(node, &r) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(r);
+}
+
+static PyObject *py_set_record_fallback(PyObject *mod, PyObject *fn) {
+    Py_INCREF(fn);
+    Py_XSETREF(record_fallback, fn);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_xxh3(PyObject *mod, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (view.len < 17 || view.len > 128) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "xxh3_17to128 takes 17 to 128 bytes, not %zd", view.len);
+    }
+    uint64_t h = xxh3_17to128(view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static int set_int(PyObject **slot, int64_t v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL)
+        return -1;
+    Py_SETREF(*slot, o);
+    return 0;
+}
+
+/* Could eviction.Candidates.offer push this node? False only where it surely would not: pinned, on
+ * neither tier, or (for the device heap) the root or a page with a child on device. */
+static int may_offer(Node *n, int64_t state, int64_t pins) {
+    int64_t hs, hp;
+    if (state == 2 && pins == 0) {
+        if (n->parent == Py_None)
+            return 0;
+        PyObject *child;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(n->children, &pos, NULL, &child)) {
+            int64_t cs;
+            if (!is_node(child) || field(((Node *)child)->device_state, &cs) < 0) {
+                PyErr_Clear();
+                return 1; /* let the reference decide */
+            }
+            if (cs != 0)
+                return 0;
+        }
+        return 1;
+    }
+    if (state != 0 || field(n->host_state, &hs) < 0 || field(n->host_pins, &hp) < 0) {
+        PyErr_Clear();
+        return state == 0;
+    }
+    return hs == 2 && hp == 0;
+}
+
+/* touch(nodes, device_pins, stamp, hit, clock, digest, offer) -> (digest, evictable delta,
+ * protected delta): Ledger.touch's loop (see there). */
+static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7)
+        return PyErr_Format(PyExc_TypeError, "touch takes 7 arguments, not %zd", nargs);
+    long long delta = PyLong_AsLongLong(args[1]);
+    int stamp = PyObject_IsTrue(args[2]), hit = PyObject_IsTrue(args[3]);
+    PyObject *clock = args[4], *offer = args[6];
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[5]);
+    if (PyErr_Occurred() || stamp < 0 || hit < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "touch takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    int64_t evictable = 0, protected_ = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!is_node(item)) {
+            PyErr_SetString(PyExc_TypeError, "touch: a native Node");
+            goto fail;
+        }
+        Node *n = (Node *)item;
+        int64_t pins, state, old, hits;
+        uint64_t rec;
+        if (field(n->device_pins, &pins) || field(n->device_state, &state) || field(n->record, &old))
+            goto fail;
+        int64_t now = pins + delta;
+        if (set_int(&n->device_pins, now) < 0)
+            goto fail;
+        if (state == 2)
+            evictable += (now == 0) - (pins == 0);
+        if (state != 0)
+            protected_ += (now > 0) - (pins > 0);
+        if (stamp) {
+            Py_INCREF(clock);
+            Py_SETREF(n->last_access, clock);
+        }
+        if (hit && (field(n->hits, &hits) || set_int(&n->hits, hits + 1) < 0))
+            goto fail;
+        if (record_any(item, &rec) < 0 || set_int(&n->record, (int64_t)rec) < 0)
+            goto fail;
+        value += rec - (uint64_t)old;
+        if (may_offer(n, state, now)) {
+            PyObject *r = PyObject_CallOneArg(offer, item);
+            if (r == NULL)
+                goto fail;
+            Py_DECREF(r);
+        }
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("KLL", value & DIGEST_MASK, (long long)evictable, (long long)protected_);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* terms(lease_id, kind, keys) -> the sum (mod 2**62) of holdings' per-entry terms: XXH3 of the
+ * little-endian (lease_id, kind, key) of each key: a page, or a node's id. */
+static PyObject *py_terms(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "terms takes 3 arguments, not %zd", nargs);
+    long long lease = PyLong_AsLongLong(args[0]), kind = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[2], "terms takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    uint8_t buf[24];
+    write64(buf, (uint64_t)lease);
+    write64(buf + 8, (uint64_t)kind);
+    uint64_t total = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        int64_t key;
+        int bad;
+        if (is_node(item) || PyLong_Check(item)) {
+            bad = field(is_node(item) ? ((Node *)item)->node_id : item, &key);
+        } else { /* any other node: its node_id */
+            PyObject *id = PyObject_GetAttrString(item, "node_id");
+            bad = id == NULL || field(id, &key);
+            Py_XDECREF(id);
+        }
+        if (bad) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        write64(buf + 16, (uint64_t)key);
+        total += xxh3_17to128(buf, 24) & DIGEST_MASK;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromUnsignedLongLong(total & DIGEST_MASK);
+}
+
+/* flags_of(node): accounting.reference_flags_of, evictable | protected << 1 | mirror << 2. */
+static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
+    if (!is_node(node))
+        return PyErr_Format(PyExc_TypeError, "flags_of takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
+    Node *n = (Node *)node;
+    int64_t ds, dp, hs, ss;
+    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
+        field(n->storage_state, &ss))
+        return NULL;
+    long bits = (ds == 2 && dp == 0) | (ds != 0 && dp > 0) << 1 | (ds == 2 && hs == 2 && ss == 2) << 2;
+    return PyLong_FromLong(bits);
+}
+
+PyMethodDef account_methods[] = {
+    {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (accounting.record_of)."},
+    {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
+     "The reference record, for nodes with components or reference nodes."},
+    {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
+    {"terms", (PyCFunction)(void (*)(void))py_terms, METH_FASTCALL, "The sum of holdings' terms for keys (nodes or ints)."},
+    {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
+    {"xxh3_17to128", (PyCFunction)py_xxh3, METH_O, "XXH3-64 of 17 to 128 bytes (for the tests)."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,110 @@
+"""What a node and a lease count as: their records in the state digest, and the flags the
+ledger's counters and mirror index follow.
+
+Each function here has a reference in Python; where the C extension is built, ``record_of`` and
+``flags_of`` are its kernels (``_account.c``), which give the same values (``invariants.check``
+recomputes records with the reference, and tests compare the two).
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+
+import xxhash
+
+from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
+from tpcache.core.records import Lease
+from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.tree import NATIVE_NODES, Node
+
+if NATIVE_NODES:
+    from tpcache.core import _node as _native
+else:
+    _native = None  # type: ignore[assignment]
+
+_RECORD = struct.Struct("<QqqqqqqQ")
+_LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
+_NO_IDS = mix_ids([])
+_VALID = DeviceState.VALID
+_NONE = DeviceState.NONE
+_MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
+
+
+def reference_record_of(node: Node) -> int:
+    """A node's contribution to the state digest: every field that decides a hit, a page number or
+    an eviction (tier states, device page, host slot, pins, stamp, hits, creation time), and every
+    field of its component record (``components.STRIDE`` per component)."""
+    packed = _RECORD.pack(
+        node.hash,
+        node.device_state | node.host_state << 2 | node.storage_state << 4,
+        node.device_page,
+        node.host_slot,
+        node.device_pins << 32 | node.host_pins,
+        node.last_access,
+        node.hits,
+        node.created_at,
+    )
+    if node.comp is not None:
+        packed += array("q", node.comp).tobytes()
+    return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
+
+
+if _native is not None:  # the same records, in C (_account.c); it calls the reference for component records
+    _native.set_record_fallback(reference_record_of)
+    record_of = _native.record_of
+else:
+    record_of = reference_record_of
+
+
+def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
+    """A lease's contribution to the state digest: what it pins, holds and waits for (its holdings'
+    totals, see ``holdings``), where ``append`` continues, and per component what it pins and holds,
+    and its protected prefix."""
+    cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
+    packed = _RECORD.pack(  # digest.mix of these 8 fields, without its padding
+        _LEASE_TAG,
+        lease.lease_id,
+        lease.device_nodes.total,
+        lease.host_nodes.total,
+        lease.pages.total,
+        mix_ids(lease.ops) if lease.ops else _NO_IDS,
+        int(lease.releasing) | cursor << 1,
+        mix_ids(prefetch_fields) if prefetch_fields else _NO_IDS,
+    )
+    record = xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
+    fields: list[int] = []
+    for c, held in lease.parts.items():
+        if held.device_nodes or held.host_nodes or held.pages:  # an empty entry holds nothing
+            fields += [c, len(held.device_nodes), *(n.node_id for n in held.device_nodes)]
+            fields += [len(held.host_nodes), *(n.node_id for n in held.host_nodes), len(held.pages), *held.pages]
+    if not fields and not lease.hit_pages:
+        return record
+    fields.append(lease.hit_pages)
+    return mix(record, mix_ids(fields))
+
+
+def is_mirror(node: Node) -> bool:
+    """On device, on host and durable in storage: the pages mirror release may free a copy of."""
+    return (node.device_state, node.host_state, node.storage_state) == _MIRROR
+
+
+def is_evictable(node: Node) -> bool:
+    """Device-VALID with no pins: counted as evictable device tokens (the retention cap's measure)."""
+    return node.device_state == _VALID and node.device_pins == 0
+
+
+def is_protected(node: Node) -> bool:
+    """On device (valid or loading) and pinned by a lease or an op."""
+    return node.device_state != _NONE and node.device_pins > 0
+
+
+EVICTABLE, PROTECTED, MIRROR = 1, 2, 4  # the bits of flags_of
+
+
+def reference_flags_of(node: Node) -> int:
+    """What a node counts as: ``is_evictable`` | ``is_protected`` << 1 | ``is_mirror`` << 2."""
+    return is_evictable(node) | is_protected(node) << 1 | is_mirror(node) << 2
+
+
+flags_of = _native.flags_of if _native is not None else reference_flags_of  # the same bits, in C
