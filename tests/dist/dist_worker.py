@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -129,8 +130,12 @@ def local_checks(c: Any, capacity: int) -> dict[str, Any]:
 
 def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """One rank stops taking part; on each transport in turn the survivors must fail with
-    CollectiveTimeout (never hang), and the collective stays broken afterwards."""
+    CollectiveTimeout (never hang), and the collective stays broken afterwards. A sleeping victim
+    stays asleep until every survivor has its outcome (each touches ``done-<rank>`` in
+    ``sync_dir``), however slowly the machine runs them. ``stall_timeouts`` may give the stalled
+    call a timeout of its own per transport (by its name)."""
     victim, mode, timeout = args["victim"], args["mode"], args["timeout"]
+    sync = Path(args["sync_dir"])
     collectives = [make_collective(t, capacity=8) for t in args["transports"]]
     for c in collectives:
         for i in range(args["rounds_before"]):
@@ -141,13 +146,17 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
             os._exit(0)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(args["sleep_s"])  # "sleep": alive but not participating
+        # "sleep": alive but not participating, until the survivors are done (bounded).
+        survivors = [sync / f"done-{r}" for r in range(world) if r != victim]
+        deadline = time.monotonic() + args["sleep_s"]
+        while not all(f.exists() for f in survivors) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return report
     for c in collectives:
         outcome: dict[str, Any] = {}
         start = time.perf_counter()
         try:
-            c.allreduce_min([rank, 99], timeout)
+            c.allreduce_min([rank, 99], args.get("stall_timeouts", {}).get(c.name, timeout))
             outcome["error"] = None
         except CollectiveTimeout as exc:
             outcome.update(error="CollectiveTimeout", missing=exc.missing_ranks, message=str(exc))
@@ -160,6 +169,7 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
         except CollectiveClosed:
             outcome["after"] = "CollectiveClosed"
         report[c.name] = outcome
+    (sync / f"done-{rank}").touch()
     return report
 
 
