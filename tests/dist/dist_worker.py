@@ -1,4 +1,5 @@
-"""One rank of a multi-process collective test, run as a subprocess by test_dist_transports.py.
+"""One rank of a multi-process collective test, forked by test_dist_transports.py (``run_rank``) or
+run as a script.
 
 Usage: dist_worker.py SCENARIO RANK WORLD_SIZE STORE_PORT ARGS_JSON
 Joins a gloo group (NCCL when ARGS_JSON has "backend": "nccl") through the parent's TCPStore on
@@ -244,6 +245,22 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     # Survivors of a broken group may hold in-flight gloo work; skip interpreter teardown.
     os._exit(0)
+
+
+def run_rank(argv: list[str], stdout_path: str, stderr_path: str) -> None:
+    """``main`` in a process forked from a server that has imported torch already (the script's
+    imports cost seconds of CPU a rank), with its stdout and stderr written to the given files."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.argv = [__file__, *argv]
+    main()
 
 
 if __name__ == "__main__":

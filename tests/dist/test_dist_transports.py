@@ -5,16 +5,15 @@ nothing in /dev/shm."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
-import subprocess
-import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("dist_worker.py")
 SHM_DIR = "/dev/shm"
 
 pytestmark = pytest.mark.multiprocess
@@ -24,36 +23,41 @@ def launch(scenario: str, world: int, args: dict[str, Any], timeout_s: float = 1
     """Run ``world`` ranks of ``scenario``; return per rank {returncode, report (or None), stderr}.
 
     The rendezvous store lives in this process on a kernel-chosen port, so parallel tests never race
-    for a port.
+    for a port. Each rank is a process of its own, forked from a fork server that imported torch once
+    (``dist_worker.run_rank``); its exit code is the process's (negative: killed by that signal).
     """
     import torch.distributed as dist
 
+    from tests.dist import dist_worker
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env["PYTHONWARNINGS"] = "ignore"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), str(world), str(store.port), json.dumps(args)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout_s)
-            lines = out.strip().splitlines()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", dist_worker.__name__])  # when the server starts
+    with tempfile.TemporaryDirectory(prefix="tpcache-dist-") as tmp:
+        files = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(world)]
+        argvs = [[scenario, str(rank), str(world), str(store.port), json.dumps(args)] for rank in range(world)]
+        procs = [
+            ctx.Process(target=dist_worker.run_rank, args=(argvs[r], *files[r]), daemon=True) for r in range(world)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            deadline = time.monotonic() + timeout_s
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            late = [rank for rank, proc in enumerate(procs) if proc.exitcode is None]
+            assert not late, f"ranks {late} did not finish within {timeout_s} s"
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        results = []
+        for proc, (out_path, err_path) in zip(procs, files, strict=True):
+            lines = Path(out_path).read_text().strip().splitlines() if os.path.exists(out_path) else []
+            err = Path(err_path).read_text() if os.path.exists(err_path) else ""
             report = json.loads(lines[-1]) if lines else None
-            results.append({"returncode": proc.returncode, "report": report, "stderr": err[-3000:]})
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            results.append({"returncode": proc.exitcode, "report": report, "stderr": err[-3000:]})
     return results
 
 
