@@ -1,4 +1,5 @@
-"""One rank of a multi-process collective test, run as a subprocess by test_dist_transports.py.
+"""One rank of a multi-process collective test, forked by test_dist_transports.py (``run_rank``) or
+run as a script.
 
 Usage: dist_worker.py SCENARIO RANK WORLD_SIZE STORE_PORT ARGS_JSON
 Joins a gloo group (NCCL when ARGS_JSON has "backend": "nccl") through the parent's TCPStore on
@@ -17,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -129,8 +131,12 @@ def local_checks(c: Any, capacity: int) -> dict[str, Any]:
 
 def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """One rank stops taking part; on each transport in turn the survivors must fail with
-    CollectiveTimeout (never hang), and the collective stays broken afterwards."""
+    CollectiveTimeout (never hang), and the collective stays broken afterwards. A sleeping victim
+    stays asleep until every survivor has its outcome (each touches ``done-<rank>`` in
+    ``sync_dir``), however slowly the machine runs them. ``stall_timeouts`` may give the stalled
+    call a timeout of its own per transport (by its name)."""
     victim, mode, timeout = args["victim"], args["mode"], args["timeout"]
+    sync = Path(args["sync_dir"])
     collectives = [make_collective(t, capacity=8) for t in args["transports"]]
     for c in collectives:
         for i in range(args["rounds_before"]):
@@ -141,13 +147,17 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
             os._exit(0)
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(args["sleep_s"])  # "sleep": alive but not participating
+        # "sleep": alive but not participating, until the survivors are done (bounded).
+        survivors = [sync / f"done-{r}" for r in range(world) if r != victim]
+        deadline = time.monotonic() + args["sleep_s"]
+        while not all(f.exists() for f in survivors) and time.monotonic() < deadline:
+            time.sleep(0.02)
         return report
     for c in collectives:
         outcome: dict[str, Any] = {}
         start = time.perf_counter()
         try:
-            c.allreduce_min([rank, 99], timeout)
+            c.allreduce_min([rank, 99], args.get("stall_timeouts", {}).get(c.name, timeout))
             outcome["error"] = None
         except CollectiveTimeout as exc:
             outcome.update(error="CollectiveTimeout", missing=exc.missing_ranks, message=str(exc))
@@ -160,6 +170,7 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
         except CollectiveClosed:
             outcome["after"] = "CollectiveClosed"
         report[c.name] = outcome
+    (sync / f"done-{rank}").touch()
     return report
 
 
@@ -234,6 +245,22 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     # Survivors of a broken group may hold in-flight gloo work; skip interpreter teardown.
     os._exit(0)
+
+
+def run_rank(argv: list[str], stdout_path: str, stderr_path: str) -> None:
+    """``main`` in a process forked from a server that has imported torch already (the script's
+    imports cost seconds of CPU a rank), with its stdout and stderr written to the given files."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.argv = [__file__, *argv]
+    main()
 
 
 if __name__ == "__main__":

@@ -5,16 +5,15 @@ nothing in /dev/shm."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
-import subprocess
-import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("dist_worker.py")
 SHM_DIR = "/dev/shm"
 
 pytestmark = pytest.mark.multiprocess
@@ -24,36 +23,41 @@ def launch(scenario: str, world: int, args: dict[str, Any], timeout_s: float = 1
     """Run ``world`` ranks of ``scenario``; return per rank {returncode, report (or None), stderr}.
 
     The rendezvous store lives in this process on a kernel-chosen port, so parallel tests never race
-    for a port.
+    for a port. Each rank is a process of its own, forked from a fork server that imported torch once
+    (``dist_worker.run_rank``); its exit code is the process's (negative: killed by that signal).
     """
     import torch.distributed as dist
 
+    from tests.dist import dist_worker
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env["PYTHONWARNINGS"] = "ignore"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), str(world), str(store.port), json.dumps(args)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout_s)
-            lines = out.strip().splitlines()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", dist_worker.__name__])  # when the server starts
+    with tempfile.TemporaryDirectory(prefix="tpcache-dist-") as tmp:
+        files = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(world)]
+        argvs = [[scenario, str(rank), str(world), str(store.port), json.dumps(args)] for rank in range(world)]
+        procs = [
+            ctx.Process(target=dist_worker.run_rank, args=(argvs[r], *files[r]), daemon=True) for r in range(world)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            deadline = time.monotonic() + timeout_s
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            late = [rank for rank, proc in enumerate(procs) if proc.exitcode is None]
+            assert not late, f"ranks {late} did not finish within {timeout_s} s"
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        results = []
+        for proc, (out_path, err_path) in zip(procs, files, strict=True):
+            lines = Path(out_path).read_text().strip().splitlines() if os.path.exists(out_path) else []
+            err = Path(err_path).read_text() if os.path.exists(err_path) else ""
             report = json.loads(lines[-1]) if lines else None
-            results.append({"returncode": proc.returncode, "report": report, "stderr": err[-3000:]})
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            results.append({"returncode": proc.exitcode, "report": report, "stderr": err[-3000:]})
     return results
 
 
@@ -109,7 +113,7 @@ def test_shm_and_torch_agree_with_the_min(world: int, rounds: int, shm_only_roun
 
 
 @pytest.mark.parametrize("mode", ["sleep", "kill"])
-def test_survivors_time_out_naming_the_missing_rank(mode: str) -> None:
+def test_survivors_time_out_naming_the_missing_rank(mode: str, tmp_path: Path) -> None:
     timeout = 1.5
     args = {
         "transports": ["shm", "torch"],  # in turn, in the same processes
@@ -117,8 +121,13 @@ def test_survivors_time_out_naming_the_missing_rank(mode: str) -> None:
         "mode": mode,
         "timeout": timeout,
         "rounds_before": 3,
-        "sleep_s": 2 * timeout + 1.5,  # asleep through both survivors' timeouts
+        "sleep_s": 50.0,  # the sleeping victim wakes when both survivors are done (see dist_worker)
+        "sync_dir": str(tmp_path),
     }
+    if mode == "kill":
+        # A dead rank is noticed from its pid, not waited out: with a timeout longer than launch's
+        # own, only that path can end the round in time (a wait would fail the test, never pass it).
+        args["stall_timeouts"] = {"shm": 600.0}
     results = launch("stall", 3, args, timeout_s=60)
     if mode == "kill":
         assert results[2]["returncode"] == -9
@@ -126,15 +135,18 @@ def test_survivors_time_out_naming_the_missing_rank(mode: str) -> None:
     for rep in survivors:
         for transport in ("shm", "gloo"):
             outcome = rep[transport]
+            # A CollectiveTimeout at all is the bound: a survivor that hung would keep launch waiting
+            # until its timeout, which fails the test.
             assert outcome["error"] == "CollectiveTimeout", outcome
-            assert outcome["elapsed_s"] < timeout + 1.0  # never a hang beyond the timeout
             assert outcome["after"] == "CollectiveClosed"  # the collective is broken for good
         assert rep["shm"]["missing"] == [2]
         assert "rank(s) [2]" in rep["shm"]["message"]
+        if mode == "kill":
+            assert "will not arrive" in rep["shm"]["message"] and "exited" in rep["shm"]["message"], rep["shm"]
+        else:
+            assert f"did not arrive within {timeout:g} s" in rep["shm"]["message"], rep["shm"]
         assert rep["gloo"]["missing"] == []
         assert "does not report which ranks" in rep["gloo"]["message"]
-        if mode == "kill":
-            assert rep["shm"]["elapsed_s"] < timeout  # the dead pid is noticed before the timeout
     assert segment_files_of({rep["pid"] for rep in survivors}) == []
 
 
@@ -175,7 +187,7 @@ def test_nccl_and_shm_agree_with_the_min() -> None:
 
 
 @pytest.mark.gpu
-def test_nccl_survivor_times_out_without_hanging() -> None:
+def test_nccl_survivor_times_out_without_hanging(tmp_path: Path) -> None:
     if cuda_devices() < 2:
         pytest.skip("needs two CUDA devices")
     args = {
@@ -184,10 +196,10 @@ def test_nccl_survivor_times_out_without_hanging() -> None:
         "mode": "sleep",
         "timeout": 1.5,
         "rounds_before": 3,
-        "sleep_s": 3.0,
+        "sleep_s": 80.0,  # until the survivor is done
+        "sync_dir": str(tmp_path),
         "backend": "nccl",
     }
     outcome = reports(launch("stall", 2, args, timeout_s=90))[0]["nccl"]
-    assert outcome["error"] == "CollectiveTimeout"
-    assert outcome["elapsed_s"] < 2.5
+    assert outcome["error"] == "CollectiveTimeout"  # a hang would keep launch waiting, and fail
     assert outcome["after"] == "CollectiveClosed"

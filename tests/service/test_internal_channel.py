@@ -6,8 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -15,12 +14,23 @@ import zmq
 
 import protocol as p
 from tests.service.checks import cache_round_trip, fresh_tokens
-from tests.service.harness import listening_sockets, pid_alive, running_service, wait_for
+from tests.service.harness import Service, listening_sockets, pid_alive, running_service, wait_for
 from tpcache.service.config import ConfigError, build_config
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs the whole module, so its shared service starts once (under --dist loadgroup the
+# module's tests would otherwise be spread over both workers, each starting its own).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("service_internal_channel")]
 
 ARGS = ("--page-size", "4", "--device-pages", "64", "--heartbeat", "0.2")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """One group for the module; after every test's foreign traffic, it still stops cleanly (exit 0)."""
+    with running_service(tmp_path_factory.mktemp("channel"), *ARGS) as svc:
+        yield svc
+        code = svc.stop()
+    assert code == 0, svc.log()
 
 
 def hostile_frames() -> list[bytes]:
@@ -38,8 +48,8 @@ def hostile_frames() -> list[bytes]:
     ]
 
 
-def test_foreign_frames_change_nothing(tmp_path: Path) -> None:
-    with running_service(tmp_path, *ARGS) as service, service.client() as c:
+def test_foreign_frames_change_nothing(service: Service) -> None:
+    with service.client() as c:
         tokens = fresh_tokens(8)
         lk = c.lock(tokens)
         c.insert(tokens, c.alloc(lk.lease, 2).device_page_ids, lease=lk.lease)
@@ -81,17 +91,14 @@ def test_foreign_frames_change_nothing(tmp_path: Path) -> None:
         after = c.stats().values
         assert after["digests_equal"] is True and after["rank0.digest"] == before["rank0.digest"]
         cache_round_trip(service)
-    assert service.proc.returncode == 0, service.log()
 
 
-def test_every_rank_listens_on_loopback_only(tmp_path: Path) -> None:
-    with running_service(tmp_path, *ARGS) as service:
-        time.sleep(0.2)
-        for pid in service.pids:
-            sockets = listening_sockets(pid)
-            assert sockets, pid
-            for addr, port in sockets:
-                assert ipaddress.ip_address(addr).is_loopback, (pid, addr, port)
+def test_every_rank_listens_on_loopback_only(service: Service) -> None:
+    for pid in service.pids:
+        sockets = listening_sockets(pid)
+        assert sockets, pid
+        for addr, port in sockets:
+            assert ipaddress.ip_address(addr).is_loopback, (pid, addr, port)
 
 
 def test_a_non_loopback_internal_host_needs_allow_remote() -> None:

@@ -15,7 +15,9 @@ from tests.service.checks import cache_round_trip, fresh_tokens
 from tests.service.harness import Service, running_service, wait_for
 from tpcache.client import Client
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs the whole module, so its shared service starts once (under --dist loadgroup the
+# module's tests would otherwise be spread over both workers, each starting its own).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("service_leases")]
 
 POOL = 64
 ARGS = ("--page-size", "4", "--device-pages", str(POOL), "--heartbeat", "0.2")

@@ -16,7 +16,9 @@ import protocol as p
 from tests.service.checks import cache_round_trip, fresh_tokens
 from tests.service.harness import Service, pid_alive
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs the whole module, so its shared service starts once (under --dist loadgroup the
+# module's tests would otherwise be spread over both workers, each starting its own).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("service_bad_input")]
 
 
 @pytest.fixture

@@ -14,7 +14,9 @@ from tests.service.checks import cache_round_trip, fresh_tokens
 from tests.service.harness import Service
 from tpcache.client import AsyncClient
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs the whole module, so its shared service starts once (under --dist loadgroup the
+# module's tests would otherwise be spread over both workers, each starting its own).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("service_ops")]
 
 
 def test_hello_describes_the_group(service: Service) -> None:

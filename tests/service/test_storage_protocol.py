@@ -28,20 +28,22 @@ def args(storage: Path) -> tuple[str, ...]:
 
 
 def write(c: Client, tokens: list[int]) -> bytes:
-    """Insert ``tokens`` with random KV and wait until every rank made each page durable."""
+    """Insert ``tokens`` with random KV and wait until every rank made each of its pages durable
+    (counted from before this write: an earlier write's pages do not count for it)."""
+    start = c.stats().values
+    goal = {f"rank{r}.storage_written_pages": start[f"rank{r}.storage_written_pages"] + PAGES for r in range(2)}
     lk = c.lock(tokens, prefetch="none")
     pages = list(c.alloc(lk.lease, PAGES).device_page_ids)
     data = os.urandom(len(c.get_pages(pages, lease=lk.lease).data))
     c.put_pages(pages, data, lease=lk.lease)
     assert c.insert(tokens, pages, lease=lk.lease).inserted_pages == PAGES
     c.release(lk.lease)
-    durable = wait_for(
-        lambda: (
-            (v := c.stats().values)["rank0.storage_written_pages"] >= PAGES
-            and v["rank1.storage_written_pages"] >= PAGES
-        ),
-        timeout_s=60,
-    )
+
+    def written() -> bool:
+        values = c.stats().values
+        return all(values[key] >= n for key, n in goal.items())
+
+    durable = wait_for(written, timeout_s=60)
     assert durable, c.stats().values
     return data
 
