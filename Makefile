@@ -32,7 +32,7 @@ system-packages:
 		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them; see README, 'Shared storage')" >&2; \
 	fi
 
-$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c tpcache/core/_node.c protocol/_speedups.c
+$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c $(wildcard tpcache/core/_*.c tpcache/core/_*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! $(BIN)/python -c "import torch" 2>/dev/null && [ -n "$(TORCH_SPEC)" ]; then \

@@ -7,12 +7,11 @@ alive and unchanged for as long as the view is used.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Union
+import sys
+from typing import TYPE_CHECKING, Any, Union
 
-try:  # torch is optional for this module: storage also serves torch-free callers.
+if TYPE_CHECKING:
     import torch
-except ImportError:  # pragma: no cover - torch is a project dependency
-    torch = None  # type: ignore[assignment]
 
 PageBuffer = Union[bytes, bytearray, memoryview, "torch.Tensor"]
 
@@ -38,7 +37,10 @@ def _tensor_view(t: Any, writable: bool) -> memoryview:
 
 def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
     """A flat unsigned-byte view of ``buf`` without copying."""
-    if torch is not None and isinstance(buf, torch.Tensor):
+    # A tensor exists only once torch is imported: this module never imports it, so the launcher
+    # and the settings check start without torch's import (seconds of CPU).
+    torch_ = sys.modules.get("torch")
+    if torch_ is not None and isinstance(buf, torch_.Tensor):
         return _tensor_view(buf, writable)
     try:
         view = memoryview(buf)
