@@ -74,10 +74,11 @@ def test_torchrun_serve(tmp_path: Path) -> None:
         assert not any(pid_alive(pid) for pid in pids)
 
 
-@pytest.mark.multiprocess
-def test_demo_runs_end_to_end() -> None:
+def run_demo(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``launcher demo ARGS --json``, which must succeed: the process and its summary (stdout holds
+    the JSON object and nothing else)."""
     run = subprocess.run(
-        [sys.executable, "-m", "launcher", "demo", "--conversations", "12", "--json"],
+        [sys.executable, "-m", "launcher", "demo", *args, "--json"],
         cwd=REPO,
         env=repo_env(),
         capture_output=True,
@@ -85,7 +86,12 @@ def test_demo_runs_end_to_end() -> None:
         timeout=180,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    summary = json.loads(run.stdout)  # stdout holds the JSON object and nothing else
+    return run, json.loads(run.stdout)
+
+
+@pytest.mark.multiprocess
+def test_demo_runs_end_to_end() -> None:
+    _, summary = run_demo("--conversations", "12")
     assert summary["digests_equal"] is True and len(set(summary["digests"])) == 1
     assert summary["requests"] > 0 and 0 < summary["hit_rate"] < 1
     assert summary["rounds"] > 0 and summary["round_latency_us_p50"] > 0
@@ -98,16 +104,7 @@ def test_demo_runs_end_to_end() -> None:
 def test_demo_pipelined_mode_says_what_it_measured() -> None:
     from launcher.demo import format_summary
 
-    run = subprocess.run(
-        [sys.executable, "-m", "launcher", "demo", "--conversations", "4", "--in-flight", "4", "--json"],
-        cwd=REPO,
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    summary = json.loads(run.stdout)
+    _, summary = run_demo("--conversations", "4", "--in-flight", "4")
     assert summary["in_flight"] == 4 and summary["requests"] > 4
     assert summary["digests_equal"] is True and summary["exit_codes"] == [0, 0] and summary["health"] == "open"
     assert 0 < summary["hit_rate"] <= summary["unbounded_hit_rate"] <= 1
