@@ -2,6 +2,7 @@
 pages between device and storage, nothing is served from host, and every staging slot is freed."""
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -23,6 +24,19 @@ def content(rank: int, page_hash: int) -> torch.Tensor:
     return torch.randint(0, 256, (LAYOUT.page_bytes,), dtype=torch.uint8, generator=g)
 
 
+def settle(tp: TPCache) -> None:
+    """Wait until every copy and storage op this rank started has landed, so the next round sees
+    them: the prefetch's round-paced retries and deferrals then count rounds, not the machine's
+    speed (a starved storage thread cannot make it give up)."""
+    deadline = time.monotonic() + 120  # a hang guard only: a healthy run never gets near it
+    while True:
+        tp.shell.landed()
+        if tp.shell.drained():
+            return
+        assert time.monotonic() < deadline, "this rank's copies never landed"
+        time.sleep(0.001)
+
+
 def admit(tp: TPCache, rank: int, seen: list[int]) -> Any:
     """An engine's admission: select, materialize until ready (one round per scheduler step), commit,
     compute the rest, insert, release. ``seen``: host slots in use and host pages matched, each step."""
@@ -33,6 +47,7 @@ def admit(tp: TPCache, rank: int, seen: list[int]) -> Any:
         seen += [tp.match(PROMPT).host_pages]
         if out.status == "ready":
             break
+        settle(tp)
         tp.step()
     assert out.status == "ready"
     admitted = tp.commit(lease)
