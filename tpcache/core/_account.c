@@ -140,33 +140,6 @@ static int set_int(PyObject **slot, int64_t v) {
     return 0;
 }
 
-/* Could eviction.Candidates.offer push this node? False only where it surely would not: pinned, on
- * neither tier, or (for the device heap) the root or a page with a child on device. */
-static int may_offer(Node *n, int64_t state, int64_t pins) {
-    int64_t hs, hp;
-    if (state == 2 && pins == 0) {
-        if (n->parent == Py_None)
-            return 0;
-        PyObject *child;
-        Py_ssize_t pos = 0;
-        while (PyDict_Next(n->children, &pos, NULL, &child)) {
-            int64_t cs;
-            if (!is_node(child) || field(((Node *)child)->device_state, &cs) < 0) {
-                PyErr_Clear();
-                return 1; /* let the reference decide */
-            }
-            if (cs != 0)
-                return 0;
-        }
-        return 1;
-    }
-    if (state != 0 || field(n->host_state, &hs) < 0 || field(n->host_pins, &hp) < 0) {
-        PyErr_Clear();
-        return state == 0;
-    }
-    return hs == 2 && hp == 0;
-}
-
 /* touch(nodes, device_pins, stamp, hit, clock, digest, offer) -> (digest, evictable delta,
  * protected delta): Ledger.touch's loop (see there). */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -210,7 +183,10 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         if (record_any(item, &rec) < 0 || set_int(&n->record, (int64_t)rec) < 0)
             goto fail;
         value += rec - (uint64_t)old;
-        if (may_offer(n, state, now)) {
+        int which = candidacy(item); /* offered only where the offer will push */
+        if (which < 0)
+            goto fail;
+        if (which) {
             PyObject *r = PyObject_CallOneArg(offer, item);
             if (r == NULL)
                 goto fail;

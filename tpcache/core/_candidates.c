@@ -39,8 +39,9 @@ static int call_bool(PyObject *fn, PyObject *node) {
     return v;
 }
 
-/* Which heaps a node is a candidate of: 1 device, 2 host (eviction.Candidates.offer's test). */
-static int candidacy(PyObject *obj) {
+/* Which heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error
+ * (eviction.Candidates.offer's test). */
+int candidacy(PyObject *obj) {
     if (!is_node(obj)) {
         int d = call_bool(is_device_candidate, obj), h = d < 0 ? -1 : call_bool(is_host_candidate, obj);
         return d < 0 || h < 0 ? -1 : d | h << 1;

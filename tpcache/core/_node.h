@@ -22,6 +22,9 @@ extern PyTypeObject NodeType;
 extern PyMethodDef account_methods[];   /* _account.c */
 extern PyMethodDef candidate_methods[]; /* _candidates.c */
 
+/* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
+int candidacy(PyObject *node); /* _candidates.c */
+
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
 /* An int field's value: -1 and an exception if it is not an int64. */

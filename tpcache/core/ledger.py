@@ -173,32 +173,15 @@ class Ledger:
             offer(node)
         return value, evictable, protected
 
-    def add(
-        self,
-        parent: Node,
-        tokens: bytes,
-        hash_: int,
-        host: tuple[HostState, int] | None = None,
-        device: tuple[DeviceState, int] | None = None,
-        device_pins: int = 0,
-    ) -> Node:
-        """A new node under ``parent`` (stamped now), optionally with a host slot being written or a
-        device page (and its pins): one record and one offer for a node and its first state."""
+    def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int]) -> Node:
+        """A new host-only node under ``parent`` (stamped now) with its host slot being written: one
+        record and one offer for a node and its first state. An insert's device pages come through
+        ``add_pinned_chain``."""
         node = self.tree.add_child(parent, tokens, hash_, self.clock)
         if self.parts:
             node.comp = fresh_record(len(self.parts), self.clock)
-        if host is not None:
-            check_transition(HostState, node.host_state, host[0])
-            node.host_state, node.host_slot = host
-        if device is not None:
-            check_transition(DeviceState, node.device_state, device[0])
-            node.device_state, node.device_page = device
-            node.device_pins = device_pins
-            if device_pins > 0 and host is None:  # an insert's page: protected, no mirror, no candidate
-                node.record = record_of(node)
-                self.digest.value = (self.digest.value + node.record) & DIGEST_MASK
-                self.protected_device_pages += 1
-                return node
+        check_transition(HostState, node.host_state, host[0])
+        node.host_state, node.host_slot = host
         self._refresh(node, 0, False)
         return node
 
