@@ -107,7 +107,8 @@ def test_a_stale_entry_is_skipped_by_the_native_pop():
     core.release(lease)
     leaf = max(core.tree.nodes.values(), key=lambda n: n.depth)
     cands = core.candidates
-    heapq.heappush(cands.device_heap, ((leaf.last_access - 1, -leaf.depth, leaf.hash), leaf.node_id))  # an old key
+    old = cands.policy.key(leaf) - (1 << 128)  # the same node one stamp earlier: an old key
+    heapq.heappush(cands.device_heap, old << 64 | leaf.node_id)
     assert cands.pop_device() is leaf
     assert cands.pop_device() is None  # its parent has a device child until the leaf goes
 

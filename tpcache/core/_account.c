@@ -43,17 +43,16 @@ static inline void write64(uint8_t *p, uint64_t v) {
         p[i] = (uint8_t)v;
 }
 
-static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret) {
-    __uint128_t m = (__uint128_t)(read64(data) ^ read64(secret)) * (read64(data + 8) ^ read64(secret + 8));
+static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret, uint64_t seed) {
+    __uint128_t m = (__uint128_t)(read64(data) ^ (read64(secret) + seed)) * (read64(data + 8) ^ (read64(secret + 8) - seed));
     return (uint64_t)m ^ (uint64_t)(m >> 64);
 }
 
-/* XXH3-64 of 17 to 128 bytes. */
-static uint64_t xxh3_17to128(const uint8_t *input, size_t len) {
+uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed) {
     uint64_t acc = len * PRIME64_1;
     for (int i = (int)((len - 1) >> 5); i >= 0; i--) {
-        acc += mix16(input + 16 * i, SECRET + 32 * i);
-        acc += mix16(input + len - 16 * i - 16, SECRET + 32 * i + 16);
+        acc += mix16(input + 16 * i, SECRET + 32 * i, seed);
+        acc += mix16(input + len - 16 * i - 16, SECRET + 32 * i + 16, seed);
     }
     acc ^= acc >> 37;
     acc *= PRIME_MX1;
@@ -65,7 +64,7 @@ static uint64_t xxh3_17to128(const uint8_t *input, size_t len) {
 static PyObject *record_fallback = NULL;
 
 /* The record of a native node without components: 0 and an exception on a field that is not an int. */
-static int record_native(Node *n, uint64_t *out) {
+int record_native(Node *n, uint64_t *out) {
     int64_t ds, hs, ss, page, slot, dp, hp, last, hits, created;
     unsigned long long hash = PyLong_AsUnsignedLongLong(n->hash);
     if (hash == (unsigned long long)-1 && PyErr_Occurred())
@@ -84,7 +83,7 @@ static int record_native(Node *n, uint64_t *out) {
     write64(buf + 40, (uint64_t)last);
     write64(buf + 48, (uint64_t)hits);
     write64(buf + 56, (uint64_t)created);
-    *out = xxh3_17to128(buf, 64) & DIGEST_MASK;
+    *out = xxh3_17to128(buf, 64, 0) & DIGEST_MASK;
     return 0;
 }
 
@@ -119,17 +118,51 @@ static PyObject *py_set_record_fallback(PyObject *mod, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_xxh3(PyObject *mod, PyObject *arg) {
+static PyObject *py_xxh3(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2)
+        return PyErr_Format(PyExc_TypeError, "xxh3_17to128 takes data and an optional seed");
+    unsigned long long seed = nargs == 2 ? PyLong_AsUnsignedLongLong(args[1]) : 0;
+    if (seed == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     if (view.len < 17 || view.len > 128) {
         PyBuffer_Release(&view);
         return PyErr_Format(PyExc_ValueError, "xxh3_17to128 takes 17 to 128 bytes, not %zd", view.len);
     }
-    uint64_t h = xxh3_17to128(view.buf, (size_t)view.len);
+    uint64_t h = xxh3_17to128(view.buf, (size_t)view.len, seed);
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(h);
+}
+
+/* mix(*fields): digest.mix, XXH3-64 of up to eight fields packed as "<QqqqqqqQ" (the first and
+ * last unsigned, the rest signed; unused fields zero), masked to 62 bits. NotImplemented for a
+ * field that does not fit or is not an int, so the caller's reference raises what it raises. */
+static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 8)
+        Py_RETURN_NOTIMPLEMENTED;
+    uint8_t buf[64] = {0};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (!PyLong_Check(args[i]))
+            Py_RETURN_NOTIMPLEMENTED;
+        uint64_t v;
+        if (i == 0 || i == 7) {
+            v = PyLong_AsUnsignedLongLong(args[i]);
+        } else {
+            int overflow;
+            v = (uint64_t)PyLong_AsLongLongAndOverflow(args[i], &overflow);
+            if (overflow) {
+                Py_RETURN_NOTIMPLEMENTED;
+            }
+        }
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        write64(buf + 8 * i, v);
+    }
+    return PyLong_FromUnsignedLongLong(xxh3_17to128(buf, 64, 0) & DIGEST_MASK);
 }
 
 static int set_int(PyObject **slot, int64_t v) {
@@ -232,7 +265,7 @@ static PyObject *py_terms(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
         write64(buf + 16, (uint64_t)key);
-        total += xxh3_17to128(buf, 24) & DIGEST_MASK;
+        total += xxh3_17to128(buf, 24, 0) & DIGEST_MASK;
     }
     Py_DECREF(seq);
     return PyLong_FromUnsignedLongLong(total & DIGEST_MASK);
@@ -256,8 +289,9 @@ PyMethodDef account_methods[] = {
     {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
      "The reference record, for nodes with components or reference nodes."},
     {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
+    {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (NotImplemented: use the reference)."},
     {"terms", (PyCFunction)(void (*)(void))py_terms, METH_FASTCALL, "The sum of holdings' terms for keys (nodes or ints)."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
-    {"xxh3_17to128", (PyCFunction)py_xxh3, METH_O, "XXH3-64 of 17 to 128 bytes (for the tests)."},
+    {"xxh3_17to128", (PyCFunction)(void (*)(void))py_xxh3, METH_FASTCALL, "XXH3-64 of 17 to 128 bytes with a seed (for the tests)."},
     {NULL, NULL, 0, NULL},
 };

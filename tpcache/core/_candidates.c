@@ -91,38 +91,60 @@ int candidacy(PyObject *obj) {
     return 2;
 }
 
-/* A policy's key (eviction.LRU/LFU/FIFO.key): kind 0 LRU, 1 LFU, 2 FIFO. */
-static PyObject *policy_key(Node *n, long kind) {
-    PyObject *depth = PyNumber_Negative(n->depth);
-    if (depth == NULL)
+/* A node's heap entry, ``key << 64 | node_id`` (candidates.entry_of with LRU/LFU/FIFO.key): kind 0
+ * LRU, 1 LFU, 2 FIFO. The key's fields are 64-bit words, most significant first, so the entry is
+ * built from its little-endian words in one call. NULL and an exception for a field outside 0..2**64-1. */
+static PyObject *heap_entry(Node *n, long kind) {
+    uint64_t w[5];
+    int k = 0;
+    PyObject *top[2] = {kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at, n->last_access};
+    w[k++] = PyLong_AsUnsignedLongLong(n->node_id);
+    w[k++] = PyLong_AsUnsignedLongLong(n->hash);
+    w[k++] = UINT64_MAX - PyLong_AsUnsignedLongLong(n->depth);
+    if (kind == 1)
+        w[k++] = PyLong_AsUnsignedLongLong(top[1]);
+    w[k++] = PyLong_AsUnsignedLongLong(top[0]);
+    if (PyErr_Occurred())
         return NULL;
-    PyObject *key;
-    if (kind == 0)
-        key = PyTuple_Pack(3, n->last_access, depth, n->hash);
-    else if (kind == 1)
-        key = PyTuple_Pack(4, n->hits, n->last_access, depth, n->hash);
-    else
-        key = PyTuple_Pack(3, n->created_at, depth, n->hash);
-    Py_DECREF(depth);
-    return key;
+    unsigned char bytes[40];
+    for (int i = 0; i < k; i++)
+        for (int b = 0; b < 8; b++)
+            bytes[8 * i + b] = (unsigned char)(w[i] >> (8 * b));
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(bytes, (size_t)(8 * k), Py_ASNATIVEBYTES_LITTLE_ENDIAN);
+#else
+    return _PyLong_FromByteArray(bytes, (size_t)(8 * k), 1, 0);
+#endif
 }
 
 static PyObject *heappush = NULL, *heappop = NULL; /* _heapq's, so heaps are laid out as heapq lays them */
+static PyObject *s_device_heap, *s_host_heap, *s_tree, *s_nodes, *s_key_kind, *s_rebuild, *s_push;
 
 static int load_heapq(void) {
     if (heappush != NULL)
         return 0;
+    s_device_heap = PyUnicode_InternFromString("device_heap");
+    s_host_heap = PyUnicode_InternFromString("host_heap");
+    s_tree = PyUnicode_InternFromString("tree");
+    s_nodes = PyUnicode_InternFromString("nodes");
+    s_key_kind = PyUnicode_InternFromString("key_kind");
+    s_rebuild = PyUnicode_InternFromString("rebuild");
+    s_push = PyUnicode_InternFromString("_push");
     PyObject *m = PyImport_ImportModule("_heapq");
-    if (m == NULL)
+    if (m == NULL || !s_device_heap || !s_host_heap || !s_tree || !s_nodes || !s_key_kind || !s_rebuild || !s_push) {
+        Py_XDECREF(m);
         return -1;
-    heappush = PyObject_GetAttrString(m, "heappush");
+    }
     heappop = PyObject_GetAttrString(m, "heappop");
+    heappush = heappop ? PyObject_GetAttrString(m, "heappush") : NULL;
     Py_DECREF(m);
-    return heappush == NULL || heappop == NULL ? -1 : 0;
+    return heappush == NULL ? -1 : 0;
 }
 
 static int key_kind(PyObject *cands, long *kind) {
-    PyObject *k = PyObject_GetAttrString(cands, "key_kind");
+    if (load_heapq() < 0)
+        return -1;
+    PyObject *k = PyObject_GetAttr(cands, s_key_kind);
     if (k == NULL)
         return -1;
     *kind = PyLong_AsLong(k);
@@ -131,69 +153,90 @@ static int key_kind(PyObject *cands, long *kind) {
 }
 
 static int push(PyObject *heap, Node *n, long kind) {
-    PyObject *key = policy_key(n, kind);
-    if (key == NULL)
-        return -1;
-    PyObject *entry = PyTuple_Pack(2, key, n->node_id);
-    Py_DECREF(key);
+    PyObject *entry = heap_entry(n, kind);
     if (entry == NULL)
         return -1;
-    PyObject *r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL);
+    PyObject *args[2] = {heap, entry};
+    PyObject *r = PyObject_Vectorcall(heappush, args, 2, NULL);
     Py_DECREF(entry);
     Py_XDECREF(r);
     return r == NULL ? -1 : 0;
 }
 
-/* offer(candidates, node): eviction.Candidates.offer and _push, for the policies written here
- * (``candidates.key_kind`` >= 0); any other policy gets ``candidates._push(node, which)``. */
+static int load_lists(Heaps *h) {
+    Py_XSETREF(h->dev, PyObject_GetAttr(h->cands, s_device_heap));
+    Py_XSETREF(h->host, PyObject_GetAttr(h->cands, s_host_heap));
+    if (h->dev == NULL || h->host == NULL)
+        return -1;
+    if (!PyList_Check(h->dev) || !PyList_Check(h->host)) {
+        PyErr_SetString(PyExc_TypeError, "the candidates' heaps are lists");
+        return -1;
+    }
+    return 0;
+}
+
+int heaps_load(Heaps *h, PyObject *cands) {
+    h->cands = cands;
+    h->dev = h->host = h->nodes = NULL;
+    if (key_kind(cands, &h->kind) < 0)
+        return -1;
+    PyObject *tree = PyObject_GetAttr(cands, s_tree);
+    h->nodes = tree ? PyObject_GetAttr(tree, s_nodes) : NULL;
+    Py_XDECREF(tree);
+    if (h->nodes == NULL || load_lists(h) < 0)
+        return -1;
+    if (!PyDict_Check(h->nodes)) {
+        PyErr_SetString(PyExc_TypeError, "the tree's nodes are a dict");
+        return -1;
+    }
+    return 0;
+}
+
+void heaps_clear(Heaps *h) {
+    Py_CLEAR(h->dev);
+    Py_CLEAR(h->host);
+    Py_CLEAR(h->nodes);
+}
+
+/* eviction.Candidates.offer and _push, for the policies written here (``key_kind`` >= 0); any other
+ * policy, or a reference node, gets ``candidates._push(node, which)``. */
+static int heaps_push(Heaps *h, PyObject *node, int which) {
+    if (h->kind < 0 || !is_node(node)) {
+        PyObject *r = PyObject_CallMethod(h->cands, "_push", "Oi", node, which);
+        Py_XDECREF(r);
+        return r == NULL || load_lists(h) < 0 ? -1 : 0;
+    }
+    if (PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64) {
+        PyObject *r = PyObject_CallMethodNoArgs(h->cands, s_rebuild); /* the heaps are new lists after it */
+        Py_XDECREF(r);
+        if (r == NULL || load_lists(h) < 0)
+            return -1;
+    }
+    if ((which & 1 && push(h->dev, (Node *)node, h->kind) < 0) || (which & 2 && push(h->host, (Node *)node, h->kind) < 0))
+        return -1;
+    return 0;
+}
+
+int heaps_offer(Heaps *h, PyObject *node) {
+    int which = candidacy(node);
+    return which <= 0 ? which : heaps_push(h, node, which);
+}
+
+/* offer(candidates, node): ``heaps_offer``. */
 static PyObject *py_offer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "offer takes 2 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *node = args[1];
-    int which = candidacy(node);
-    long kind;
-    if (which < 0)
-        return NULL;
-    if (which == 0)
-        Py_RETURN_NONE;
-    if (key_kind(cands, &kind) < 0 || load_heapq() < 0)
-        return NULL;
-    if (kind < 0 || !is_node(node))
-        return PyObject_CallMethod(cands, "_push", "Oi", node, which);
-    PyObject *dev = PyObject_GetAttrString(cands, "device_heap"), *host = PyObject_GetAttrString(cands, "host_heap");
-    PyObject *tree = PyObject_GetAttrString(cands, "tree"), *nodes = tree ? PyObject_GetAttrString(tree, "nodes") : NULL;
-    PyObject *out = NULL;
-    if (dev == NULL || host == NULL || nodes == NULL)
-        goto done;
-    Py_ssize_t stale = PyObject_Length(dev) + PyObject_Length(host), live = PyObject_Length(nodes);
-    if (stale < 0 || live < 0)
-        goto done;
-    if (stale > 4 * live + 64) { /* the heaps are new lists after a rebuild */
-        PyObject *r = PyObject_CallMethod(cands, "rebuild", NULL);
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
-        Py_SETREF(dev, PyObject_GetAttrString(cands, "device_heap"));
-        Py_SETREF(host, PyObject_GetAttrString(cands, "host_heap"));
-        if (dev == NULL || host == NULL)
-            goto done;
-    }
-    if ((which & 1 && push(dev, (Node *)node, kind) < 0) || (which & 2 && push(host, (Node *)node, kind) < 0))
-        goto done;
-    out = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(dev);
-    Py_XDECREF(host);
-    Py_XDECREF(tree);
-    Py_XDECREF(nodes);
-    return out;
+    return offer1(args[0], args[1]) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-static int offer1(PyObject *cands, PyObject *node) {
-    PyObject *args[2] = {cands, node};
-    PyObject *r = py_offer(NULL, args, 2);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
+int offer1(PyObject *cands, PyObject *node) {
+    int which = candidacy(node); /* most offers push nothing: no need for the heaps */
+    if (which <= 0)
+        return which;
+    Heaps h;
+    int rc = heaps_load(&h, cands) < 0 ? -1 : heaps_push(&h, node, which);
+    heaps_clear(&h);
+    return rc;
 }
 
 static int state_field(PyObject *node, int device, int64_t *out) {
@@ -241,65 +284,76 @@ done:
     return out;
 }
 
-/* pop(candidates, heap, which) -> the next live candidate of ``heap`` or None: eviction.Candidates._pop
- * with live() (a current entry: its node is a candidate of that tier, with the key it was pushed with). */
-static PyObject *py_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "pop takes 3 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *heap = args[1];
-    long which = PyLong_AsLong(args[2]), kind;
-    if ((which == -1 && PyErr_Occurred()) || key_kind(cands, &kind) < 0 || load_heapq() < 0)
+/* The next live candidate of ``heap`` (a new reference) or None: eviction.Candidates._pop with live()
+ * (a current entry: its node is a candidate of that tier, with the key it was pushed with). ``nodes``
+ * is the tree's nodes dict, ``kind`` the policy's key kind. NULL and an exception on an error. */
+PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) {
+    if (load_heapq() < 0)
         return NULL;
-    if (!PyList_Check(heap) || kind < 0)
-        return PyErr_Format(PyExc_TypeError, "pop takes a heap list, of a policy written here");
-    PyObject *tree = PyObject_GetAttrString(cands, "tree"), *nodes = tree ? PyObject_GetAttrString(tree, "nodes") : NULL;
-    Py_XDECREF(tree);
-    if (nodes == NULL)
-        return NULL;
-    PyObject *out = NULL;
     while (PyList_GET_SIZE(heap) > 0) {
         PyObject *entry = PyObject_CallOneArg(heappop, heap);
         if (entry == NULL)
-            goto done;
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            return NULL;
+        if (!PyLong_Check(entry)) {
             Py_DECREF(entry);
-            PyErr_SetString(PyExc_TypeError, "a heap entry is (key, node id)");
-            goto done;
+            PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
+            return NULL;
         }
-        PyObject *node = PyDict_GetItemWithError(nodes, PyTuple_GET_ITEM(entry, 1)); /* borrowed */
+        PyObject *id = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(entry));
+        PyObject *node = id == NULL ? NULL : PyDict_GetItemWithError(nodes, id); /* borrowed */
+        Py_XDECREF(id);
         int live = 0;
         if (node != NULL && !is_node(node)) {
             Py_DECREF(entry);
             PyErr_SetString(PyExc_TypeError, "pop: a tree of native nodes");
-            goto done;
+            return NULL;
         }
         if (node != NULL) {
             int c = candidacy(node);
             if (c < 0) {
                 Py_DECREF(entry);
-                goto done;
+                return NULL;
             }
             if (c & which) {
-                PyObject *key = policy_key((Node *)node, kind);
-                live = key == NULL ? -1 : PyObject_RichCompareBool(key, PyTuple_GET_ITEM(entry, 0), Py_EQ);
-                Py_XDECREF(key);
+                PyObject *now = heap_entry((Node *)node, kind);
+                live = now == NULL ? -1 : PyObject_RichCompareBool(now, entry, Py_EQ);
+                Py_XDECREF(now);
             }
         } else if (PyErr_Occurred()) {
             live = -1;
         }
-        if (live < 0) {
-            Py_DECREF(entry);
-            goto done;
-        }
-        if (live) {
-            out = Py_NewRef(node);
-            Py_DECREF(entry);
-            goto done;
-        }
         Py_DECREF(entry);
+        if (live < 0)
+            return NULL;
+        if (live)
+            return Py_NewRef(node);
     }
-    out = Py_NewRef(Py_None);
-done:
+    return Py_NewRef(Py_None);
+}
+
+int candidates_context(PyObject *cands, PyObject **nodes, long *kind) {
+    *nodes = NULL;
+    if (key_kind(cands, kind) < 0)
+        return -1;
+    PyObject *tree = PyObject_GetAttr(cands, s_tree);
+    *nodes = tree ? PyObject_GetAttr(tree, s_nodes) : NULL;
+    Py_XDECREF(tree);
+    return *nodes == NULL ? -1 : 0;
+}
+
+/* pop(candidates, heap, which) -> the next live candidate of ``heap`` or None (``pop_candidate``). */
+static PyObject *py_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "pop takes 3 arguments, not %zd", nargs);
+    PyObject *cands = args[0], *heap = args[1], *nodes;
+    long which = PyLong_AsLong(args[2]), kind;
+    if ((which == -1 && PyErr_Occurred()) || candidates_context(cands, &nodes, &kind) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    if (!PyList_Check(heap) || kind < 0)
+        PyErr_Format(PyExc_TypeError, "pop takes a heap list, of a policy written here");
+    else
+        out = pop_candidate(heap, which, nodes, kind);
     Py_DECREF(nodes);
     return out;
 }

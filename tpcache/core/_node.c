@@ -20,11 +20,8 @@ static void node_dealloc(Node *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int node_init(Node *self, PyObject *args, PyObject *kwds) {
-    PyObject *node_id, *parent, *tokens, *hash, *clock;
-    static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
-        return -1;
+/* Node.__init__'s fields, on a node whose fields are all NULL or set. */
+static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *tokens, PyObject *hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
         return -1;
@@ -69,6 +66,21 @@ static int node_init(Node *self, PyObject *args, PyObject *kwds) {
     Py_DECREF(zero);
     Py_DECREF(minus_one);
     return 0;
+}
+
+static int node_init(Node *self, PyObject *args, PyObject *kwds) {
+    PyObject *node_id, *parent, *tokens, *hash, *clock;
+    static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
+        return -1;
+    return node_fill(self, node_id, parent, tokens, hash, clock);
+}
+
+Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, PyObject *hash, PyObject *clock) {
+    Node *n = (Node *)NodeType.tp_alloc(&NodeType, 0);
+    if (n != NULL && node_fill(n, node_id, parent, tokens, hash, clock) < 0)
+        Py_CLEAR(n);
+    return n;
 }
 
 #define MEMBER(name) {#name, T_OBJECT_EX, offsetof(Node, name), 0, NULL},
@@ -172,7 +184,8 @@ PyMODINIT_FUNC PyInit__node(void) {
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddFunctions(m, candidate_methods) < 0) {
+    if (PyModule_AddFunctions(m, candidate_methods) < 0 || PyModule_AddFunctions(m, evict_methods) < 0 ||
+        PyModule_AddFunctions(m, chain_methods) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -21,9 +21,35 @@ typedef struct {
 extern PyTypeObject NodeType;
 extern PyMethodDef account_methods[];   /* _account.c */
 extern PyMethodDef candidate_methods[]; /* _candidates.c */
+extern PyMethodDef evict_methods[];     /* _evict.c */
+extern PyMethodDef chain_methods[];     /* _chain.c */
 
 /* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
 int candidacy(PyObject *node); /* _candidates.c */
+/* Candidates.offer(node): 0, or -1 and an exception. */
+int offer1(PyObject *cands, PyObject *node);
+/* A Candidates' heaps, its tree's nodes dict (new references) and its policy's key kind, loaded
+ * once for a loop of offers and pops; ``heaps_offer`` keeps dev and host current across a rebuild. */
+typedef struct {
+    PyObject *cands, *dev, *host, *nodes;
+    long kind;
+} Heaps;
+int heaps_load(Heaps *h, PyObject *cands); /* 0, or -1 and an exception (then heaps_clear) */
+void heaps_clear(Heaps *h);
+int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 and an exception */
+/* The tree's nodes dict (a new reference) and the policy's key kind of a Candidates: 0 or -1. */
+int candidates_context(PyObject *cands, PyObject **nodes, long *kind);
+/* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
+PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind);
+
+/* XXH3-64 (default secret, ``seed``) of 17 to 128 bytes (_account.c). */
+uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
+
+/* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
+ * an exception (_account.c). */
+int record_native(Node *n, uint64_t *out);
+/* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it (_node.c). */
+Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, PyObject *hash, PyObject *clock);
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
@@ -34,6 +60,14 @@ static inline int field(PyObject *v, int64_t *out) {
         return -1;
     *out = (int64_t)x;
     return 0;
+}
+
+/* RadixTree._invalidate: drop the runs through ``node`` and those of the single-child chain above it. */
+static inline void invalidate_runs(PyObject *cur) {
+    while (is_node(cur) && ((Node *)cur)->run != Py_None) {
+        Py_SETREF(((Node *)cur)->run, Py_NewRef(Py_None));
+        cur = ((Node *)cur)->parent;
+    }
 }
 
 #endif

@@ -62,7 +62,7 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
     totals, see ``holdings``), where ``append`` continues, and per component what it pins and holds,
     and its protected prefix."""
     cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
-    packed = _RECORD.pack(  # digest.mix of these 8 fields, without its padding
+    record = mix(
         _LEASE_TAG,
         lease.lease_id,
         lease.device_nodes.total,
@@ -72,7 +72,6 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
         int(lease.releasing) | cursor << 1,
         mix_ids(prefetch_fields) if prefetch_fields else _NO_IDS,
     )
-    record = xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
     fields: list[int] = []
     for c, held in lease.parts.items():
         if held.device_nodes or held.host_nodes or held.pages:  # an empty entry holds nothing

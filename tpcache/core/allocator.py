@@ -43,8 +43,11 @@ class PageAllocator:
             raise ValueError("cannot allocate a negative number of pages")
         if n > len(self._free) + self.num_pages - self._fresh:
             raise OutOfPages(f"{self.name} pool: need {n} pages, {self.available} free")
-        reuse = min(n, len(self._free))
-        pages = [self._free.pop() for _ in range(reuse)]
+        free = self._free
+        reuse = min(n, len(free))
+        pages = free[len(free) - reuse :]  # LIFO: the last freed first
+        pages.reverse()
+        del free[len(free) - reuse :]
         if n > reuse:
             start = self._fresh
             self._fresh += n - reuse

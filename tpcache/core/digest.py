@@ -16,11 +16,24 @@ DIGEST_BITS = 62
 DIGEST_MASK = (1 << DIGEST_BITS) - 1
 _RECORD = struct.Struct("<QqqqqqqQ")
 
+try:
+    from tpcache.core._node import mix as _native_mix
+except ImportError:  # built without a C compiler
+    _native_mix = None
 
-def mix(*fields: int) -> int:
+
+def reference_mix(*fields: int) -> int:
     """A 62-bit mix of up to eight int64/uint64 fields (unused fields are zero)."""
     padded = list(fields) + [0] * (8 - len(fields))
     return xxhash.xxh3_64_intdigest(_RECORD.pack(*padded)) & DIGEST_MASK
+
+
+def mix(*fields: int) -> int:
+    """``reference_mix``, in C where built (``_account.c``: the same value, or NotImplemented for
+    fields it does not take, which the reference then refuses)."""
+    if _native_mix is not None and (value := _native_mix(*fields)) is not NotImplemented:
+        return value
+    return reference_mix(*fields)
 
 
 def mix_ids(ids: list[int], seed: int = 0) -> int:

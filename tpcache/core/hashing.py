@@ -18,6 +18,11 @@ _U64 = struct.Struct("<Q")
 
 TokenIds = Sequence[int] | array | bytes | memoryview
 
+try:
+    from tpcache.core._node import token_bytes as _token_bytes
+except ImportError:  # built without a C compiler
+    _token_bytes = None
+
 
 def namespace_seed(namespace: str) -> int:
     """The salt for one namespace: caches with different namespaces never share pages."""
@@ -41,6 +46,8 @@ def as_token_bytes(tokens: TokenIds) -> bytes:
         if len(data) % 4:
             raise ValueError(f"token bytes must be a multiple of 4 long (int32), got {len(data)} bytes")
         return data
+    if _token_bytes is not None and (data := _token_bytes(tokens)) is not None:
+        return data  # a list or tuple of ints, converted in C (_chain.c) as below
     if isinstance(tokens, array) and tokens.typecode == "i" and tokens.itemsize == 4:
         arr = tokens
     else:

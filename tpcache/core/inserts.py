@@ -67,7 +67,33 @@ class Inserter:
             before = b"".join(n.tokens for n in path)
             padded = {c: [-1] * len(path) + list(v) for c, v in parts.items()} if parts else None
             return self.insert(lease, before + as_token_bytes(tokens), [n.device_page for n in path] + pages, padded)
-        return self._adopt(lease, self.ledger.tree.walk(as_token_bytes(tokens), cursor), cursor, pages, parts)
+        data = as_token_bytes(tokens)
+        if not parts and (made := self._append_new(lease, cursor, data, pages)) is not None:
+            return made
+        return self._adopt(lease, self.ledger.tree.walk(data, cursor), cursor, pages, parts)
+
+    def _append_new(self, lease: Lease, cursor: Node, data: bytes, pages: list[int]) -> tuple[int, int] | None:
+        """``_adopt`` below the cursor when every page is new and the lease holds each of ``pages``
+        (a running request's next pages, most appends): the same changes without the walk and the
+        plan. None, changing nothing, for any other append (``_adopt`` handles it, or refuses it)."""
+        led = self.ledger
+        step = led.page_size * 4
+        n = len(data) // step
+        held = lease.pages
+        if not n or len(pages) < n or len(held) < n or data[:step] in cursor.children:
+            return None
+        new = pages if len(pages) == n else pages[:n]
+        if not set(held).issuperset(new) or len(set(new)) != n:
+            return None
+        led.tick()
+        held.discard(set(new))  # now in the tree
+        chain = led.add_pinned_chain(cursor, data, 0, new)
+        lease.device_nodes.extend(chain)
+        lease.cursor = chain[-1] if len(lease.device_nodes) == cursor.depth + n else None
+        self.backup.on_insert(chain)
+        self.book.refresh(lease)
+        led.stats.inserted_pages += n
+        return n, 0
 
     def _adopt(
         self,
@@ -86,14 +112,16 @@ class Inserter:
             raise ValueError("component slots given to a configuration without components")
         # Validate everything before mutating anything: a refused insert changes nothing.
         owned = set(lease.pages)
-        plan: list[tuple[int, Node | None, int]] = []  # (page index, existing node, page) to adopt
+        nodes = walk.nodes
+        plan: list[tuple[Node, int]] = []  # (existing node off device, page) to adopt
         duplicates = 0
-        for i in range(walk.num_pages):
-            node = walk.nodes[i] if i < len(walk.nodes) else None
-            if node is not None and node.device_state == DeviceState.LOADING:
+        loading = False
+        for i, node in enumerate(nodes):
+            if node.device_state == DeviceState.LOADING:
+                loading = True
                 break
             page = pages[i]
-            if node is not None and node.on_device:
+            if node.on_device:
                 if page != node.device_page:
                     if page not in owned:
                         raise ValueError(f"page {page} is neither cached here nor held by lease {lease_id}")
@@ -102,48 +130,54 @@ class Inserter:
             if page not in owned:
                 raise ValueError(f"page {page} is not held by lease {lease_id}")
             owned.discard(page)
-            plan.append((i, node, page))
+            plan.append((node, page))
+        # The pages past the walk become new nodes, each below the one before.
+        new = [] if loading else pages[len(nodes) : walk.num_pages]
+        if not owned.issuperset(new) or len(set(new)) != len(new):
+            for page in new:  # name the first page that is not the lease's to give
+                if page not in owned:
+                    raise ValueError(f"page {page} is not held by lease {lease_id}")
+                owned.discard(page)
         if parts:
             self.hybrid.check_insert(lease, walk.nodes + [None] * (walk.num_pages - len(walk.nodes)), parts)  # type: ignore[union-attr]
         led = self.ledger
         led.tick()
-        hashes = walk.hashes if plan else []
         top = led.tree.root if start is None else start
-        path = list(walk.nodes)
+        taken = {page for _, page in plan}
+        taken.update(new)
+        lease.pages.discard(taken)  # now in the tree
         inserted: list[Node] = []
-        lease.pages.discard({page for _, _, page in plan})  # now in the tree
-        new_from = next((k for k, (_, node, _) in enumerate(plan) if node is None), len(plan))
-        for _, node, page in plan[:new_from]:  # pages the tree has, off device
-            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)  # type: ignore[arg-type]
-            inserted.append(node)  # type: ignore[arg-type]
-        if new_from < len(plan):  # the rest is new, each page below the one before (stamped as made)
-            rest = plan[new_from:]
-            i, n = rest[0][0], len(rest)
-            parent = path[i - 1] if i else top
-            chain = led.add_pinned_chain(parent, walk.pages[i : i + n], hashes[i : i + n], [p for _, _, p in rest])
-            path.extend(chain)
+        for node, page in plan:  # pages the tree has, off device
+            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
+            inserted.append(node)
+        chain: list[Node] = []
+        if new:  # stamped as made
+            chain = led.add_pinned_chain(nodes[-1] if nodes else top, walk.token_bytes, len(nodes) * walk.step, new)
             inserted.extend(chain)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
         # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.
         # Below a cursor the lease pins nothing, so an append needs no look at what it holds.
         pinned = {n.node_id for n in lease.device_nodes} if start is None else ()
-        fresh = {n.node_id for n in inserted}
+        fresh = {n.node_id for n, _ in plan}
         pins: list[Node] = []
-        for node in path:
+        for node in nodes:
             if node.node_id in fresh:
                 pins.append(node)
             elif node.on_device and node.node_id not in pinned:
                 led.update(node, stamp=True, device_pins=1)
                 pins.append(node)
+        pins.extend(chain)
         lease.device_nodes.extend(pins)
         # ``append`` may continue from here when the whole sequence is adopted and the lease pins
         # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
-        whole = len(path) == walk.num_pages and all(n.device_state == DeviceState.VALID for n in path)
-        depth = (0 if start is None else start.depth) + len(path)
-        lease.cursor = (path[-1] if path else top) if whole and len(lease.device_nodes) == depth else None
+        length = len(nodes) + len(chain)
+        whole = length == walk.num_pages and all(n.device_state == DeviceState.VALID for n in nodes)
+        depth = (0 if start is None else start.depth) + length
+        last = chain[-1] if chain else nodes[-1] if nodes else top
+        lease.cursor = last if whole and len(lease.device_nodes) == depth else None
         if self.hybrid is not None:
-            on_device = [n for n in path if n.device_state == DeviceState.VALID]
+            on_device = [n for n in nodes + chain if n.device_state == DeviceState.VALID]
             gained = self.hybrid.adopt(lease, on_device, parts or {}, walk.num_pages - 1)
             inserted_ids = {n.node_id for n in inserted}
             self.backup.on_insert(inserted + [n for n in gained if n.node_id not in inserted_ids])

@@ -199,9 +199,9 @@ def _check_candidates(core: CacheCore, fail: Callable[[str], None]) -> None:
     device = set(core.candidates.device_heap)
     host = set(core.candidates.host_heap)
     for node in core.tree.nodes.values():
-        if is_device_candidate(node) and (key(node), node.node_id) not in device:
+        if is_device_candidate(node) and key(node) << 64 | node.node_id not in device:
             fail(f"node {node.node_id} is a device eviction candidate missing from the device heap")
-        if is_host_candidate(node) and (key(node), node.node_id) not in host:
+        if is_host_candidate(node) and key(node) << 64 | node.node_id not in host:
             fail(f"node {node.node_id} is a host eviction candidate missing from the host heap")
 
 

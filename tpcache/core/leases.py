@@ -194,6 +194,6 @@ class Leases:
         led.device.free(lease.pages)
         del self.table[lease.lease_id]
         for node in lease.device_nodes + lease.host_nodes:
-            if node.parent is not None:
+            if node.parent is not None and not (node.device_state or node.host_state):  # a copy keeps it
                 led.remove_if_empty(node)
         self.outbox.released(lease.lease_id)

@@ -32,6 +32,7 @@ from tpcache.core.components import (
 )
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest
+from tpcache.core.hashing import page_hash
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
 from tpcache.core.tree import NATIVE_NODES, Node, RadixTree, drop_pages
@@ -185,9 +186,23 @@ class Ledger:
         self._refresh(node, 0, False)
         return node
 
-    def add_pinned_chain(self, parent: Node, tokens: list[bytes], hashes: list[int], pages: list[int]) -> list[Node]:
-        """``add(..., device=(VALID, page), device_pins=1)`` for each page in turn, each below the one
-        before (an insert's new pages): the same nodes, records and counters, in one loop."""
+    def add_pinned_chain(self, parent: Node, token_bytes: bytes, offset: int, pages: list[int]) -> list[Node]:
+        """``add(..., device=(VALID, page), device_pins=1)`` for the pages of ``token_bytes`` from byte
+        ``offset`` on, one per page of ``pages``, each below the one before, the first below
+        ``parent`` (an insert's new pages): the same nodes, hashes, records and counters, in one loop."""
+        if _native is not None and not self.parts:  # the same nodes, hashes and records in C (_chain.c)
+            made = _native.pinned_chain(self.tree, parent, token_bytes, offset, pages, self.clock)
+            if made is not None:
+                nodes, records = made
+                self.digest.value = (self.digest.value + records) & DIGEST_MASK
+                self.protected_device_pages += len(nodes)
+                return nodes
+        step, seed, h = self.page_size * 4, self.tree.seed, parent.hash
+        tokens, hashes = [], []
+        for start in range(offset, offset + len(pages) * step, step):
+            tokens.append(token_bytes[start : start + step])
+            h = page_hash(h, tokens[-1], seed)
+            hashes.append(h)
         nodes = self.tree.add_chain(parent, tokens, hashes, self.clock)
         comp = len(self.parts)
         value = self.digest.value
@@ -293,9 +308,10 @@ class Ledger:
 
     def refresh_lease(self, lease: Lease, prefetch_fields: list[int]) -> None:
         """Re-record a lease after any change to it (or, with ``lease.record`` 0, record a new one)."""
-        self.digest.remove(lease.record)
-        lease.record = lease_record(lease, prefetch_fields)
-        self.digest.add(lease.record)
+        record = lease_record(lease, prefetch_fields)
+        digest = self.digest
+        digest.value = (digest.value - lease.record + record) & DIGEST_MASK
+        lease.record = record
 
     def forget_lease(self, lease: Lease) -> None:
         self.digest.remove(lease.record)

@@ -198,6 +198,16 @@ class Walk:
         return out
 
     @property
+    def token_bytes(self) -> bytes:
+        """The input, as int32 bytes."""
+        return self._tokens
+
+    @property
+    def step(self) -> int:
+        """Bytes per page."""
+        return self._step
+
+    @property
     def pages(self) -> list[bytes]:
         """The tokens of every full page of the input."""
         if self._pages is None:

@@ -1,0 +1,216 @@
+/* An insert's per-page work in C: token ids to the int32 bytes pages are keyed by
+ * (hashing.as_token_bytes) and a chain of new pinned device pages (Ledger.add_pinned_chain, with
+ * the page hashes of tree.Walk.hashes and the nodes of RadixTree.add_chain). The Python versions
+ * stay as the reference; tests hold the two equal (same bytes, hashes, node ids, records).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_node.h"
+
+/* token_bytes(tokens) -> bytes, or None for anything but a list or tuple of ints (the reference
+ * takes those, and raises what it raises). ValueError for an id outside int32, as the reference. */
+static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL)
+        return NULL;
+    int32_t *dst = (int32_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(items[i])) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow || v < INT32_MIN || v > INT32_MAX) {
+            Py_DECREF(out);
+            return PyErr_Format(PyExc_ValueError, "token ids must fit in int32");
+        }
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        dst[i] = (int32_t)v;
+    }
+    return out;
+}
+
+static PyObject *device_valid = NULL; /* tiers.DeviceState.VALID, the value the reference stores */
+
+static int load_valid(void) {
+    if (device_valid != NULL)
+        return 0;
+    PyObject *tiers = PyImport_ImportModule("tpcache.core.tiers");
+    PyObject *cls = tiers ? PyObject_GetAttrString(tiers, "DeviceState") : NULL;
+    device_valid = cls ? PyObject_GetAttrString(cls, "VALID") : NULL;
+    Py_XDECREF(tiers);
+    Py_XDECREF(cls);
+    return device_valid == NULL ? -1 : 0;
+}
+
+static PyObject *xxh3_seeded = NULL; /* xxhash.xxh3_64_intdigest, for pages past 120 bytes */
+
+/* hashing.page_hash: XXH3-64 of the parent page's hash (8 bytes, little-endian) and the page's
+ * tokens, with the namespace's seed; in place of ``*h``. 0, or -1 and an exception. */
+static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed) {
+    if (step + 8 <= 128) {
+        uint8_t buf[128];
+        for (int b = 0; b < 8; b++)
+            buf[b] = (uint8_t)(*h >> (8 * b));
+        memcpy(buf + 8, page, (size_t)step);
+        *h = xxh3_17to128(buf, (size_t)step + 8, seed);
+        return 0;
+    }
+    if (xxh3_seeded == NULL) {
+        PyObject *m = PyImport_ImportModule("xxhash");
+        xxh3_seeded = m ? PyObject_GetAttrString(m, "xxh3_64_intdigest") : NULL;
+        Py_XDECREF(m);
+        if (xxh3_seeded == NULL)
+            return -1;
+    }
+    PyObject *input = PyBytes_FromStringAndSize(NULL, step + 8), *seed_obj = PyLong_FromUnsignedLongLong(seed);
+    if (input == NULL || seed_obj == NULL) {
+        Py_XDECREF(input);
+        Py_XDECREF(seed_obj);
+        return -1;
+    }
+    char *buf = PyBytes_AS_STRING(input);
+    for (int b = 0; b < 8; b++)
+        buf[b] = (char)(uint8_t)(*h >> (8 * b));
+    memcpy(buf + 8, page, (size_t)step);
+    PyObject *args[2] = {input, seed_obj};
+    PyObject *r = PyObject_Vectorcall(xxh3_seeded, args, 2, NULL);
+    Py_DECREF(input);
+    Py_DECREF(seed_obj);
+    if (r == NULL)
+        return -1;
+    *h = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Add the chain's nodes below ``parent``; ``nodes`` receives them. 0, or -1 and an exception (the
+ * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
+static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const char *data, Py_ssize_t step,
+                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, uint64_t *records) {
+    PyObject *next = PyObject_GetAttrString(tree, "_next_id");
+    long long next_id = next ? PyLong_AsLongLong(next) : -1;
+    Py_XDECREF(next);
+    uint64_t h = PyLong_AsUnsignedLongLong(parent->hash);
+    if (PyErr_Occurred())
+        return -1;
+    Py_ssize_t count = PyList_GET_SIZE(pages);
+    PyObject *one = PyLong_FromLong(1);
+    Node *up = (Node *)Py_NewRef(parent), *first = parent;
+    int rc = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (page_hash(&h, data + i * step, step, seed) < 0) /* hashing.page_hash */
+            goto done;
+        PyObject *id = PyLong_FromLongLong(next_id + i), *hash = PyLong_FromUnsignedLongLong(h);
+        PyObject *tokens = PyBytes_FromStringAndSize(data + i * step, step);
+        Node *node = id && hash && tokens ? node_new(id, (PyObject *)up, tokens, hash, clock) : NULL;
+        Py_XDECREF(hash);
+        Py_XDECREF(tokens);
+        if (node == NULL) {
+            Py_XDECREF(id);
+            goto done;
+        }
+        Py_SETREF(node->device_state, Py_NewRef(device_valid));
+        Py_SETREF(node->device_page, Py_NewRef(PyList_GET_ITEM(pages, i)));
+        Py_SETREF(node->device_pins, Py_NewRef(one));
+        uint64_t rec;
+        int bad = PyDict_SetItem(up->children, node->tokens, (PyObject *)node) < 0 ||
+                  PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || PyList_Append(nodes, (PyObject *)node) < 0 ||
+                  record_native(node, &rec) < 0;
+        Py_DECREF(id);
+        if (!bad) {
+            PyObject *r = PyLong_FromUnsignedLongLong(rec);
+            bad = r == NULL;
+            if (r != NULL)
+                Py_SETREF(node->record, r);
+            *records += rec;
+        }
+        Py_SETREF(up, node);
+        if (bad)
+            goto done;
+    }
+    rc = 0;
+done:;
+    PyObject *after = PyLong_FromLongLong(next_id + PyList_GET_SIZE(nodes));
+    if (after == NULL || PyObject_SetAttrString(tree, "_next_id", after) < 0)
+        rc = -1;
+    Py_XDECREF(after);
+    if (PyDict_GET_SIZE(first->children) == 2)
+        invalidate_runs((PyObject *)first);
+    Py_DECREF(up);
+    Py_DECREF(one);
+    return rc;
+}
+
+/* pinned_chain(tree, parent, token_bytes, offset, pages, clock) -> (nodes, sum of their records), or
+ * None for pages of 1 or 2 tokens (the reference handles those).
+ * The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes,
+ * each below the one before, device VALID on its page, pinned once, recorded, ids from the tree's. */
+static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6)
+        return PyErr_Format(PyExc_TypeError, "pinned_chain takes 6 arguments, not %zd", nargs);
+    PyObject *tree = args[0], *parent = args[1], *data = args[2], *pages = args[4], *clock = args[5];
+    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    if (!is_node(parent) || !PyBytes_Check(data) || !PyList_Check(pages))
+        return PyErr_Format(PyExc_TypeError, "pinned_chain takes a native node, token bytes and a list of pages");
+    if (load_valid() < 0)
+        return NULL;
+    PyObject *size = PyObject_GetAttrString(tree, "page_size"), *seed_obj = PyObject_GetAttrString(tree, "seed");
+    PyObject *tree_nodes = PyObject_GetAttrString(tree, "nodes");
+    Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : -1;
+    unsigned long long seed = seed_obj ? PyLong_AsUnsignedLongLong(seed_obj) : 0;
+    Py_XDECREF(size);
+    Py_XDECREF(seed_obj);
+    PyObject *out = NULL, *nodes = NULL;
+    if (tree_nodes == NULL || PyErr_Occurred())
+        goto done;
+    if (step < 9) { /* a hash input under 17 bytes: the reference's */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(pages);
+    if (offset < 0 || offset + count * step > PyBytes_GET_SIZE(data)) {
+        PyErr_SetString(PyExc_ValueError, "pinned_chain: fewer tokens than pages");
+        goto done;
+    }
+    if (count > 0) {
+        PyObject *head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + offset, step);
+        int taken = head ? PyDict_Contains(((Node *)parent)->children, head) : -1;
+        Py_XDECREF(head);
+        if (taken != 0) {
+            if (taken > 0)
+                PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", ((Node *)parent)->node_id);
+            goto done;
+        }
+    }
+    nodes = PyList_New(0);
+    uint64_t records = 0;
+    if (nodes == NULL || add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages,
+                                   clock, nodes, &records) < 0)
+        goto done;
+    out = Py_BuildValue("(OK)", nodes, (unsigned long long)records);
+done:
+    Py_XDECREF(nodes);
+    Py_XDECREF(tree_nodes);
+    return out;
+}
+
+PyMethodDef chain_methods[] = {
+    {"token_bytes", (PyCFunction)py_token_bytes, METH_O, "hashing.as_token_bytes of a list or tuple of ints, or None."},
+    {"pinned_chain", (PyCFunction)(void (*)(void))py_pinned_chain, METH_FASTCALL,
+     "Ledger.add_pinned_chain's nodes and records (see _chain.c)."},
+    {NULL, NULL, 0, NULL},
+};

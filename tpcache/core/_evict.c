@@ -1,0 +1,189 @@
+/* Eviction's common case in C: the device leaves that ``Evictor.evict_device`` frees through
+ * ``Ledger.drop_device_leaf`` (an unpinned device page with no children, host copy, component or
+ * backlog entry, below a device page or the root), popped and dropped in one loop.
+ *
+ * The first popped candidate that is not such a leaf is handed back to the caller, which treats it
+ * as its own loop would and calls again, so the pages freed, their order, the nodes, the digest, the
+ * counters and the heaps are those of the reference loop (eviction.py keeps it; the simulator
+ * schedules of test_native_nodes and test_native_ledger hold the two equal).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "_node.h"
+
+#define DIGEST_MASK ((UINT64_C(1) << 62) - 1)
+
+static PyObject *device_none = NULL; /* tiers.DeviceState.NONE, the value the reference stores */
+
+/* 1: a leaf drop_device_leaf takes (and not in the backlog, whose pop drop_device counts); 0: not. */
+static int plain_leaf(Node *n, PyObject *backlog) {
+    if (PyDict_GET_SIZE(n->children) != 0 || n->comp != Py_None || !is_node(n->parent))
+        return 0;
+    int64_t ds, dp, hs, hp;
+    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
+        field(n->host_pins, &hp))
+        return -1;
+    if (ds != 2 || dp != 0 || hs != 0 || hp != 0)
+        return 0;
+    Node *parent = (Node *)n->parent;
+    if (is_node(parent->parent)) {
+        int64_t pds;
+        if (field(parent->device_state, &pds))
+            return -1;
+        if (pds != 2)
+            return 0;
+    }
+    int in = PyDict_Contains(backlog, n->node_id);
+    return in < 0 ? -1 : !in;
+}
+
+/* tree.drop_pages: forget the run cache holding the node's device page. */
+static int drop_pages(Node *n) {
+    if (n->pages_run == Py_None)
+        return 0;
+    if (PyObject_SetAttrString(n->pages_run, "pages", Py_None) < 0)
+        return -1;
+    Py_SETREF(n->pages_run, Py_NewRef(Py_None));
+    return 0;
+}
+
+static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_NewRef(value)); }
+
+/* The state drop_leaves works on, read once per call and written back on every way out. */
+typedef struct {
+    PyObject *owned, *free, *digest, *backlog, *nodes;
+    Heaps heaps;
+    uint64_t value;
+    long long evictable;
+} Pool;
+
+/* Free the device page of a plain leaf and take the leaf out of the tree (drop_device_leaf, then
+ * RadixTree.remove_leaf); offer its parent. */
+static int drop(Pool *s, Node *n, PyObject *minus_one) {
+    int64_t page;
+    if (field(n->device_page, &page))
+        return -1;
+    Py_ssize_t size = PyByteArray_GET_SIZE(s->owned);
+    char *owned = PyByteArray_AS_STRING(s->owned);
+    if (page < 0 || page >= size || !owned[page]) {
+        PyErr_Format(PyExc_ValueError, "device pool: page %lld freed but not allocated", (long long)page);
+        return -1;
+    }
+    owned[page] = 0;
+    if (PyList_Append(s->free, n->device_page) < 0 || drop_pages(n) < 0)
+        return -1;
+    set_field(&n->device_state, device_none);
+    set_field(&n->device_page, minus_one);
+    s->evictable -= 1;
+    uint64_t rec = PyLong_AsUnsignedLongLong(n->record);
+    if (rec == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    s->value = (s->value - rec) & DIGEST_MASK;
+    PyObject *zero = PyLong_FromLong(0);
+    set_field(&n->record, zero);
+    Py_DECREF(zero);
+    Node *parent = (Node *)Py_NewRef(n->parent);
+    int rc = -1;
+    if (PyDict_DelItem(parent->children, n->tokens) < 0 || PyDict_DelItem(s->nodes, n->node_id) < 0)
+        goto done;
+    set_field(&n->parent, Py_None);
+    set_field(&n->run, Py_None);
+    if (PyDict_GET_SIZE(parent->children) == 0)
+        invalidate_runs((PyObject *)parent);
+    rc = is_node(parent->parent) ? heaps_offer(&s->heaps, (PyObject *)parent) : 0;
+done:
+    Py_DECREF(parent);
+    return rc;
+}
+
+static PyObject *attr(PyObject *o, const char *name) { return o == NULL ? NULL : PyObject_GetAttrString(o, name); }
+
+/* drop_leaves(candidates, ledger, want) -> (pages freed, node or None): pop device candidates and
+ * drop the plain leaves among them until ``want`` are freed (then None), the heap is empty (None),
+ * or a candidate is not a plain leaf (returned, off its heap, for the caller's loop). */
+static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "drop_leaves takes 3 arguments, not %zd", nargs);
+    PyObject *cands = args[0], *ledger = args[1];
+    Py_ssize_t want = PyLong_AsSsize_t(args[2]);
+    if (want == -1 && PyErr_Occurred())
+        return NULL;
+    if (device_none == NULL) {
+        PyObject *tiers = PyImport_ImportModule("tpcache.core.tiers");
+        PyObject *cls = attr(tiers, "DeviceState");
+        device_none = attr(cls, "NONE");
+        Py_XDECREF(tiers);
+        Py_XDECREF(cls);
+        if (device_none == NULL)
+            return NULL;
+    }
+    Pool s = {0};
+    PyObject *device = attr(ledger, "device"), *count = NULL, *value = NULL, *out = NULL, *node = NULL;
+    PyObject *minus_one = PyLong_FromLong(-1);
+    s.owned = attr(device, "_owned");
+    s.free = attr(device, "_free");
+    s.digest = attr(ledger, "digest");
+    s.backlog = attr(ledger, "backup_backlog");
+    value = attr(s.digest, "value");
+    count = attr(ledger, "evictable_device_pages");
+    if (value == NULL || count == NULL || s.owned == NULL || s.free == NULL || s.backlog == NULL ||
+        heaps_load(&s.heaps, cands) < 0)
+        goto fail;
+    if (!PyByteArray_Check(s.owned) || !PyList_Check(s.free) || !PyDict_Check(s.backlog) || s.heaps.kind < 0) {
+        PyErr_SetString(PyExc_TypeError, "drop_leaves: a native ledger of a policy written here");
+        goto fail;
+    }
+    s.nodes = s.heaps.nodes;
+    s.value = PyLong_AsUnsignedLongLong(value);
+    s.evictable = PyLong_AsLongLong(count);
+    if (PyErr_Occurred())
+        goto fail;
+    Py_ssize_t freed = 0;
+    int ok = 0;
+    while (freed < want) {
+        node = pop_candidate(s.heaps.dev, 1, s.nodes, s.heaps.kind); /* dev is current: see heaps_offer */
+        if (node == NULL)
+            goto write_back;
+        if (node == Py_None)
+            break;
+        int plain = plain_leaf((Node *)node, s.backlog);
+        if (plain < 0)
+            goto write_back;
+        if (!plain)
+            break; /* the caller's */
+        if (drop(&s, (Node *)node, minus_one) < 0)
+            goto write_back;
+        Py_CLEAR(node);
+        freed++;
+    }
+    ok = 1;
+write_back:; /* the digest and the counter, also on an error: the nodes already dropped stay dropped */
+    PyObject *v = PyLong_FromUnsignedLongLong(s.value), *e = PyLong_FromLongLong(s.evictable);
+    if (v == NULL || e == NULL || PyObject_SetAttrString(s.digest, "value", v) < 0 ||
+        PyObject_SetAttrString(ledger, "evictable_device_pages", e) < 0)
+        ok = 0;
+    Py_XDECREF(v);
+    Py_XDECREF(e);
+    if (ok)
+        out = Py_BuildValue("(nO)", freed, node == NULL ? Py_None : node);
+fail:
+    Py_XDECREF(node);
+    Py_XDECREF(device);
+    Py_XDECREF(count);
+    Py_XDECREF(value);
+    Py_XDECREF(minus_one);
+    Py_XDECREF(s.owned);
+    Py_XDECREF(s.free);
+    Py_XDECREF(s.digest);
+    Py_XDECREF(s.backlog);
+    heaps_clear(&s.heaps);
+    return out;
+}
+
+PyMethodDef evict_methods[] = {
+    {"drop_leaves", (PyCFunction)(void (*)(void))py_drop_leaves, METH_FASTCALL,
+     "Evictor.evict_device's loop over plain device leaves (see _evict.c)."},
+    {NULL, NULL, 0, NULL},
+};
