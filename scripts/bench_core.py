@@ -21,7 +21,8 @@ Measured, in thread CPU time (steadier than wall time on a shared machine), medi
 - ``step``: an engine step with 625k cached pages and 256 running requests of ~140 pages, each
   doing alloc(2) + append of its 2 new pages, then one round (the floor hashes and inserts the
   same 2 pages); ``sparse_ms``: the same step when only 16 requests complete a page;
-  ``whole_insert_ms``: the step with match + alloc(2) + insert of the whole sequence instead;
+  ``whole_insert_ms``: the step with match + alloc(2) + insert of the whole sequence instead; each
+  the median of ``--steps`` steps in a row, the core's and the floor's alternating;
 - ``bytes_per_page`` (RSS growth over the cached pages, page size 16) and ``max_gc_pause_ms``
   (the longest collection while the largest cache was built, from ``gc.callbacks``, wall time;
   ``max_gc_pause_cpu_ms``: the same in this thread's CPU time, which preemption does not stretch).
@@ -261,12 +262,15 @@ def insert_cost(repeats: int) -> dict[str, Any]:
     return out
 
 
-def engine_step(cached_pages: int, running: int, completing: int, whole: bool = False) -> tuple[float, float]:
-    """CPU seconds of one scheduler step (alloc(2) + append of 2 new pages for ``completing`` of
-    the ``running`` requests, then one round; ``whole``: match + alloc(2) + insert of the whole
-    sequence instead) for the core and for the floor."""
-    core = CacheCore(CacheConfig(page_size=PAGE, device_pages=cached_pages + running * (CONTEXT_PAGES + 8)))
-    cache = DictPrefixCache(cached_pages + running * (CONTEXT_PAGES + 8))
+def engine_step(
+    cached_pages: int, running: int, completing: int, whole: bool = False, steps: int = 5
+) -> tuple[list[float], list[float]]:
+    """CPU seconds of ``steps`` scheduler steps in a row (each: alloc(2) + append of 2 new pages for
+    ``completing`` of the ``running`` requests, then one round; ``whole``: match + alloc(2) + insert
+    of the whole sequence instead) for the core and for the floor, the two alternating step by step."""
+    pool = cached_pages + running * (CONTEXT_PAGES + 2 * steps + 8)
+    core = CacheCore(CacheConfig(page_size=PAGE, device_pages=pool))
+    cache = DictPrefixCache(pool)
     for i in range(cached_pages // CONTEXT_PAGES):
         core_miss(core, sequence(i, CONTEXT_PAGES))
         dict_miss(cache, sequence(i, CONTEXT_PAGES))
@@ -287,23 +291,20 @@ def engine_step(cached_pages: int, running: int, completing: int, whole: bool = 
     drain(core)
     gc.collect()
 
-    # The step's new tokens, made before it is timed (an engine has them from its sampler).
-    news = [sequence(7_000_000 + j * 1000 + CONTEXT_PAGES, 2) for j in range(completing)]
-
-    def core_step() -> None:
+    def core_step(news: list[list[int]]) -> None:
         for j in range(completing):
             lease, pages = leases[j]
             fresh = core.alloc(lease, 2)
             pages += fresh
             if whole:  # the whole sequence, as an engine without append gives it
-                tokens = contexts[j] + news[j]
+                tokens = contexts[j] = contexts[j] + news[j]
                 core.match(tokens)
                 core.insert(lease, tokens, pages)
             else:
                 core.append(lease, news[j], fresh)
         drain(core)
 
-    def dict_step() -> None:
+    def dict_step(news: list[list[int]]) -> None:
         # An engine hashes a request's new pages only (it keeps the keys of the ones before).
         for j in range(completing):
             new = news[j]
@@ -317,12 +318,17 @@ def engine_step(cached_pages: int, running: int, completing: int, whole: bool = 
             held[j] += pages
             cache.insert(keys, pages)
 
-    start = time.thread_time()
-    core_step()
-    ours = time.thread_time() - start
-    start = time.thread_time()
-    dict_step()
-    return ours, time.thread_time() - start
+    ours, floor = [], []
+    for step in range(steps):
+        # The step's new tokens, made before it is timed (an engine has them from its sampler).
+        news = [sequence(7_000_000 + step * 100_000 + j * 1000 + CONTEXT_PAGES, 2) for j in range(completing)]
+        start = time.thread_time()
+        core_step(news)
+        ours.append(time.thread_time() - start)
+        start = time.thread_time()
+        dict_step(news)
+        floor.append(time.thread_time() - start)
+    return ours, floor
 
 
 # ---------------------------------------------------------------------- measurement helpers
@@ -363,21 +369,26 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=20, help="requests per timed cycle")
     ap.add_argument("--step-pages", type=int, default=625_000)
+    ap.add_argument("--steps", type=int, default=5, help="engine steps timed in a row (medians reported)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     print(f"resource: max RSS before {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB", file=sys.stderr)
     cases, memory = cycle_cases(args.sizes, args.repeats, args.requests)
     insert = insert_cost(args.repeats)
-    full_ours, full_floor = engine_step(args.step_pages, 256, 256)
-    sparse_ours, sparse_floor = engine_step(args.step_pages, 256, 16)
-    whole_ours, _ = engine_step(args.step_pages, 256, 256, whole=True)
+    med = statistics.median
+    full_ours, full_floor = engine_step(args.step_pages, 256, 256, steps=args.steps)
+    sparse_ours, sparse_floor = engine_step(args.step_pages, 256, 16, steps=args.steps)
+    whole_ours, _ = engine_step(args.step_pages, 256, 256, whole=True, steps=args.steps)
     step = {
-        "ms": round(full_ours * 1e3, 2),
-        "floor_ms": round(full_floor * 1e3, 2),
-        "ratio": round(full_ours / full_floor, 2),
-        "sparse_ms": round(sparse_ours * 1e3, 3),
-        "sparse_floor_ms": round(sparse_floor * 1e3, 3),
-        "whole_insert_ms": round(whole_ours * 1e3, 2),
+        "ms": round(med(full_ours) * 1e3, 2),
+        "floor_ms": round(med(full_floor) * 1e3, 2),
+        "ratio": round(med(full_ours) / med(full_floor), 2),
+        "spread_ms": [round(min(full_ours) * 1e3, 2), round(max(full_ours) * 1e3, 2)],
+        "sparse_ms": round(med(sparse_ours) * 1e3, 3),
+        "sparse_floor_ms": round(med(sparse_floor) * 1e3, 3),
+        "sparse_spread_ms": [round(min(sparse_ours) * 1e3, 3), round(max(sparse_ours) * 1e3, 3)],
+        "whole_insert_ms": round(med(whole_ours) * 1e3, 2),
+        "steps": args.steps,
     }
     out = {"cases": cases, "insert": insert, "step": step, **memory}
     if args.json:

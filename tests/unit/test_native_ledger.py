@@ -1,18 +1,23 @@
-"""The ledger's kernels in C (``tpcache/core/_account.c``) against their Python references, one by
-one, on random node states: records, counter flags, holding terms, candidacy, offers and pops. The
+"""The core's kernels in C (``tpcache/core/_account.c``, ``_candidates.c``, ``_evict.c``, ``_chain.c``)
+against their Python references: records, counter flags, holding terms, candidacy, offers and pops
+on random node states; mixes, hashes and token bytes; eviction and inserts on two cores in lockstep. The
 simulator schedules in ``test_native_nodes`` hold the whole core equal end to end."""
 
 from __future__ import annotations
 
 import heapq
 import random
+import struct
+from array import array
 
 import pytest
 import xxhash
 
-from tpcache.core import CacheConfig, CacheCore, check
+from tpcache.core import CacheConfig, CacheCore, check, eviction, hashing
 from tpcache.core.accounting import flags_of, record_of, reference_flags_of, reference_record_of
+from tpcache.core.digest import mix, reference_mix
 from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
+from tpcache.core.hashing import as_token_bytes
 from tpcache.core.holdings import NodeHolding, PageHolding
 from tpcache.core.tree import NATIVE_NODES, RadixTree
 from tpcache.replay import drain
@@ -177,3 +182,78 @@ def test_a_leaf_with_a_host_copy_is_not_dropped_in_one_step():
     before = (snapshot(core), core.digest.value)
     assert not core.ledger.drop_device_leaf(leaf)
     assert (snapshot(core), core.digest.value) == before
+
+
+def test_seeded_xxh3_and_mix_match_their_references():
+    rng = random.Random(2)
+    for n in range(17, 129):
+        data, seed = rng.randbytes(n), rng.getrandbits(64)
+        assert _node.xxh3_17to128(data, seed) == xxhash.xxh3_64_intdigest(data, seed=seed), n
+    for _ in range(500):
+        fields = [rng.getrandbits(64)] + [rng.randrange(-(1 << 63), 1 << 63) for _ in range(6)] + [rng.getrandbits(64)]
+        fields = fields[: rng.randrange(9)]  # "<QqqqqqqQ": the first and the last unsigned
+        assert mix(*fields) == reference_mix(*fields)
+    for bad in ([-1], [1 << 64], [0, 1 << 63], [0] * 7 + [-1], [0] * 9, [1.5]):  # what the reference refuses, C refuses alike
+        with pytest.raises((struct.error, TypeError)):
+            reference_mix(*bad)
+        with pytest.raises((struct.error, TypeError)):
+            mix(*bad)
+
+
+def test_token_bytes_match_the_array_reference():
+    rng = random.Random(3)
+    for n in (0, 1, 17, 2048):
+        ids = [rng.randrange(-(1 << 31), 1 << 31) for _ in range(n)]
+        assert _node.token_bytes(ids) == _node.token_bytes(tuple(ids)) == array("i", ids).tobytes()
+    assert _node.token_bytes([True, 2]) == array("i", [1, 2]).tobytes()
+    assert _node.token_bytes([1.0]) is None and _node.token_bytes(array("i", [1])) is None  # the reference's
+    for big in (1 << 31, -(1 << 31) - 1, 1 << 70):
+        with pytest.raises(ValueError, match="int32"):
+            as_token_bytes([1, big])
+
+
+def _policy_key_tuple(policy: str, node) -> tuple:
+    tail = (-node.depth, node.hash, node.node_id)
+    return {"lru": (node.last_access,), "lfu": (node.hits, node.last_access), "fifo": (node.created_at,)}[policy] + tail
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_int_heap_entries_order_as_the_tuples_they_pack(policy):
+    """An entry packs (key fields, -depth, hash, node id) 64 bits each: sorting entries sorts the tuples."""
+    cands = Candidates(policy, random_tree(7, 200))
+    nodes = [n for n in cands.tree.nodes.values() if n.parent is not None]
+    by_entry = sorted(nodes, key=lambda n: cands.policy.key(n) << 64 | n.node_id)
+    assert by_entry == sorted(nodes, key=lambda n: _policy_key_tuple(policy, n))
+
+
+def _lockstep(page_size: int, policy: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two cores, the same random ops: one through the C kernels (eviction's leaf loop, the insert
+    chain, token bytes), the other through the Python references; equal after every op."""
+    config = CacheConfig(page_size=page_size, device_pages=40, host_pages=0, eviction_policy=policy)
+    cores = CacheCore(config), CacheCore(config)
+    held: list[list] = [[], []]
+    chain, token_bytes = _node.pinned_chain, hashing._token_bytes
+    rng = random.Random(seed)
+    for step in range(250):
+        op = random_op(rng, page_size, requests=0.4, appends=0.2)
+        for native, core, leases in zip((True, False), cores, held, strict=True):
+            with monkeypatch.context() as m:
+                if not native:
+                    m.setattr(eviction, "_native", None)
+                    m.setattr(_node, "pinned_chain", lambda *args: None)
+                    m.setattr(hashing, "_token_bytes", None)
+                apply(core, op, leases)
+                drain(core)
+        a, b = cores
+        assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value, f"step {step}: {op}"
+        assert a.device._free == b.device._free and a.candidates.device_heap == b.candidates.device_heap
+    assert _node.pinned_chain is chain and hashing._token_bytes is token_bytes
+    assert a.stats.device_evicted_pages > 20 and a.stats.inserted_pages > 40
+    check(a)
+    check(b)
+
+
+@pytest.mark.parametrize("page_size", [2, 4, 16, 64])  # hash inputs in C: none, 24 and 72 bytes; 264 via xxhash
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_kernels_and_their_references_make_the_same_core(page_size, policy, monkeypatch):
+    _lockstep(page_size, policy, page_size * 7 + len(policy), monkeypatch)
