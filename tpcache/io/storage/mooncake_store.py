@@ -262,12 +262,7 @@ class MooncakeBackend(RemoteBackend):
         """Key index -> payload address for the pages put straight from the caller's memory: large
         enough, writable (ctypes gives no address of read-only memory), on TCP, and not in the
         store already (a put keeps an existing value; those go through ``batch_upsert_from``)."""
-        if self._direct_min is None:
-            return {}
-        found = {}
-        for i, p in enumerate(payloads):
-            if len(p) >= self._direct_min and (addr := address_of(p)) is not None:
-                found[i] = addr
+        found = _addresses(payloads, self._direct_min)
         if not found:
             return {}
         codes = list(self._connected().batch_is_exist([names[i] for i in found]))
@@ -320,19 +315,9 @@ class MooncakeBackend(RemoteBackend):
             reasons[i] = None if code == 0 else PUT_NO_SPACE if code in _NO_SPACE else PUT_IO_ERROR
 
     def _get(self, names: list[str], sizes: list[int], sink: Sink, out: list[memoryview]) -> None:
-        placed = self._placed(out)
+        placed = _addresses(out, self._placed_min)  # pages read straight into the caller's memory
         self._get_staged([i for i in range(len(names)) if i not in placed], names, sizes, sink)
         self._get_placed(placed, names, sizes, sink, out)
-
-    def _placed(self, out: list[memoryview]) -> dict[int, int]:
-        """Key index -> buffer address for the pages read straight into the caller's memory."""
-        if self._placed_min is None:
-            return {}
-        found = {}
-        for i, view in enumerate(out):
-            if len(view) >= self._placed_min and (addr := address_of(view)) is not None:
-                found[i] = addr
-        return found
 
     def _get_staged(self, idx: list[int], names: list[str], sizes: list[int], sink: Sink) -> None:
         """Whole values into the staging buffer, one ``batch_get_into`` per chunk; ``sink`` copies
@@ -404,6 +389,18 @@ class MooncakeBackend(RemoteBackend):
         self._view.release()
         del self._anchor
         self._staging.close()
+
+
+def _addresses(views: list[memoryview], least: int | None) -> dict[int, int]:
+    """Index -> address of the views of ``least`` bytes or more that have one (writable ones:
+    ctypes gives no address of read-only memory); none when ``least`` is None."""
+    if least is None:
+        return {}
+    found = {}
+    for i, view in enumerate(views):
+        if len(view) >= least and (addr := address_of(view)) is not None:
+            found[i] = addr
+    return found
 
 
 def _miss_reason(code: int) -> str:
