@@ -69,14 +69,23 @@ INVALID_PARAMS = -600  # e.g. the value is larger than the buffer given for it
 INVALID_REPLICA = -702
 REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
+LEASE_EXPIRED = -707  # the read completed after the object's lease ran out
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 TENANT_QUOTA_EXCEEDED = -1700
 _NO_SPACE = (NO_AVAILABLE_HANDLE, TENANT_QUOTA_EXCEEDED)
 _UNREACHABLE = (RPC_FAIL, RPC_TIMEOUT)
-# Read outcomes the client decides before it submits a transfer (the master's answer, the buffer
-# size check: RealClient::batch_get_into_multi_buffers_internal): no transfer wrote or will write.
-_NOT_STARTED = (INVALID_PARAMS, INVALID_REPLICA, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, *_UNREACHABLE)
+# Read outcomes that leave no transfer in flight: decided before one is submitted (the master's
+# answer, the buffer size check: RealClient::batch_get_into_multi_buffers_internal), or after it
+# completed (Client::BatchGet sets LEASE_EXPIRED only on keys whose transfer succeeded).
+_NOTHING_IN_FLIGHT = (
+    INVALID_PARAMS,
+    INVALID_REPLICA,
+    REPLICA_IS_NOT_READY,
+    OBJECT_NOT_FOUND,
+    LEASE_EXPIRED,
+    *_UNREACHABLE,
+)
 _ALIGN = 64
 Reasons = list[str | None]  # per key: None once written, else why not
 
@@ -347,8 +356,9 @@ class MooncakeBackend(RemoteBackend):
         self, placed: dict[int, int], names: list[str], sizes: list[int], sink: Sink, out: list[memoryview]
     ) -> None:
         """Headers into the staging buffer, payloads into the caller's pages, checked in place. A
-        key whose transfer may have started and failed renews the client before any key of its
-        chunk is reported, and its page is zero-filled after that (nothing writes there then)."""
+        key that failed with its transfer possibly still running renews the client before any key
+        of its chunk is reported; a failed key's page is zero-filled after that (nothing writes
+        there then)."""
         idx = list(placed)
         heads = [sizes[i] - len(out[i]) for i in idx]
         for chunk in self._plan(heads):
@@ -361,10 +371,10 @@ class MooncakeBackend(RemoteBackend):
                 )
             )
             self._check_reachable(codes)
-            failed = [i for (i, _, _), code in zip(todo, codes, strict=True) if code < 0 and code not in _NOT_STARTED]
-            if failed:
+            if any(code < 0 and code not in _NOTHING_IN_FLIGHT for code in codes):
                 self._renew()
-                for i in failed:
+            for (i, _, _), code in zip(todo, codes, strict=True):
+                if code < 0:  # never leave what a failed read wrote in the caller's page
                     ctypes.memset(placed[i], 0, len(out[i]))
             self._counters.add("gets_direct", sum(1 for c in codes if c >= 0))
             for (i, off, n), code in zip(todo, codes, strict=True):
