@@ -4,9 +4,9 @@ own client moving the same bytes, in the same run, with the same batches.
 Floors: Mooncake ``batch_put_from`` / ``batch_get_into`` on a buffer registered with the store
 (the client's zero-copy batched path); Redis pipelined ``SET`` / ``GET`` of ``bytes`` values in
 rounds of the backend's ``batch_bytes``. The backend adds its record header and a checksum of every
-page both ways. Mooncake: reads, and puts of pages under ``direct_put`` (256 KiB), are copied
+page both ways. Mooncake: pages under ``direct_put`` / ``direct_get`` (256 KiB each) are copied
 through its staging buffer; larger pages are put from the caller's memory after one
-``batch_is_exist``. Redis: each record is copied into one value.
+``batch_is_exist`` and read into it. Redis: each record is copied into one value.
 """
 
 from __future__ import annotations

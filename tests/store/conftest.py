@@ -11,9 +11,10 @@ import pytest
 from tpcache.testing.servers import MooncakeStore, RedisServer, ServerError
 
 BACKENDS = ("mooncake", "redis")
-# Test pages are smaller than the Mooncake backend's direct-put threshold; 0 puts every writable
-# page (the host pool's, a bytearray) from the caller's memory, the path large pages take.
-MOONCAKE_DIRECT = "&direct_put=0"
+# Test pages are smaller than the Mooncake backend's direct thresholds; 0 puts every writable page
+# (the host pool's, a bytearray) from the caller's memory and reads every page into it, the path
+# large pages take.
+MOONCAKE_DIRECT = "&direct_put=0&direct_get=0"
 
 
 def _started(server: MooncakeStore | RedisServer) -> MooncakeStore | RedisServer:

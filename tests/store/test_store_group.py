@@ -124,6 +124,7 @@ def test_a_store_that_goes_away_mid_run_fails_cleanly_and_comes_back(
         assert all(s["puts_direct"] > 0 for s in down)  # the host pool's pages went without a copy
     if target == "mooncake-holder":
         assert all(s["misses_io_error"] > 0 for s in down)  # "exists" still said yes; the reads failed
+        assert all(s["client_renewals"] > 0 for s in down)  # and a read into host pages renewed the client
     else:
         assert all(s["unavailable"] > 0 for s in down)
     assert ranks[0]["digest"] == ranks[1]["digest"]

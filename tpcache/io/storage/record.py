@@ -117,15 +117,21 @@ def read_key_echo(raw: bytes | memoryview, header: RecordHeader) -> bytes:
     return bytes(raw[HEADER_SIZE : HEADER_SIZE + header.key_len])
 
 
-def parse_value(value: bytes | memoryview, key: bytes, payload_len: int) -> RecordHeader:
+def parse_value(
+    value: bytes | memoryview, key: bytes, payload_len: int, *, value_len: int | None = None
+) -> RecordHeader:
     """The header of a whole stored value (header, key echo, payload) that is this key's page.
+
+    ``value_len``: the whole value's length when ``value`` holds only its header and key echo (the
+    payload was read elsewhere); by default ``len(value)``.
 
     Raises :class:`RecordError` with the miss reason (``short``, ``corrupt`` or ``foreign``: another
     key, layout, rank or page size, a dead or other-format record). Checks everything but the
     payload checksum, which the caller computes over the bytes it keeps (after copying them out of
     a transfer buffer that a late transfer could still write).
     """
-    if len(value) < HEADER_SIZE:
+    n = len(value) if value_len is None else value_len
+    if n < HEADER_SIZE or len(value) < HEADER_SIZE:
         raise RecordError("short", "value is shorter than a record header")
     key_len = int.from_bytes(value[6:8], "little")
     head = decode_header(value[: HEADER_SIZE + min(key_len, MAX_KEY_BYTES)], key)
@@ -133,7 +139,7 @@ def parse_value(value: bytes | memoryview, key: bytes, payload_len: int) -> Reco
         raise RecordError("foreign", "value is a dead record")
     if head.payload_len != payload_len:
         raise RecordError("foreign", f"value holds a {head.payload_len}-byte page, expected {payload_len}")
-    if len(value) != head.record_len:
-        reason = "short" if len(value) < head.record_len else "corrupt"
-        raise RecordError(reason, f"value is {len(value)} bytes, its header says {head.record_len}")
+    if n != head.record_len:
+        reason = "short" if n < head.record_len else "corrupt"
+        raise RecordError(reason, f"value is {n} bytes, its header says {head.record_len}")
     return head

@@ -124,7 +124,7 @@ class RedisBackend(RemoteBackend):
                     reasons[i] = PUT_NO_SPACE
         return reasons
 
-    def _get(self, names: list[str], sizes: list[int], sink: Sink) -> None:
+    def _get(self, names: list[str], sizes: list[int], sink: Sink, out: list[memoryview]) -> None:
         for idx in self._rounds(sizes):
             replies = self._run(lambda p, idx=idx: [p.get(names[i]) for i in idx])
             for i, reply in zip(idx, replies, strict=True):

@@ -24,8 +24,8 @@ from __future__ import annotations
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from tpcache.io.storage.base import (
     MISS_CORRUPT,
@@ -53,9 +53,17 @@ from tpcache.io.storage.record import (
 DEFAULT_PREFIX = "tpcache/"
 DEFAULT_RETRY_S = 1.0
 
-# sink(i, value, reason): the store's answer for key i: its whole value (valid only during the
-# call: it may live in a reused transfer buffer), or None and a miss reason.
-Sink = Callable[[int, Any, "str | None"], None]
+
+class Sink(Protocol):
+    """``sink(i, value, reason)``: the store's answer for key i: its whole value (valid only during
+    the call: it may live in a reused transfer buffer), or None and a miss reason.
+
+    ``sink(i, head, None, placed=n)``: the store wrote the payload straight into the caller's buffer
+    for key i and ``head`` holds the rest of the value (record header and key echo); ``n`` is the
+    whole value's length as the store reported it. The caller must have made sure that nothing can
+    write into that buffer any more (see ``mooncake_store``)."""
+
+    def __call__(self, i: int, value: Any, reason: str | None, *, placed: int | None = None) -> None: ...
 
 
 class StoreUnavailable(Exception):
@@ -94,8 +102,9 @@ class RemoteBackend(StorageBackend):
         put-failure reason per key."""
 
     @abstractmethod
-    def _get(self, names: list[str], sizes: list[int], sink: Sink) -> None:
-        """Fetch each value (``sizes[i]`` is the record length expected) and hand it to ``sink``."""
+    def _get(self, names: list[str], sizes: list[int], sink: Sink, out: list[memoryview]) -> None:
+        """Fetch each value (``sizes[i]`` is the record length expected) and hand it to ``sink``;
+        ``out[i]`` is the caller's buffer for key i's payload, for stores that read into it."""
 
     @abstractmethod
     def _delete(self, names: list[str]) -> list[bool]: ...
@@ -166,20 +175,25 @@ class RemoteBackend(StorageBackend):
         views = [byte_view(b, writable=True) for b in out]
         results: list[bool | None] = [None] * len(views)
 
-        def sink(i: int, value: Any, reason: str | None) -> None:
+        def sink(i: int, value: Any, reason: str | None, *, placed: int | None = None) -> None:
             if results[i] is not None:
                 return  # one answer per key
             view = views[i]
             if reason is None:
                 try:
-                    head = parse_value(value, echoes[i], len(view))
-                    # Verified in the caller's buffer, after the copy: a late write into a transfer
-                    # buffer cannot change bytes already checked.
-                    if copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echoes[i]) :]) != head.payload_xxh:
-                        view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
+                    head = parse_value(value, echoes[i], len(view), value_len=placed)
+                    # Verified in the caller's buffer: after the copy out of a transfer buffer that
+                    # a late write could still change, or where the store placed it.
+                    if placed is not None:
+                        xxh = payload_checksum(view)
+                    else:
+                        xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echoes[i]) :])
+                    if xxh != head.payload_xxh:
                         reason = MISS_CORRUPT
                 except RecordError as exc:
                     reason = exc.reason
+                if reason is not None:
+                    view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
             results[i] = reason is None
             if reason is not None:
                 self._counters.miss(reason)
@@ -190,7 +204,7 @@ class RemoteBackend(StorageBackend):
             if views and self._reachable():
                 sizes = [HEADER_SIZE + len(e) + len(v) for e, v in zip(echoes, views, strict=True)]
                 try:
-                    self._get(self._names(echoes), sizes, sink)
+                    self._get(self._names(echoes), sizes, sink, views)
                 except StoreUnavailable:
                     self._unreachable()
             for i, r in enumerate(results):

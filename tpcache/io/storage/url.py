@@ -37,6 +37,7 @@ _SETTINGS: dict[str, dict[str, str]] = {
         "local_buffer": "size",
         "staging": "size",
         "direct_put": "size",
+        "direct_get": "size",
         **_COMMON,
     },
     "redis": {"timeout": "float", "batch": "size", **_COMMON},
@@ -161,6 +162,7 @@ def open_storage(url: str | StorageURL, *, shard: tuple[int, ...], capacity_byte
             "local_buffer": "local_buffer_bytes",
             "staging": "staging_bytes",
             "direct_put": "direct_put_bytes",
+            "direct_get": "direct_get_bytes",
         }
         kwargs = {renames.get(k, k): v for k, v in s.items() if k != "metadata"}
         return MooncakeBackend(spec.location, s["metadata"], shard=shard, **kwargs, **common)
