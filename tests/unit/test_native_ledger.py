@@ -193,7 +193,8 @@ def test_seeded_xxh3_and_mix_match_their_references():
         fields = [rng.getrandbits(64)] + [rng.randrange(-(1 << 63), 1 << 63) for _ in range(6)] + [rng.getrandbits(64)]
         fields = fields[: rng.randrange(9)]  # "<QqqqqqqQ": the first and the last unsigned
         assert mix(*fields) == reference_mix(*fields)
-    for bad in ([-1], [1 << 64], [0, 1 << 63], [0] * 7 + [-1], [0] * 9, [1.5]):  # what the reference refuses, C refuses alike
+    # What the reference refuses, C refuses alike.
+    for bad in ([-1], [1 << 64], [0, 1 << 63], [0] * 7 + [-1], [0] * 9, [1.5]):
         with pytest.raises((struct.error, TypeError)):
             reference_mix(*bad)
         with pytest.raises((struct.error, TypeError)):

@@ -126,6 +126,18 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         {r: f"put_failures_{r}" for r in ("no_space", "too_large", "io_error")},
     ),
     ("storage_evictions", "Records the storage backend evicted to stay within its capacity", "", {"": "evictions"}),
+    (
+        "storage_direct_pages",
+        "Pages the storage backend moved between the store and host memory without a staging copy",
+        "op",
+        {"read": "gets_direct", "write": "puts_direct"},
+    ),
+    (
+        "storage_client_renewals",
+        "Store clients the backend replaced after a failed read, so that no late transfer lands in host memory",
+        "",
+        {"": "client_renewals"},
+    ),
 )
 
 
