@@ -19,6 +19,7 @@ from tpcache.core.digest import mix, reference_mix
 from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.holdings import NodeHolding, PageHolding
+from tpcache.core.inserts import Inserter
 from tpcache.core.tree import NATIVE_NODES, RadixTree
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, random_op
@@ -227,10 +228,13 @@ def test_int_heap_entries_order_as_the_tuples_they_pack(policy):
     assert by_entry == sorted(nodes, key=lambda n: _policy_key_tuple(policy, n))
 
 
-def _lockstep(page_size: int, policy: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two cores, the same random ops: one through the C kernels (eviction's leaf loop, the insert
-    chain, token bytes), the other through the Python references; equal after every op."""
-    config = CacheConfig(page_size=page_size, device_pages=40, host_pages=0, eviction_policy=policy)
+    chain, token bytes) and ``_append_new``, the other through the Python references and
+    ``_adopt``; equal after every op. With host pages (write-through), eviction meets leaves with
+    host copies and backlog entries, which the C loop hands back to the Python one."""
+    policies = {"eviction_policy": policy, "write_policy": "write_through"}
+    config = CacheConfig(page_size=page_size, device_pages=40, host_pages=host_pages, **policies)
     cores = CacheCore(config), CacheCore(config)
     held: list[list] = [[], []]
     chain, token_bytes = _node.pinned_chain, hashing._token_bytes
@@ -243,6 +247,7 @@ def _lockstep(page_size: int, policy: str, seed: int, monkeypatch: pytest.Monkey
                     m.setattr(eviction, "_native", None)
                     m.setattr(_node, "pinned_chain", lambda *args: None)
                     m.setattr(hashing, "_token_bytes", None)
+                    m.setattr(Inserter, "_append_new", lambda *args: None)
                 apply(core, op, leases)
                 drain(core)
         a, b = cores
@@ -254,7 +259,9 @@ def _lockstep(page_size: int, policy: str, seed: int, monkeypatch: pytest.Monkey
     check(b)
 
 
-@pytest.mark.parametrize("page_size", [2, 4, 16, 64])  # hash inputs in C: none, 24 and 72 bytes; 264 via xxhash
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_the_kernels_and_their_references_make_the_same_core(page_size, policy, monkeypatch):
-    _lockstep(page_size, policy, page_size * 7 + len(policy), monkeypatch)
+# Hash inputs: 2 tokens are the reference's, 4 and 16 are 24 and 72 bytes in C, 64 are 264 via xxhash.
+@pytest.mark.parametrize("page_size", [2, 4, 16, 64])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("host_pages", [0, 12])
+def test_the_kernels_and_their_references_make_the_same_core(page_size, policy, host_pages, monkeypatch):
+    _lockstep(page_size, policy, host_pages, page_size * 7 + len(policy) + host_pages, monkeypatch)

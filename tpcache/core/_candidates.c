@@ -98,14 +98,15 @@ static PyObject *heap_entry(Node *n, long kind) {
     uint64_t w[5];
     int k = 0;
     PyObject *top[2] = {kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at, n->last_access};
-    w[k++] = PyLong_AsUnsignedLongLong(n->node_id);
-    w[k++] = PyLong_AsUnsignedLongLong(n->hash);
-    w[k++] = UINT64_MAX - PyLong_AsUnsignedLongLong(n->depth);
-    if (kind == 1)
-        w[k++] = PyLong_AsUnsignedLongLong(top[1]);
-    w[k++] = PyLong_AsUnsignedLongLong(top[0]);
-    if (PyErr_Occurred())
-        return NULL;
+    PyObject *fields[5] = {n->node_id, n->hash, n->depth, top[1], top[0]};
+    for (int f = 0; f < 5; f++) {
+        if (f == 3 && kind != 1)
+            continue;
+        uint64_t v = PyLong_AsUnsignedLongLong(fields[f]);
+        if (v == (uint64_t)-1 && PyErr_Occurred())
+            return NULL;
+        w[k++] = f == 2 ? UINT64_MAX - v : v;
+    }
     unsigned char bytes[40];
     for (int i = 0; i < k; i++)
         for (int b = 0; b < 8; b++)
@@ -309,8 +310,10 @@ PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) 
             return NULL;
         }
         if (node != NULL) {
+            Py_INCREF(node); /* candidacy may run Python (its fallbacks) */
             int c = candidacy(node);
             if (c < 0) {
+                Py_DECREF(node);
                 Py_DECREF(entry);
                 return NULL;
             }
@@ -319,14 +322,17 @@ PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) 
                 live = now == NULL ? -1 : PyObject_RichCompareBool(now, entry, Py_EQ);
                 Py_XDECREF(now);
             }
+            if (live > 0) {
+                Py_DECREF(entry);
+                return node; /* the reference taken above */
+            }
+            Py_DECREF(node);
         } else if (PyErr_Occurred()) {
             live = -1;
         }
         Py_DECREF(entry);
         if (live < 0)
             return NULL;
-        if (live)
-            return Py_NewRef(node);
     }
     return Py_NewRef(Py_None);
 }

@@ -141,20 +141,21 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
             goto done;
     }
     rc = 0;
-done:;
-    PyObject *after = PyLong_FromLongLong(next_id + PyList_GET_SIZE(nodes));
+    /* As the reference: the tree's next id and its runs change only once every node is in. */
+    PyObject *after = PyLong_FromLongLong(next_id + count);
     if (after == NULL || PyObject_SetAttrString(tree, "_next_id", after) < 0)
         rc = -1;
     Py_XDECREF(after);
-    if (PyDict_GET_SIZE(first->children) == 2)
+    if (rc == 0 && PyDict_GET_SIZE(first->children) == 2)
         invalidate_runs((PyObject *)first);
+done:
     Py_DECREF(up);
     Py_DECREF(one);
     return rc;
 }
 
 /* pinned_chain(tree, parent, token_bytes, offset, pages, clock) -> (nodes, sum of their records), or
- * None for pages of 1 or 2 tokens (the reference handles those).
+ * None for pages of 1 or 2 tokens, or pages not in a list (the reference handles those).
  * The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes,
  * each below the one before, device VALID on its page, pinned once, recorded, ids from the tree's. */
 static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -165,11 +166,12 @@ static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     if (offset == -1 && PyErr_Occurred())
         return NULL;
     if (!is_node(parent) || !PyBytes_Check(data) || !PyList_Check(pages))
-        return PyErr_Format(PyExc_TypeError, "pinned_chain takes a native node, token bytes and a list of pages");
+        Py_RETURN_NONE; /* the reference takes any other sequence of pages (and refuses what it refuses) */
     if (load_valid() < 0)
         return NULL;
-    PyObject *size = PyObject_GetAttrString(tree, "page_size"), *seed_obj = PyObject_GetAttrString(tree, "seed");
-    PyObject *tree_nodes = PyObject_GetAttrString(tree, "nodes");
+    PyObject *size = PyObject_GetAttrString(tree, "page_size");
+    PyObject *seed_obj = size ? PyObject_GetAttrString(tree, "seed") : NULL;
+    PyObject *tree_nodes = seed_obj ? PyObject_GetAttrString(tree, "nodes") : NULL;
     Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : -1;
     unsigned long long seed = seed_obj ? PyLong_AsUnsignedLongLong(seed_obj) : 0;
     Py_XDECREF(size);

@@ -98,7 +98,10 @@ done:
     return rc;
 }
 
-static PyObject *attr(PyObject *o, const char *name) { return o == NULL ? NULL : PyObject_GetAttrString(o, name); }
+/* o.name, or NULL once anything before it failed (no lookup runs with an exception set). */
+static PyObject *attr(PyObject *o, const char *name) {
+    return o == NULL || PyErr_Occurred() ? NULL : PyObject_GetAttrString(o, name);
+}
 
 /* drop_leaves(candidates, ledger, want) -> (pages freed, node or None): pop device candidates and
  * drop the plain leaves among them until ``want`` are freed (then None), the heap is empty (None),
@@ -121,15 +124,14 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
     }
     Pool s = {0};
     PyObject *device = attr(ledger, "device"), *count = NULL, *value = NULL, *out = NULL, *node = NULL;
-    PyObject *minus_one = PyLong_FromLong(-1);
+    PyObject *minus_one = PyLong_FromLong(-1); /* a cached small int: never NULL */
     s.owned = attr(device, "_owned");
     s.free = attr(device, "_free");
     s.digest = attr(ledger, "digest");
     s.backlog = attr(ledger, "backup_backlog");
     value = attr(s.digest, "value");
     count = attr(ledger, "evictable_device_pages");
-    if (value == NULL || count == NULL || s.owned == NULL || s.free == NULL || s.backlog == NULL ||
-        heaps_load(&s.heaps, cands) < 0)
+    if (PyErr_Occurred() || heaps_load(&s.heaps, cands) < 0)
         goto fail;
     if (!PyByteArray_Check(s.owned) || !PyList_Check(s.free) || !PyDict_Check(s.backlog) || s.heaps.kind < 0) {
         PyErr_SetString(PyExc_TypeError, "drop_leaves: a native ledger of a policy written here");
@@ -160,12 +162,18 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
     }
     ok = 1;
 write_back:; /* the digest and the counter, also on an error: the nodes already dropped stay dropped */
+    PyObject *type, *exc, *tb; /* an error's exception waits while the write-back runs */
+    PyErr_Fetch(&type, &exc, &tb);
     PyObject *v = PyLong_FromUnsignedLongLong(s.value), *e = PyLong_FromLongLong(s.evictable);
     if (v == NULL || e == NULL || PyObject_SetAttrString(s.digest, "value", v) < 0 ||
         PyObject_SetAttrString(ledger, "evictable_device_pages", e) < 0)
         ok = 0;
     Py_XDECREF(v);
     Py_XDECREF(e);
+    if (type != NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, exc, tb); /* the first error is the one reported */
+    }
     if (ok)
         out = Py_BuildValue("(nO)", freed, node == NULL ? Py_None : node);
 fail:
