@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.options import resolved_env
+from tpcache.dist.store import LISTEN_FD_ENV
 from tpcache.service.config import FIELDS, Resolved, ServiceConfig
 
 STOP_GRACE_S = 15.0
@@ -72,21 +73,33 @@ def spawn_ranks(
 ) -> list[subprocess.Popen]:
     if nproc < 1:
         raise ValueError("--nproc must be >= 1")
-    port = free_port()
-    base = {**os.environ, **resolved_env(as_resolved(config)), **(extra_env or {})}
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    base.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores
-    procs = []
-    for rank in range(nproc):
-        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "launcher", "serve"],
-                env=env,
-                stdout=_stderr_fd(),  # a rank's stdout is the launcher's stderr
-                preexec_fn=_die_with_parent(),
+    # Rank 0's rendezvous socket is bound here and handed over, so no other process can take the
+    # port between its choice and its use (tpcache.dist.store.LISTEN_FD_ENV).
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(max(128, nproc))
+        port = int(listener.getsockname()[1])
+        base = {**os.environ, **resolved_env(as_resolved(config)), **(extra_env or {})}
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+        base.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores
+        procs = []
+        for rank in range(nproc):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+            fds = (listener.fileno(),) if rank == 0 else ()
+            if fds:
+                env[LISTEN_FD_ENV] = str(listener.fileno())
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "launcher", "serve"],
+                    env=env,
+                    stdout=_stderr_fd(),  # a rank's stdout is the launcher's stderr
+                    preexec_fn=_die_with_parent(),
+                    pass_fds=fds,
+                )
             )
-        )
+    finally:
+        listener.close()  # rank 0 holds its own copy
     return procs
 
 

@@ -18,6 +18,11 @@ import os
 import socket
 from typing import Any
 
+# A launcher that starts the ranks itself (``launcher local``) binds rank 0's listening socket
+# before it spawns them and hands it over by this variable (its fd number): a port picked free and
+# bound later by the rank could be taken in between by any other process on the host.
+LISTEN_FD_ENV = "TPCACHE_STORE_LISTEN_FD"
+
 
 def is_loopback_host(host: str) -> bool:
     """Whether ``host`` names this machine's loopback interface (``localhost`` or a loopback IP)."""
@@ -39,12 +44,13 @@ def loopback_store(host: str, port: int, world_size: int, rank: int, timeout_s: 
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener = _handed_over(host, port)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(max(128, world_size))
+        if listener is None:
+            listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(max(128, world_size))
         store = dist.TCPStore(
             host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.fileno(), use_libuv=True
         )
@@ -53,6 +59,19 @@ def loopback_store(host: str, port: int, world_size: int, rank: int, timeout_s: 
         raise
     listener.detach()  # the store's server owns the socket now
     return store
+
+
+def _handed_over(host: str, port: int) -> socket.socket | None:
+    """The listening socket the launcher bound for ``host:port`` (``LISTEN_FD_ENV``), or None."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)  # once: nothing this rank starts inherits the claim
+    if fd is None:
+        return None
+    listener = socket.socket(fileno=int(fd))
+    bound = listener.getsockname()
+    if (bound[0], bound[1]) != (host, port):
+        listener.close()
+        raise RuntimeError(f"the launcher handed over a socket bound to {bound[0]}:{bound[1]}, not {host}:{port}")
+    return listener
 
 
 def group_store(timeout_s: float) -> Any:

@@ -29,14 +29,14 @@ from tpcache.core import CacheConfig
 from tpcache.core.config import HOST_MODES, WRITE_POLICIES
 from tpcache.core.eviction import POLICIES
 from tpcache.dist.parallel import GroupShapeError, ParallelGroup
-from tpcache.dist.store import is_loopback_host
+from tpcache.dist.store import LISTEN_FD_ENV, is_loopback_host
 from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"
 # TPCACHE_* variables that are not settings: the launcher's hand-over to its ranks, a transport
 # switch and the tests' fault injection (TPCACHE_FAULT_*).
 RESOLVED_ENV = "TPCACHE_RESOLVED_CONFIG"
-INTERNAL_ENV = frozenset((RESOLVED_ENV, "TPCACHE_NO_FUTEX"))
+INTERNAL_ENV = frozenset((RESOLVED_ENV, "TPCACHE_NO_FUTEX", LISTEN_FD_ENV))
 INTERNAL_ENV_PREFIXES = ("TPCACHE_FAULT_",)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TRANSPORTS = ("auto", "shm", "torch")
