@@ -337,30 +337,24 @@ PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) 
     return Py_NewRef(Py_None);
 }
 
-int candidates_context(PyObject *cands, PyObject **nodes, long *kind) {
-    *nodes = NULL;
-    if (key_kind(cands, kind) < 0)
-        return -1;
-    PyObject *tree = PyObject_GetAttr(cands, s_tree);
-    *nodes = tree ? PyObject_GetAttr(tree, s_nodes) : NULL;
-    Py_XDECREF(tree);
-    return *nodes == NULL ? -1 : 0;
-}
-
 /* pop(candidates, heap, which) -> the next live candidate of ``heap`` or None (``pop_candidate``). */
 static PyObject *py_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3)
         return PyErr_Format(PyExc_TypeError, "pop takes 3 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *heap = args[1], *nodes;
-    long which = PyLong_AsLong(args[2]), kind;
-    if ((which == -1 && PyErr_Occurred()) || candidates_context(cands, &nodes, &kind) < 0)
+    PyObject *heap = args[1], *out = NULL;
+    long which = PyLong_AsLong(args[2]);
+    if (which == -1 && PyErr_Occurred())
         return NULL;
-    PyObject *out = NULL;
-    if (!PyList_Check(heap) || kind < 0)
+    Heaps h;
+    if (heaps_load(&h, args[0]) < 0) {
+        heaps_clear(&h);
+        return NULL;
+    }
+    if (!PyList_Check(heap) || h.kind < 0)
         PyErr_Format(PyExc_TypeError, "pop takes a heap list, of a policy written here");
     else
-        out = pop_candidate(heap, which, nodes, kind);
-    Py_DECREF(nodes);
+        out = pop_candidate(heap, which, h.nodes, h.kind);
+    heaps_clear(&h);
     return out;
 }
 

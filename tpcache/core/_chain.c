@@ -44,13 +44,8 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
 static PyObject *device_valid = NULL; /* tiers.DeviceState.VALID, the value the reference stores */
 
 static int load_valid(void) {
-    if (device_valid != NULL)
-        return 0;
-    PyObject *tiers = PyImport_ImportModule("tpcache.core.tiers");
-    PyObject *cls = tiers ? PyObject_GetAttrString(tiers, "DeviceState") : NULL;
-    device_valid = cls ? PyObject_GetAttrString(cls, "VALID") : NULL;
-    Py_XDECREF(tiers);
-    Py_XDECREF(cls);
+    if (device_valid == NULL)
+        device_valid = device_state_member("VALID");
     return device_valid == NULL ? -1 : 0;
 }
 

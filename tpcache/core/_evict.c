@@ -53,7 +53,7 @@ static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_Ne
 
 /* The state drop_leaves works on, read once per call and written back on every way out. */
 typedef struct {
-    PyObject *owned, *free, *digest, *backlog, *nodes;
+    PyObject *owned, *free, *digest, *backlog;
     Heaps heaps;
     uint64_t value;
     long long evictable;
@@ -86,7 +86,7 @@ static int drop(Pool *s, Node *n, PyObject *minus_one) {
     Py_DECREF(zero);
     Node *parent = (Node *)Py_NewRef(n->parent);
     int rc = -1;
-    if (PyDict_DelItem(parent->children, n->tokens) < 0 || PyDict_DelItem(s->nodes, n->node_id) < 0)
+    if (PyDict_DelItem(parent->children, n->tokens) < 0 || PyDict_DelItem(s->heaps.nodes, n->node_id) < 0)
         goto done;
     set_field(&n->parent, Py_None);
     set_field(&n->run, Py_None);
@@ -113,15 +113,8 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
     Py_ssize_t want = PyLong_AsSsize_t(args[2]);
     if (want == -1 && PyErr_Occurred())
         return NULL;
-    if (device_none == NULL) {
-        PyObject *tiers = PyImport_ImportModule("tpcache.core.tiers");
-        PyObject *cls = attr(tiers, "DeviceState");
-        device_none = attr(cls, "NONE");
-        Py_XDECREF(tiers);
-        Py_XDECREF(cls);
-        if (device_none == NULL)
-            return NULL;
-    }
+    if (device_none == NULL && (device_none = device_state_member("NONE")) == NULL)
+        return NULL;
     Pool s = {0};
     PyObject *device = attr(ledger, "device"), *count = NULL, *value = NULL, *out = NULL, *node = NULL;
     PyObject *minus_one = PyLong_FromLong(-1); /* a cached small int: never NULL */
@@ -137,7 +130,6 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "drop_leaves: a native ledger of a policy written here");
         goto fail;
     }
-    s.nodes = s.heaps.nodes;
     s.value = PyLong_AsUnsignedLongLong(value);
     s.evictable = PyLong_AsLongLong(count);
     if (PyErr_Occurred())
@@ -145,7 +137,7 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
     Py_ssize_t freed = 0;
     int ok = 0;
     while (freed < want) {
-        node = pop_candidate(s.heaps.dev, 1, s.nodes, s.heaps.kind); /* dev is current: see heaps_offer */
+        node = pop_candidate(s.heaps.dev, 1, s.heaps.nodes, s.heaps.kind); /* dev is current: see heaps_offer */
         if (node == NULL)
             goto write_back;
         if (node == Py_None)

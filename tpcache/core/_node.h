@@ -37,8 +37,6 @@ typedef struct {
 int heaps_load(Heaps *h, PyObject *cands); /* 0, or -1 and an exception (then heaps_clear) */
 void heaps_clear(Heaps *h);
 int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 and an exception */
-/* The tree's nodes dict (a new reference) and the policy's key kind of a Candidates: 0 or -1. */
-int candidates_context(PyObject *cands, PyObject **nodes, long *kind);
 /* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
 PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind);
 
@@ -60,6 +58,17 @@ static inline int field(PyObject *v, int64_t *out) {
         return -1;
     *out = (int64_t)x;
     return 0;
+}
+
+/* tiers.DeviceState.<name> (a new reference), the value the reference stores in a node; NULL and
+ * an exception if it cannot be imported. */
+static inline PyObject *device_state_member(const char *name) {
+    PyObject *tiers = PyImport_ImportModule("tpcache.core.tiers");
+    PyObject *cls = tiers ? PyObject_GetAttrString(tiers, "DeviceState") : NULL;
+    PyObject *member = cls ? PyObject_GetAttrString(cls, name) : NULL;
+    Py_XDECREF(tiers);
+    Py_XDECREF(cls);
+    return member;
 }
 
 /* RadixTree._invalidate: drop the runs through ``node`` and those of the single-child chain above it. */

@@ -187,9 +187,9 @@ class Ledger:
         return node
 
     def add_pinned_chain(self, parent: Node, token_bytes: bytes, offset: int, pages: list[int]) -> list[Node]:
-        """``add(..., device=(VALID, page), device_pins=1)`` for the pages of ``token_bytes`` from byte
-        ``offset`` on, one per page of ``pages``, each below the one before, the first below
-        ``parent`` (an insert's new pages): the same nodes, hashes, records and counters, in one loop."""
+        """New nodes for the pages of ``token_bytes`` from byte ``offset`` on, one per page of
+        ``pages``, each below the one before, the first below ``parent`` (an insert's new pages):
+        each device VALID on its page, pinned once, stamped now, recorded, and counted protected."""
         if _native is not None and not self.parts:  # the same nodes, hashes and records in C (_chain.c)
             made = _native.pinned_chain(self.tree, parent, token_bytes, offset, pages, self.clock)
             if made is not None:
