@@ -91,14 +91,15 @@ int candidacy(PyObject *obj) {
     return 2;
 }
 
-/* A node's heap entry, ``key << 64 | node_id`` (candidates.entry_of with LRU/LFU/FIFO.key): kind 0
- * LRU, 1 LFU, 2 FIFO. The key's fields are 64-bit words, most significant first, so the entry is
- * built from its little-endian words in one call. NULL and an exception for a field outside 0..2**64-1. */
+/* A node's heap entry, ``key << 64 | node_id`` with candidates.LRU/LFU/FIFO.key: kind 0 LRU, 1 LFU,
+ * 2 FIFO. The key's fields are 64-bit words, most significant first, so the entry is built from its
+ * little-endian words (node id first) in one call. NULL and an exception for a field outside
+ * 0..2**64-1. */
 static PyObject *heap_entry(Node *n, long kind) {
     uint64_t w[5];
     int k = 0;
-    PyObject *top[2] = {kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at, n->last_access};
-    PyObject *fields[5] = {n->node_id, n->hash, n->depth, top[1], top[0]};
+    PyObject *first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
+    PyObject *fields[5] = {n->node_id, n->hash, n->depth, n->last_access /* LFU only */, first};
     for (int f = 0; f < 5; f++) {
         if (f == 3 && kind != 1)
             continue;
@@ -119,7 +120,7 @@ static PyObject *heap_entry(Node *n, long kind) {
 }
 
 static PyObject *heappush = NULL, *heappop = NULL; /* _heapq's, so heaps are laid out as heapq lays them */
-static PyObject *s_device_heap, *s_host_heap, *s_tree, *s_nodes, *s_key_kind, *s_rebuild, *s_push;
+static PyObject *s_device_heap, *s_host_heap, *s_tree, *s_nodes, *s_key_kind, *s_rebuild;
 
 static int load_heapq(void) {
     if (heappush != NULL)
@@ -130,9 +131,8 @@ static int load_heapq(void) {
     s_nodes = PyUnicode_InternFromString("nodes");
     s_key_kind = PyUnicode_InternFromString("key_kind");
     s_rebuild = PyUnicode_InternFromString("rebuild");
-    s_push = PyUnicode_InternFromString("_push");
     PyObject *m = PyImport_ImportModule("_heapq");
-    if (m == NULL || !s_device_heap || !s_host_heap || !s_tree || !s_nodes || !s_key_kind || !s_rebuild || !s_push) {
+    if (m == NULL || !s_device_heap || !s_host_heap || !s_tree || !s_nodes || !s_key_kind || !s_rebuild) {
         Py_XDECREF(m);
         return -1;
     }

@@ -52,8 +52,9 @@ static int load_valid(void) {
 static PyObject *xxh3_seeded = NULL; /* xxhash.xxh3_64_intdigest, for pages past 120 bytes */
 
 /* hashing.page_hash: XXH3-64 of the parent page's hash (8 bytes, little-endian) and the page's
- * tokens, with the namespace's seed; in place of ``*h``. 0, or -1 and an exception. */
-static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed) {
+ * tokens, with the namespace's seed (``seed``, and as the tree's int ``seed_obj`` for the package's
+ * call); in place of ``*h``. 0, or -1 and an exception. */
+static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed, PyObject *seed_obj) {
     if (step + 8 <= 128) {
         uint8_t buf[128];
         for (int b = 0; b < 8; b++)
@@ -69,12 +70,9 @@ static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t se
         if (xxh3_seeded == NULL)
             return -1;
     }
-    PyObject *input = PyBytes_FromStringAndSize(NULL, step + 8), *seed_obj = PyLong_FromUnsignedLongLong(seed);
-    if (input == NULL || seed_obj == NULL) {
-        Py_XDECREF(input);
-        Py_XDECREF(seed_obj);
+    PyObject *input = PyBytes_FromStringAndSize(NULL, step + 8);
+    if (input == NULL)
         return -1;
-    }
     char *buf = PyBytes_AS_STRING(input);
     for (int b = 0; b < 8; b++)
         buf[b] = (char)(uint8_t)(*h >> (8 * b));
@@ -82,7 +80,6 @@ static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t se
     PyObject *args[2] = {input, seed_obj};
     PyObject *r = PyObject_Vectorcall(xxh3_seeded, args, 2, NULL);
     Py_DECREF(input);
-    Py_DECREF(seed_obj);
     if (r == NULL)
         return -1;
     *h = PyLong_AsUnsignedLongLong(r);
@@ -93,7 +90,8 @@ static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t se
 /* Add the chain's nodes below ``parent``; ``nodes`` receives them. 0, or -1 and an exception (the
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
 static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const char *data, Py_ssize_t step,
-                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, uint64_t *records) {
+                     uint64_t seed, PyObject *seed_obj, PyObject *pages, PyObject *clock, PyObject *nodes,
+                     uint64_t *records) {
     PyObject *next = PyObject_GetAttrString(tree, "_next_id");
     long long next_id = next ? PyLong_AsLongLong(next) : -1;
     Py_XDECREF(next);
@@ -105,7 +103,7 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     Node *up = (Node *)Py_NewRef(parent), *first = parent;
     int rc = -1;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (page_hash(&h, data + i * step, step, seed) < 0) /* hashing.page_hash */
+        if (page_hash(&h, data + i * step, step, seed, seed_obj) < 0)
             goto done;
         PyObject *id = PyLong_FromLongLong(next_id + i), *hash = PyLong_FromUnsignedLongLong(h);
         PyObject *tokens = PyBytes_FromStringAndSize(data + i * step, step);
@@ -170,7 +168,6 @@ static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : -1;
     unsigned long long seed = seed_obj ? PyLong_AsUnsignedLongLong(seed_obj) : 0;
     Py_XDECREF(size);
-    Py_XDECREF(seed_obj);
     PyObject *out = NULL, *nodes = NULL;
     if (tree_nodes == NULL || PyErr_Occurred())
         goto done;
@@ -195,13 +192,14 @@ static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     }
     nodes = PyList_New(0);
     uint64_t records = 0;
-    if (nodes == NULL || add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages,
-                                   clock, nodes, &records) < 0)
+    if (nodes == NULL || add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, seed_obj,
+                                   pages, clock, nodes, &records) < 0)
         goto done;
     out = Py_BuildValue("(OK)", nodes, (unsigned long long)records);
 done:
     Py_XDECREF(nodes);
     Py_XDECREF(tree_nodes);
+    Py_XDECREF(seed_obj);
     return out;
 }
 

@@ -35,10 +35,6 @@ if TYPE_CHECKING:
 Entry = int  # key << 64 | node id
 
 
-def entry_of(key: int, node_id: int) -> Entry:
-    return key << 64 | node_id
-
-
 class EvictionPolicy(Protocol):
     name: str
 
@@ -74,7 +70,7 @@ class FIFO:
 
 
 POLICIES: dict[str, type[LRU] | type[LFU] | type[FIFO]] = {"lru": LRU, "lfu": LFU, "fifo": FIFO}
-KEY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2}  # how _account.c knows each policy's key
+KEY_KINDS = {"lru": 0, "lfu": 1, "fifo": 2}  # how _candidates.c knows each policy's key
 
 
 def make_policy(name: str) -> EvictionPolicy:
