@@ -62,11 +62,48 @@ def test_native_and_reference_nodes_reach_the_same_states():
 
 def test_nodes_and_their_children_dicts_are_not_tracked():
     core = CacheCore(CacheConfig(page_size=4, device_pages=8))
-    lease, m = core.lock(list(range(12)))
-    core.insert(lease, list(range(12)), core.alloc(lease, 3))
+    for first in (0, 100):  # two branches below the root: its children are a dict
+        tokens = [first + t for t in range(12)]
+        lease, m = core.lock(tokens)
+        core.insert(lease, tokens, core.alloc(lease, 3))
+    assert core.tree.root.num_children == 2
     for node in core.tree.nodes.values():
-        assert not gc.is_tracked(node) and not gc.is_tracked(node.children)
+        assert not gc.is_tracked(node)
+    holding_nodes = [o for o in gc.get_objects() if type(o) is dict and any(type(v) is Node for v in o.values())]
+    assert holding_nodes == []  # the tree's nodes dict and the root's children dict stay untracked too
     assert gc.is_tracked(PyNode(1, None, b"", 0, 0))  # what the extension spares the collector
+
+
+def test_children_keep_their_shape_and_stay_read_only():
+    """A node holds no dict for no child or one child, a dict for two or more, back to one when a
+    child goes; the reference node gives the same answers, and neither lets ``children`` change."""
+    tree = RadixTree(1)
+    ref = PyNode(0, None, b"", 0, 0)
+    a, b, c = b"aaaa", b"bbbb", b"cccc"
+    kids = {k: tree.add_child(tree.root, k, i, 0) for i, k in enumerate((a, b, c))}
+    refs = {k: PyNode(i + 1, ref, k, i, 0) for i, k in enumerate((a, b, c))}
+    for k in (a, b, c):
+        ref.link(refs[k])
+    for gone in (b, a, c):
+        assert tree.root.num_children == ref.num_children
+        assert sorted(tree.root.children) == sorted(ref.children)
+        for k in (a, b, c):
+            assert (tree.root.child(k) is kids[k]) == (ref.child(k) is refs[k]) == (k in ref.children)
+        assert (tree.root.only_child is None) == (ref.only_child is None)
+        tree.remove_leaf(kids[gone])
+        ref.unlink(refs[gone])
+    assert tree.root.num_children == 0 and dict(tree.root.children) == {} and tree.root.only_child is None
+    with pytest.raises(TypeError):
+        tree.root.children[a] = kids[a]  # type: ignore[index]
+    with pytest.raises(KeyError):
+        tree.root.unlink(kids[a])
+    node = tree.add_child(tree.root, a, 1, 0)
+    with pytest.raises(ValueError, match="already has a child"):
+        tree.add_child(tree.root, a, 2, 0)
+    ref.link(refs[a])
+    with pytest.raises(ValueError, match="already has a child"):
+        ref.link(PyNode(9, ref, a, 0, 0))
+    assert tree.root.only_child is node
 
 
 def test_a_dropped_tree_frees_its_nodes():

@@ -65,20 +65,16 @@ static PyObject *record_fallback = NULL;
 
 /* The record of a native node without components: 0 and an exception on a field that is not an int. */
 int record_native(Node *n, uint64_t *out) {
-    int64_t ds, hs, ss, page, slot, dp, hp, last, hits, created;
-    unsigned long long hash = PyLong_AsUnsignedLongLong(n->hash);
-    if (hash == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
+    int64_t ds, hs, ss, dp, hp, last, hits, created;
     if (field(n->device_state, &ds) || field(n->host_state, &hs) || field(n->storage_state, &ss) ||
-        field(n->device_page, &page) || field(n->host_slot, &slot) || field(n->device_pins, &dp) ||
-        field(n->host_pins, &hp) || field(n->last_access, &last) || field(n->hits, &hits) ||
-        field(n->created_at, &created))
+        field(n->device_pins, &dp) || field(n->host_pins, &hp) || field(n->last_access, &last) ||
+        field(n->hits, &hits) || field(n->created_at, &created))
         return -1;
     uint8_t buf[64];
-    write64(buf, hash);
+    write64(buf, n->hash);
     write64(buf + 8, (uint64_t)(ds | hs << 2 | ss << 4));
-    write64(buf + 16, (uint64_t)page);
-    write64(buf + 24, (uint64_t)slot);
+    write64(buf + 16, (uint64_t)n->device_page);
+    write64(buf + 24, (uint64_t)n->host_slot);
     write64(buf + 32, (uint64_t)dp << 32 | (uint64_t)hp);
     write64(buf + 40, (uint64_t)last);
     write64(buf + 48, (uint64_t)hits);
@@ -196,9 +192,9 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             goto fail;
         }
         Node *n = (Node *)item;
-        int64_t pins, state, old, hits;
-        uint64_t rec;
-        if (field(n->device_pins, &pins) || field(n->device_state, &state) || field(n->record, &old))
+        int64_t pins, state, hits;
+        uint64_t rec, old = n->record;
+        if (field(n->device_pins, &pins) || field(n->device_state, &state))
             goto fail;
         int64_t now = pins + delta;
         if (set_int(&n->device_pins, now) < 0)
@@ -213,9 +209,10 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         }
         if (hit && (field(n->hits, &hits) || set_int(&n->hits, hits + 1) < 0))
             goto fail;
-        if (record_any(item, &rec) < 0 || set_int(&n->record, (int64_t)rec) < 0)
+        if (record_any(item, &rec) < 0)
             goto fail;
-        value += rec - (uint64_t)old;
+        n->record = rec;
+        value += rec - old;
         int which = candidacy(item); /* offered only where the offer will push */
         if (which < 0)
             goto fail;

@@ -57,7 +57,7 @@ int candidacy(PyObject *obj) {
     Py_ssize_t pos = 0;
     if (state == 2 && pins == 0) {
         int host_children = 0;
-        while (PyDict_Next(n->children, &pos, NULL, &child)) {
+        while (kids_next(n, &pos, &child)) {
             int64_t cd, ch;
             if (!is_node(child))
                 return call_bool(is_device_candidate, obj);
@@ -77,7 +77,7 @@ int candidacy(PyObject *obj) {
         int h = call_bool(is_host_candidate, obj);
         return h < 0 ? -1 : h << 1;
     }
-    while (PyDict_Next(n->children, &pos, NULL, &child)) {
+    while (kids_next(n, &pos, &child)) {
         int64_t ch;
         if (!is_node(child)) {
             int h = call_bool(is_host_candidate, obj);
@@ -99,11 +99,11 @@ static PyObject *heap_entry(Node *n, long kind) {
     uint64_t w[5];
     int k = 0;
     PyObject *first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
-    PyObject *fields[5] = {n->node_id, n->hash, n->depth, n->last_access /* LFU only */, first};
+    PyObject *fields[5] = {n->node_id, NULL /* the hash */, n->depth, n->last_access /* LFU only */, first};
     for (int f = 0; f < 5; f++) {
         if (f == 3 && kind != 1)
             continue;
-        uint64_t v = PyLong_AsUnsignedLongLong(fields[f]);
+        uint64_t v = f == 1 ? n->hash : PyLong_AsUnsignedLongLong(fields[f]);
         if (v == (uint64_t)-1 && PyErr_Occurred())
             return NULL;
         w[k++] = f == 2 ? UINT64_MAX - v : v;

@@ -95,7 +95,7 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     PyObject *next = PyObject_GetAttrString(tree, "_next_id");
     long long next_id = next ? PyLong_AsLongLong(next) : -1;
     Py_XDECREF(next);
-    uint64_t h = PyLong_AsUnsignedLongLong(parent->hash);
+    uint64_t h = parent->hash;
     if (PyErr_Occurred())
         return -1;
     Py_ssize_t count = PyList_GET_SIZE(pages);
@@ -103,30 +103,29 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     Node *up = (Node *)Py_NewRef(parent), *first = parent;
     int rc = -1;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (page_hash(&h, data + i * step, step, seed, seed_obj) < 0)
+        int64_t page;
+        if (field(PyList_GET_ITEM(pages, i), &page) < 0 || page_hash(&h, data + i * step, step, seed, seed_obj) < 0)
             goto done;
-        PyObject *id = PyLong_FromLongLong(next_id + i), *hash = PyLong_FromUnsignedLongLong(h);
+        PyObject *id = PyLong_FromLongLong(next_id + i);
         PyObject *tokens = PyBytes_FromStringAndSize(data + i * step, step);
-        Node *node = id && hash && tokens ? node_new(id, (PyObject *)up, tokens, hash, clock) : NULL;
-        Py_XDECREF(hash);
+        Node *node = id && tokens ? node_new(id, (PyObject *)up, tokens, h, clock) : NULL;
         Py_XDECREF(tokens);
         if (node == NULL) {
             Py_XDECREF(id);
             goto done;
         }
         Py_SETREF(node->device_state, Py_NewRef(device_valid));
-        Py_SETREF(node->device_page, Py_NewRef(PyList_GET_ITEM(pages, i)));
+        node->device_page = page;
         Py_SETREF(node->device_pins, Py_NewRef(one));
         uint64_t rec;
-        int bad = PyDict_SetItem(up->children, node->tokens, (PyObject *)node) < 0 ||
-                  PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || PyList_Append(nodes, (PyObject *)node) < 0 ||
-                  record_native(node, &rec) < 0;
+        int added = kids_add(up, node);
+        if (added > 0)
+            PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", up->node_id);
+        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 ||
+                  PyList_Append(nodes, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
         Py_DECREF(id);
         if (!bad) {
-            PyObject *r = PyLong_FromUnsignedLongLong(rec);
-            bad = r == NULL;
-            if (r != NULL)
-                Py_SETREF(node->record, r);
+            node->record = rec;
             *records += rec;
         }
         Py_SETREF(up, node);
@@ -139,7 +138,7 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     if (after == NULL || PyObject_SetAttrString(tree, "_next_id", after) < 0)
         rc = -1;
     Py_XDECREF(after);
-    if (rc == 0 && PyDict_GET_SIZE(first->children) == 2)
+    if (rc == 0 && kids_count(first) == 2)
         invalidate_runs((PyObject *)first);
 done:
     Py_DECREF(up);
@@ -182,7 +181,8 @@ static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     }
     if (count > 0) {
         PyObject *head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + offset, step);
-        int taken = head ? PyDict_Contains(((Node *)parent)->children, head) : -1;
+        int taken = head ? kids_get((Node *)parent, head) != NULL : -1;
+        taken = taken == 0 && PyErr_Occurred() ? -1 : taken;
         Py_XDECREF(head);
         if (taken != 0) {
             if (taken > 0)

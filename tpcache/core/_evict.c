@@ -19,7 +19,7 @@ static PyObject *device_none = NULL; /* tiers.DeviceState.NONE, the value the re
 
 /* 1: a leaf drop_device_leaf takes (and not in the backlog, whose pop drop_device counts); 0: not. */
 static int plain_leaf(Node *n, PyObject *backlog) {
-    if (PyDict_GET_SIZE(n->children) != 0 || n->comp != Py_None || !is_node(n->parent))
+    if (kids_count(n) != 0 || n->comp != Py_None || !is_node(n->parent))
         return 0;
     int64_t ds, dp, hs, hp;
     if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
@@ -61,10 +61,8 @@ typedef struct {
 
 /* Free the device page of a plain leaf and take the leaf out of the tree (drop_device_leaf, then
  * RadixTree.remove_leaf); offer its parent. */
-static int drop(Pool *s, Node *n, PyObject *minus_one) {
-    int64_t page;
-    if (field(n->device_page, &page))
-        return -1;
+static int drop(Pool *s, Node *n) {
+    int64_t page = n->device_page;
     Py_ssize_t size = PyByteArray_GET_SIZE(s->owned);
     char *owned = PyByteArray_AS_STRING(s->owned);
     if (page < 0 || page >= size || !owned[page]) {
@@ -72,25 +70,23 @@ static int drop(Pool *s, Node *n, PyObject *minus_one) {
         return -1;
     }
     owned[page] = 0;
-    if (PyList_Append(s->free, n->device_page) < 0 || drop_pages(n) < 0)
+    PyObject *freed = PyLong_FromLongLong(page);
+    int bad = freed == NULL || PyList_Append(s->free, freed) < 0 || drop_pages(n) < 0;
+    Py_XDECREF(freed);
+    if (bad)
         return -1;
     set_field(&n->device_state, device_none);
-    set_field(&n->device_page, minus_one);
+    n->device_page = -1;
     s->evictable -= 1;
-    uint64_t rec = PyLong_AsUnsignedLongLong(n->record);
-    if (rec == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    s->value = (s->value - rec) & DIGEST_MASK;
-    PyObject *zero = PyLong_FromLong(0);
-    set_field(&n->record, zero);
-    Py_DECREF(zero);
+    s->value = (s->value - n->record) & DIGEST_MASK;
+    n->record = 0;
     Node *parent = (Node *)Py_NewRef(n->parent);
     int rc = -1;
-    if (PyDict_DelItem(parent->children, n->tokens) < 0 || PyDict_DelItem(s->heaps.nodes, n->node_id) < 0)
+    if (kids_del(parent, n) < 0 || PyDict_DelItem(s->heaps.nodes, n->node_id) < 0)
         goto done;
     set_field(&n->parent, Py_None);
     set_field(&n->run, Py_None);
-    if (PyDict_GET_SIZE(parent->children) == 0)
+    if (kids_count(parent) == 0)
         invalidate_runs((PyObject *)parent);
     rc = is_node(parent->parent) ? heaps_offer(&s->heaps, (PyObject *)parent) : 0;
 done:
@@ -117,7 +113,6 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
         return NULL;
     Pool s = {0};
     PyObject *device = attr(ledger, "device"), *count = NULL, *value = NULL, *out = NULL, *node = NULL;
-    PyObject *minus_one = PyLong_FromLong(-1); /* a cached small int: never NULL */
     s.owned = attr(device, "_owned");
     s.free = attr(device, "_free");
     s.digest = attr(ledger, "digest");
@@ -147,7 +142,7 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
             goto write_back;
         if (!plain)
             break; /* the caller's */
-        if (drop(&s, (Node *)node, minus_one) < 0)
+        if (drop(&s, (Node *)node) < 0)
             goto write_back;
         Py_CLEAR(node);
         freed++;
@@ -173,7 +168,6 @@ fail:
     Py_XDECREF(device);
     Py_XDECREF(count);
     Py_XDECREF(value);
-    Py_XDECREF(minus_one);
     Py_XDECREF(s.owned);
     Py_XDECREF(s.free);
     Py_XDECREF(s.digest);

@@ -9,6 +9,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 #include <structmember.h>
 
 
@@ -17,25 +18,21 @@
 static void node_dealloc(Node *self) {
 #define CLEAR(name) Py_CLEAR(self->name);
     FIELDS(CLEAR)
+    Py_CLEAR(self->kids);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* Node.__init__'s fields, on a node whose fields are all NULL or set. */
-static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *tokens, PyObject *hash, PyObject *clock) {
+static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *tokens, uint64_t hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
         return -1;
     }
-    PyObject *children = PyDict_New();
-    if (children == NULL)
-        return -1;
     long long up = parent == Py_None ? -1 : PyLong_AsLongLong(((Node *)parent)->depth);
     PyObject *depth = up == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(up + 1);
-    if (depth == NULL) {
-        Py_DECREF(children);
+    if (depth == NULL)
         return -1;
-    }
-    PyObject *zero = PyLong_FromLong(0), *minus_one = PyLong_FromLong(-1);  /* cached small ints */
+    PyObject *zero = PyLong_FromLong(0); /* a cached small int */
 #define SET(name, value)                                                                            \
     do {                                                                                            \
         PyObject *v_ = (value);                                                                     \
@@ -44,14 +41,14 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *
     } while (0)
     SET(node_id, node_id);
     SET(parent, parent);
-    Py_XSETREF(self->children, children);
+    Py_CLEAR(self->kids);
     SET(tokens, tokens);
-    SET(hash, hash);
+    self->hash = hash;
     Py_XSETREF(self->depth, depth);
-    SET(device_page, minus_one);
+    self->device_page = -1;
     SET(device_state, zero);
     SET(device_pins, zero);
-    SET(host_slot, minus_one);
+    self->host_slot = -1;
     SET(host_state, zero);
     SET(host_pins, zero);
     SET(storage_state, zero);
@@ -59,32 +56,163 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *
     SET(created_at, clock);
     SET(hits, zero);
     SET(comp, Py_None);
-    SET(record, zero);
+    self->record = 0;
     SET(run, Py_None);
     SET(run_at, zero);
     SET(pages_run, Py_None);
     Py_DECREF(zero);
-    Py_DECREF(minus_one);
     return 0;
 }
 
 static int node_init(Node *self, PyObject *args, PyObject *kwds) {
-    PyObject *node_id, *parent, *tokens, *hash, *clock;
+    PyObject *node_id, *parent, *tokens, *hash;
+    PyObject *clock;
     static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
         return -1;
-    return node_fill(self, node_id, parent, tokens, hash, clock);
+    uint64_t h = PyLong_AsUnsignedLongLong(hash);
+    if (h == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    return node_fill(self, node_id, parent, tokens, h, clock);
 }
 
-Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, PyObject *hash, PyObject *clock) {
+Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, uint64_t hash, PyObject *clock) {
     Node *n = (Node *)NodeType.tp_alloc(&NodeType, 0);
     if (n != NULL && node_fill(n, node_id, parent, tokens, hash, clock) < 0)
         Py_CLEAR(n);
     return n;
 }
 
+/* ------------------------------------------------------------------ children */
+
+static int same_tokens(PyObject *a, PyObject *b) {
+    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b))
+        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
+               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)) == 0;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+PyObject *kids_get(Node *n, PyObject *key) {
+    if (n->kids == NULL)
+        return NULL;
+    if (Py_IS_TYPE(n->kids, &NodeType)) {
+        int same = same_tokens(key, ((Node *)n->kids)->tokens);
+        return same > 0 ? n->kids : NULL;
+    }
+    return PyDict_GetItemWithError(n->kids, key);
+}
+
+int kids_add(Node *n, Node *child) {
+    PyObject *key = child->tokens;
+    if (n->kids == NULL) {
+        n->kids = Py_NewRef(child);
+        return 0;
+    }
+    if (Py_IS_TYPE(n->kids, &NodeType)) {
+        Node *only = (Node *)n->kids;
+        int same = same_tokens(key, only->tokens);
+        if (same != 0)
+            return same < 0 ? -1 : 1;
+        PyObject *d = PyDict_New();
+        if (d == NULL || PyDict_SetItem(d, only->tokens, (PyObject *)only) < 0 ||
+            PyDict_SetItem(d, key, (PyObject *)child) < 0) {
+            Py_XDECREF(d);
+            return -1;
+        }
+        Py_SETREF(n->kids, d);
+        return 0;
+    }
+    int in = PyDict_Contains(n->kids, key);
+    if (in != 0)
+        return in < 0 ? -1 : 1;
+    return PyDict_SetItem(n->kids, key, (PyObject *)child);
+}
+
+int kids_del(Node *n, Node *child) {
+    if (n->kids == (PyObject *)child) {
+        Py_CLEAR(n->kids);
+        return 0;
+    }
+    if (n->kids == NULL || Py_IS_TYPE(n->kids, &NodeType) || PyDict_GetItemWithError(n->kids, child->tokens) != (PyObject *)child) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_KeyError, "node %S is not a child of node %S", child->node_id, n->node_id);
+        return -1;
+    }
+    if (PyDict_DelItem(n->kids, child->tokens) < 0)
+        return -1;
+    if (PyDict_GET_SIZE(n->kids) == 1) { /* back to the one-child shape */
+        Py_ssize_t pos = 0;
+        PyObject *only;
+        PyDict_Next(n->kids, &pos, NULL, &only);
+        Py_SETREF(n->kids, Py_NewRef(only));
+    }
+    return 0;
+}
+
+int kids_next(Node *n, Py_ssize_t *pos, PyObject **child) {
+    if (n->kids == NULL)
+        return 0;
+    if (Py_IS_TYPE(n->kids, &NodeType)) {
+        if (*pos != 0)
+            return 0;
+        *pos = 1;
+        *child = n->kids;
+        return 1;
+    }
+    return PyDict_Next(n->kids, pos, NULL, child);
+}
+
+static PyObject *node_children(Node *self, void *c) {
+    PyObject *d;
+    if (self->kids != NULL && !Py_IS_TYPE(self->kids, &NodeType))
+        d = Py_NewRef(self->kids);
+    else {
+        d = PyDict_New();
+        if (d != NULL && self->kids != NULL && PyDict_SetItem(d, ((Node *)self->kids)->tokens, self->kids) < 0)
+            Py_CLEAR(d);
+    }
+    PyObject *view = d ? PyDictProxy_New(d) : NULL;
+    Py_XDECREF(d);
+    return view;
+}
+
+static PyObject *node_num_children(Node *self, void *c) { return PyLong_FromSsize_t(kids_count(self)); }
+
+static PyObject *node_only_child(Node *self, void *c) {
+    return Py_NewRef(self->kids != NULL && Py_IS_TYPE(self->kids, &NodeType) ? self->kids : Py_None);
+}
+
+static PyObject *node_child(Node *self, PyObject *key) {
+    PyObject *child = kids_get(self, key);
+    if (child == NULL && PyErr_Occurred())
+        return NULL;
+    return Py_NewRef(child ? child : Py_None);
+}
+
+static PyObject *node_link(Node *self, PyObject *child) {
+    if (!is_node(child))
+        return PyErr_Format(PyExc_TypeError, "a node's child is a Node");
+    int rc = kids_add(self, (Node *)child);
+    if (rc > 0)
+        PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", self->node_id);
+    return rc == 0 ? Py_NewRef(Py_None) : NULL;
+}
+
+static PyObject *node_unlink(Node *self, PyObject *child) {
+    if (!is_node(child))
+        return PyErr_Format(PyExc_TypeError, "a node's child is a Node");
+    return kids_del(self, (Node *)child) == 0 ? Py_NewRef(Py_None) : NULL;
+}
+
 #define MEMBER(name) {#name, T_OBJECT_EX, offsetof(Node, name), 0, NULL},
-static PyMemberDef node_members[] = {FIELDS(MEMBER){NULL, 0, 0, 0, NULL}};
+static PyMemberDef node_members[] = {
+    FIELDS(MEMBER)
+    {"hash", T_ULONGLONG, offsetof(Node, hash), 0, "The page's chain hash."},
+    {"record", T_ULONGLONG, offsetof(Node, record), 0, "The node's current contribution to the state digest."},
+    {"device_page", T_LONGLONG, offsetof(Node, device_page), 0, "The device page, -1 with none."},
+    {"host_slot", T_LONGLONG, offsetof(Node, host_slot), 0, "The host slot, -1 with none."},
+    {NULL, 0, 0, 0, NULL},
+};
 
 /* Tier states: NONE 0, then LOADING/WRITING 1, VALID/DURABLE 2 (tpcache/core/tiers.py). */
 static int state_of(PyObject *v) {
@@ -106,6 +234,9 @@ static PyGetSetDef node_getset[] = {
     {"device_valid", (getter)node_device_valid, NULL, "Holds a valid device page.", NULL},
     {"on_host", (getter)node_on_host, NULL, "Holds a host slot (valid or being written).", NULL},
     {"resident", (getter)node_resident, NULL, "Holds a copy on device or host.", NULL},
+    {"children", (getter)node_children, NULL, "The children by their tokens (a read-only view).", NULL},
+    {"num_children", (getter)node_num_children, NULL, "How many children.", NULL},
+    {"only_child", (getter)node_only_child, NULL, "The child when there is exactly one, else None.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -136,12 +267,20 @@ static PyObject *node_copy(Node *self, PyObject *unused) {
     Py_XINCREF(self->name);                                                                         \
     other->name = self->name;
     FIELDS(COPY)
+    other->kids = Py_XNewRef(self->kids);
+    other->hash = self->hash;
+    other->record = self->record;
+    other->device_page = self->device_page;
+    other->host_slot = self->host_slot;
     return (PyObject *)other;
 }
 
 static PyMethodDef node_methods[] = {
     {"path", (PyCFunction)node_path, METH_NOARGS, "Nodes from the first page down to this one (the root excluded)."},
     {"__copy__", (PyCFunction)node_copy, METH_NOARGS, "A shallow copy (its fields, not its place in the tree)."},
+    {"child", (PyCFunction)node_child, METH_O, "The child for these page tokens, or None."},
+    {"link", (PyCFunction)node_link, METH_O, "Add a child under its tokens (ValueError if that page has one)."},
+    {"unlink", (PyCFunction)node_unlink, METH_O, "Remove a child (KeyError if it is not one)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -153,9 +292,10 @@ static const char *state_name(int kind, PyObject *v) {
 }
 
 static PyObject *node_repr(Node *self) {
-    return PyUnicode_FromFormat("Node(id=%S, depth=%S, dev=%s:%S, host=%s:%S, storage=%s)", self->node_id, self->depth,
-                                state_name(0, self->device_state), self->device_page, state_name(1, self->host_state),
-                                self->host_slot, state_name(2, self->storage_state));
+    return PyUnicode_FromFormat("Node(id=%S, depth=%S, dev=%s:%lld, host=%s:%lld, storage=%s)", self->node_id,
+                                self->depth, state_name(0, self->device_state), (long long)self->device_page,
+                                state_name(1, self->host_state), (long long)self->host_slot,
+                                state_name(2, self->storage_state));
 }
 
 PyTypeObject NodeType = {

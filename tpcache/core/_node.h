@@ -5,17 +5,24 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* Every field is an object pointer read and written as T_OBJECT_EX: the interpreter specializes
- * those attribute accesses as it does __slots__ (other member types take its slow generic path). */
+/* The fields Python code reads most are object pointers (T_OBJECT_EX): the interpreter specializes
+ * those attribute accesses as it does __slots__. The page's hash, its digest record and its device
+ * page and host slot are C integers instead: each would otherwise be an int object of its own per
+ * page (32-40 bytes), and Python reads them rarely (the kernels read them directly). */
 #define FIELDS(X)                                                                                     \
-    X(node_id) X(parent) X(children) X(tokens) X(hash) X(depth) X(device_page) X(device_state)      \
-    X(device_pins) X(host_slot) X(host_state) X(host_pins) X(storage_state) X(last_access)           \
-    X(created_at) X(hits) X(comp) X(record) X(run) X(run_at) X(pages_run)
+    X(node_id) X(parent) X(tokens) X(depth) X(device_state) X(device_pins) X(host_state) X(host_pins) \
+    X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
 
 #define DECLARE(name) PyObject *name;
 typedef struct {
     PyObject_HEAD
     FIELDS(DECLARE)
+    /* The children, keyed by their tokens: NULL when there is none, the child itself when there is
+     * one (most nodes: a chain costs no dict), a dict of two or more. Changed only by kids_add and
+     * kids_del, which keep that shape. */
+    PyObject *kids;
+    uint64_t hash, record;
+    int64_t device_page, host_slot;
 } Node;
 
 extern PyTypeObject NodeType;
@@ -40,6 +47,20 @@ int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 a
 /* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
 PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind);
 
+/* A node's children (its ``kids``). */
+static inline Py_ssize_t kids_count(Node *n) {
+    return n->kids == NULL ? 0 : Py_IS_TYPE(n->kids, &NodeType) ? 1 : PyDict_GET_SIZE(n->kids);
+}
+/* The child keyed by ``key`` (borrowed), or NULL: then an exception is set on an error only. */
+PyObject *kids_get(Node *n, PyObject *key);
+/* Add ``child`` under its tokens: 0, 1 if a child has those tokens already (nothing changed), or -1
+ * and an exception. */
+int kids_add(Node *n, Node *child);
+/* Remove ``child``: 0, or -1 and an exception (KeyError when it is not a child of ``n``). */
+int kids_del(Node *n, Node *child);
+/* The next child (borrowed) as PyDict_Next gives it: 1, or 0 when there is no more; ``*pos`` 0 first. */
+int kids_next(Node *n, Py_ssize_t *pos, PyObject **child);
+
 /* XXH3-64 (default secret, ``seed``) of 17 to 128 bytes (_account.c). */
 uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
 
@@ -47,7 +68,7 @@ uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
  * an exception (_account.c). */
 int record_native(Node *n, uint64_t *out);
 /* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it (_node.c). */
-Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, PyObject *hash, PyObject *clock);
+Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, uint64_t hash, PyObject *clock);
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 

@@ -224,7 +224,7 @@ class Evictor:
     def drop_device(self, node: Node) -> None:
         """Free a device page; with no host copy, the host-only pages below it go too."""
         led = self.ledger
-        if node.host_state == HostState.NONE and node.children:
+        if node.host_state == HostState.NONE and node.num_children:
             self._drop_host_subtree(node)
         if led.backup_backlog.pop(node.node_id, None) is not None:
             led.stats.backup_rejected_host_full += 1  # its only copy goes: never reached a lower tier

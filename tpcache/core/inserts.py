@@ -80,7 +80,7 @@ class Inserter:
         step = led.page_size * 4
         n = len(data) // step
         held = lease.pages
-        if not n or len(pages) < n or len(held) < n or data[:step] in cursor.children:
+        if not n or len(pages) < n or len(held) < n or cursor.child(data[:step]) is not None:
             return None
         new = pages if len(pages) == n else pages[:n]
         if not set(held).issuperset(new) or len(set(new)) != n:

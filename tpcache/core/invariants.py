@@ -122,7 +122,7 @@ def check(core: CacheCore) -> None:
         ):
             if have != want:
                 fail(f"node {node.node_id}: {have} {name} pins, holders account for {want}")
-        if not node.resident and not node.children and not node.device_pins and not node.host_pins:
+        if not node.resident and not node.num_children and not node.device_pins and not node.host_pins:
             fail(f"node {node.node_id} holds nothing and should have been removed")
         if is_evictable(node) and node.host_state == HostState.NONE and not _host_only_below_droppable(node):
             fail(f"node {node.node_id} counts as evictable but host pages below it hold it on device")

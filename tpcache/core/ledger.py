@@ -220,7 +220,7 @@ class Ledger:
         """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
         while (
             node.parent is not None
-            and not node.children
+            and not node.num_children
             and not node.resident
             and node.device_pins == 0
             and node.host_pins == 0
@@ -336,7 +336,7 @@ class Ledger:
         rather than twice). False, changing nothing, for any other node."""
         parent = node.parent
         if (
-            node.children
+            node.num_children
             or node.comp is not None
             or node.device_state != _VALID
             or node.device_pins

@@ -27,7 +27,9 @@ class PyNode:
     """One page of the tree: the reference implementation of ``_node.Node`` (the same fields,
     methods and behaviour in C), used where the extension is not built. A node of the C type is
     never tracked by the garbage collector (nor is a children dict holding only such nodes), so a full
-    collection costs what the rest of the process holds, not the cache's size."""
+    collection costs what the rest of the process holds, not the cache's size; and it is compact: a
+    node with one child holds it without a dict, and its hash, record, device page and host slot are
+    C integers. Its ``children`` is a read-only view: ``link`` and ``unlink`` change them."""
 
     __slots__ = (
         "node_id",
@@ -87,6 +89,33 @@ class PyNode:
     @property
     def on_host(self) -> bool:
         return self.host_state != HostState.NONE
+
+    @property
+    def num_children(self) -> int:
+        return len(self.children)
+
+    @property
+    def only_child(self) -> Node | None:
+        """The child when there is exactly one, else None."""
+        if len(self.children) != 1:
+            return None
+        (child,) = self.children.values()
+        return child
+
+    def child(self, tokens: bytes) -> Node | None:
+        """The child for these page tokens, or None."""
+        return self.children.get(tokens)
+
+    def link(self, child: Node) -> None:
+        """Add a child under its tokens (``children`` changes only here and in ``unlink``)."""
+        if child.tokens in self.children:
+            raise ValueError(f"node {self.node_id} already has a child for this page")
+        self.children[child.tokens] = child
+
+    def unlink(self, child: Node) -> None:
+        if self.children.get(child.tokens) is not child:
+            raise KeyError(f"node {child.node_id} is not a child of node {self.node_id}")
+        del self.children[child.tokens]
 
     @property
     def resident(self) -> bool:
@@ -258,7 +287,7 @@ class RadixTree:
         end = walk.num_pages * step
         pos = 0
         while pos < end:
-            if len(node.children) == 1:
+            if node.num_children == 1:
                 run, first = (node.run, node.run_at) if node.run is not None else self._run(node)
                 chain = run.nodes
                 offset = first * step
@@ -278,7 +307,7 @@ class RadixTree:
                     segments.append(child)
                     pos += step
                 return walk  # pragma: no cover - the whole-chain compare would have matched
-            child = node.children.get(token_bytes[pos : pos + step])
+            child = node.child(token_bytes[pos : pos + step])
             if child is None:
                 break
             nodes.append(child)
@@ -298,10 +327,10 @@ class RadixTree:
         last node.
         """
         chain: list[Node] = []
-        cur = node
-        while len(cur.children) == 1:
-            (cur,) = cur.children.values()
+        cur = node.only_child
+        while cur is not None:
             chain.append(cur)
+            cur = cur.only_child
         run = Run(b"".join(c.tokens for c in chain), chain)
         node.run, node.run_at = run, 0
         for i, c in enumerate(chain[:-1]):
@@ -318,43 +347,43 @@ class RadixTree:
             cur = cur.parent
 
     def add_child(self, parent: Node, tokens: bytes, hash_: int, clock: int) -> Node:
-        if tokens in parent.children:
+        if parent.child(tokens) is not None:
             raise ValueError(f"node {parent.node_id} already has a child for this page")
         node = Node(self._next_id, parent, tokens, hash_, clock)
         self._next_id += 1
-        parent.children[tokens] = node
+        parent.link(node)
         self.nodes[node.node_id] = node
-        if len(parent.children) == 2:
+        if parent.num_children == 2:
             self._invalidate(parent)
         return node
 
     def add_chain(self, parent: Node, tokens: list[bytes], hashes: list[int], clock: int) -> list[Node]:
         """``add_child`` for each page in turn, each below the one before: the same nodes and ids."""
-        if tokens and tokens[0] in parent.children:
+        if tokens and parent.child(tokens[0]) is not None:
             raise ValueError(f"node {parent.node_id} already has a child for this page")
         out: list[Node] = []
         nodes, next_id, first = self.nodes, self._next_id, parent
         for page, hash_ in zip(tokens, hashes, strict=True):
             node = Node(next_id, parent, page, hash_, clock)
-            parent.children[page] = node
+            parent.link(node)
             nodes[next_id] = node
             next_id += 1
             out.append(node)
             parent = node
         self._next_id = next_id
-        if len(first.children) == 2:
+        if first.num_children == 2:
             self._invalidate(first)
         return out
 
     def remove_leaf(self, node: Node) -> None:
-        if node.children or node.parent is None:
+        if node.num_children or node.parent is None:
             raise ValueError(f"node {node.node_id} is not a removable leaf")
         parent = node.parent
-        del parent.children[node.tokens]
+        parent.unlink(node)
         del self.nodes[node.node_id]
         drop_pages(node)  # a host-only node may still be in a run's page cache
         node.parent = node.run = None  # no cycle outlives it (the collector cannot see native nodes)
-        if not parent.children:
+        if not parent.num_children:
             self._invalidate(parent)
 
     def __len__(self) -> int:
