@@ -107,9 +107,7 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
         if (field(PyList_GET_ITEM(pages, i), &page) < 0 || page_hash(&h, data + i * step, step, seed, seed_obj) < 0)
             goto done;
         PyObject *id = PyLong_FromLongLong(next_id + i);
-        PyObject *tokens = PyBytes_FromStringAndSize(data + i * step, step);
-        Node *node = id && tokens ? node_new(id, (PyObject *)up, tokens, h, clock) : NULL;
-        Py_XDECREF(tokens);
+        Node *node = id ? node_new(id, (PyObject *)up, data + i * step, step, h, clock) : NULL;
         if (node == NULL) {
             Py_XDECREF(id);
             goto done;

@@ -4,8 +4,13 @@
  * A cache of a million pages is a million nodes; as Python objects with __slots__ each is tracked by
  * the collector, and each full collection walks all of them (a pause of the scheduler on every
  * rank). This type has no GC support, so neither its instances nor the children dicts holding them
- * (a dict holding only untracked values stays untracked) are ever walked. The tree breaks its own parent/child cycles when it is dropped (tree.RadixTree.dispose),
- * which the collector, not seeing these objects, could not.
+ * (a dict holding only untracked values stays untracked) are ever walked. The tree breaks its own
+ * parent/child cycles when it is dropped (tree.RadixTree.dispose), which the collector, not seeing
+ * these objects, could not.
+ *
+ * It is also one allocation per page where it can be: the page's tokens are held inline, a single
+ * child without a dict, and the hash, record, device page and host slot as C integers (about 256
+ * bytes for a page of 16 tokens, where fields of objects cost about 660).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,8 +27,8 @@ static void node_dealloc(Node *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Node.__init__'s fields, on a node whose fields are all NULL or set. */
-static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *tokens, uint64_t hash, PyObject *clock) {
+/* Node(...)'s fields, on a node just allocated with room for its tokens. */
+static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char *tok, uint64_t hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
         return -1;
@@ -33,18 +38,13 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *
     if (depth == NULL)
         return -1;
     PyObject *zero = PyLong_FromLong(0); /* a cached small int */
-#define SET(name, value)                                                                            \
-    do {                                                                                            \
-        PyObject *v_ = (value);                                                                     \
-        Py_INCREF(v_);                                                                              \
-        Py_XSETREF(self->name, v_);                                                                 \
-    } while (0)
+#define SET(name, value) self->name = Py_NewRef(value)
     SET(node_id, node_id);
     SET(parent, parent);
-    Py_CLEAR(self->kids);
-    SET(tokens, tokens);
+    self->kids = NULL;
+    memcpy(self->tok, tok, (size_t)Py_SIZE(self));
     self->hash = hash;
-    Py_XSETREF(self->depth, depth);
+    self->depth = depth;
     self->device_page = -1;
     SET(device_state, zero);
     SET(device_pins, zero);
@@ -64,68 +64,82 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, PyObject *
     return 0;
 }
 
-static int node_init(Node *self, PyObject *args, PyObject *kwds) {
-    PyObject *node_id, *parent, *tokens, *hash;
-    PyObject *clock;
-    static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
-        return -1;
-    uint64_t h = PyLong_AsUnsignedLongLong(hash);
-    if (h == (uint64_t)-1 && PyErr_Occurred())
-        return -1;
-    return node_fill(self, node_id, parent, tokens, h, clock);
-}
-
-Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, uint64_t hash, PyObject *clock) {
-    Node *n = (Node *)NodeType.tp_alloc(&NodeType, 0);
-    if (n != NULL && node_fill(n, node_id, parent, tokens, hash, clock) < 0)
+Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock) {
+    Node *n = (Node *)NodeType.tp_alloc(&NodeType, len);
+    if (n != NULL && node_fill(n, node_id, parent, tok, hash, clock) < 0)
         Py_CLEAR(n);
     return n;
 }
 
+static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *node_id, *parent, *hash, *clock;
+    Py_buffer tokens;
+    static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*OO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
+        return NULL;
+    uint64_t h = PyLong_AsUnsignedLongLong(hash);
+    Node *n = h == (uint64_t)-1 && PyErr_Occurred() ? NULL : (Node *)type->tp_alloc(type, tokens.len);
+    if (n != NULL && node_fill(n, node_id, parent, tokens.buf, h, clock) < 0)
+        Py_CLEAR(n);
+    PyBuffer_Release(&tokens);
+    return (PyObject *)n;
+}
+
 /* ------------------------------------------------------------------ children */
 
-static int same_tokens(PyObject *a, PyObject *b) {
-    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b))
-        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
-               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)) == 0;
-    return PyObject_RichCompareBool(a, b, Py_EQ);
+/* Whether ``key`` equals node ``b``'s tokens: 1 or 0, or -1 and an exception. */
+static int same_tokens(PyObject *key, Node *b) {
+    if (PyBytes_Check(key))
+        return PyBytes_GET_SIZE(key) == Py_SIZE(b) && memcmp(PyBytes_AS_STRING(key), b->tok, (size_t)Py_SIZE(b)) == 0;
+    PyObject *mine = node_tokens(b);
+    int same = mine ? PyObject_RichCompareBool(key, mine, Py_EQ) : -1;
+    Py_XDECREF(mine);
+    return same;
+}
+
+/* PyDict_SetItem(d, the node's tokens, node): 0, or -1 and an exception. */
+static int set_by_tokens(PyObject *d, Node *node) {
+    PyObject *key = node_tokens(node);
+    int rc = key ? PyDict_SetItem(d, key, (PyObject *)node) : -1;
+    Py_XDECREF(key);
+    return rc;
 }
 
 PyObject *kids_get(Node *n, PyObject *key) {
     if (n->kids == NULL)
         return NULL;
     if (Py_IS_TYPE(n->kids, &NodeType)) {
-        int same = same_tokens(key, ((Node *)n->kids)->tokens);
+        int same = same_tokens(key, (Node *)n->kids);
         return same > 0 ? n->kids : NULL;
     }
     return PyDict_GetItemWithError(n->kids, key);
 }
 
 int kids_add(Node *n, Node *child) {
-    PyObject *key = child->tokens;
     if (n->kids == NULL) {
         n->kids = Py_NewRef(child);
         return 0;
     }
     if (Py_IS_TYPE(n->kids, &NodeType)) {
         Node *only = (Node *)n->kids;
-        int same = same_tokens(key, only->tokens);
-        if (same != 0)
-            return same < 0 ? -1 : 1;
+        if (Py_SIZE(only) == Py_SIZE(child) && memcmp(only->tok, child->tok, (size_t)Py_SIZE(child)) == 0)
+            return 1;
         PyObject *d = PyDict_New();
-        if (d == NULL || PyDict_SetItem(d, only->tokens, (PyObject *)only) < 0 ||
-            PyDict_SetItem(d, key, (PyObject *)child) < 0) {
+        if (d == NULL || set_by_tokens(d, only) < 0 || set_by_tokens(d, child) < 0) {
             Py_XDECREF(d);
             return -1;
         }
         Py_SETREF(n->kids, d);
         return 0;
     }
-    int in = PyDict_Contains(n->kids, key);
-    if (in != 0)
-        return in < 0 ? -1 : 1;
-    return PyDict_SetItem(n->kids, key, (PyObject *)child);
+    PyObject *key = node_tokens(child);
+    int in = key ? PyDict_Contains(n->kids, key) : -1;
+    if (in == 0)
+        in = PyDict_SetItem(n->kids, key, (PyObject *)child);
+    else if (in > 0)
+        in = 1;
+    Py_XDECREF(key);
+    return in;
 }
 
 int kids_del(Node *n, Node *child) {
@@ -133,12 +147,16 @@ int kids_del(Node *n, Node *child) {
         Py_CLEAR(n->kids);
         return 0;
     }
-    if (n->kids == NULL || Py_IS_TYPE(n->kids, &NodeType) || PyDict_GetItemWithError(n->kids, child->tokens) != (PyObject *)child) {
+    PyObject *key = n->kids == NULL || Py_IS_TYPE(n->kids, &NodeType) ? NULL : node_tokens(child);
+    if (key == NULL || PyDict_GetItemWithError(n->kids, key) != (PyObject *)child) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_KeyError, "node %S is not a child of node %S", child->node_id, n->node_id);
+        Py_XDECREF(key);
         return -1;
     }
-    if (PyDict_DelItem(n->kids, child->tokens) < 0)
+    int rc = PyDict_DelItem(n->kids, key);
+    Py_DECREF(key);
+    if (rc < 0)
         return -1;
     if (PyDict_GET_SIZE(n->kids) == 1) { /* back to the one-child shape */
         Py_ssize_t pos = 0;
@@ -168,13 +186,15 @@ static PyObject *node_children(Node *self, void *c) {
         d = Py_NewRef(self->kids);
     else {
         d = PyDict_New();
-        if (d != NULL && self->kids != NULL && PyDict_SetItem(d, ((Node *)self->kids)->tokens, self->kids) < 0)
+        if (d != NULL && self->kids != NULL && set_by_tokens(d, (Node *)self->kids) < 0)
             Py_CLEAR(d);
     }
     PyObject *view = d ? PyDictProxy_New(d) : NULL;
     Py_XDECREF(d);
     return view;
 }
+
+static PyObject *node_get_tokens(Node *self, void *c) { return node_tokens(self); }
 
 static PyObject *node_num_children(Node *self, void *c) { return PyLong_FromSsize_t(kids_count(self)); }
 
@@ -234,6 +254,7 @@ static PyGetSetDef node_getset[] = {
     {"device_valid", (getter)node_device_valid, NULL, "Holds a valid device page.", NULL},
     {"on_host", (getter)node_on_host, NULL, "Holds a host slot (valid or being written).", NULL},
     {"resident", (getter)node_resident, NULL, "Holds a copy on device or host.", NULL},
+    {"tokens", (getter)node_get_tokens, NULL, "The page's token ids, int32 bytes (held inline).", NULL},
     {"children", (getter)node_children, NULL, "The children by their tokens (a read-only view).", NULL},
     {"num_children", (getter)node_num_children, NULL, "How many children.", NULL},
     {"only_child", (getter)node_only_child, NULL, "The child when there is exactly one, else None.", NULL},
@@ -260,9 +281,10 @@ static PyObject *node_path(Node *self, PyObject *unused) {
 }
 
 static PyObject *node_copy(Node *self, PyObject *unused) {
-    Node *other = (Node *)NodeType.tp_alloc(&NodeType, 0);
+    Node *other = (Node *)NodeType.tp_alloc(&NodeType, Py_SIZE(self));
     if (other == NULL)
         return NULL;
+    memcpy(other->tok, self->tok, (size_t)Py_SIZE(self));
 #define COPY(name)                                                                                  \
     Py_XINCREF(self->name);                                                                         \
     other->name = self->name;
@@ -301,7 +323,8 @@ static PyObject *node_repr(Node *self) {
 PyTypeObject NodeType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "tpcache.core._node.Node",
-    .tp_basicsize = sizeof(Node),
+    .tp_basicsize = offsetof(Node, tok),
+    .tp_itemsize = 1,
     .tp_dealloc = (destructor)node_dealloc,
     .tp_repr = (reprfunc)node_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -309,8 +332,7 @@ PyTypeObject NodeType = {
     .tp_members = node_members,
     .tp_getset = node_getset,
     .tp_methods = node_methods,
-    .tp_init = (initproc)node_init,
-    .tp_new = PyType_GenericNew,
+    .tp_new = node_tp_new,
 };
 
 static struct PyModuleDef moduledef = {

@@ -10,12 +10,12 @@
  * page and host slot are C integers instead: each would otherwise be an int object of its own per
  * page (32-40 bytes), and Python reads them rarely (the kernels read them directly). */
 #define FIELDS(X)                                                                                     \
-    X(node_id) X(parent) X(tokens) X(depth) X(device_state) X(device_pins) X(host_state) X(host_pins) \
+    X(node_id) X(parent) X(depth) X(device_state) X(device_pins) X(host_state) X(host_pins) \
     X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
 
 #define DECLARE(name) PyObject *name;
 typedef struct {
-    PyObject_HEAD
+    PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
     FIELDS(DECLARE)
     /* The children, keyed by their tokens: NULL when there is none, the child itself when there is
      * one (most nodes: a chain costs no dict), a dict of two or more. Changed only by kids_add and
@@ -23,6 +23,7 @@ typedef struct {
     PyObject *kids;
     uint64_t hash, record;
     int64_t device_page, host_slot;
+    char tok[];
 } Node;
 
 extern PyTypeObject NodeType;
@@ -47,6 +48,9 @@ int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 a
 /* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
 PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind);
 
+/* A node's page tokens, as a new bytes object. */
+static inline PyObject *node_tokens(Node *n) { return PyBytes_FromStringAndSize(n->tok, Py_SIZE(n)); }
+
 /* A node's children (its ``kids``). */
 static inline Py_ssize_t kids_count(Node *n) {
     return n->kids == NULL ? 0 : Py_IS_TYPE(n->kids, &NodeType) ? 1 : PyDict_GET_SIZE(n->kids);
@@ -67,8 +71,9 @@ uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
  * an exception (_account.c). */
 int record_native(Node *n, uint64_t *out);
-/* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it (_node.c). */
-Node *node_new(PyObject *node_id, PyObject *parent, PyObject *tokens, uint64_t hash, PyObject *clock);
+/* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it, its tokens the ``len`` bytes
+ * at ``tok`` (_node.c). */
+Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock);
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
