@@ -31,16 +31,22 @@ static const uint8_t SECRET[128] = {
     0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
 };
 
+/* Little-endian 64-bit loads and stores: one instruction each on a little-endian host (the
+ * byte loop the compiler does not always fold otherwise). */
 static inline uint64_t read64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
     return v;
 }
 
 static inline void write64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++, v >>= 8)
-        p[i] = (uint8_t)v;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    memcpy(p, &v, 8);
 }
 
 static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret, uint64_t seed) {
@@ -132,33 +138,49 @@ static PyObject *py_xxh3(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+static PyObject *mix_fallback = NULL; /* digest.reference_mix, set once by digest.py */
+
+/* The reference's answer (its value, or what it raises) for fields the kernel does not take. */
+static PyObject *mix_by_reference(PyObject *const *args, Py_ssize_t nargs) {
+    if (mix_fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_node.mix: no reference mix set");
+        return NULL;
+    }
+    return PyObject_Vectorcall(mix_fallback, args, (size_t)nargs, NULL);
+}
+
 /* mix(*fields): digest.mix, XXH3-64 of up to eight fields packed as "<QqqqqqqQ" (the first and
- * last unsigned, the rest signed; unused fields zero), masked to 62 bits. NotImplemented for a
- * field that does not fit or is not an int, so the caller's reference raises what it raises. */
+ * last unsigned, the rest signed; unused fields zero), masked to 62 bits. A field that does not
+ * fit or is not an int goes to the reference, which raises what it raises. */
 static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs > 8)
-        Py_RETURN_NOTIMPLEMENTED;
+        return mix_by_reference(args, nargs);
     uint8_t buf[64] = {0};
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (!PyLong_Check(args[i]))
-            Py_RETURN_NOTIMPLEMENTED;
+            return mix_by_reference(args, nargs);
         uint64_t v;
         if (i == 0 || i == 7) {
             v = PyLong_AsUnsignedLongLong(args[i]);
         } else {
             int overflow;
             v = (uint64_t)PyLong_AsLongLongAndOverflow(args[i], &overflow);
-            if (overflow) {
-                Py_RETURN_NOTIMPLEMENTED;
-            }
+            if (overflow)
+                return mix_by_reference(args, nargs);
         }
         if (PyErr_Occurred()) {
             PyErr_Clear();
-            Py_RETURN_NOTIMPLEMENTED;
+            return mix_by_reference(args, nargs);
         }
         write64(buf + 8 * i, v);
     }
     return PyLong_FromUnsignedLongLong(xxh3_17to128(buf, 64, 0) & DIGEST_MASK);
+}
+
+static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
+    Py_INCREF(fn);
+    Py_XSETREF(mix_fallback, fn);
+    Py_RETURN_NONE;
 }
 
 static int set_int(PyObject **slot, int64_t v) {
@@ -286,7 +308,8 @@ PyMethodDef account_methods[] = {
     {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
      "The reference record, for nodes with components or reference nodes."},
     {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
-    {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (NotImplemented: use the reference)."},
+    {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (the reference for fields it does not take)."},
+    {"set_mix_fallback", (PyCFunction)py_set_mix_fallback, METH_O, "The reference mix, for fields the kernel does not take."},
     {"terms", (PyCFunction)(void (*)(void))py_terms, METH_FASTCALL, "The sum of holdings' terms for keys (nodes or ints)."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
     {"xxh3_17to128", (PyCFunction)(void (*)(void))py_xxh3, METH_FASTCALL, "XXH3-64 of 17 to 128 bytes with a seed (for the tests)."},

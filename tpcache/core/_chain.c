@@ -42,10 +42,18 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
 }
 
 static PyObject *device_valid = NULL; /* tiers.DeviceState.VALID, the value the reference stores */
+static PyObject *s_next_id, *s_page_size, *s_seed, *s_nodes; /* the tree's attribute names, interned */
 
 static int load_valid(void) {
-    if (device_valid == NULL)
-        device_valid = device_state_member("VALID");
+    if (device_valid != NULL)
+        return 0;
+    s_next_id = PyUnicode_InternFromString("_next_id");
+    s_page_size = PyUnicode_InternFromString("page_size");
+    s_seed = PyUnicode_InternFromString("seed");
+    s_nodes = PyUnicode_InternFromString("nodes");
+    if (!s_next_id || !s_page_size || !s_seed || !s_nodes)
+        return -1;
+    device_valid = device_state_member("VALID");
     return device_valid == NULL ? -1 : 0;
 }
 
@@ -92,7 +100,7 @@ static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t se
 static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const char *data, Py_ssize_t step,
                      uint64_t seed, PyObject *seed_obj, PyObject *pages, PyObject *clock, PyObject *nodes,
                      uint64_t *records) {
-    PyObject *next = PyObject_GetAttrString(tree, "_next_id");
+    PyObject *next = PyObject_GetAttr(tree, s_next_id);
     long long next_id = next ? PyLong_AsLongLong(next) : -1;
     Py_XDECREF(next);
     uint64_t h = parent->hash;
@@ -133,7 +141,7 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     rc = 0;
     /* As the reference: the tree's next id and its runs change only once every node is in. */
     PyObject *after = PyLong_FromLongLong(next_id + count);
-    if (after == NULL || PyObject_SetAttrString(tree, "_next_id", after) < 0)
+    if (after == NULL || PyObject_SetAttr(tree, s_next_id, after) < 0)
         rc = -1;
     Py_XDECREF(after);
     if (rc == 0 && kids_count(first) == 2)
@@ -159,9 +167,9 @@ static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_
         Py_RETURN_NONE; /* the reference takes any other sequence of pages (and refuses what it refuses) */
     if (load_valid() < 0)
         return NULL;
-    PyObject *size = PyObject_GetAttrString(tree, "page_size");
-    PyObject *seed_obj = size ? PyObject_GetAttrString(tree, "seed") : NULL;
-    PyObject *tree_nodes = seed_obj ? PyObject_GetAttrString(tree, "nodes") : NULL;
+    PyObject *size = PyObject_GetAttr(tree, s_page_size);
+    PyObject *seed_obj = size ? PyObject_GetAttr(tree, s_seed) : NULL;
+    PyObject *tree_nodes = seed_obj ? PyObject_GetAttr(tree, s_nodes) : NULL;
     Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : -1;
     unsigned long long seed = seed_obj ? PyLong_AsUnsignedLongLong(seed_obj) : 0;
     Py_XDECREF(size);

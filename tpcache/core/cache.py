@@ -99,6 +99,8 @@ class CacheCore:
 
     @property
     def digest(self) -> Digest:
+        """The state digest of every node and lease (leases changed since are folded in first)."""
+        self.book.fold()
         return self.ledger.digest
 
     @property
@@ -143,6 +145,7 @@ class CacheCore:
     def state_digest(self) -> int:
         """The digest of every node and lease plus the scalars that decide what happens next."""
         led = self.ledger
+        self.book.fold()
         backlog = mix_ids(list(led.backup_backlog)) if led.backup_backlog else _NO_BACKLOG
         extra = mix(
             led.clock,

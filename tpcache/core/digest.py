@@ -17,9 +17,9 @@ DIGEST_MASK = (1 << DIGEST_BITS) - 1
 _RECORD = struct.Struct("<QqqqqqqQ")
 
 try:
-    from tpcache.core._node import mix as _native_mix
+    from tpcache.core import _node as _native
 except ImportError:  # built without a C compiler
-    _native_mix = None
+    _native = None  # type: ignore[assignment]
 
 
 def reference_mix(*fields: int) -> int:
@@ -28,12 +28,11 @@ def reference_mix(*fields: int) -> int:
     return xxhash.xxh3_64_intdigest(_RECORD.pack(*padded)) & DIGEST_MASK
 
 
-def mix(*fields: int) -> int:
-    """``reference_mix``, in C where built (``_account.c``: the same value, or NotImplemented for
-    fields it does not take, which the reference then refuses)."""
-    if _native_mix is not None and (value := _native_mix(*fields)) is not NotImplemented:
-        return value
-    return reference_mix(*fields)
+if _native is not None:  # the same value in C (_account.c); it calls the reference for fields it does not take
+    _native.set_mix_fallback(reference_mix)
+    mix = _native.mix
+else:
+    mix = reference_mix
 
 
 def mix_ids(ids: list[int], seed: int = 0) -> int:

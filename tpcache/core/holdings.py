@@ -69,7 +69,9 @@ class _Holding(list):
     def extend(self, items: Iterable[Any]) -> None:
         start = len(self)
         super().extend(items)
-        self.total = (self.total + self._terms(self[start:])) & DIGEST_MASK
+        added = self[start:]
+        terms = _native_terms(self.lease_id, self.kind, added) if _native_terms is not None else self._terms(added)
+        self.total = (self.total + terms) & DIGEST_MASK
 
     def remove(self, item: Any) -> None:
         super().remove(item)
@@ -79,7 +81,10 @@ class _Holding(list):
         """Drop every entry that is in ``items``, keeping the others in order (``remove`` of each,
         for entries that are distinct, in one pass)."""
         gone = [item for item in self if item in items]
-        if gone:
+        if len(gone) == len(self):  # all of them (a running request's new pages): the sum of none is 0
+            super().clear()
+            self.total = 0
+        elif gone:
             kept = [item for item in self if item not in items]
             super().__delitem__(slice(None))
             super().extend(kept)

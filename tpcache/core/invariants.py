@@ -39,6 +39,7 @@ def check(core: CacheCore) -> None:
     def fail(msg: str) -> None:
         raise InvariantViolation(msg)
 
+    core.book.fold()  # a lease changed without a refresh stays stale, and the record check below sees it
     core.device.check()
     core.host.check()
     device_owner: dict[int, str] = {}

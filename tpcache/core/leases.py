@@ -32,7 +32,9 @@ class Leases:
         self.table: dict[int, Lease] = {}
         self.waiters: dict[int, list[int]] = {}  # op id -> leases waiting for it
         self.next_lease = 1
-        self.kept_digest = 0  # sum of ``lease.kept``: the leases a flush keeps, and their pages
+        self._kept_digest = 0  # sum of ``lease.kept``: the leases a flush keeps, and their pages
+        # Leases changed since their records were last folded into the digests (see ``refresh``).
+        self.stale: dict[int, Lease] = {}
 
     def new(self, tokens: bytes) -> Lease:
         lease = Lease(self.next_lease, tokens=tokens)
@@ -54,14 +56,33 @@ class Leases:
         return lease
 
     def refresh(self, lease: Lease) -> None:
-        """Re-record the lease in the state digest (and in the kept digest) after any change to it."""
-        self.ledger.refresh_lease(lease, lease.state_fields())
-        kept = 0 if lease.releasing else mix(lease.lease_id, lease.pages.total)
-        if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
-            slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
-            kept = mix(kept, mix_ids(slots))
-        self.kept_digest = (self.kept_digest - lease.kept + kept) & DIGEST_MASK
-        lease.kept = kept
+        """Call after any change to a lease: its records in the state digest and the kept digest
+        are made again by the next ``fold``, once however often it changed in between (a running
+        request's alloc and append in one step cost one record). The digests are read only through
+        ``fold`` (``CacheCore.digest``, ``state_digest``, ``kept_digest``): a sum does not depend on
+        when its terms were updated, so the value read is the one refreshing at once would give."""
+        self.stale[lease.lease_id] = lease
+
+    def fold(self) -> None:
+        """Re-record every lease changed since the last fold, in both digests."""
+        if not self.stale:
+            return
+        led, kept_digest = self.ledger, self._kept_digest
+        for lease in self.stale.values():
+            led.refresh_lease(lease, lease.state_fields())
+            kept = 0 if lease.releasing else mix(lease.lease_id, lease.pages.total)
+            if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
+                slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
+                kept = mix(kept, mix_ids(slots))
+            kept_digest = (kept_digest - lease.kept + kept) & DIGEST_MASK
+            lease.kept = kept
+        self._kept_digest = kept_digest
+        self.stale.clear()
+
+    @property
+    def kept_digest(self) -> int:
+        self.fold()
+        return self._kept_digest
 
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
@@ -179,8 +200,11 @@ class Leases:
 
     def finish(self, lease: Lease) -> None:
         led = self.ledger
+        # The digests hold the lease's last folded records (``lease.record``, ``lease.kept``): take
+        # those out, and whatever changed since with them.
+        self.stale.pop(lease.lease_id, None)
         led.forget_lease(lease)
-        self.kept_digest = (self.kept_digest - lease.kept) & DIGEST_MASK
+        self._kept_digest = (self._kept_digest - lease.kept) & DIGEST_MASK
         lease.kept = 0
         for c, held in lease.parts.items():  # component pins first: a full page outlives its components
             for node in held.device_nodes:
