@@ -19,8 +19,9 @@ Measured, in thread CPU time (steadier than wall time on a shared machine), medi
   (``append_*``: the cost follows the pages added, not the path) and to ``insert`` with the whole
   sequence (``context_*``: it walks the path);
 - ``step``: an engine step with 625k cached pages and 256 running requests of ~140 pages, each
-  doing alloc(2) + append of its 2 new pages, then one round (the floor hashes and inserts the
-  same 2 pages); ``sparse_ms``: the same step when only 16 requests complete a page;
+  doing alloc(2) + append of its 2 new pages, then one round (its completions and the state digest
+  it agrees on; the floor hashes and inserts the same 2 pages); ``sparse_ms``: the same step when
+  only 16 requests complete a page;
   ``whole_insert_ms``: the step with match + alloc(2) + insert of the whole sequence instead; each
   the median of ``--steps`` steps in a row, the core's and the floor's alternating;
 - ``bytes_per_page`` (RSS growth over the cached pages, page size 16) and ``max_gc_pause_ms``
@@ -303,6 +304,7 @@ def engine_step(
             else:
                 core.append(lease, news[j], fresh)
         drain(core)
+        core.state_digest()  # what the step's round agrees on: every lease the step changed is re-recorded
 
     def dict_step(news: list[list[int]]) -> None:
         # An engine hashes a request's new pages only (it keeps the keys of the ones before).

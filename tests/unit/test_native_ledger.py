@@ -14,12 +14,15 @@ import pytest
 import xxhash
 
 from tpcache.core import CacheConfig, CacheCore, check, eviction, hashing
-from tpcache.core.accounting import flags_of, record_of, reference_flags_of, reference_record_of
+from tpcache.core import ledger as ledger_module
+from tpcache.core.accounting import LEASE_TAG, NO_IDS, flags_of, record_of, reference_flags_of, reference_record_of
 from tpcache.core.digest import mix, reference_mix
 from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.holdings import NodeHolding, PageHolding
 from tpcache.core.inserts import Inserter
+from tpcache.core.leases import Leases
+from tpcache.core.records import Lease
 from tpcache.core.tree import NATIVE_NODES, RadixTree
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, random_op
@@ -228,6 +231,43 @@ def test_int_heap_entries_order_as_the_tuples_they_pack(policy):
     assert by_entry == sorted(nodes, key=lambda n: _policy_key_tuple(policy, n))
 
 
+def test_lease_records_fold_as_the_reference_folds_them():
+    """``fold_leases`` re-records the leases it takes (no prefetch, admission, ops, components or
+    protected hit) itself and asks ``records`` for the others: the same records and sums."""
+    rng = random.Random(5)
+    tree = random_tree(9)
+    nodes = list(tree.nodes.values())
+    leases, asked = [], []
+
+    def records(lease: Lease) -> tuple[int, int]:
+        asked.append(lease.lease_id)
+        return Leases.records(lease)
+
+    for lease_id in range(1, 200):
+        lease = Lease(lease_id)
+        lease.pages.extend(rng.sample(range(1000), rng.randrange(4)))
+        lease.device_nodes.extend(rng.sample(nodes, rng.randrange(3)))
+        lease.host_nodes.extend(rng.sample(nodes, rng.randrange(2)))
+        lease.cursor = rng.choice([None, rng.choice(nodes)])
+        lease.releasing = rng.random() < 0.3
+        lease.ops = [rng.randrange(50)] if rng.random() < 0.2 else []
+        lease.hit_pages = rng.choice([0, 0, 0, 3])
+        lease.record, lease.kept = rng.getrandbits(62), rng.getrandbits(62)  # what the digests held before
+        leases.append(lease)
+    value, kept = rng.getrandbits(62), rng.getrandbits(62)
+    want_value, want_kept = value, kept
+    want = []
+    for lease in leases:
+        record, kept_record = Leases.records(lease)
+        want_value = (want_value - lease.record + record) % (1 << 62)
+        want_kept = (want_kept - lease.kept + kept_record) % (1 << 62)
+        want.append((record, kept_record))
+    assert _node.fold_leases(leases, value, kept, LEASE_TAG, NO_IDS, records) == (want_value, want_kept)
+    assert [(x.record, x.kept) for x in leases] == want
+    simple = [x.lease_id for x in leases if not x.ops and not x.hit_pages]
+    assert 0 < len(asked) < len(leases) and not set(asked) & set(simple)
+
+
 def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two cores, the same random ops: one through the C kernels (eviction's leaf loop, the insert
     chain, token bytes) and ``_append_new``, the other through the Python references and
@@ -245,6 +285,7 @@ def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypat
             with monkeypatch.context() as m:
                 if not native:
                     m.setattr(eviction, "_native", None)
+                    m.setattr(ledger_module, "_native", None)  # touch, the insert chain, lease records
                     m.setattr(_node, "pinned_chain", lambda *args: None)
                     m.setattr(hashing, "_token_bytes", None)
                     m.setattr(Inserter, "_append_new", lambda *args: None)

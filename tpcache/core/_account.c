@@ -252,6 +252,136 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ lease records */
+
+static PyObject *s_lease_id, *s_device_nodes, *s_host_nodes, *s_pages, *s_ops, *s_releasing, *s_cursor,
+    *s_prefetch, *s_admission, *s_parts, *s_hit_pages, *s_record, *s_kept, *s_total, *s_node_id;
+
+static int load_lease_names(void) {
+    if (s_node_id != NULL)
+        return 0;
+#define INTERN(name) (s_##name = PyUnicode_InternFromString(#name)) == NULL
+    if (INTERN(lease_id) || INTERN(device_nodes) || INTERN(host_nodes) || INTERN(pages) || INTERN(ops) ||
+        INTERN(releasing) || INTERN(cursor) || INTERN(prefetch) || INTERN(admission) || INTERN(parts) ||
+        INTERN(hit_pages) || INTERN(record) || INTERN(kept) || INTERN(total) || INTERN(node_id))
+        return -1;
+#undef INTERN
+    return 0;
+}
+
+/* An int attribute of ``o`` (``sub`` of it when given: lease.pages.total): 0, or -1 and an exception. */
+static int int_attr(PyObject *o, PyObject *name, PyObject *sub, int64_t *out) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v != NULL && sub != NULL)
+        Py_SETREF(v, PyObject_GetAttr(v, sub));
+    int rc = v == NULL ? -1 : field(v, out);
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* 1: o.name is None or empty (no prefetch, no admission, no ops, no parts), 0: it is not, -1: an error. */
+static int attr_empty(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL)
+        return -1;
+    int empty = v == Py_None ? 1 : PyObject_Not(v);
+    Py_DECREF(v);
+    return empty;
+}
+
+/* The records of a lease with no prefetch, admission, ops, components or protected hit
+ * (accounting.lease_record, and the kept record of Leases.records): 1 with them set, 0 for any
+ * other lease (the reference's), -1 and an exception. */
+static int simple_lease(PyObject *lease, uint64_t tag, uint64_t no_ids, uint64_t *record, uint64_t *kept) {
+    int e;
+    PyObject *names[4] = {s_prefetch, s_admission, s_ops, s_parts};
+    for (int i = 0; i < 4; i++)
+        if ((e = attr_empty(lease, names[i])) <= 0)
+            return e;
+    int64_t id, dn, hn, pages, hit, releasing;
+    if (int_attr(lease, s_hit_pages, NULL, &hit) || int_attr(lease, s_lease_id, NULL, &id) ||
+        int_attr(lease, s_device_nodes, s_total, &dn) || int_attr(lease, s_host_nodes, s_total, &hn) ||
+        int_attr(lease, s_pages, s_total, &pages))
+        return -1;
+    if (hit != 0)
+        return 0;
+    PyObject *r = PyObject_GetAttr(lease, s_releasing), *cursor = r ? PyObject_GetAttr(lease, s_cursor) : NULL;
+    releasing = r ? PyObject_IsTrue(r) : -1;
+    int64_t at = -1;
+    int bad = cursor == NULL || releasing < 0 || (cursor != Py_None && int_attr(cursor, s_node_id, NULL, &at));
+    Py_XDECREF(r);
+    Py_XDECREF(cursor);
+    if (bad)
+        return -1;
+    uint8_t buf[64];
+    write64(buf, tag);
+    write64(buf + 8, (uint64_t)id);
+    write64(buf + 16, (uint64_t)dn);
+    write64(buf + 24, (uint64_t)hn);
+    write64(buf + 32, (uint64_t)pages);
+    write64(buf + 40, no_ids);
+    write64(buf + 48, (uint64_t)(releasing | (at + 1) << 1));
+    write64(buf + 56, no_ids);
+    *record = xxh3_17to128(buf, 64, 0) & DIGEST_MASK;
+    *kept = 0;
+    if (!releasing) {
+        memset(buf, 0, sizeof buf);
+        write64(buf, (uint64_t)id);
+        write64(buf + 8, (uint64_t)pages);
+        *kept = xxh3_17to128(buf, 64, 0) & DIGEST_MASK;
+    }
+    return 1;
+}
+
+/* Replace lease.<name> (an int record) with ``now``; ``*sum`` (mod 2**62) follows. */
+static int swap_record(PyObject *lease, PyObject *name, uint64_t now, uint64_t *sum) {
+    int64_t old;
+    if (int_attr(lease, name, NULL, &old) < 0)
+        return -1;
+    PyObject *v = PyLong_FromUnsignedLongLong(now);
+    int rc = v == NULL ? -1 : PyObject_SetAttr(lease, name, v);
+    Py_XDECREF(v);
+    *sum = (*sum - (uint64_t)old + now) & DIGEST_MASK;
+    return rc;
+}
+
+/* fold_leases(leases, digest, kept_digest, tag, no_ids, records) -> (digest, kept_digest): Ledger.record_leases's
+ * loop, re-recording each lease in both sums; ``records(lease)`` gives (record, kept) for the leases the kernel
+ * does not take. */
+static PyObject *py_fold_leases(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6)
+        return PyErr_Format(PyExc_TypeError, "fold_leases takes 6 arguments, not %zd", nargs);
+    uint64_t value = PyLong_AsUnsignedLongLongMask(args[1]), kept_sum = PyLong_AsUnsignedLongLongMask(args[2]);
+    uint64_t tag = PyLong_AsUnsignedLongLongMask(args[3]), no_ids = PyLong_AsUnsignedLongLongMask(args[4]);
+    if (PyErr_Occurred() || load_lease_names() < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "fold_leases takes a sequence of leases");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *lease = PySequence_Fast_GET_ITEM(seq, i);
+        uint64_t record, kept;
+        int simple = simple_lease(lease, tag, no_ids, &record, &kept);
+        if (simple == 0) {
+            PyObject *both = PyObject_CallOneArg(args[5], lease);
+            if (both == NULL || !PyArg_ParseTuple(both, "KK", &record, &kept)) {
+                Py_XDECREF(both);
+                goto fail;
+            }
+            Py_DECREF(both);
+        } else if (simple < 0)
+            goto fail;
+        if (swap_record(lease, s_record, record, &value) < 0 || swap_record(lease, s_kept, kept, &kept_sum) < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("KK", (unsigned long long)value, (unsigned long long)kept_sum);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* terms(lease_id, kind, keys) -> the sum (mod 2**62) of holdings' per-entry terms: XXH3 of the
  * little-endian (lease_id, kind, key) of each key: a page, or a node's id. */
 static PyObject *py_terms(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -309,6 +439,8 @@ PyMethodDef account_methods[] = {
      "The reference record, for nodes with components or reference nodes."},
     {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
     {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (the reference for fields it does not take)."},
+    {"fold_leases", (PyCFunction)(void (*)(void))py_fold_leases, METH_FASTCALL,
+     "Ledger.record_leases's loop: leases re-recorded in the state and kept digests."},
     {"set_mix_fallback", (PyCFunction)py_set_mix_fallback, METH_O, "The reference mix, for fields the kernel does not take."},
     {"terms", (PyCFunction)(void (*)(void))py_terms, METH_FASTCALL, "The sum of holdings' terms for keys (nodes or ints)."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},

@@ -24,8 +24,8 @@ else:
     _native = None  # type: ignore[assignment]
 
 _RECORD = struct.Struct("<QqqqqqqQ")
-_LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
-_NO_IDS = mix_ids([])
+LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest
+NO_IDS = mix_ids([])
 _VALID = DeviceState.VALID
 _NONE = DeviceState.NONE
 _MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
@@ -63,14 +63,14 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
     and its protected prefix."""
     cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
     record = mix(
-        _LEASE_TAG,
+        LEASE_TAG,
         lease.lease_id,
         lease.device_nodes.total,
         lease.host_nodes.total,
         lease.pages.total,
-        mix_ids(lease.ops) if lease.ops else _NO_IDS,
+        mix_ids(lease.ops) if lease.ops else NO_IDS,
         int(lease.releasing) | cursor << 1,
-        mix_ids(prefetch_fields) if prefetch_fields else _NO_IDS,
+        mix_ids(prefetch_fields) if prefetch_fields else NO_IDS,
     )
     fields: list[int] = []
     for c, held in lease.parts.items():

@@ -41,20 +41,23 @@ class PageAllocator:
     def alloc(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError("cannot allocate a negative number of pages")
-        if n > len(self._free) + self.num_pages - self._fresh:
-            raise OutOfPages(f"{self.name} pool: need {n} pages, {self.available} free")
-        free = self._free
+        free, owned = self._free, self._owned
         reuse = min(n, len(free))
-        pages = free[len(free) - reuse :]  # LIFO: the last freed first
-        pages.reverse()
-        del free[len(free) - reuse :]
+        if n - reuse > self.num_pages - self._fresh:
+            raise OutOfPages(f"{self.name} pool: need {n} pages, {self.available} free")
+        if reuse:
+            pages = free[len(free) - reuse :]  # LIFO: the last freed first
+            pages.reverse()
+            del free[len(free) - reuse :]
+            for p in pages:
+                owned[p] = 1
+        else:
+            pages = []
         if n > reuse:
             start = self._fresh
             self._fresh += n - reuse
-            self._owned.extend(bytes(self._fresh - len(self._owned)))
+            owned.extend(b"\x01" * (n - reuse))  # ``_owned`` covers exactly the pages below ``_fresh``
             pages.extend(range(start, self._fresh))
-        for p in pages:
-            self._owned[p] = 1
         return pages
 
     def free(self, pages: list[int]) -> None:

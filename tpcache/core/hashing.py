@@ -41,13 +41,13 @@ def page_hash(parent_hash: int, page_tokens: bytes, seed: int) -> int:
 
 def as_token_bytes(tokens: TokenIds) -> bytes:
     """Token ids as little-endian int32 bytes, the form pages are keyed and hashed by."""
+    if _token_bytes is not None and (data := _token_bytes(tokens)) is not None:
+        return data  # a list or tuple of ints, converted in C (_chain.c) as below (None for anything else)
     if isinstance(tokens, bytes | bytearray | memoryview):
         data = bytes(tokens)
         if len(data) % 4:
             raise ValueError(f"token bytes must be a multiple of 4 long (int32), got {len(data)} bytes")
         return data
-    if _token_bytes is not None and (data := _token_bytes(tokens)) is not None:
-        return data  # a list or tuple of ints, converted in C (_chain.c) as below
     if isinstance(tokens, array) and tokens.typecode == "i" and tokens.itemsize == 4:
         arr = tokens
     else:

@@ -67,11 +67,15 @@ class _Holding(list):
         self.total = (self.total + self._terms([item])) & DIGEST_MASK
 
     def extend(self, items: Iterable[Any]) -> None:
-        start = len(self)
-        super().extend(items)
-        added = self[start:]
+        added = items if type(items) is list else list(items)
+        super().extend(added)
         terms = _native_terms(self.lease_id, self.kind, added) if _native_terms is not None else self._terms(added)
         self.total = (self.total + terms) & DIGEST_MASK
+
+    def empty(self) -> None:
+        """Drop every entry (the sum of none is 0)."""
+        super().clear()
+        self.total = 0
 
     def remove(self, item: Any) -> None:
         super().remove(item)
@@ -81,10 +85,7 @@ class _Holding(list):
         """Drop every entry that is in ``items``, keeping the others in order (``remove`` of each,
         for entries that are distinct, in one pass)."""
         gone = [item for item in self if item in items]
-        if len(gone) == len(self):  # all of them (a running request's new pages): the sum of none is 0
-            super().clear()
-            self.total = 0
-        elif gone:
+        if gone:
             kept = [item for item in self if item not in items]
             super().__delitem__(slice(None))
             super().extend(kept)
@@ -107,7 +108,8 @@ class _Holding(list):
         return sum(self._term(item) for item in self) & DIGEST_MASK
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(f"{type(self).__name__} changes only through append/extend/remove/discard/truncate/retain")
+        name = type(self).__name__
+        raise TypeError(f"{name} changes only through append/extend/empty/remove/discard/truncate/retain")
 
     __setitem__ = __delitem__ = __iadd__ = insert = pop = clear = sort = reverse = _refuse  # type: ignore[assignment]
 

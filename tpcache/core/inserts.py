@@ -83,10 +83,14 @@ class Inserter:
         if not n or len(pages) < n or len(held) < n or cursor.child(data[:step]) is not None:
             return None
         new = pages if len(pages) == n else pages[:n]
-        if not set(held).issuperset(new) or len(set(new)) != n:
+        fresh = set(new)
+        if len(fresh) != n or not fresh.issubset(held):
             return None
         led.tick()
-        held.discard(set(new))  # now in the tree
+        if len(held) == n:  # it held just these (pages are distinct): all now in the tree
+            held.empty()
+        else:
+            held.discard(fresh)
         chain = led.add_pinned_chain(cursor, data, 0, new)
         lease.device_nodes.extend(chain)
         lease.cursor = chain[-1] if len(lease.device_nodes) == cursor.depth + n else None

@@ -14,6 +14,7 @@ Invariants (``invariants.check``):
 
 from __future__ import annotations
 
+from tpcache.core.accounting import lease_record
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
@@ -50,7 +51,9 @@ class Leases:
 
     def live(self, lease_id: int) -> Lease:
         """A lease that is not being released (only those take new work)."""
-        lease = self.get(lease_id)
+        lease = self.table.get(lease_id)
+        if lease is None:
+            raise UnknownLease(f"no lease {lease_id}")
         if lease.releasing:
             raise ValueError(f"lease {lease_id} is being released")
         return lease
@@ -65,19 +68,19 @@ class Leases:
 
     def fold(self) -> None:
         """Re-record every lease changed since the last fold, in both digests."""
-        if not self.stale:
-            return
-        led, kept_digest = self.ledger, self._kept_digest
-        for lease in self.stale.values():
-            led.refresh_lease(lease, lease.state_fields())
-            kept = 0 if lease.releasing else mix(lease.lease_id, lease.pages.total)
-            if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
-                slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
-                kept = mix(kept, mix_ids(slots))
-            kept_digest = (kept_digest - lease.kept + kept) & DIGEST_MASK
-            lease.kept = kept
-        self._kept_digest = kept_digest
-        self.stale.clear()
+        if self.stale:
+            self._kept_digest = self.ledger.record_leases(list(self.stale.values()), self._kept_digest, self.records)
+            self.stale.clear()
+
+    @staticmethod
+    def records(lease: Lease) -> tuple[int, int]:
+        """A lease's record in the state digest, and in the digest of what a flush keeps (its pages
+        and component slots; 0 while it is being released)."""
+        kept = 0 if lease.releasing else mix(lease.lease_id, lease.pages.total)
+        if lease.parts and not lease.releasing:  # a flush keeps each component's slots too
+            slots = [v for c, held in sorted(lease.parts.items()) for v in (c, len(held.pages), *held.pages)]
+            kept = mix(kept, mix_ids(slots))
+        return lease_record(lease, lease.state_fields()), kept
 
     @property
     def kept_digest(self) -> int:

@@ -11,10 +11,10 @@ counters, the mirror index and the eviction candidate heaps, and each component'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from tpcache.core.accounting import EVICTABLE, MIRROR, PROTECTED, flags_of, lease_record, record_of
+from tpcache.core.accounting import EVICTABLE, LEASE_TAG, MIRROR, NO_IDS, PROTECTED, flags_of, record_of
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.components import (
     DEV,
@@ -306,12 +306,24 @@ class Ledger:
 
     # ------------------------------------------------------------------ leases in the digest
 
-    def refresh_lease(self, lease: Lease, prefetch_fields: list[int]) -> None:
-        """Re-record a lease after any change to it (or, with ``lease.record`` 0, record a new one)."""
-        record = lease_record(lease, prefetch_fields)
+    def record_leases(self, leases: list[Lease], kept_digest: int, records: Callable[[Lease], tuple[int, int]]) -> int:
+        """Re-record leases after changes to them (a lease with ``record`` and ``kept`` 0 is new):
+        ``records(lease)`` is (its record in the state digest, its record in the kept digest).
+        Returns ``kept_digest`` with the leases' kept records replaced."""
         digest = self.digest
-        digest.value = (digest.value - lease.record + record) & DIGEST_MASK
-        lease.record = record
+        if _native is not None:  # the same loop in C (_account.c), which calls ``records`` for what it does not take
+            digest.value, kept_digest = _native.fold_leases(
+                leases, digest.value, kept_digest, LEASE_TAG, NO_IDS, records
+            )
+            return kept_digest
+        value = digest.value
+        for lease in leases:
+            record, kept = records(lease)
+            value = (value - lease.record + record) & DIGEST_MASK
+            kept_digest = (kept_digest - lease.kept + kept) & DIGEST_MASK
+            lease.record, lease.kept = record, kept
+        digest.value = value
+        return kept_digest
 
     def forget_lease(self, lease: Lease) -> None:
         self.digest.remove(lease.record)
