@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from tpcache.core import CacheConfig, CacheCore, OpKind, OutOfPages
+from tpcache.core.hashing import as_token_bytes
 from tpcache.core.hitrule import keeps_state
 from tpcache.workload.trace import Request, request_tokens
 
@@ -62,11 +63,14 @@ class ReplayResult:
         return d
 
 
+_KINDS = tuple(OpKind)  # iterating the enum itself costs a generator per call
+
+
 def drain(core: CacheCore) -> None:
     """Complete every in-flight copy (a one-rank round agrees with itself), acting on the Ready.
     With components, also what a commit does after its completions (freeing the SWA behind
     windows that was waiting for its backups, retrying component backlogs)."""
-    for kind in OpKind:
+    for kind in _KINDS:
         while core.inflight[kind]:
             core.complete(kind)
     if core.hybrid is not None:
@@ -79,6 +83,9 @@ def drain(core: CacheCore) -> None:
 
 def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # noqa: ANN001
     page_size = core.page_size
+    # Converted to the cache's int32 key bytes once, as an engine that calls lock and insert with the
+    # same ids would (inside the clock: the conversion is the cache's work, not the workload's).
+    tokens = as_token_bytes(tokens)
     lease, match = core.lock(tokens)
     full = match.num_pages
     device_ids = list(match.device_page_ids)
@@ -88,7 +95,7 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
         drain(core)
     hit = match.device_pages + match.host_pages
     result.requests += 1
-    result.input_tokens += len(tokens)
+    result.input_tokens += len(tokens) // 4  # int32 bytes
     result.hit_tokens += hit * page_size
     result.device_hit_tokens += match.device_pages * page_size
     result.host_hit_tokens += match.host_pages * page_size
@@ -106,6 +113,7 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
 def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: int) -> None:  # noqa: ANN001
     """One request of a hybrid model, prefilled in chunks of at most ``chunk`` tokens."""
     ps = core.page_size
+    tokens = as_token_bytes(tokens)  # once, as in replay_request
     lease, match = core.lock(tokens)
     full = match.num_pages
     pages = list(match.device_page_ids)
@@ -114,7 +122,7 @@ def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: 
             pages = core.load(lease)
         drain(core)
     result.requests += 1
-    result.input_tokens += len(tokens)
+    result.input_tokens += len(tokens) // 4  # int32 bytes
     result.hit_tokens += (match.device_pages + match.host_pages) * ps
     result.device_hit_tokens += match.device_pages * ps
     result.host_hit_tokens += match.host_pages * ps
@@ -134,7 +142,7 @@ def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: 
                 for i, slot in zip(at, core.alloc(lease, len(at), c), strict=True):
                     row[i] = slot
                 parts[c] = row
-            core.insert(lease, tokens[: (done + take) * ps], pages, parts)
+            core.insert(lease, tokens[: (done + take) * ps * 4], pages, parts)  # int32 bytes
             done += take
             drain(core)  # the chunk's forward pass and copies finish before the next chunk
     except OutOfPages:

@@ -285,6 +285,42 @@ done:
     return out;
 }
 
+/* Whether a popped (or top) entry is live: its node is a candidate of ``which`` with the key it was
+ * pushed with (eviction.Candidates.live). 1 and the node (a new reference) in ``*out``, 0 stale,
+ * -1 and an exception. */
+static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, PyObject **out) {
+    if (!PyLong_Check(entry)) {
+        PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
+        return -1;
+    }
+    PyObject *id = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(entry));
+    PyObject *node = id == NULL ? NULL : PyDict_GetItemWithError(nodes, id); /* borrowed */
+    Py_XDECREF(id);
+    if (node == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!is_node(node)) {
+        PyErr_SetString(PyExc_TypeError, "pop: a tree of native nodes");
+        return -1;
+    }
+    Py_INCREF(node); /* candidacy may run Python (its fallbacks) */
+    int c = candidacy(node), live = c < 0 ? -1 : 0;
+    if (c > 0 && c & which) {
+        PyObject *now = heap_entry((Node *)node, kind);
+        live = now == NULL ? -1 : PyObject_RichCompareBool(now, entry, Py_EQ);
+        Py_XDECREF(now);
+    }
+    if (live > 0)
+        *out = node;
+    else
+        Py_DECREF(node);
+    return live;
+}
+
+/* A push now would rebuild the heaps first (heaps_push's test). */
+static int rebuild_due(Heaps *h) {
+    return PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64;
+}
+
 /* The next live candidate of ``heap`` (a new reference) or None: eviction.Candidates._pop with live()
  * (a current entry: its node is a candidate of that tier, with the key it was pushed with). ``nodes``
  * is the tree's nodes dict, ``kind`` the policy's key kind. NULL and an exception on an error. */
@@ -292,49 +328,51 @@ PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) 
     if (load_heapq() < 0)
         return NULL;
     while (PyList_GET_SIZE(heap) > 0) {
-        PyObject *entry = PyObject_CallOneArg(heappop, heap);
-        if (entry == NULL)
-            return NULL;
-        if (!PyLong_Check(entry)) {
-            Py_DECREF(entry);
-            PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
-            return NULL;
-        }
-        PyObject *id = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(entry));
-        PyObject *node = id == NULL ? NULL : PyDict_GetItemWithError(nodes, id); /* borrowed */
-        Py_XDECREF(id);
-        int live = 0;
-        if (node != NULL && !is_node(node)) {
-            Py_DECREF(entry);
-            PyErr_SetString(PyExc_TypeError, "pop: a tree of native nodes");
-            return NULL;
-        }
-        if (node != NULL) {
-            Py_INCREF(node); /* candidacy may run Python (its fallbacks) */
-            int c = candidacy(node);
-            if (c < 0) {
-                Py_DECREF(node);
-                Py_DECREF(entry);
-                return NULL;
-            }
-            if (c & which) {
-                PyObject *now = heap_entry((Node *)node, kind);
-                live = now == NULL ? -1 : PyObject_RichCompareBool(now, entry, Py_EQ);
-                Py_XDECREF(now);
-            }
-            if (live > 0) {
-                Py_DECREF(entry);
-                return node; /* the reference taken above */
-            }
-            Py_DECREF(node);
-        } else if (PyErr_Occurred()) {
-            live = -1;
-        }
-        Py_DECREF(entry);
+        PyObject *entry = PyObject_CallOneArg(heappop, heap), *node = NULL;
+        int live = entry == NULL ? -1 : entry_node(entry, which, nodes, kind, &node);
+        Py_XDECREF(entry);
         if (live < 0)
             return NULL;
+        if (live > 0)
+            return node;
     }
     return Py_NewRef(Py_None);
+}
+
+/* Whether the device-only candidate ``node``, offered now, would be the device heap's next pop with
+ * nothing else changed. Not when a rebuild is due (its push would run one, on the heaps as they are
+ * now). Else the pop after its push would drop the stale entries below its entry and return the
+ * first live one below it, or else the node: so those stale entries go now (an entry's liveness
+ * depends on its node alone, not on the heap), and the node is next unless a live entry is below
+ * its own (heapq pops the least int). 1 yes, 0 no, -1 and an exception. */
+int heaps_next_pop(Heaps *h, Node *node) {
+    if (h->kind < 0 || rebuild_due(h))
+        return 0;
+    PyObject *entry = heap_entry(node, h->kind);
+    if (entry == NULL || load_heapq() < 0) {
+        Py_XDECREF(entry);
+        return -1;
+    }
+    int first = 1;
+    while (PyList_GET_SIZE(h->dev) > 0) {
+        PyObject *top = Py_NewRef(PyList_GET_ITEM(h->dev, 0)), *other = NULL;
+        int below = PyObject_RichCompareBool(top, entry, Py_LT);
+        int live = below > 0 ? entry_node(top, 1, h->nodes, h->kind, &other) : below;
+        Py_XDECREF(other);
+        Py_DECREF(top);
+        if (below == 0 || live != 0) {
+            first = below == 0 ? 1 : live < 0 ? -1 : 0;
+            break;
+        }
+        PyObject *gone = PyObject_CallOneArg(heappop, h->dev); /* stale, below the node's entry */
+        if (gone == NULL) {
+            first = -1;
+            break;
+        }
+        Py_DECREF(gone);
+    }
+    Py_DECREF(entry);
+    return first;
 }
 
 /* pop(candidates, heap, which) -> the next live candidate of ``heap`` or None (``pop_candidate``). */
