@@ -300,7 +300,7 @@ def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypat
     check(b)
 
 
-# Hash inputs: 2 tokens are the reference's, 4 and 16 are 24 and 72 bytes in C, 64 are 264 via xxhash.
+# Hash inputs: 2 tokens are the reference's, 4 and 16 are 24 and 72 bytes in C, 64 are 264 (xxh3_long in C).
 @pytest.mark.parametrize("page_size", [2, 4, 16, 64])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
 @pytest.mark.parametrize("host_pages", [0, 12])

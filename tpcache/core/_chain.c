@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "_node.h"
+#include "_xxh3.h"
 
 /* token_bytes(tokens) -> bytes, or None for anything but a list or tuple of ints (the reference
  * takes those, and raises what it raises). ValueError for an id outside int32, as the reference. */
@@ -57,7 +58,14 @@ static int load_valid(void) {
     return device_valid == NULL ? -1 : 0;
 }
 
-static PyObject *xxh3_seeded = NULL; /* xxhash.xxh3_64_intdigest, for pages past 120 bytes */
+static PyObject *xxh3_seeded = NULL; /* xxhash.xxh3_64_intdigest, for inputs of 129-240 bytes or past LONG_MAX */
+
+/* Inputs of 241 to LONG_MAX bytes (pages of 59 to 1022 tokens) are hashed here (xxh3_long) from a
+ * buffer on the stack: no bytes object and no call into the package per page. */
+enum { LONG_MAX_INPUT = 4096 };
+static uint64_t secret_seed;
+static uint8_t secret[XXH3_SECRET_SIZE];
+static int secret_made = 0;
 
 /* hashing.page_hash: XXH3-64 of the parent page's hash (8 bytes, little-endian) and the page's
  * tokens, with the namespace's seed (``seed``, and as the tree's int ``seed_obj`` for the package's
@@ -69,6 +77,19 @@ static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t se
             buf[b] = (uint8_t)(*h >> (8 * b));
         memcpy(buf + 8, page, (size_t)step);
         *h = xxh3_17to128(buf, (size_t)step + 8, seed);
+        return 0;
+    }
+    if (step + 8 > 240 && step + 8 <= LONG_MAX_INPUT) {
+        uint8_t buf[LONG_MAX_INPUT];
+        if (!secret_made || secret_seed != seed) {
+            xxh3_secret(seed, secret);
+            secret_seed = seed;
+            secret_made = 1;
+        }
+        for (int b = 0; b < 8; b++)
+            buf[b] = (uint8_t)(*h >> (8 * b));
+        memcpy(buf + 8, page, (size_t)step);
+        *h = xxh3_long(buf, (size_t)step + 8, secret);
         return 0;
     }
     if (xxh3_seeded == NULL) {
