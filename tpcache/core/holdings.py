@@ -47,7 +47,8 @@ class _Holding(list):
         self.lease_id = lease_id
         self.kind = kind
         self.total = 0
-        self.extend(items)
+        if items:  # most holdings start empty (a lease's three)
+            self.extend(items)
 
     def _key(self, item: Any) -> int:
         raise NotImplementedError
@@ -68,6 +69,8 @@ class _Holding(list):
 
     def extend(self, items: Iterable[Any]) -> None:
         added = items if type(items) is list else list(items)
+        if not added:  # a request extends each holding a few times, often with nothing
+            return
         super().extend(added)
         terms = _native_terms(self.lease_id, self.kind, added) if _native_terms is not None else self._terms(added)
         self.total = (self.total + terms) & DIGEST_MASK
