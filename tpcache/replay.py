@@ -85,8 +85,8 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
     page_size = core.page_size
     # Converted to the cache's int32 key bytes once, as an engine that calls lock and insert with the
     # same ids would (inside the clock: the conversion is the cache's work, not the workload's).
-    tokens = as_token_bytes(tokens)
-    lease, match = core.lock(tokens)
+    data = as_token_bytes(tokens)
+    lease, match = core.lock(data)
     full = match.num_pages
     device_ids = list(match.device_page_ids)
     if match.host_pages:
@@ -95,7 +95,7 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
         drain(core)
     hit = match.device_pages + match.host_pages
     result.requests += 1
-    result.input_tokens += len(tokens) // 4  # int32 bytes
+    result.input_tokens += len(data) // 4  # int32 bytes
     result.hit_tokens += hit * page_size
     result.device_hit_tokens += match.device_pages * page_size
     result.host_hit_tokens += match.host_pages * page_size
@@ -103,7 +103,7 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
     missing = full - len(device_ids)
     try:
         fresh = core.alloc(lease, missing) if missing > 0 else []  # as the service replay does
-        core.insert(lease, tokens, device_ids + fresh)
+        core.insert(lease, data, device_ids + fresh)
     except OutOfPages:
         result.refused_pages += missing
     core.release(lease)
@@ -113,8 +113,8 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
 def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: int) -> None:  # noqa: ANN001
     """One request of a hybrid model, prefilled in chunks of at most ``chunk`` tokens."""
     ps = core.page_size
-    tokens = as_token_bytes(tokens)  # once, as in replay_request
-    lease, match = core.lock(tokens)
+    data = as_token_bytes(tokens)  # once, as in replay_request
+    lease, match = core.lock(data)
     full = match.num_pages
     pages = list(match.device_page_ids)
     if match.host_pages:
@@ -122,7 +122,7 @@ def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: 
             pages = core.load(lease)
         drain(core)
     result.requests += 1
-    result.input_tokens += len(tokens) // 4  # int32 bytes
+    result.input_tokens += len(data) // 4  # int32 bytes
     result.hit_tokens += (match.device_pages + match.host_pages) * ps
     result.device_hit_tokens += match.device_pages * ps
     result.host_hit_tokens += match.host_pages * ps
@@ -142,7 +142,7 @@ def replay_hybrid_request(core: CacheCore, tokens, result: ReplayResult, chunk: 
                 for i, slot in zip(at, core.alloc(lease, len(at), c), strict=True):
                     row[i] = slot
                 parts[c] = row
-            core.insert(lease, tokens[: (done + take) * ps * 4], pages, parts)  # int32 bytes
+            core.insert(lease, data[: (done + take) * ps * 4], pages, parts)  # int32 bytes
             done += take
             drain(core)  # the chunk's forward pass and copies finish before the next chunk
     except OutOfPages:
