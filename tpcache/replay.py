@@ -88,7 +88,7 @@ def replay_request(core: CacheCore, tokens, result: ReplayResult) -> None:  # no
     data = as_token_bytes(tokens)
     lease, match = core.lock(data)
     full = match.num_pages
-    device_ids = list(match.device_page_ids)
+    device_ids = match.device_page_ids  # a new list
     if match.host_pages:
         with contextlib.suppress(OutOfPages):  # no room to load the host hits now: computed again instead
             device_ids = core.load(lease)

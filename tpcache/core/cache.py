@@ -240,11 +240,13 @@ class CacheCore:
             stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
-        led.touch(result.nodes[:dev], +1, stamp=True, hit=True)
-        for node in result.nodes[dev:]:
+        nodes = result.nodes
+        on_device = nodes if dev == len(nodes) else nodes[:dev]  # most hits are all on device: no copy
+        led.touch(on_device, +1, stamp=True, hit=True)
+        for node in nodes[dev:]:
             led.update(node, stamp=True, hit=True, host_pins=+1)
-        lease.device_nodes.extend(result.nodes[:dev])
-        lease.host_nodes.extend(result.nodes[dev:])
+        lease.device_nodes.extend(on_device)
+        lease.host_nodes.extend(nodes[dev:])
         if self.hybrid is not None:
             self.hybrid.pin_hit(lease, result)
         self.book.refresh(lease)
