@@ -74,13 +74,25 @@ class Conn:
     reply_bytes: int = 0  # what the replies to its requests in flight will carry (large ones only)
 
 
-@dataclass(slots=True)
 class Message:
-    """A client frame from a live connection, with what it takes to answer it."""
+    """A client frame from a live connection, with what it takes to answer it. ``raw`` is the
+    transport's own frame (a buffer: the hot lookup reads its tokens straight out of it); ``frame``
+    its bytes, copied on first use."""
 
-    conn: Conn
-    envelope: list[bytes]  # the routing id, then the client's own envelope frames (echoed back)
-    frame: bytes
+    __slots__ = ("conn", "envelope", "raw", "_frame")
+
+    def __init__(self, conn: Conn, envelope: list[bytes], raw: Any) -> None:
+        self.conn = conn
+        self.envelope = envelope  # the routing id, then the client's own envelope frames (echoed back)
+        self.raw = raw
+        self._frame: bytes | None = raw if type(raw) is bytes else None
+
+    @property
+    def frame(self) -> bytes:
+        frame = self._frame
+        if frame is None:
+            frame = self._frame = self.raw.bytes
+        return frame
 
 
 class FrontDoor:
@@ -218,7 +230,7 @@ class FrontDoor:
                 )
                 self.send(conn, [identity], conn.server.reject(error))
                 continue
-            return Message(conn, [identity, *(f.bytes for f in envelope)] if envelope else [identity], last.bytes)
+            return Message(conn, [identity, *(f.bytes for f in envelope)] if envelope else [identity], last)
 
     def _conn(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
         conn = self.conns.get(conn_id)
