@@ -123,6 +123,7 @@ class Leader:
         self.lookups: list[Lookup] = []  # plain matches of the batch being read, applied already
         self.carry: Message | None = None  # read while a round ran, not a lookup: first of the next batch
         self.in_round = False
+        self.announced = False  # the batch being read was sent already (``_announce``)
         collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
         if hasattr(collective, "while_waiting"):
             collective.while_waiting = self._while_round
@@ -213,13 +214,28 @@ class Leader:
             if msg is None:
                 break
             if early and self._lookup(msg):
+                if not items and not self.announced:
+                    self._announce()
                 continue
+            if self.announced:  # the batch was sent without entries: this one opens the next
+                self.carry = msg
+                break
             item = self._accept(msg)
             if item is not None:
                 items.append(item)
                 size += len(msg.frame)
                 early = early and item.route == p.LOCAL
         return items
+
+    def _announce(self) -> None:
+        """Send the batch being read to the followers now, empty: it opens with a lookup, and from
+        here it takes only lookups (the first other request waits for the next batch, ``carry``).
+        The followers wake and wait in its round while rank 0 still reads, instead of rank 0
+        waiting in the round for them to wake: when every request in flight is a lookup waiting
+        for that round, its wake-ups are what the clients wait for."""
+        self.announced = True
+        if self.ch.outs:
+            self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": False})
 
     def _while_round(self) -> bool:
         """While rank 0 waits in a round for the other ranks (the round transport calls this between
@@ -230,6 +246,7 @@ class Leader:
         that nothing read after it is applied before it. Returns whether it read anything."""
         if not self.in_round or self.carry is not None or len(self.lookups) >= self.config.max_batch:
             return False
+        counters = self.h.service_counters
         try:
             for n in range(_LOOKUPS_PER_POLL):
                 msg = self.door.receive()
@@ -237,7 +254,9 @@ class Leader:
                     return n > 0
                 if not self._lookup(msg):
                     self.carry = msg
+                    counters["round_wait_carried"] = counters.get("round_wait_carried", 0) + 1
                     return True
+                counters["round_wait_lookups"] = counters.get("round_wait_lookups", 0) + 1
         except Exception:  # noqa: BLE001 - never into the round transport; the loop sees it again
             log.exception("reading lookups during a round failed")
             return False
@@ -330,6 +349,7 @@ class Leader:
 
     def _run_batch(self, items: list[Item]) -> None:
         lookups, self.lookups = self.lookups, []
+        announced, self.announced = self.announced, False
         if self.broken is not None:
             for lookup in lookups:  # (none: lookups apply early only while the group is whole)
                 self._reply_to(lookup.msg, lookup.rid, "match", self._broken_error())
@@ -337,6 +357,7 @@ class Leader:
             return
         entries: list[Entry] = self.internal
         self.internal = []
+        assert not announced or not (entries or items), "an announced batch takes lookups only"
         first_seq = self.next_seq
         for item in items:
             if item.route != p.LOCAL:
@@ -349,7 +370,7 @@ class Leader:
         # Send first, even a batch of leader-only lookups: followers apply their part in parallel
         # and are already waiting in the round (asleep, no CPU) when rank 0 gets there, instead of
         # rank 0 waiting for them to wake (a wake-up costs about as much as the round itself).
-        if self.ch.outs:
+        if self.ch.outs and not announced:
             self.ch.broadcast(batch)
         # Here every request applies, local ones in their place: a client's match after its own
         # lock in the same batch sees the lock.
@@ -380,9 +401,8 @@ class Leader:
         closed = self.h.tp.core.closed
         if self.h.tp.collective.closed:
             self._break(report)
-        guard = self._guard
-        for lookup in lookups:
-            self._reply_to(lookup.msg, lookup.rid, "match", guard(lookup.outcome, report, closed))
+        if lookups:
+            self._answer_lookups(lookups, report, closed)
         for item in items:
             self._finish(item, report, closed)
         if self.watches:
@@ -437,6 +457,31 @@ class Leader:
         if closed and hit:
             return p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
         return outcome
+
+    def _answer_lookups(self, lookups: list[Lookup], report: Any, closed: bool) -> None:
+        """Reply to the batch's lookups (``_reply_to`` of each, guarded): a plain hit or miss is
+        encoded and sent here directly, anything else (an error, a hit from a closed cache) the
+        general way."""
+        send = self.door.send
+        ok = 0
+        for lookup in lookups:
+            outcome = lookup.outcome
+            msg = lookup.msg
+            if type(outcome) is not p.MatchResult or closed or not msg.conn.server.is_pending(lookup.rid):
+                self._reply_to(msg, lookup.rid, "match", self._guard(outcome, report, closed))
+                continue
+            try:
+                frame = msg.conn.server.send_ok(lookup.rid, outcome)
+            except p.ProtocolError as exc:  # the result itself is too large to send (as in _reply_to)
+                self.in_flight -= 1
+                self._send(msg, p.encode_response(p.error_response(lookup.rid, exc)), "match", "too_large")
+                continue
+            ok += 1
+            send(msg.conn, msg.envelope, frame)
+        self.in_flight -= ok
+        if ok:
+            key = ("match", "ok")
+            self.request_counts[key] = self.request_counts.get(key, 0) + ok
 
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
