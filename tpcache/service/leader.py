@@ -10,6 +10,15 @@ covering its request committed; if that round closed the cache, replies that wou
 become CACHE_CLOSED errors. Gathered requests (stats, buffers, inline pages) also wait for every
 follower's own answer, with a deadline.
 
+Plain lookups (a match without storage, rank 0's own answer) are the hot path: read with the C
+reader straight out of the transport's frame into their token bytes (``protocol.match_tokens``)
+and applied as they are read while nothing sequenced precedes them in the batch, which is their
+place in the order; a batch that opens with one is sent to the followers at once, empty, and
+takes only lookups from then on (the first other request opens the next batch), so the followers
+wake while rank 0 still reads. While rank 0 waits in a round, the shm transport lets it read more
+lookups into that batch (after its entries, before its commit: a read changes nothing the round
+agrees on). Their replies, like every reply, wait for the batch's round.
+
 Rounds: one per batch. The leader also runs (empty) rounds while copies are in flight, so they
 complete, and at least every ``heartbeat_s`` when idle, so a dead rank is noticed.
 
