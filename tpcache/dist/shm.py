@@ -230,7 +230,7 @@ class ShmCollective(Collective):
         self.yield_s = yield_s
         self.max_sleep_s = max_sleep_s
         self._round = 0
-        self._slept = False  # whether the last wait outlasted ``yield_s`` (it ended on the futex)
+        self._slept = False  # whether the last wait outlasted ``yield_s`` (it ended asleep)
         # Work the owner does while this rank waits for the others (rank 0 of the service reads
         # lookups): called between polls, it returns whether it did anything, and must not raise.
         self.while_waiting: Callable[[], bool] | None = None
@@ -419,7 +419,7 @@ class ShmCollective(Collective):
         # waiting while the leader serves a batch of lookups): yielding would burn a core the others
         # need, so it goes to sleep after one short yield slice. A quick round puts it back.
         yield_s = min(self.yield_s, _YIELD_AFTER_SLEEP_S) if self._slept else self.yield_s
-        self._slept = False
+        slept = False
         while True:
             done = w[done_at]  # read before polling, so a wake after the poll is never lost
             still = []
@@ -434,6 +434,8 @@ class ShmCollective(Collective):
                 if self._futex and done != rnd and w[done_at] != rnd:
                     w[done_at] = rnd  # the round is complete: wake the ranks sleeping on it
                     futex.wake(seg.address + 8 * done_at)
+                if spins:  # (a round found complete at once says nothing about the next wait)
+                    self._slept = slept
                 return got
             spins += 1
             if spins < self._polls_before_clock:
@@ -456,11 +458,11 @@ class ShmCollective(Collective):
             if waited < yield_s:
                 os.sched_yield()  # let a rank sharing this core run; stay ready for a quick round
             elif self._futex:
-                self._slept = True
+                slept = True
                 # Sleep until a rank sees the round complete and wakes us, or 10 ms pass (liveness check).
                 futex.wait(seg.address + 8 * done_at, done, min(deadline - now, 0.01))
             else:
-                self._slept = True
+                slept = True
                 time.sleep(pause)
                 pause = min(pause * 2, self.max_sleep_s)
 

@@ -201,14 +201,13 @@ class FrontDoor:
                 head = recv(_NOBLOCK, copy=False)  # the routing id, prepended by the ROUTER
             except zmq.Again:
                 return None
-            parts: list[zmq.Frame] = []
-            more = head.more  # (a frame's own flag: getsockopt(RCVMORE) costs several microseconds)
-            while more:
+            if not head.more:  # (a frame's own flag: getsockopt(RCVMORE) costs several microseconds)
+                continue  # a routing id alone: nothing to answer
+            part = recv(copy=False)
+            parts: list[zmq.Frame] = [part]
+            while part.more:
                 part = recv(copy=False)
                 parts.append(part)
-                more = part.more
-            if not parts:
-                continue  # a routing id alone: nothing to answer
             try:
                 conn_id = int(head.get("User-Id"))
             except (ValueError, TypeError, zmq.ZMQError):
@@ -221,8 +220,10 @@ class FrontDoor:
             self.counters["requests_received"] += 1
             # A frame of a connection that is gone by now still counts (it was sent before the
             # connection closed, as TCP delivers it); only its reply has nowhere to go.
+            if len(parts) == 1:  # a DEALER's request: the routing id is all the envelope
+                return Message(conn, [identity], last)
             envelope = parts[:-1]
-            if envelope and (len(envelope) > MAX_ENVELOPE_FRAMES or sum(map(len, envelope)) > MAX_ENVELOPE_BYTES):
+            if len(envelope) > MAX_ENVELOPE_FRAMES or sum(map(len, envelope)) > MAX_ENVELOPE_BYTES:
                 self.counters["refused_envelopes"] += 1
                 error = p.MessageTooLarge(
                     f"at most {MAX_ENVELOPE_FRAMES} envelope frames of {MAX_ENVELOPE_BYTES} bytes in all may "
@@ -230,7 +231,7 @@ class FrontDoor:
                 )
                 self.send(conn, [identity], conn.server.reject(error))
                 continue
-            return Message(conn, [identity, *(f.bytes for f in envelope)] if envelope else [identity], last)
+            return Message(conn, [identity, *(f.bytes for f in envelope)], last)
 
     def _conn(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
         conn = self.conns.get(conn_id)
