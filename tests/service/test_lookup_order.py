@@ -3,6 +3,7 @@ each one still sees exactly what was sent before it on its connection, whatever 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -23,6 +24,22 @@ def call(sock: zmq.Socket, rid: int, body: p.Body) -> Any:
 
 
 def test_a_burst_of_lookups_around_an_insert_sees_it_exactly_after(service: Service) -> None:
+    burst(service)
+    cache_round_trip(service)
+
+
+def test_bursts_from_several_connections_at_once(service: Service) -> None:
+    """Other connections' frames arrive while rank 0 reads and while its rounds wait: each
+    connection's order holds all the same."""
+    with ThreadPoolExecutor(4) as pool:
+        for done in [pool.submit(burst, service, 150) for _ in range(8)]:
+            done.result()
+    cache_round_trip(service)
+
+
+def burst(service: Service, lookups: int = LOOKUPS) -> None:
+    """On one connection, without waiting: ``lookups`` matches, an insert of their tokens, as many
+    matches again, a release. The first ones miss, the others hit exactly the inserted pages."""
     with service.client() as c:
         page = c.info.page_size
     tokens = fresh_tokens(4 * page)
@@ -33,13 +50,13 @@ def test_a_burst_of_lookups_around_an_insert_sees_it_exactly_after(service: Serv
     try:
         lease = call(sock, 10_001, p.LockRequest(tokens=tokens)).lease
         pages = list(call(sock, 10_002, p.AllocRequest(lease, 4)).device_page_ids)
-        frames = [p.encode_request(p.Request(i, p.MatchRequest(tokens=tokens))) for i in range(LOOKUPS)]
+        frames = [p.encode_request(p.Request(i, p.MatchRequest(tokens=tokens))) for i in range(lookups)]
         insert = p.InsertRequest(tokens=tokens, device_page_ids=pages, lease=lease)
-        frames.append(p.encode_request(p.Request(LOOKUPS, insert)))
+        frames.append(p.encode_request(p.Request(lookups, insert)))
         frames += [
-            p.encode_request(p.Request(i, p.MatchRequest(tokens=tokens))) for i in range(LOOKUPS + 1, 2 * LOOKUPS + 1)
+            p.encode_request(p.Request(i, p.MatchRequest(tokens=tokens))) for i in range(lookups + 1, 2 * lookups + 1)
         ]
-        frames.append(p.encode_request(p.Request(2 * LOOKUPS + 1, p.ReleaseRequest(lease))))
+        frames.append(p.encode_request(p.Request(2 * lookups + 1, p.ReleaseRequest(lease))))
         for frame in frames:
             sock.send(frame)
         replies: dict[int, p.Response] = {}
@@ -50,11 +67,10 @@ def test_a_burst_of_lookups_around_an_insert_sees_it_exactly_after(service: Serv
             replies[response.id] = response
     finally:
         sock.close()
-    assert replies[LOOKUPS].unwrap().inserted_pages == 4
-    for i in range(LOOKUPS):
+    assert replies[lookups].unwrap().inserted_pages == 4
+    for i in range(lookups):
         assert replies[i].unwrap().hit_tokens == 0, i  # sent before the insert
-    for i in range(LOOKUPS + 1, 2 * LOOKUPS + 1):
+    for i in range(lookups + 1, 2 * lookups + 1):
         hit = replies[i].unwrap()
         assert (hit.hit_tokens, list(hit.device_page_ids)) == (4 * page, pages), i  # sent after it
-    replies[2 * LOOKUPS + 1].unwrap()
-    cache_round_trip(service)
+    replies[2 * lookups + 1].unwrap()
