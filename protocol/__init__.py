@@ -10,6 +10,7 @@ from protocol.codec import (
     encode_request,
     encode_response,
     error_response,
+    match_tokens,
     ok_response,
 )
 from protocol.connection import ClientConnection, ServerConnection
@@ -156,6 +157,7 @@ __all__ = [
     "encode_response",
     "error_response",
     "exception_for",
+    "match_tokens",
     "ok_response",
     "pack_ids",
     "unpack_ids",

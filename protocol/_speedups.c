@@ -277,9 +277,11 @@ done:
     return problem;
 }
 
-/* match_request(buffer, max_bin, max_ids) -> None or (id, tokens, storage), tokens an array('i'): the
-fast reader of the one request a server sees most, used by protocol.codec.decode_request before its
-general path. It reads only a frame of exactly this form, in any key order, each key once:
+/* match_request(buffer, max_bin, max_ids, as_bytes=False) -> None or (id, tokens, storage), tokens an
+array('i') (with as_bytes, the ids' little-endian bytes as one bytes object: what a cache keys pages
+by, so a server's lookup copies them once, straight out of the transport's buffer): the fast reader
+of the one request a server sees most, used by protocol.codec.decode_request before its general
+path. It reads only a frame of exactly this form, in any key order, each key once:
 
     {"v": 1, "id": <u64>, "op": "match", "args": {"tokens": <bin>, "namespace"?: "", "storage"?: nil|bool}}
 
@@ -333,7 +335,8 @@ static PyObject *match_request(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
     long long max_bin, max_ids;
-    if (!PyArg_ParseTuple(args, "y*LL", &view, &max_bin, &max_ids)) {
+    int as_bytes = 0;
+    if (!PyArg_ParseTuple(args, "y*LL|p", &view, &max_bin, &max_ids, &as_bytes)) {
         return NULL;
     }
     const unsigned char *p = (const unsigned char *)view.buf;
@@ -432,8 +435,10 @@ static PyObject *match_request(PyObject *self, PyObject *args) {
         goto fallback;
     }
     PyObject *flag = storage < 0 ? Py_None : storage ? Py_True : Py_False;
-    PyObject *tokens = PyObject_CallFunction(array_type, "s", "i");
-    if (tokens != NULL) {
+    PyObject *tokens;
+    if (as_bytes) {
+        tokens = PyBytes_FromStringAndSize((const char *)p + tokens_at, tokens_len);
+    } else if ((tokens = PyObject_CallFunction(array_type, "s", "i")) != NULL) {
         PyObject *bytes = PyMemoryView_FromMemory((char *)p + tokens_at, tokens_len, PyBUF_READ);
         PyObject *done = bytes == NULL ? NULL : PyObject_CallMethod(tokens, "frombytes", "O", bytes);
         Py_XDECREF(bytes);

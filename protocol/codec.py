@@ -348,6 +348,18 @@ def decode_match(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Request | Non
     return _trusted_request(request_id, body)
 
 
+def match_tokens(frame: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[int, bytes, bool | None] | None:
+    """``(id, tokens, storage)`` of a plain match request (as ``decode_match`` reads it), the tokens
+    as their wire bytes (little-endian int32, the form a cache keys pages by) copied once out of
+    ``frame``, which may be any buffer (a transport's own frame: no copy of the whole frame first).
+    None for anything else, on a big-endian host, or without the C reader: the caller then decodes
+    the frame the general way (``decode_request``), which reads it as the same request."""
+    if not _LITTLE or len(frame) > limits.max_message_bytes or not _fast_match_allowed(limits):
+        return None
+    found: tuple[int, bytes, bool | None] | None = _c_match_request(frame, limits.max_bin_len, limits.max_ids, True)
+    return found
+
+
 # The slots' own descriptors: writes that skip the frozen __setattr__ (the fast reader checked every field).
 _new = object.__new__
 _set_tokens = MatchRequest.tokens.__set__  # type: ignore[attr-defined]
@@ -494,6 +506,7 @@ def _error_info(raw: Any) -> ErrorInfo:
 __all__ = [
     "MAX_ERROR_MESSAGE",
     "decode_match",
+    "match_tokens",
     "decode_request",
     "decode_request_py",
     "decode_response",

@@ -112,6 +112,16 @@ class ServerConnection:
         self._pending.add(request.id)
         return request
 
+    def admit(self, request_id: int) -> bool:
+        """Put ``request_id`` in flight when ``receive`` would accept a request with it (not in
+        flight, fewer than ``max_pending`` in flight); False, and nothing changes, otherwise (then
+        ``receive`` of the frame says why). For a server that read the request another way."""
+        pending = self._pending
+        if request_id in pending or len(pending) >= self.max_pending:
+            return False
+        pending.add(request_id)
+        return True
+
     def send(self, response: Response) -> bytes:
         """The frame of the reply to an accepted request; the request is no longer in flight."""
         if response.id is not None:

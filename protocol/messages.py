@@ -210,7 +210,20 @@ NAMESPACE = Text(256)
 # Bodies.
 
 
-_SLOT_SETTERS: dict[type, tuple[Callable[[Any, Any], None], ...]] = {}
+_UNCHECKED: dict[type, Callable[..., Any]] = {}
+
+
+def _unchecked_maker(cls: type[Body]) -> Callable[..., Any]:
+    """A function of the fields' values, in order, that makes a ``cls`` without checks: the slots'
+    own descriptors write each field (skipping the frozen __setattr__), one call per field, unrolled
+    (as dataclasses writes __init__): a result body is made once per reply."""
+    names = [name for name, _, _, _ in cls.SPEC]
+    scope: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    scope.update({f"_set{i}": getattr(cls, name).__set__ for i, name in enumerate(names)})
+    args = ", ".join(f"v{i}" for i in range(len(names)))
+    body = "".join(f"    _set{i}(obj, v{i})\n" for i in range(len(names)))
+    exec(f"def make({args}):\n    obj = _new(_cls)\n{body}    return obj\n", scope)  # noqa: S102 - our own field names
+    return scope["make"]  # type: ignore[no-any-return]
 
 
 class Body:
@@ -245,13 +258,15 @@ class Body:
         """A body from field values its caller produced and knows to be canonical (a server's own
         results: counts from its cache, ids as ``array('i')``), in field order, without the
         per-field checks. Anything that crosses a trust boundary goes through the constructor."""
-        setters = _SLOT_SETTERS.get(cls)
-        if setters is None:  # the slots' own descriptors: writes that skip the frozen __setattr__
-            setters = _SLOT_SETTERS[cls] = tuple(getattr(cls, name).__set__ for name, _, _, _ in cls.SPEC)
-        obj = object.__new__(cls)
-        for setter, value in zip(setters, values, strict=True):
-            setter(obj, value)
-        return obj
+        make = _UNCHECKED.get(cls)
+        if make is None:
+            make = _UNCHECKED[cls] = _unchecked_maker(cls)
+        try:
+            return make(*values)  # type: ignore[no-any-return]
+        except TypeError:
+            if len(values) != len(cls.SPEC):
+                raise ValueError(f"{cls.__name__}.unchecked takes all {len(cls.SPEC)} fields, in order") from None
+            raise
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -120,3 +120,16 @@ def test_client_does_not_register_a_request_it_could_not_encode() -> None:
     with pytest.raises(p.MessageTooLarge):
         client.send(p.MatchRequest(tokens=range(100)))
     assert client.pending == frozenset()
+
+
+def test_admit_puts_an_id_in_flight_exactly_when_receive_would() -> None:
+    server = p.ServerConnection(max_pending=2)
+    assert server.admit(5)
+    assert not server.admit(5)  # in flight: receive would say DUPLICATE_REQUEST
+    with pytest.raises(p.DuplicateRequest):
+        server.receive(p.encode_request(p.Request(5, p.MatchRequest(tokens=[1]))))
+    assert server.admit(6)
+    assert not server.admit(7)  # two in flight: receive would say OVERLOADED
+    assert server.pending == {5, 6}
+    server.send_ok(5, p.MatchResult.unchecked(0, 0, 0, 0, p.as_id_array([])))
+    assert server.admit(7)

@@ -30,7 +30,23 @@ def outcome(decode: Any, frame: bytes, limits: p.Limits = p.DEFAULT_LIMITS) -> A
 def same(frame: bytes, limits: p.Limits = p.DEFAULT_LIMITS) -> Any:
     fast = outcome(p.decode_request, frame, limits)
     assert fast == outcome(codec.decode_request_py, frame, limits), frame[:80]
+    same_tokens(frame, limits)
     return fast
+
+
+def same_tokens(frame: bytes, limits: p.Limits = p.DEFAULT_LIMITS) -> None:
+    """``match_tokens`` reads a frame (from any buffer) exactly when ``decode_match`` does, as the
+    same request with the tokens as their wire bytes."""
+    found = p.match_tokens(frame, limits)
+    request = codec.decode_match(frame, limits)
+    if request is None:
+        assert found is None, frame[:80]
+        return
+    body = request.body
+    assert isinstance(body, p.MatchRequest)
+    assert found == (request.id, body.tokens.tobytes(), body.storage)
+    assert type(found[1]) is bytes
+    assert p.match_tokens(memoryview(frame), limits) == found
 
 
 def raw_map(*pairs: tuple[bytes, bytes]) -> bytes:
@@ -68,6 +84,8 @@ def test_a_plain_match_is_read_in_c_and_equals_the_reference() -> None:
         assert fast is not None, frame[:40]
         assert fast == codec.decode_request_py(frame)
         assert type(fast.body.tokens) is array and fast.body.tokens.typecode == "i"
+        same_tokens(frame)
+        assert p.match_tokens(frame) is not None
     for rid in (0, 127, 128, 255, 256, 2**16, 2**32 - 1, 2**32, 2**64 - 1):
         assert same(match_frame(rid)).id == rid
 
@@ -101,7 +119,15 @@ def test_a_plain_match_is_read_in_c_and_equals_the_reference() -> None:
 )
 def test_anything_else_is_left_to_the_general_decoder(frame: bytes) -> None:
     assert codec.decode_match(frame) is None
+    assert p.match_tokens(frame) is None
     same(frame)
+
+
+def test_match_tokens_reads_a_transport_frame_without_copying_it_first() -> None:
+    zmq = pytest.importorskip("zmq")
+    frame = p.encode_request(p.Request(9, p.MatchRequest(tokens=range(4096), storage=False)))
+    found = p.match_tokens(zmq.Frame(frame))
+    assert found == (9, p.pack_ids(range(4096)), False)
 
 
 def test_limits_are_those_of_the_reference() -> None:

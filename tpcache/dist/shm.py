@@ -17,7 +17,10 @@ Waiting polls with ``sched_yield`` for up to ``yield_s`` (optionally after spinn
 rounds complete here, also when ranks outnumber the cores, since a waiter hands its core over. Then
 it sleeps on a futex on the segment's "done round" word: the first rank to see all records of a round
 sets the word and wakes the sleepers, so a long wait costs no CPU and still ends within microseconds
-of the last arrival. Without futexes (not Linux) the last phase sleeps with backoff instead.
+of the last arrival. Without futexes (not Linux) the last phase sleeps with backoff instead. A wait
+that follows one that slept yields only ``_YIELD_AFTER_SLEEP_S`` before sleeping: a rank that is
+early round after round (a follower while the leader serves lookups) would otherwise spend
+``yield_s`` of CPU per round in ``sched_yield``, on cores the other ranks need.
 
 Each rank also keeps a control word (active / closed / aborted) and its pid in the segment: a waiter
 fails fast when a rank it waits for closed, gave up, or its process is gone.
@@ -39,6 +42,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from array import array
 from typing import Any
 
@@ -63,6 +67,7 @@ _MAGIC = 0x7470636163686531  # "tpcache1"
 _VERSION = 1
 _HEADER_WORDS = 8  # magic, version, world_size, capacity, token, done round
 _DONE_WORD = 5  # the last round some rank saw complete; futex word the others sleep on
+_YIELD_AFTER_SLEEP_S = 20e-6  # the yield phase of a wait that follows one that slept
 _CTRL_WORDS = 8  # per rank: state, pid, pid namespace, aborted round (one 64-byte line)
 _LINE_WORDS = 8  # 64-byte cache line: slots start on their own lines (no false sharing)
 
@@ -225,6 +230,10 @@ class ShmCollective(Collective):
         self.yield_s = yield_s
         self.max_sleep_s = max_sleep_s
         self._round = 0
+        self._slept = False  # whether the last wait outlasted ``yield_s`` (it ended asleep)
+        # Work the owner does while this rank waits for the others (rank 0 of the service reads
+        # lookups): called between polls, it returns whether it did anything, and must not raise.
+        self.while_waiting: Callable[[], bool] | None = None
         self._peers = [r for r in range(self.world_size) if r != self.rank]
         self._seg: _Segment | None = None
         self._pidns = _pid_namespace()
@@ -406,6 +415,11 @@ class ShmCollective(Collective):
         pause = 20e-6
         spins = 0
         done_at = _DONE_WORD
+        # A rank whose last wait outlasted the yield phase is most likely early again (a follower
+        # waiting while the leader serves a batch of lookups): yielding would burn a core the others
+        # need, so it goes to sleep after one short yield slice. A quick round puts it back.
+        yield_s = min(self.yield_s, _YIELD_AFTER_SLEEP_S) if self._slept else self.yield_s
+        slept = False
         while True:
             done = w[done_at]  # read before polling, so a wake after the poll is never lost
             still = []
@@ -420,6 +434,8 @@ class ShmCollective(Collective):
                 if self._futex and done != rnd and w[done_at] != rnd:
                     w[done_at] = rnd  # the round is complete: wake the ranks sleeping on it
                     futex.wake(seg.address + 8 * done_at)
+                if spins:  # (a round found complete at once says nothing about the next wait)
+                    self._slept = slept
                 return got
             spins += 1
             if spins < self._polls_before_clock:
@@ -436,12 +452,17 @@ class ShmCollective(Collective):
             waited = now - start
             if waited < self.spin_s:
                 continue
-            if waited < self.yield_s:
+            work = self.while_waiting
+            if work is not None and work():
+                continue  # it did something: look at the records again first
+            if waited < yield_s:
                 os.sched_yield()  # let a rank sharing this core run; stay ready for a quick round
             elif self._futex:
+                slept = True
                 # Sleep until a rank sees the round complete and wakes us, or 10 ms pass (liveness check).
                 futex.wait(seg.address + 8 * done_at, done, min(deadline - now, 0.01))
             else:
+                slept = True
                 time.sleep(pause)
                 pause = min(pause * 2, self.max_sleep_s)
 

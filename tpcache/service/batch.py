@@ -50,8 +50,9 @@ class Entry:
         return [self.kind, self.token, self.conn, self.data]
 
 
-def apply_batch(handler: RankHandler, metrics: RankMetrics, entries: Sequence[Entry]) -> RoundReport:
-    """Apply ``entries`` in order, run one round, finish the outcomes that waited for it."""
+def apply_batch(handler: RankHandler, metrics: RankMetrics, entries: Sequence[Entry], applied: int = 0) -> RoundReport:
+    """Apply ``entries`` in order, run one round, finish the outcomes that waited for it.
+    ``applied``: requests of this batch the caller applied before these (counted in the metrics)."""
     rank = handler.rank
     for entry in entries:
         if entry.kind == REQUEST:
@@ -79,7 +80,7 @@ def apply_batch(handler: RankHandler, metrics: RankMetrics, entries: Sequence[En
             handler.expire(entry.data)
     start = time.perf_counter()
     report = handler.tp.step()
-    metrics.observe_round(time.perf_counter() - start, len(entries))
+    metrics.observe_round(time.perf_counter() - start, len(entries) + applied)
     for entry in entries:
         if isinstance(entry.outcome, Deferred):
             try:

@@ -30,6 +30,7 @@ from tpcache.service.ops import gathered_payload
 log = logging.getLogger("tpcache.service")
 
 EXIT_LEADER_GONE = 3
+FOLLOWER_YIELD_S = 20e-6  # the shm round's yield phase on a follower (500 us by default)
 MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
 
 
@@ -50,6 +51,12 @@ class Follower:
         self.expected_batch = 0
         self.expected_seq = 1
         self.drop_batch = _fault_drop_batch()
+        collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
+        if hasattr(collective, "yield_s"):
+            # A follower waits in a round for the leader, which first reads its clients: yielding
+            # for long would spend, on the cores the leader and its clients need, what sleeping on
+            # the round's futex spares (the leader wakes it the moment the round is complete).
+            collective.yield_s = min(collective.yield_s, FOLLOWER_YIELD_S)
 
     def run(self, should_stop: Any) -> int:
         """Serve until the leader's stop batch; returns the process exit code."""

@@ -74,13 +74,25 @@ class Conn:
     reply_bytes: int = 0  # what the replies to its requests in flight will carry (large ones only)
 
 
-@dataclass(slots=True)
 class Message:
-    """A client frame from a live connection, with what it takes to answer it."""
+    """A client frame from a live connection, with what it takes to answer it. ``raw`` is the
+    transport's own frame (a buffer: the hot lookup reads its tokens straight out of it); ``frame``
+    its bytes, copied on first use."""
 
-    conn: Conn
-    envelope: list[bytes]  # the routing id, then the client's own envelope frames (echoed back)
-    frame: bytes
+    __slots__ = ("conn", "envelope", "raw", "_frame")
+
+    def __init__(self, conn: Conn, envelope: list[bytes], raw: Any) -> None:
+        self.conn = conn
+        self.envelope = envelope  # the routing id, then the client's own envelope frames (echoed back)
+        self.raw = raw
+        self._frame: bytes | None = raw if type(raw) is bytes else None
+
+    @property
+    def frame(self) -> bytes:
+        frame = self._frame
+        if frame is None:
+            frame = self._frame = self.raw.bytes
+        return frame
 
 
 class FrontDoor:
@@ -189,14 +201,13 @@ class FrontDoor:
                 head = recv(_NOBLOCK, copy=False)  # the routing id, prepended by the ROUTER
             except zmq.Again:
                 return None
-            parts: list[zmq.Frame] = []
-            more = head.more  # (a frame's own flag: getsockopt(RCVMORE) costs several microseconds)
-            while more:
+            if not head.more:  # (a frame's own flag: getsockopt(RCVMORE) costs several microseconds)
+                continue  # a routing id alone: nothing to answer
+            part = recv(copy=False)
+            parts: list[zmq.Frame] = [part]
+            while part.more:
                 part = recv(copy=False)
                 parts.append(part)
-                more = part.more
-            if not parts:
-                continue  # a routing id alone: nothing to answer
             try:
                 conn_id = int(head.get("User-Id"))
             except (ValueError, TypeError, zmq.ZMQError):
@@ -209,8 +220,10 @@ class FrontDoor:
             self.counters["requests_received"] += 1
             # A frame of a connection that is gone by now still counts (it was sent before the
             # connection closed, as TCP delivers it); only its reply has nowhere to go.
+            if len(parts) == 1:  # a DEALER's request: the routing id is all the envelope
+                return Message(conn, [identity], last)
             envelope = parts[:-1]
-            if envelope and (len(envelope) > MAX_ENVELOPE_FRAMES or sum(map(len, envelope)) > MAX_ENVELOPE_BYTES):
+            if len(envelope) > MAX_ENVELOPE_FRAMES or sum(map(len, envelope)) > MAX_ENVELOPE_BYTES:
                 self.counters["refused_envelopes"] += 1
                 error = p.MessageTooLarge(
                     f"at most {MAX_ENVELOPE_FRAMES} envelope frames of {MAX_ENVELOPE_BYTES} bytes in all may "
@@ -218,7 +231,7 @@ class FrontDoor:
                 )
                 self.send(conn, [identity], conn.server.reject(error))
                 continue
-            return Message(conn, [identity, *(f.bytes for f in envelope)] if envelope else [identity], last.bytes)
+            return Message(conn, [identity, *(f.bytes for f in envelope)], last)
 
     def _conn(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
         conn = self.conns.get(conn_id)

@@ -18,7 +18,7 @@ from tpcache.engine import TPCache
 from tpcache.service.buffers import StagedBuffer
 from tpcache.service.config import ServiceConfig, format_kv_layout
 from tpcache.service.leases import LeaseBook, not_found
-from tpcache.service.ops import OPS, Ctx, Watch, to_protocol_error
+from tpcache.service.ops import OPS, Ctx, Watch, match_result, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 
@@ -69,6 +69,14 @@ class RankHandler:
         try:
             return op.apply(self, body, ctx)
         except Exception as exc:  # mapped: every rank raises alike, the leader replies with it
+            raise to_protocol_error(exc) from None
+
+    def lookup(self, tokens: bytes) -> p.MatchResult:
+        """``apply`` of a plain match request (no storage lookup: rank 0 alone answers it), its
+        tokens as their wire bytes. Raises ProtocolError."""
+        try:
+            return match_result(self, tokens)
+        except Exception as exc:  # mapped as apply maps it
             raise to_protocol_error(exc) from None
 
     def hello(self) -> p.HelloResult:

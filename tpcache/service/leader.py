@@ -10,6 +10,15 @@ covering its request committed; if that round closed the cache, replies that wou
 become CACHE_CLOSED errors. Gathered requests (stats, buffers, inline pages) also wait for every
 follower's own answer, with a deadline.
 
+Plain lookups (a match without storage, rank 0's own answer) are the hot path: read with the C
+reader straight out of the transport's frame into their token bytes (``protocol.match_tokens``)
+and applied as they are read while nothing sequenced precedes them in the batch, which is their
+place in the order; a batch that opens with one is sent to the followers at once, empty, and
+takes only lookups from then on (the first other request opens the next batch), so the followers
+wake while rank 0 still reads. While rank 0 waits in a round, the shm transport lets it read more
+lookups into that batch (after its entries, before its commit: a read changes nothing the round
+agrees on). Their replies, like every reply, wait for the batch's round.
+
 Rounds: one per batch. The leader also runs (empty) rounds while copies are in flight, so they
 complete, and at least every ``heartbeat_s`` when idle, so a dead rank is noticed.
 
@@ -48,6 +57,7 @@ from tpcache.service.ops import Ctx, Watch, merge_gathered, to_protocol_error
 log = logging.getLogger("tpcache.service")
 
 MAX_TOTAL_PENDING = 262_144
+_LOOKUPS_PER_POLL = 4  # read per call while a round waits: the round looks at its peers in between
 WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
 STOPPING = "the service is stopping (a rank got SIGINT or SIGTERM); retry once it is back"
 STOP_QUIET_MS = 50  # on stop, frames still arriving are answered until the socket is this quiet
@@ -71,6 +81,15 @@ class Item:
     @outcome.setter
     def outcome(self, value: Any) -> None:
         self.entry.outcome = value
+
+
+@dataclass(slots=True)
+class Lookup:
+    """A plain match request, applied as it was read (``Leader._lookup``): what its reply needs."""
+
+    msg: Message
+    rid: int
+    outcome: Any  # a MatchResult or a ProtocolError
 
 
 @dataclass
@@ -110,6 +129,13 @@ class Leader:
         self.next_seq = 1
         self.batch_no = 0
         self.internal: list[Entry] = []  # entries decided by the leader, sent with the next batch
+        self.lookups: list[Lookup] = []  # plain matches of the batch being read, applied already
+        self.carry: Message | None = None  # read while a round ran, not a lookup: first of the next batch
+        self.in_round = False
+        self.announced = False  # the batch being read was sent already (``_announce``)
+        collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
+        if hasattr(collective, "while_waiting"):
+            collective.while_waiting = self._while_round
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
         self.watches: list[tuple[Item, Watch, float]] = []  # replies waiting on a storage prefetch
@@ -137,16 +163,18 @@ class Leader:
                 door.answer_zap()
             if door.monitor in ready:
                 door.read_monitor()
-            items: list[Item] = []
-            if door.router in ready:
-                items = self._read_clients()
+            # Answers and expiries first: what they add to the batch applies before the clients'
+            # requests read next (``_read_clients`` applies plain lookups as it reads them).
             if self.ch.inbox in ready:
                 self._read_answers()
                 self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
             self._expire_abandoned()
+            items: list[Item] = []
+            if door.router in ready or self.carry is not None:
+                items = self._read_clients()
             idle = time.monotonic() - self.last_round
             due = idle >= cfg.heartbeat_s or self.watches and idle >= WATCH_ROUND_S
-            if items or self.internal or self._copies_in_flight() or due:
+            if items or self.lookups or self.internal or self._copies_in_flight() or due:
                 self._run_batch(items)
             self._expire_waiters()
             door.flush()
@@ -165,7 +193,7 @@ class Leader:
         return any(tp.core.inflight.values()) and not tp.collective.closed
 
     def _poll_timeout_ms(self) -> int:
-        if self.internal:
+        if self.internal or self.carry is not None:
             return 0
         if self.door.backlogged:
             return 1  # replies wait for a client's socket queue: look again soon
@@ -182,16 +210,88 @@ class Leader:
 
     def _read_clients(self) -> list[Item]:
         items: list[Item] = []
+        lookups = self.lookups
         size = 0  # bytes of the batch's client frames: every rank holds the batch at once
-        while len(items) < self.config.max_batch and size < MAX_BATCH_BYTES:
-            msg = self.door.receive()
+        # Plain lookups read before anything of this batch that every rank applies (nothing the
+        # leader decided waits, no sequenced request read yet) apply as they are read: that is
+        # their place in the batch's order, as nothing else changes this rank's cache before it,
+        # and their frames are let go at once instead of waiting, cold, for the batch to end.
+        early = self.broken is None and not self.internal
+        limit = self.config.max_batch
+        while len(items) + len(lookups) < limit and size < MAX_BATCH_BYTES:
+            msg, self.carry = self.carry or self.door.receive(), None
             if msg is None:
+                break
+            if early and self._lookup(msg):
+                if not items and not self.announced:
+                    self._announce()
+                continue
+            if self.announced:  # the batch was sent without entries: this one opens the next
+                self.carry = msg
                 break
             item = self._accept(msg)
             if item is not None:
                 items.append(item)
                 size += len(msg.frame)
+                early = early and item.route == p.LOCAL
         return items
+
+    def _announce(self) -> None:
+        """Send the batch being read to the followers now, empty: it opens with a lookup, and from
+        here it takes only lookups (the first other request waits for the next batch, ``carry``).
+        The followers wake and wait in its round while rank 0 still reads, instead of rank 0
+        waiting in the round for them to wake: when every request in flight is a lookup waiting
+        for that round, its wake-ups are what the clients wait for."""
+        self.announced = True
+        if self.ch.outs:
+            self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": False})
+
+    def _while_round(self) -> bool:
+        """While rank 0 waits in a round for the other ranks (the round transport calls this between
+        its polls): read plain lookups and apply them as part of the batch whose round it is. They
+        come after its entries and before its commit, and a lookup reads only, so that is a place
+        in the order like any other; they are answered after the round, with the batch. The first
+        frame that is not a plain lookup stops it and waits (``carry``) to open the next batch, so
+        that nothing read after it is applied before it. Returns whether it read anything."""
+        if not self.in_round or self.carry is not None or len(self.lookups) >= self.config.max_batch:
+            return False
+        counters = self.h.service_counters
+        try:
+            for n in range(_LOOKUPS_PER_POLL):
+                msg = self.door.receive()
+                if msg is None:
+                    return n > 0
+                if not self._lookup(msg):
+                    self.carry = msg
+                    counters["round_wait_carried"] = counters.get("round_wait_carried", 0) + 1
+                    return True
+                counters["round_wait_lookups"] = counters.get("round_wait_lookups", 0) + 1
+        except Exception:  # noqa: BLE001 - never into the round transport; the loop sees it again
+            log.exception("reading lookups during a round failed")
+            return False
+        return True
+
+    def _lookup(self, msg: Message) -> bool:
+        """Apply ``msg`` now if it is a plain match request this connection may send (what
+        ``_accept`` would accept and route LOCAL), reading its tokens straight out of the frame;
+        False, with nothing changed, for anything else (``_accept`` then decides, errors included)."""
+        found = p.match_tokens(msg.raw)
+        if found is None:
+            return False
+        rid, tokens, storage = found
+        conn = msg.conn
+        if storage or (self.secret and not conn.authed) or self.in_flight >= MAX_TOTAL_PENDING:
+            return False  # sequenced, or refused: the general path answers it
+        if not conn.server.admit(rid):
+            return False  # a duplicate id, or too many in flight: the general path says so
+        self.in_flight += 1  # accepted: exactly one _reply_to ends it
+        msg.raw = None  # the frame is read: let it go now
+        try:
+            outcome: Any = self.h.lookup(tokens)
+        except p.ProtocolError as exc:
+            outcome = exc
+        self.lookups.append(Lookup(msg, rid, outcome))
+        return True
 
     def _accept(self, msg: Message) -> Item | None:
         conn = msg.conn
@@ -257,11 +357,16 @@ class Leader:
     # ------------------------------------------------------------------ one batch, one round
 
     def _run_batch(self, items: list[Item]) -> None:
+        lookups, self.lookups = self.lookups, []
+        announced, self.announced = self.announced, False
         if self.broken is not None:
+            for lookup in lookups:  # (none: lookups apply early only while the group is whole)
+                self._reply_to(lookup.msg, lookup.rid, "match", self._broken_error())
             self._answer_broken(items)
             return
         entries: list[Entry] = self.internal
         self.internal = []
+        assert not announced or not (entries or items), "an announced batch takes lookups only"
         first_seq = self.next_seq
         for item in items:
             if item.route != p.LOCAL:
@@ -274,13 +379,19 @@ class Leader:
         # Send first, even a batch of leader-only lookups: followers apply their part in parallel
         # and are already waiting in the round (asleep, no CPU) when rank 0 gets there, instead of
         # rank 0 waiting for them to wake (a wake-up costs about as much as the round itself).
-        if self.ch.outs:
+        if self.ch.outs and not announced:
             self.ch.broadcast(batch)
         # Here every request applies, local ones in their place: a client's match after its own
         # lock in the same batch sees the lock.
         internal = [e for e in entries if e.kind != REQUEST]
         self.h.service_counters.update(self.door.counters)
-        report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items])
+        self.in_round = True
+        try:
+            report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items], len(lookups))
+        finally:
+            self.in_round = False
+        lookups += self.lookups  # read while the round waited (``_while_round``)
+        self.lookups = []
         now = time.monotonic()
         for entry in internal:
             if entry.kind == EXPIRE:
@@ -299,6 +410,8 @@ class Leader:
         closed = self.h.tp.core.closed
         if self.h.tp.collective.closed:
             self._break(report)
+        if lookups:
+            self._answer_lookups(lookups, report, closed)
         for item in items:
             self._finish(item, report, closed)
         if self.watches:
@@ -353,6 +466,31 @@ class Leader:
         if closed and hit:
             return p.CacheClosed(f"the cache closed in round {report.round}: {self.h.tp.core.closed_reason}")
         return outcome
+
+    def _answer_lookups(self, lookups: list[Lookup], report: Any, closed: bool) -> None:
+        """Reply to the batch's lookups (``_reply_to`` of each, guarded): a plain hit or miss is
+        encoded and sent here directly, anything else (an error, a hit from a closed cache) the
+        general way."""
+        send = self.door.send
+        ok = 0
+        for lookup in lookups:
+            outcome = lookup.outcome
+            msg = lookup.msg
+            if type(outcome) is not p.MatchResult or closed or not msg.conn.server.is_pending(lookup.rid):
+                self._reply_to(msg, lookup.rid, "match", self._guard(outcome, report, closed))
+                continue
+            try:
+                frame = msg.conn.server.send_ok(lookup.rid, outcome)
+            except p.ProtocolError as exc:  # the result itself is too large to send (as in _reply_to)
+                self.in_flight -= 1
+                self._send(msg, p.encode_response(p.error_response(lookup.rid, exc)), "match", "too_large")
+                continue
+            ok += 1
+            send(msg.conn, msg.envelope, frame)
+        self.in_flight -= ok
+        if ok:
+            key = ("match", "ok")
+            self.request_counts[key] = self.request_counts.get(key, 0) + ok
 
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
@@ -445,14 +583,15 @@ class Leader:
     # ------------------------------------------------------------------ replies
 
     def _reply(self, item: Item) -> None:
-        outcome = item.outcome
-        rid = item.request.id
-        conn = item.msg.conn
+        item.msg.conn.reply_bytes -= item.reply_bytes
+        item.reply_bytes = 0
+        self._reply_to(item.msg, item.request.id, item.request.op, item.outcome)
+
+    def _reply_to(self, msg: Message, rid: int, op: str, outcome: Any) -> None:
+        conn = msg.conn
         server = conn.server
         if server.is_pending(rid):
             self.in_flight -= 1
-        conn.reply_bytes -= item.reply_bytes
-        item.reply_bytes = 0
         try:
             if isinstance(outcome, p.ProtocolError):
                 label = outcome.code.name.lower()
@@ -466,7 +605,7 @@ class Leader:
         if conn.gone and isinstance(outcome, p.LockResult):
             # The client left before its lease reached it: nobody can ever release it.
             self.expiry.expire([outcome.lease])
-        self._send(item.msg, frame, item.request.op, label)
+        self._send(msg, frame, op, label)
 
     def _send(self, msg: Message, frame: bytes, op: str | None, label: str) -> None:
         key = (op or "invalid", label)
@@ -480,6 +619,12 @@ class Leader:
         followers or a storage prefetch, and frames still arriving), then fan out the stop batch;
         every follower exits after reading it."""
         stopping = p.CacheClosed(STOPPING)
+        if self.carry is not None:
+            carried, self.carry = self.carry, None
+            item = self._accept(carried)
+            if item is not None:
+                item.outcome = stopping
+                self._reply(item)
         waiting = [w.item for w in self.waiters.values()] + [w.item for w in self.activations.values()]
         waiting += [item for item, _, _ in self.watches]
         self.waiters, self.activations, self.watches = {}, {}, []

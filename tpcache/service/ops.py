@@ -170,11 +170,16 @@ def _match_precheck(h: RankHandler, body: p.MatchRequest) -> None:
         _needs_storage(h)
 
 
+def match_result(h: RankHandler, tokens: Any) -> p.MatchResult:
+    """The reply to a match of ``tokens`` (ids, or their wire bytes) without a storage lookup."""
+    m = h.tp.match(tokens)
+    hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
+    return p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)  # type: ignore[return-value]
+
+
 @handles(p.MatchRequest, precheck=_match_precheck)
 def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
-    m = h.tp.match(body.tokens)
-    hit = (m.device_pages + m.host_pages) * h.tp.config.page_size
-    result = p.MatchResult.unchecked(hit, m.device_pages, m.host_pages, 0, m.device_page_array)
+    result = match_result(h, body.tokens)
     if not body.storage or h.tp.core.closed:
         return result
     # A storage lookup needs a lease to hang from: a transient one of the leader's, every rank alike.
@@ -190,7 +195,7 @@ def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
         "wait_complete",
         0,
         lambda status, pages, ready: p.MatchResult.unchecked(
-            hit, m.device_pages, m.host_pages, pages, m.device_page_array
+            result.hit_tokens, result.device_pages, result.host_pages, pages, result.device_page_ids
         ),
         transient=True,
     )
