@@ -64,8 +64,21 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char
     return 0;
 }
 
+/* A node with room for ``len`` token bytes, its fields zeroed: the token area is left as it comes,
+ * since node_fill copies the tokens over it (zeroing 2 KiB pages first was a tenth of a replay). */
+static Node *node_alloc(Py_ssize_t len) {
+    Node *n = (Node *)PyObject_Malloc(offsetof(Node, tok) + (size_t)len);
+    if (n == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memset(n, 0, offsetof(Node, tok));
+    PyObject_InitVar((PyVarObject *)n, &NodeType, len);
+    return n;
+}
+
 Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock) {
-    Node *n = (Node *)NodeType.tp_alloc(&NodeType, len);
+    Node *n = node_alloc(len);
     if (n != NULL && node_fill(n, node_id, parent, tok, hash, clock) < 0)
         Py_CLEAR(n);
     return n;

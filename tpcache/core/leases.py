@@ -220,7 +220,10 @@ class Leases:
             led.update(node, host_pins=-1)
         led.device.free(lease.pages)
         del self.table[lease.lease_id]
-        for node in lease.device_nodes + lease.host_nodes:
-            if node.parent is not None and not (node.device_state or node.host_state):  # a copy keeps it
+        # A copy keeps a node; the few with none (a failed copy) may go. Filtered first: a path is long.
+        gone = [n for n in lease.device_nodes if not (n.device_state or n.host_state)]
+        gone += [n for n in lease.host_nodes if not (n.device_state or n.host_state)]
+        for node in gone:
+            if node.parent is not None:
                 led.remove_if_empty(node)
         self.outbox.released(lease.lease_id)

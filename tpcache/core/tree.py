@@ -292,7 +292,10 @@ class RadixTree:
                 chain = run.nodes
                 offset = first * step
                 count = min(len(chain) - first, (end - pos) // step)
-                if token_bytes.startswith(run.data[offset : offset + count * step], pos):
+                size = count * step
+                # (a long stretch is compared through a view: a slice would copy it first)
+                part = run.data[offset : offset + size] if size < 4096 else memoryview(run.data)[offset : offset + size]
+                if token_bytes.startswith(part, pos):
                     nodes.extend(chain[first : first + count])
                     segments.append((run, first, count))
                     pos += count * step
