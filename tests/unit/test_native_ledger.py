@@ -289,6 +289,7 @@ def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypat
                     m.setattr(_node, "pinned_chain", lambda *args: None)
                     m.setattr(hashing, "_token_bytes", None)
                     m.setattr(Inserter, "_append_new", lambda *args: None)
+                    m.setattr(Inserter, "_insert_pinned", lambda *args: None)
                 apply(core, op, leases)
                 drain(core)
         a, b = cores

@@ -20,6 +20,8 @@ from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
 from tpcache.core.tree import Node, Walk
 
+_VALID = DeviceState.VALID
+
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
     from tpcache.core.hybrid import Hybrid
@@ -47,7 +49,10 @@ class Inserter:
         The lease's SWA slots behind its window are freed by the insert (``part_slots`` lists what
         it still holds): a later insert passes -1 for those pages, and the engine writes them no more.
         Returns (inserted pages, duplicate pages)."""
-        return self._adopt(lease, self.ledger.tree.walk(as_token_bytes(tokens)), None, pages, parts)
+        walk = self.ledger.tree.walk(as_token_bytes(tokens))
+        if not parts and self.hybrid is None and (made := self._insert_pinned(lease, walk, pages)) is not None:
+            return made
+        return self._adopt(lease, walk, None, pages, parts)
 
     def append(
         self, lease: Lease, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None
@@ -86,14 +91,49 @@ class Inserter:
         fresh = set(new)
         if len(fresh) != n or not fresh.issubset(held):
             return None
+        return self._add_new(lease, cursor, data, 0, new, fresh)
+
+    def _insert_pinned(self, lease: Lease, walk: Walk, pages: list[int]) -> tuple[int, int] | None:
+        """``_adopt`` from the root when the lease pins exactly the walk's nodes on device, each valid
+        on the page given for it, and holds each page past them (a lock's own sequence inserted back
+        with its new pages, most inserts): the same changes without the passes over the path. None,
+        changing nothing, for any other insert.
+
+        The lease pins whole paths on device (``leases``), so pinning as many nodes as the walk
+        matched, one of them its last, is pinning exactly the walk's nodes."""
+        nodes, held = walk.nodes, lease.device_nodes
+        k, n = len(nodes), walk.num_pages
+        if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] is not nodes[-1]):
+            return None
+        if any(node.device_state != _VALID for node in nodes) or walk.device_page_ids(k).tolist() != pages[:k]:
+            return None
+        new = pages[k:n]
+        fresh = set(new)
+        if len(fresh) != len(new) or not fresh.issubset(lease.pages):
+            return None
+        last = nodes[-1] if nodes else self.ledger.tree.root
+        if not new:  # all cached and pinned: the lease may continue from its end
+            self.ledger.tick()
+            lease.cursor = last
+            self.backup.on_insert([])
+            self.book.refresh(lease)
+            return 0, 0
+        return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)
+
+    def _add_new(
+        self, lease: Lease, parent: Node, data: bytes, offset: int, new: list[int], fresh: set[int]
+    ) -> tuple[int, int]:
+        """The new pinned chain of ``new`` below ``parent`` (the lease pins ``parent``'s path and
+        holds ``new``, ``fresh`` as a set): what ``_adopt`` does for pages the tree lacks."""
+        led, held, n = self.ledger, lease.pages, len(new)
         led.tick()
         if len(held) == n:  # it held just these (pages are distinct): all now in the tree
             held.empty()
         else:
             held.discard(fresh)
-        chain = led.add_pinned_chain(cursor, data, 0, new)
+        chain = led.add_pinned_chain(parent, data, offset, new)
         lease.device_nodes.extend(chain)
-        lease.cursor = chain[-1] if len(lease.device_nodes) == cursor.depth + n else None
+        lease.cursor = chain[-1] if len(lease.device_nodes) == parent.depth + n else None
         self.backup.on_insert(chain)
         self.book.refresh(lease)
         led.stats.inserted_pages += n
