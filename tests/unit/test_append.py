@@ -2,11 +2,13 @@
 would cache them (same tree, pins, stamps and digest), at a cost that does not depend on its context."""
 
 import random
+from array import array
 
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check
 from tpcache.core.holdings import NodeHolding
+from tpcache.core.inserts import Inserter
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, part_slots, random_op
 from tpcache.testing.sim import snapshot
@@ -210,3 +212,42 @@ def test_touch_is_update_node_by_node(seed):
         assert a.candidates.device_heap == b.candidates.device_heap
         assert a.candidates.host_heap == b.candidates.host_heap
     check(a)
+
+
+def test_an_insert_after_its_lock_matches_an_insert_that_walks_again(monkeypatch):
+    """An insert of the lock's own bytes may start from the walk its lock made. When another lease
+    inserted the next page in between it walks again: either way the same tree, pins, cursor and
+    digest as an insert that always walks again."""
+    taken: list[bool] = []
+    lock_walk = Inserter._lock_walk
+
+    def spy(self, lease, data):  # noqa: ANN001, ANN202
+        walk = lock_walk(self, lease, data)
+        taken.append(walk is not None)
+        return walk
+
+    monkeypatch.setattr(Inserter, "_lock_walk", spy)
+
+    def run(keep_walk: bool) -> CacheCore:
+        core = core_of()
+        data = array("i", toks(1, 2, 3)).tobytes()
+        first, _ = core.lock(data)  # both match nothing yet
+        second, _ = core.lock(data)
+        core.insert(second, data, core.alloc(second, 3))  # pages the first lease's walk did not see
+        prefix, _ = core.lock(data[: 2 * P * 4])  # its walk: the whole of its bytes, cached
+        for lease in (first, prefix):
+            if not keep_walk:
+                core.lease(lease).walk = None
+            tokens = core.lease(lease).tokens
+            core.insert(lease, tokens, core.match(tokens).device_page_ids)
+        for lease in (first, second, prefix):
+            core.release(lease)
+        drain(core)
+        check(core)
+        return core
+
+    a = run(True)
+    assert taken == [True, False, True]  # the second lease's walk, not the first's (stale), the prefix's
+    b = run(False)
+    assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
+    assert a.stats.inserted_pages == 3 and a.stats.duplicate_pages == 0

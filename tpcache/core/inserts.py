@@ -49,10 +49,29 @@ class Inserter:
         The lease's SWA slots behind its window are freed by the insert (``part_slots`` lists what
         it still holds): a later insert passes -1 for those pages, and the engine writes them no more.
         Returns (inserted pages, duplicate pages)."""
-        walk = self.ledger.tree.walk(as_token_bytes(tokens))
-        if not parts and self.hybrid is None and (made := self._insert_pinned(lease, walk, pages)) is not None:
+        data = as_token_bytes(tokens)
+        plain = not parts and self.hybrid is None
+        walk = self._lock_walk(lease, data) if plain else None
+        if walk is not None and (made := self._insert_pinned(lease, walk, pages)) is not None:
+            return made
+        walk = self.ledger.tree.walk(data)
+        if plain and (made := self._insert_pinned(lease, walk, pages)) is not None:
             return made
         return self._adopt(lease, walk, None, pages, parts)
+
+    def _lock_walk(self, lease: Lease, data: bytes) -> Walk | None:
+        """The walk the lease's lock made of these very bytes (used once), if nothing was added since
+        below its last node for the next page. Only ``_insert_pinned`` takes it: that the lease still
+        pins exactly its nodes, and so that they are in the tree, it checks itself."""
+        walk, lease.walk = lease.walk, None
+        if walk is None or data is not lease.tokens:
+            return None
+        k, step = len(walk.nodes), walk.step
+        if k < walk.num_pages:
+            last = walk.nodes[-1] if k else self.ledger.tree.root
+            if last.child(data[k * step : (k + 1) * step]) is not None:
+                return None
+        return walk
 
     def append(
         self, lease: Lease, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None

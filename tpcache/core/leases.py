@@ -20,7 +20,7 @@ from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import Node
+from tpcache.core.tree import Node, Walk
 
 # What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
 Kept = tuple[int, bytes, list[int], dict[int, list[int]]]
@@ -37,8 +37,9 @@ class Leases:
         # Leases changed since their records were last folded into the digests (see ``refresh``).
         self.stale: dict[int, Lease] = {}
 
-    def new(self, tokens: bytes) -> Lease:
-        lease = Lease(self.next_lease, tokens=tokens)
+    def new(self, tokens: bytes, walk: Walk | None = None) -> Lease:
+        """A new lease of ``tokens``; ``walk``: its lock's walk of them (see ``Lease.walk``)."""
+        lease = Lease(self.next_lease, tokens=tokens, walk=walk)
         self.next_lease += 1
         self.table[lease.lease_id] = lease
         return lease
@@ -206,6 +207,7 @@ class Leases:
         # The digests hold the lease's last folded records (``lease.record``, ``lease.kept``): take
         # those out, and whatever changed since with them.
         self.stale.pop(lease.lease_id, None)
+        lease.walk = None
         led.forget_lease(lease)
         self._kept_digest = (self._kept_digest - lease.kept) & DIGEST_MASK
         lease.kept = 0

@@ -168,6 +168,9 @@ class Lease:
     # The end of the sequence its last insert or append adopted, while ``append`` may continue it:
     # the lease pins every device node from the root to it and none below it.
     cursor: Node | None = None
+    # The walk its lock made of ``tokens``, for the insert of the same bytes (a cache, used once and
+    # checked before use; no digest covers it).
+    walk: Walk | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.device_nodes = NodeHolding(self.lease_id, DEVICE_PINS)
