@@ -124,9 +124,9 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     PyObject *next = PyObject_GetAttr(tree, s_next_id);
     long long next_id = next ? PyLong_AsLongLong(next) : -1;
     Py_XDECREF(next);
-    uint64_t h = parent->hash;
     if (PyErr_Occurred())
         return -1;
+    uint64_t h = parent->hash;
     Py_ssize_t count = PyList_GET_SIZE(pages);
     PyObject *one = PyLong_FromLong(1);
     Node *up = (Node *)Py_NewRef(parent), *first = parent;

@@ -91,7 +91,7 @@ static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*OO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
         return NULL;
     uint64_t h = PyLong_AsUnsignedLongLong(hash);
-    Node *n = h == (uint64_t)-1 && PyErr_Occurred() ? NULL : (Node *)type->tp_alloc(type, tokens.len);
+    Node *n = h == (uint64_t)-1 && PyErr_Occurred() ? NULL : node_alloc(tokens.len);
     if (n != NULL && node_fill(n, node_id, parent, tokens.buf, h, clock) < 0)
         Py_CLEAR(n);
     PyBuffer_Release(&tokens);
@@ -294,7 +294,7 @@ static PyObject *node_path(Node *self, PyObject *unused) {
 }
 
 static PyObject *node_copy(Node *self, PyObject *unused) {
-    Node *other = (Node *)NodeType.tp_alloc(&NodeType, Py_SIZE(self));
+    Node *other = node_alloc(Py_SIZE(self));
     if (other == NULL)
         return NULL;
     memcpy(other->tok, self->tok, (size_t)Py_SIZE(self));

@@ -20,13 +20,13 @@ from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
 from tpcache.core.tree import Node, Walk
 
-_VALID = DeviceState.VALID
-
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
     from tpcache.core.hybrid import Hybrid
     from tpcache.core.leases import Leases
     from tpcache.core.ledger import Ledger
+
+_VALID = DeviceState.VALID
 
 
 class Inserter:
@@ -51,12 +51,12 @@ class Inserter:
         Returns (inserted pages, duplicate pages)."""
         data = as_token_bytes(tokens)
         plain = not parts and self.hybrid is None
-        walk = self._lock_walk(lease, data) if plain else None
-        if walk is not None and (made := self._insert_pinned(lease, walk, pages)) is not None:
-            return made
-        walk = self.ledger.tree.walk(data)
+        kept = self._lock_walk(lease, data) if plain else None
+        walk = self.ledger.tree.walk(data) if kept is None else kept
         if plain and (made := self._insert_pinned(lease, walk, pages)) is not None:
             return made
+        if kept is not None:  # the lock's walk serves ``_insert_pinned`` only: ``_adopt`` walks the tree as it is
+            walk = self.ledger.tree.walk(data)
         return self._adopt(lease, walk, None, pages, parts)
 
     def _lock_walk(self, lease: Lease, data: bytes) -> Walk | None:
@@ -131,28 +131,23 @@ class Inserter:
         if len(fresh) != len(new) or not fresh.issubset(lease.pages):
             return None
         last = nodes[-1] if nodes else self.ledger.tree.root
-        if not new:  # all cached and pinned: the lease may continue from its end
-            self.ledger.tick()
-            lease.cursor = last
-            self.backup.on_insert([])
-            self.book.refresh(lease)
-            return 0, 0
         return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)
 
     def _add_new(
         self, lease: Lease, parent: Node, data: bytes, offset: int, new: list[int], fresh: set[int]
     ) -> tuple[int, int]:
         """The new pinned chain of ``new`` below ``parent`` (the lease pins ``parent``'s path and
-        holds ``new``, ``fresh`` as a set): what ``_adopt`` does for pages the tree lacks."""
+        holds ``new``, ``fresh`` as a set; none: the lease may continue from ``parent``): what
+        ``_adopt`` does for pages the tree lacks."""
         led, held, n = self.ledger, lease.pages, len(new)
         led.tick()
         if len(held) == n:  # it held just these (pages are distinct): all now in the tree
             held.empty()
         else:
             held.discard(fresh)
-        chain = led.add_pinned_chain(parent, data, offset, new)
+        chain = led.add_pinned_chain(parent, data, offset, new) if new else []
         lease.device_nodes.extend(chain)
-        lease.cursor = chain[-1] if len(lease.device_nodes) == parent.depth + n else None
+        lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == parent.depth + n else None
         self.backup.on_insert(chain)
         self.book.refresh(lease)
         led.stats.inserted_pages += n

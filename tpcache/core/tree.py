@@ -27,9 +27,10 @@ class PyNode:
     """One page of the tree: the reference implementation of ``_node.Node`` (the same fields,
     methods and behaviour in C), used where the extension is not built. A node of the C type is
     never tracked by the garbage collector (nor is a children dict holding only such nodes), so a full
-    collection costs what the rest of the process holds, not the cache's size; and it is compact: a
-    node with one child holds it without a dict, and its hash, record, device page and host slot are
-    C integers. Its ``children`` is a read-only view: ``link`` and ``unlink`` change them."""
+    collection costs what the rest of the process holds, not the cache's size; and it is compact:
+    its tokens inline, a single child without a dict, its hash, record, device page and host slot
+    as C integers. On both types children change only through ``link`` and ``unlink`` (the C
+    type's ``children`` is a read-only view)."""
 
     __slots__ = (
         "node_id",
