@@ -1,5 +1,6 @@
-"""The core's kernels in C (``tpcache/core/_account.c``, ``_candidates.c``, ``_evict.c``, ``_chain.c``)
-against their Python references: records, counter flags, holding terms, candidacy, offers and pops
+"""The core's kernels in C (``tpcache/core/_account.c``, ``_candidates.c``, ``_evict.c``, ``_chain.c``,
+``_holding.c``)
+against their Python references: records, counter flags, holdings, candidacy, offers and pops
 on random node states; mixes, hashes and token bytes; eviction and inserts on two cores in lockstep. The
 simulator schedules in ``test_native_nodes`` hold the whole core equal end to end."""
 
@@ -19,7 +20,16 @@ from tpcache.core.accounting import LEASE_TAG, NO_IDS, flags_of, record_of, refe
 from tpcache.core.digest import mix, reference_mix
 from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
 from tpcache.core.hashing import as_token_bytes
-from tpcache.core.holdings import NodeHolding, PageHolding
+from tpcache.core.holdings import (
+    DEVICE_PINS,
+    HOST_PINS,
+    PAGES,
+    NodeHolding,
+    PageHolding,
+    ReferenceHolding,
+    key_of,
+    term,
+)
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
 from tpcache.core.records import Lease
@@ -122,18 +132,53 @@ def test_a_stale_entry_is_skipped_by_the_native_pop():
     assert cands.pop_device() is None  # its parent has a device child until the leaf goes
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_holding_terms_match_the_reference(seed):
+@pytest.mark.parametrize("seed", range(4))
+def test_a_native_holding_keeps_the_entries_and_total_of_the_reference(seed):
+    """Random changes to a native holding and a ``ReferenceHolding`` side by side: the same entries,
+    the same total, and the total its recount gives; a refused change changes neither."""
     rng = random.Random(seed)
-    tree = random_tree(seed, 30)
-    nodes = list(tree.nodes.values())
-    held = NodeHolding(rng.randrange(1 << 40), 1, nodes)
-    assert held.total == held.recount() == sum(held._term(n) for n in nodes) % (1 << 62)
-    pages = PageHolding(7, 3, [rng.randrange(1 << 50) for _ in range(40)])
-    pages.discard(set(pages[::2]))
-    assert len(pages) == 20 and pages.total == pages.recount()
-    with pytest.raises(AttributeError, match="node_id"):
-        _node.terms(1, 1, [object()])
+    nodes = list(random_tree(seed, 30).nodes.values())
+    lease, kind = rng.randrange(1 << 40), rng.choice([DEVICE_PINS, HOST_PINS, PAGES])
+    pick = (lambda: rng.choice(nodes)) if kind != PAGES else (lambda: rng.randrange(1 << 50))
+    first = [pick() for _ in range(rng.randrange(4))]
+    native = (NodeHolding if kind != PAGES else PageHolding)(lease, kind, first)
+    ref = ReferenceHolding(lease, kind, first)
+    assert type(native).__mro__[2] is _node.Holding
+    for _ in range(300):
+        which = rng.randrange(8)
+        if which == 0:
+            item = pick()
+            native.append(item), ref.append(item)
+        elif which == 1:
+            items = [pick() for _ in range(rng.randrange(4))]
+            native.extend(iter(items)), ref.extend(items)
+        elif which == 2 and native:
+            item = rng.choice(native)
+            native.remove(item), ref.remove(item)
+        elif which == 3:
+            gone = set(rng.sample(list(native), min(len(native), 2)))
+            native.discard(gone), ref.discard(gone)
+        elif which == 4:
+            at = rng.randrange(-3, len(native) + 3)
+            native.truncate(at), ref.truncate(at)
+        elif which == 5:
+            cut = rng.randrange(3)
+            native.retain(lambda e, cut=cut: key_of(e) % 3 != cut), ref.retain(lambda e, cut=cut: key_of(e) % 3 != cut)
+        elif which == 6 and rng.random() < 0.1:
+            native.empty(), ref.empty()
+        else:
+            for change in (lambda h: h.extend([pick(), object()]), lambda h: h.append(object())):
+                for held in (native, ref):
+                    with pytest.raises(AttributeError, match="node_id"):
+                        change(held)
+        assert list(native) == list(ref)
+        assert native.total == ref.total == native.recount() == ref.recount()
+    assert native.total == sum(term(lease, kind, key_of(e)) for e in native) % (1 << 62)
+    assert (native.lease_id, native.kind) == (lease, kind)
+    with pytest.raises(ValueError, match="not in list"):
+        native.remove(object())
+    with pytest.raises(AttributeError):
+        native.total = 0
 
 
 @pytest.mark.parametrize("seed", range(4))

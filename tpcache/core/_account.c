@@ -554,42 +554,24 @@ fail:
     return NULL;
 }
 
-/* terms(lease_id, kind, keys) -> the sum (mod 2**62) of holdings' per-entry terms: XXH3 of the
- * little-endian (lease_id, kind, key) of each key: a page, or a node's id. */
-static PyObject *py_terms(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "terms takes 3 arguments, not %zd", nargs);
-    long long lease = PyLong_AsLongLong(args[0]), kind = PyLong_AsLongLong(args[1]);
-    if (PyErr_Occurred())
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[2], "terms takes a sequence of keys");
-    if (seq == NULL)
-        return NULL;
+int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out) {
+    int64_t key;
+    if (is_node(item) || PyLong_Check(item)) {
+        if (field(is_node(item) ? ((Node *)item)->node_id : item, &key) < 0)
+            return -1;
+    } else { /* any other node: its node_id */
+        PyObject *id = PyObject_GetAttrString(item, "node_id");
+        int bad = id == NULL || field(id, &key) < 0;
+        Py_XDECREF(id);
+        if (bad)
+            return -1;
+    }
     uint8_t buf[24];
     write64(buf, (uint64_t)lease);
     write64(buf + 8, (uint64_t)kind);
-    uint64_t total = 0;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        int64_t key;
-        int bad;
-        if (is_node(item) || PyLong_Check(item)) {
-            bad = field(is_node(item) ? ((Node *)item)->node_id : item, &key);
-        } else { /* any other node: its node_id */
-            PyObject *id = PyObject_GetAttrString(item, "node_id");
-            bad = id == NULL || field(id, &key);
-            Py_XDECREF(id);
-        }
-        if (bad) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        write64(buf + 16, (uint64_t)key);
-        total += xxh3_17to128(buf, 24, 0) & DIGEST_MASK;
-    }
-    Py_DECREF(seq);
-    return PyLong_FromUnsignedLongLong(total & DIGEST_MASK);
+    write64(buf + 16, (uint64_t)key);
+    *out = xxh3_17to128(buf, 24, 0) & DIGEST_MASK;
+    return 0;
 }
 
 /* flags_of(node): accounting.reference_flags_of, evictable | protected << 1 | mirror << 2. */
@@ -614,7 +596,6 @@ PyMethodDef account_methods[] = {
     {"fold_leases", (PyCFunction)(void (*)(void))py_fold_leases, METH_FASTCALL,
      "Ledger.record_leases's loop: leases re-recorded in the state and kept digests."},
     {"set_mix_fallback", (PyCFunction)py_set_mix_fallback, METH_O, "The reference mix, for fields the kernel does not take."},
-    {"terms", (PyCFunction)(void (*)(void))py_terms, METH_FASTCALL, "The sum of holdings' terms for keys (nodes or ints)."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
     {"xxh3_17to128", (PyCFunction)(void (*)(void))py_xxh3, METH_FASTCALL, "XXH3-64 of 17 to 128 bytes with a seed (for the tests)."},
     {"xxh3_long", (PyCFunction)(void (*)(void))py_xxh3_long, METH_FASTCALL,

@@ -354,7 +354,7 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__node(void) {
-    if (PyType_Ready(&NodeType) < 0)
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&HoldingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
@@ -364,9 +364,8 @@ PyMODINIT_FUNC PyInit__node(void) {
         Py_DECREF(m);
         return NULL;
     }
-    Py_INCREF(&NodeType);
-    if (PyModule_AddObject(m, "Node", (PyObject *)&NodeType) < 0) {
-        Py_DECREF(&NodeType);
+    if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 ||
+        PyModule_AddObjectRef(m, "Holding", (PyObject *)&HoldingType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

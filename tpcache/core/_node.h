@@ -65,6 +65,11 @@ int kids_del(Node *n, Node *child);
 /* The next child (borrowed) as PyDict_Next gives it: 1, or 0 when there is no more; ``*pos`` 0 first. */
 int kids_next(Node *n, Py_ssize_t *pos, PyObject **child);
 
+/* One entry's term in a lease's holding (holdings._Holding._term): XXH3 of the little-endian
+ * (lease, kind, key), key a page or a node's id, mod 2**62: 0, or -1 and an exception (_account.c). */
+int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out);
+extern PyTypeObject HoldingType; /* _holding.c */
+
 /* XXH3-64 (default secret, ``seed``) of 17 to 128 bytes (_account.c). */
 uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
 

@@ -39,25 +39,35 @@ class PageAllocator:
         return self.num_pages - self.available
 
     def alloc(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError("cannot allocate a negative number of pages")
-        free, owned = self._free, self._owned
-        reuse = min(n, len(free))
-        if n - reuse > self.num_pages - self._fresh:
+        pages = self.try_alloc(n)
+        if pages is None:
             raise OutOfPages(f"{self.name} pool: need {n} pages, {self.available} free")
-        if reuse:
-            pages = free[len(free) - reuse :]  # LIFO: the last freed first
+        return pages
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        """``alloc``, or None, changing nothing, when fewer than ``n`` pages are available."""
+        free, owned = self._free, self._owned
+        if n <= len(free):
+            if n <= 0:
+                if n < 0:
+                    raise ValueError("cannot allocate a negative number of pages")
+                return []
+            pages = free[-n:]  # LIFO: the last freed first
+            del free[-n:]
             pages.reverse()
-            del free[len(free) - reuse :]
             for p in pages:
                 owned[p] = 1
-        else:
-            pages = []
-        if n > reuse:
-            start = self._fresh
-            self._fresh += n - reuse
-            owned.extend(b"\x01" * (n - reuse))  # ``_owned`` covers exactly the pages below ``_fresh``
-            pages.extend(range(start, self._fresh))
+            return pages
+        start, new = self._fresh, n - len(free)
+        if new > self.num_pages - start:
+            return None
+        pages = free[::-1]
+        free.clear()
+        for p in pages:
+            owned[p] = 1
+        self._fresh = start + new
+        owned.extend(b"\x01" * new)  # ``_owned`` covers exactly the pages below ``_fresh``
+        pages.extend(range(start, start + new))
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -116,10 +126,10 @@ class HostAllocator(PageAllocator):
     def used(self) -> int:
         return self.num_pages - self.available
 
-    def alloc(self, n: int) -> list[int]:
+    def try_alloc(self, n: int) -> list[int] | None:
         if n > len(self._free) + self.num_pages - self._fresh and self._released:
             self._merge()
-        return super().alloc(n)
+        return super().try_alloc(n)
 
     def free(self, pages: list[int]) -> None:
         for p in pages:

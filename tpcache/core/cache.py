@@ -66,18 +66,14 @@ class CacheCore:
         self.part_evictor = PartEvictor(self.ledger, self.evictor)
         self.backup = Backup(self.ledger, self.evictor, self.outbox, self.part_evictor)
         self.evictor.back_up = self.backup.back_up
-        led = self.ledger
+        led, closed = self.ledger, lambda: self.closed
         self.hybrid = Hybrid(led, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
-        self.loader = Loader(self.ledger, self.book, self.outbox, self.evictor, self.hybrid)
-        self.inserter = Inserter(self.ledger, self.book, self.backup, self.hybrid)
-        self.prefetcher = Prefetcher(
-            config, self.ledger, self.book, self.outbox, self.evictor, lambda: self.closed, self.hybrid
-        )
+        self.loader = Loader(led, self.book, self.outbox, self.evictor, self.hybrid)
+        self.inserter = Inserter(led, self.book, self.backup, self.hybrid)
+        self.prefetcher = Prefetcher(config, led, self.book, self.outbox, self.evictor, closed, self.hybrid)
         self.staging = Staging(self.ledger)
         self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher, self.staging)
-        self.admitter = Admitter(
-            config, self.ledger, self.book, self.outbox, self.loader, self.prefetcher, lambda: self.closed
-        )
+        self.admitter = Admitter(config, led, self.book, self.outbox, self.loader, self.prefetcher, closed)
         self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
@@ -276,8 +272,7 @@ class CacheCore:
     def alloc(self, lease_id: int, n: int, part: int = 0) -> list[int]:
         """Give the lease ``n`` device pages, evicting unpinned pages as needed (or refuse first);
         ``part`` > 0: ``n`` device slots of that component."""
-        self._refuse_if_closed()
-        lease = self.book.live(lease_id)
+        lease = self._live(lease_id)
         self.ledger.tick()
         if part:
             if self.hybrid is None or part not in self.ledger.parts:
@@ -296,23 +291,20 @@ class CacheCore:
         """Adopt the KV the engine wrote into ``pages`` (and, per component, into the slots of
         ``parts``) for the full pages of ``tokens``; see ``inserts``. Returns (inserted pages,
         duplicate pages)."""
-        self._refuse_if_closed()
-        return self.inserter.insert(self.book.live(lease_id), tokens, pages, parts)
+        return self.inserter.insert(self._live(lease_id), tokens, pages, parts)
 
     def append(
         self, lease_id: int, tokens: TokenIds, pages: list[int], parts: Mapping[int, Sequence[int]] | None = None
     ) -> tuple[int, int]:
         """``insert`` of the pages that follow the lease's last insert or append, given alone (a
         running request's new pages): costs what it adds, not its context; see ``Inserter.append``."""
-        self._refuse_if_closed()
-        return self.inserter.append(self.book.live(lease_id), tokens, pages, parts)
+        return self.inserter.append(self._live(lease_id), tokens, pages, parts)
 
     def load(self, lease_id: int) -> list[int]:
         """Start loading the host pages along the lease's path (and the component data its hit
         reads) back to device; see ``loads``. Returns the device pages of the hit's prefix, loading
         ones included, in page order. Loaded data is device-VALID only once agreed complete."""
-        self._refuse_if_closed()
-        lease = self.book.live(lease_id)
+        lease = self._live(lease_id)
         self.ledger.tick()
         return self.loader.load(lease)
 
@@ -321,8 +313,7 @@ class CacheCore:
         (``read=False``: only agree on the hit).
 
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
-        self._refuse_if_closed()
-        lease = self.book.live(lease_id)
+        lease = self._live(lease_id)
         self.ledger.tick()
         if not self.config.storage:
             return False
@@ -424,6 +415,14 @@ class CacheCore:
         self._refuse_if_closed()
         require_engine_mode(self.config)
         return self.book.live(lease_id), check_blocks(blocks)  # the op ticks once it is valid
+
+    def _live(self, lease_id: int) -> Lease:
+        """``_refuse_if_closed`` then ``Leases.live``, in one call on the running requests' path."""
+        lease = self.book.table.get(lease_id)
+        if lease is None or lease.releasing or self.closed_reason is not None:
+            self._refuse_if_closed()
+            return self.book.live(lease_id)  # raises
+        return lease
 
     def _refuse_if_closed(self) -> None:
         if self.closed_reason is not None:

@@ -76,6 +76,9 @@ class Evictor:
 
     def alloc_device(self, n: int) -> list[int]:
         led = self.ledger
+        pages = led.device.try_alloc(n)  # most allocations: enough pages are free
+        if pages is not None:
+            return pages
         short = n - led.device.available
         if short > 0:
             if not self._can_free(short):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Container, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xxhash
 
@@ -22,12 +22,9 @@ from tpcache.core.digest import DIGEST_MASK
 from tpcache.core.tree import NATIVE_NODES
 
 if NATIVE_NODES:
-    from tpcache.core._node import terms as _native_terms
+    from tpcache.core._node import Holding as _NativeHolding
 else:
-    _native_terms = None
-
-if TYPE_CHECKING:
-    from tpcache.core.tree import Node
+    _NativeHolding = None
 
 _TERM = struct.Struct("<qqq")
 _digest = xxhash.xxh3_64_intdigest
@@ -38,7 +35,8 @@ PAGES = 3
 
 
 class _Holding(list):
-    """A list that keeps ``total`` equal to the sum of ``term`` over its entries."""
+    """A list that keeps ``total`` equal to the sum of ``term`` over its entries (the reference;
+    ``_node.Holding`` is the same in C, used where built)."""
 
     __slots__ = ("lease_id", "kind", "total")
 
@@ -50,29 +48,22 @@ class _Holding(list):
         if items:  # most holdings start empty (a lease's three)
             self.extend(items)
 
-    def _key(self, item: Any) -> int:
-        raise NotImplementedError
-
-    def _term(self, item: Any) -> int:
-        """One entry's share of the total: the same id under another kind or lease is another term."""
-        return _digest(_TERM.pack(self.lease_id, self.kind, self._key(item))) & DIGEST_MASK
-
     def _terms(self, items: list[Any]) -> int:
-        """The sum of ``_term`` over ``items`` (in C where built: ``_account.c``, the same terms)."""
-        if _native_terms is not None:
-            return _native_terms(self.lease_id, self.kind, items)
-        return sum(self._term(item) for item in items)
+        return sum(term(self.lease_id, self.kind, key_of(item)) for item in items)
+
+    # Each change computes its terms before it changes the list: one that raises changes nothing.
 
     def append(self, item: Any) -> None:
+        terms = self._terms([item])
         super().append(item)
-        self.total = (self.total + self._terms([item])) & DIGEST_MASK
+        self.total = (self.total + terms) & DIGEST_MASK
 
     def extend(self, items: Iterable[Any]) -> None:
         added = items if type(items) is list else list(items)
         if not added:  # a request extends each holding a few times, often with nothing
             return
+        terms = self._terms(added)
         super().extend(added)
-        terms = _native_terms(self.lease_id, self.kind, added) if _native_terms is not None else self._terms(added)
         self.total = (self.total + terms) & DIGEST_MASK
 
     def empty(self) -> None:
@@ -81,8 +72,9 @@ class _Holding(list):
         self.total = 0
 
     def remove(self, item: Any) -> None:
+        terms = self._terms([self[self.index(item)]])
         super().remove(item)
-        self.total = (self.total - self._terms([item])) & DIGEST_MASK
+        self.total = (self.total - terms) & DIGEST_MASK
 
     def discard(self, items: Container[Any]) -> None:
         """Drop every entry that is in ``items``, keeping the others in order (``remove`` of each,
@@ -90,9 +82,10 @@ class _Holding(list):
         gone = [item for item in self if item in items]
         if gone:
             kept = [item for item in self if item not in items]
+            terms = self._terms(gone)
             super().__delitem__(slice(None))
             super().extend(kept)
-            self.total = (self.total - self._terms(gone)) & DIGEST_MASK
+            self.total = (self.total - terms) & DIGEST_MASK
 
     def truncate(self, length: int) -> None:
         """Drop every entry from position ``length`` on."""
@@ -102,34 +95,54 @@ class _Holding(list):
     def retain(self, keep: Callable[[Any], bool]) -> None:
         """Keep only the entries ``keep`` accepts, in order."""
         kept = [item for item in self if keep(item)]
+        terms = self._terms(kept)
         super().clear()
-        self.total = 0
-        self.extend(kept)
+        super().extend(kept)
+        self.total = terms & DIGEST_MASK
 
     def recount(self) -> int:
         """The total computed from scratch (the invariant's check)."""
-        return sum(self._term(item) for item in self) & DIGEST_MASK
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        name = type(self).__name__
-        raise TypeError(f"{name} changes only through append/extend/empty/remove/discard/truncate/retain")
-
-    __setitem__ = __delitem__ = __iadd__ = insert = pop = clear = sort = reverse = _refuse  # type: ignore[assignment]
+        return self._terms(self) & DIGEST_MASK
 
 
-class NodeHolding(_Holding):
-    """Nodes a lease pins (one pin each), keyed by node id."""
+def key_of(item: Any) -> int:
+    """An entry's key: a page is its own, a node is keyed by its id."""
+    return item if isinstance(item, int) else item.node_id
+
+
+def term(lease_id: int, kind: int, key: int) -> int:
+    """One entry's share of a holding's total: the same key under another kind or lease is another term."""
+    return _digest(_TERM.pack(lease_id, kind, key)) & DIGEST_MASK
+
+
+def _refuse(self: list, *args: Any, **kwargs: Any) -> None:
+    name = type(self).__name__
+    raise TypeError(f"{name} changes only through append/extend/empty/remove/discard/truncate/retain")
+
+
+class _Refusing:
+    """list's other mutators, refused: only the methods of ``_Holding`` change a holding."""
+
+    __slots__ = ()
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = insert = pop = clear = sort = reverse = _refuse
+
+
+_Base: Any = _NativeHolding if _NativeHolding is not None else _Holding
+
+
+class NodeHolding(_Refusing, _Base):
+    """Nodes a lease pins (one pin each)."""
 
     __slots__ = ()
 
-    def _key(self, item: Node) -> int:
-        return item.node_id
 
-
-class PageHolding(_Holding):
+class PageHolding(_Refusing, _Base):
     """Device pages a lease holds outside the tree."""
 
     __slots__ = ()
 
-    def _key(self, item: int) -> int:
-        return item
+
+class ReferenceHolding(_Refusing, _Holding):
+    """The pure-Python holding, whichever ``NodeHolding`` and ``PageHolding`` use (for the tests)."""
+
+    __slots__ = ()

@@ -1,0 +1,210 @@
+/* holdings._Holding in C: a list that keeps ``total``, the sum (mod 2**62) of holding_term over its
+ * entries, updated by the entries each change adds or drops. The same methods, terms and results as
+ * the reference; a running request extends its holdings a few times a step, and each change here
+ * is one C call instead of a Python method with a super() call in it.
+ *
+ * Invariant: total == recount() after every method; a method that fails (an entry without a node
+ * id, a callback that raises) changes nothing. holdings.py adds the refusals of list's other
+ * mutators, as it does for the reference. */
+#include "_node.h"
+
+#include <structmember.h>
+
+#define MASK ((UINT64_C(1) << 62) - 1)
+
+typedef struct {
+    PyListObject list;
+    int64_t lease_id, kind;
+    uint64_t total;
+} Holding;
+
+/* The sum of the terms of ``seq``'s items (a list or tuple): 0, or -1 and an exception. */
+static int sum_terms(Holding *self, PyObject *seq, uint64_t *out) {
+    uint64_t total = 0, term;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (holding_term(self->lease_id, self->kind, items[i], &term) < 0)
+            return -1;
+        total += term;
+    }
+    *out = total;
+    return 0;
+}
+
+static PyObject *holding_extend(Holding *self, PyObject *items) {
+    PyObject *seq = PySequence_Fast(items, "a holding extends with an iterable");
+    if (seq == NULL)
+        return NULL;
+    uint64_t terms;
+    Py_ssize_t end = PyList_GET_SIZE(self);
+    int bad = sum_terms(self, seq, &terms) < 0 || PyList_SetSlice((PyObject *)self, end, end, seq) < 0;
+    Py_DECREF(seq);
+    if (bad)
+        return NULL;
+    self->total = (self->total + terms) & MASK;
+    Py_RETURN_NONE;
+}
+
+static int holding_init(Holding *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"lease_id", "kind", "items", NULL};
+    long long lease_id, kind;
+    PyObject *items = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL|O:Holding", names, &lease_id, &kind, &items))
+        return -1;
+    if (PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), NULL) < 0)
+        return -1;
+    self->lease_id = lease_id;
+    self->kind = kind;
+    self->total = 0;
+    if (items != NULL) {
+        PyObject *done = holding_extend(self, items);
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+    }
+    return 0;
+}
+
+static PyObject *holding_append(Holding *self, PyObject *item) {
+    uint64_t term;
+    if (holding_term(self->lease_id, self->kind, item, &term) < 0 || PyList_Append((PyObject *)self, item) < 0)
+        return NULL;
+    self->total = (self->total + term) & MASK;
+    Py_RETURN_NONE;
+}
+
+static PyObject *holding_empty(Holding *self, PyObject *unused) {
+    if (PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), NULL) < 0)
+        return NULL;
+    self->total = 0;
+    Py_RETURN_NONE;
+}
+
+/* Where ``entry`` itself is in the list, or -1. */
+static Py_ssize_t position(Holding *self, PyObject *entry) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self); i++)
+        if (PyList_GET_ITEM(self, i) == entry)
+            return i;
+    return -1;
+}
+
+static PyObject *holding_remove(Holding *self, PyObject *item) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self); i++) {
+        PyObject *entry = Py_NewRef(PyList_GET_ITEM(self, i));
+        int same = PyObject_RichCompareBool(entry, item, Py_EQ);
+        uint64_t term;
+        Py_ssize_t at = same > 0 ? position(self, entry) : -1; /* where an __eq__ that changed the list left it */
+        if (at >= 0 && (holding_term(self->lease_id, self->kind, entry, &term) < 0 ||
+                        PyList_SetSlice((PyObject *)self, at, at + 1, NULL) < 0))
+            same = -1;
+        Py_DECREF(entry);
+        if (same < 0)
+            return NULL;
+        if (at >= 0) {
+            self->total = (self->total - term) & MASK;
+            Py_RETURN_NONE;
+        }
+    }
+    return PyErr_Format(PyExc_ValueError, "list.remove(x): x not in list");
+}
+
+/* Replace the whole list by ``kept``, dropping the terms of ``gone``. */
+static PyObject *keep_only(Holding *self, PyObject *kept, PyObject *gone) {
+    uint64_t terms;
+    if (PyList_GET_SIZE(gone) == 0)
+        Py_RETURN_NONE;
+    if (sum_terms(self, gone, &terms) < 0 || PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), kept) < 0)
+        return NULL;
+    self->total = (self->total - terms) & MASK;
+    Py_RETURN_NONE;
+}
+
+/* Split the entries into those ``test`` keeps and the others, in order; ``test`` is a container
+ * (keep what it lacks) when ``call`` is 0, a callable (keep what it accepts) otherwise. */
+static PyObject *split(Holding *self, PyObject *test, int call) {
+    PyObject *copy = PyList_GetSlice((PyObject *)self, 0, PyList_GET_SIZE(self)); /* test may change us */
+    PyObject *kept = PyList_New(0), *gone = PyList_New(0), *done = NULL;
+    if (copy == NULL || kept == NULL || gone == NULL)
+        goto out;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(copy); i++) {
+        PyObject *item = PyList_GET_ITEM(copy, i);
+        int keep;
+        if (call) {
+            PyObject *verdict = PyObject_CallOneArg(test, item);
+            keep = verdict == NULL ? -1 : PyObject_IsTrue(verdict);
+            Py_XDECREF(verdict);
+        } else {
+            int in = PySequence_Contains(test, item);
+            keep = in < 0 ? -1 : !in;
+        }
+        if (keep < 0 || PyList_Append(keep ? kept : gone, item) < 0)
+            goto out;
+    }
+    done = keep_only(self, kept, gone);
+out:
+    Py_XDECREF(copy);
+    Py_XDECREF(kept);
+    Py_XDECREF(gone);
+    return done;
+}
+
+static PyObject *holding_discard(Holding *self, PyObject *items) { return split(self, items, 0); }
+
+static PyObject *holding_retain(Holding *self, PyObject *keep) { return split(self, keep, 1); }
+
+static PyObject *holding_truncate(Holding *self, PyObject *arg) {
+    Py_ssize_t length = PyNumber_AsSsize_t(arg, PyExc_OverflowError), size = PyList_GET_SIZE(self);
+    if (length == -1 && PyErr_Occurred())
+        return NULL;
+    if (length < 0) /* as self[length:] reads it */
+        length = length + size < 0 ? 0 : length + size;
+    if (length >= size)
+        Py_RETURN_NONE;
+    PyObject *tail = PyList_GetSlice((PyObject *)self, length, size);
+    uint64_t terms;
+    int bad = tail == NULL || sum_terms(self, tail, &terms) < 0 || PyList_SetSlice((PyObject *)self, length, size, NULL) < 0;
+    Py_XDECREF(tail);
+    if (bad)
+        return NULL;
+    self->total = (self->total - terms) & MASK;
+    Py_RETURN_NONE;
+}
+
+static PyObject *holding_recount(Holding *self, PyObject *unused) {
+    uint64_t terms;
+    if (sum_terms(self, (PyObject *)self, &terms) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(terms & MASK);
+}
+
+static PyMethodDef holding_methods[] = {
+    {"append", (PyCFunction)holding_append, METH_O, "Add one entry."},
+    {"extend", (PyCFunction)holding_extend, METH_O, "Add the entries of an iterable."},
+    {"empty", (PyCFunction)holding_empty, METH_NOARGS, "Drop every entry (the sum of none is 0)."},
+    {"remove", (PyCFunction)holding_remove, METH_O, "Drop the first entry equal to this one (ValueError if none)."},
+    {"discard", (PyCFunction)holding_discard, METH_O, "Drop every entry in a container, keeping the others in order."},
+    {"truncate", (PyCFunction)holding_truncate, METH_O, "Drop every entry from this position on."},
+    {"retain", (PyCFunction)holding_retain, METH_O, "Keep only the entries a callable accepts, in order."},
+    {"recount", (PyCFunction)holding_recount, METH_NOARGS, "The total computed from scratch (the invariant's check)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef holding_members[] = {
+    {"lease_id", T_LONGLONG, offsetof(Holding, lease_id), READONLY, "The lease that holds these."},
+    {"kind", T_LONGLONG, offsetof(Holding, kind), READONLY, "DEVICE_PINS, HOST_PINS or PAGES."},
+    {"total", T_ULONGLONG, offsetof(Holding, total), READONLY, "The sum of the entries' terms, mod 2**62."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyTypeObject HoldingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tpcache.core._node.Holding",
+    .tp_base = &PyList_Type,
+    .tp_basicsize = sizeof(Holding),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "holdings._Holding in C: a list that keeps the sum of its entries' digest terms.",
+    .tp_methods = holding_methods,
+    .tp_members = holding_members,
+    .tp_init = (initproc)holding_init,
+};
