@@ -69,7 +69,7 @@ class Inserter:
         k, step = len(walk.nodes), walk.step
         if k < walk.num_pages:
             last = walk.nodes[-1] if k else self.ledger.tree.root
-            if last.child(data[k * step : (k + 1) * step]) is not None:
+            if last.child_at(data, k * step, step) is not None:
                 return None
         return walk
 

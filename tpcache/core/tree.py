@@ -107,6 +107,12 @@ class PyNode:
         """The child for these page tokens, or None."""
         return self.children.get(tokens)
 
+    def child_at(self, data: bytes, pos: int, step: int) -> Node | None:
+        """``child(data[pos : pos + step])`` for ``pos`` >= 0 (the C type needs no slice)."""
+        if pos < 0 or step < 0:
+            raise ValueError("child_at takes bytes and a position and a length of at least 0")
+        return self.children.get(data[pos : pos + step])
+
     def link(self, child: Node) -> None:
         """Add a child under its tokens (``children`` changes only here and in ``unlink``)."""
         if child.tokens in self.children:
@@ -150,8 +156,10 @@ class PyNode:
 
 try:
     from tpcache.core._node import Node
+    from tpcache.core._node import chain_below as _chain_below
 except ImportError:  # built without a C compiler
     Node = PyNode  # type: ignore[misc,assignment]
+    _chain_below = None
 
 NATIVE_NODES = Node is not PyNode
 
@@ -311,7 +319,7 @@ class RadixTree:
                     segments.append(child)
                     pos += step
                 return walk  # pragma: no cover - the whole-chain compare would have matched
-            child = node.child(token_bytes[pos : pos + step])
+            child = node.child_at(token_bytes, pos, step)
             if child is None:
                 break
             nodes.append(child)
@@ -330,12 +338,17 @@ class RadixTree:
         shorter than the chain (the chain grew at its end) is still correct: the walk goes on from its
         last node.
         """
-        chain: list[Node] = []
-        cur = node.only_child
-        while cur is not None:
-            chain.append(cur)
-            cur = cur.only_child
-        run = Run(b"".join(c.tokens for c in chain), chain)
+        found = None if _chain_below is None else _chain_below(node)
+        if found is None:
+            chain: list[Node] = []
+            cur = node.only_child
+            while cur is not None:
+                chain.append(cur)
+                cur = cur.only_child
+            run = Run(b"".join(c.tokens for c in chain), chain)
+        else:  # the same chain and tokens, gathered in C from the nodes' inline tokens (_chain.c)
+            chain, data = found
+            run = Run(data, chain)
         node.run, node.run_at = run, 0
         for i, c in enumerate(chain[:-1]):
             c.run, c.run_at = run, i + 1
