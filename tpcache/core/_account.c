@@ -363,14 +363,17 @@ static int set_int(PyObject **slot, int64_t v) {
     return 0;
 }
 
-/* touch(nodes, device_pins, stamp, hit, clock, digest, offer) -> (digest, evictable delta,
- * protected delta): Ledger.touch's loop (see there). */
+/* touch(nodes, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable delta,
+ * protected delta): Ledger.touch's loop (see there), each node offered to ``candidates`` as
+ * Candidates.offer does (``heaps_offer``), its heaps loaded once for the loop. */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7)
         return PyErr_Format(PyExc_TypeError, "touch takes 7 arguments, not %zd", nargs);
     long long delta = PyLong_AsLongLong(args[1]);
     int stamp = PyObject_IsTrue(args[2]), hit = PyObject_IsTrue(args[3]);
-    PyObject *clock = args[4], *offer = args[6];
+    PyObject *clock = args[4], *cands = args[6];
+    Heaps heaps;
+    int loaded = 0;
     unsigned long long value = PyLong_AsUnsignedLongLongMask(args[5]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
@@ -411,15 +414,22 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         if (which < 0)
             goto fail;
         if (which) {
-            PyObject *r = PyObject_CallOneArg(offer, item);
-            if (r == NULL)
+            if (!loaded && heaps_load(&heaps, cands) < 0) {
+                heaps_clear(&heaps);
                 goto fail;
-            Py_DECREF(r);
+            }
+            loaded = 1;
+            if (heaps_push(&heaps, item, which) < 0)
+                goto fail;
         }
     }
     Py_DECREF(seq);
+    if (loaded)
+        heaps_clear(&heaps);
     return Py_BuildValue("KLL", value & DIGEST_MASK, (long long)evictable, (long long)protected_);
 fail:
+    if (loaded)
+        heaps_clear(&heaps);
     Py_DECREF(seq);
     return NULL;
 }
