@@ -124,7 +124,11 @@ class Inserter:
         k, n = len(nodes), walk.num_pages
         if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] is not nodes[-1]):
             return None
-        if any(node.device_state != _VALID for node in nodes) or walk.device_page_ids(k).tolist() != pages[:k]:
+        if k and nodes[-1].device_state != _VALID:  # a device-VALID page has only VALID ancestors (match)
+            return None
+        # The pages the lock's match read stay the nodes' own while the lease pins them.
+        ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)
+        if ids.tolist() != pages[:k]:
             return None
         new = pages[k:n]
         fresh = set(new)

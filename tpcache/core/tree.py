@@ -203,13 +203,27 @@ class Walk:
     Matched pages are found by their tokens, so a hit costs no hashing; page slices and the hash
     chain of the pages past the match are computed only when asked for."""
 
-    __slots__ = ("nodes", "num_pages", "segments", "_tokens", "_step", "_seed", "_root_hash", "_pages", "_hashes")
+    __slots__ = (
+        "nodes",
+        "num_pages",
+        "segments",
+        "matched_pages",
+        "_tokens",
+        "_step",
+        "_seed",
+        "_root_hash",
+        "_pages",
+        "_hashes",
+    )
 
     def __init__(self, token_bytes: bytes, step: int, seed: int, root_hash: int) -> None:
         self.nodes: list[Node] = []  # matched nodes, first page first
         # how ``nodes`` was found, in order: (run, first, count) for a run slice, a Node for one step
         self.segments: list[tuple[Run, int, int] | Node] = []
         self.num_pages = len(token_bytes) // step  # full pages of the input
+        # ``device_page_ids(len(nodes))`` as ``CacheCore.match`` found it when every node was device
+        # VALID, else None: true for as long as those nodes stay pinned on device (a lease's insert)
+        self.matched_pages: array | None = None
         self._tokens = token_bytes
         self._step = step
         self._seed = seed
