@@ -38,6 +38,9 @@ static int plain_leaf(Node *n, PyObject *backlog) {
         return 0;
     Node *parent = (Node *)n->parent;
     if (is_node(parent->parent)) {
+        /* A chain goes leaf first: the parent's turn reads the next node up (its grandparent
+         * here), most often not in the cache; fetch it now, a drop ahead of its use. */
+        __builtin_prefetch(((Node *)parent->parent)->parent);
         int64_t pds;
         if (field(parent->device_state, &pds))
             return -1;
@@ -92,10 +95,6 @@ static int offer_parent(Pool *s, Node *parent, int take, PyObject **next) {
 /* Free the device page of a plain leaf and take the leaf out of the tree (drop_device_leaf, then
  * RadixTree.remove_leaf); offer its parent (``offer_parent``). */
 static int drop(Pool *s, Node *n, int take, PyObject **next) {
-    /* The parent's offer reads the grandparent (plain_leaf), most often not in the cache: fetch it
-     * while the work before that runs. */
-    if (is_node(n->parent))
-        __builtin_prefetch(((Node *)n->parent)->parent);
     int64_t page = n->device_page;
     Py_ssize_t size = PyByteArray_GET_SIZE(s->owned);
     char *owned = PyByteArray_AS_STRING(s->owned);
