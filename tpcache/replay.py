@@ -77,7 +77,8 @@ def drain(core: CacheCore) -> None:
                 core.complete(kind)
     if core.hybrid is not None:
         core.after_commit()
-    core.enforce_retention()
+    if core.retention_cap_tokens >= 0:  # (a negative cap, no cap: nothing to enforce)
+        core.enforce_retention()
     if core.has_ready():
         core.ready()
         core.advance()

@@ -250,3 +250,19 @@ def core_bytes(tokens: list[int]) -> bytes:
     from tpcache.core.hashing import as_token_bytes
 
     return as_token_bytes(tokens)
+
+
+def test_the_nodes_a_release_may_drop_are_found_as_the_reference_finds_them():
+    from tpcache.core._node import unresident
+
+    from tpcache.core.leases import _py_unresident
+
+    tree = RadixTree(1)
+    nodes, refs = [], []
+    for i, (dev, host) in enumerate([(0, 0), (2, 0), (0, 1), (1, 2), (0, 0)]):
+        for out, node in ((nodes, tree.add_child(tree.root, bytes([i]) * 4, i, 0)), (refs, PyNode(i, None, b"", 0, 0))):
+            node.device_state, node.host_state = dev, host
+            out.append(node)
+    assert unresident(nodes) == _py_unresident(nodes) == [nodes[0], nodes[4]]
+    assert unresident(refs) == _py_unresident(refs) == [refs[0], refs[4]]
+    assert unresident([]) == [] and unresident(tuple(nodes[:1])) == nodes[:1]

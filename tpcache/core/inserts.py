@@ -130,9 +130,9 @@ class Inserter:
         ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)
         if ids.tolist() != pages[:k]:
             return None
-        new = pages[k:n]
+        new, held = pages[k:n], lease.pages
         fresh = set(new)
-        if len(fresh) != len(new) or not fresh.issubset(lease.pages):
+        if len(fresh) != len(new) or (held != new and not fresh.issubset(held)):  # (most hold just these)
             return None
         last = nodes[-1] if nodes else self.ledger.tree.root
         return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)

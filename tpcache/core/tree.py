@@ -221,8 +221,7 @@ class Walk:
         # how ``nodes`` was found, in order: (run, first, count) for a run slice, a Node for one step
         self.segments: list[tuple[Run, int, int] | Node] = []
         self.num_pages = len(token_bytes) // step  # full pages of the input
-        # ``device_page_ids(len(nodes))`` as ``CacheCore.match`` found it when every node was device
-        # VALID, else None: true for as long as those nodes stay pinned on device (a lease's insert)
+        # device_page_ids(len(nodes)) as CacheCore.match read it, all VALID (or None): true while pinned
         self.matched_pages: array | None = None
         self._tokens = token_bytes
         self._step = step
@@ -352,17 +351,16 @@ class RadixTree:
         shorter than the chain (the chain grew at its end) is still correct: the walk goes on from its
         last node.
         """
-        found = None if _chain_below is None else _chain_below(node)
+        found = None if _chain_below is None else _chain_below(node)  # the same, from the nodes' inline tokens
         if found is None:
             chain: list[Node] = []
             cur = node.only_child
             while cur is not None:
                 chain.append(cur)
                 cur = cur.only_child
-            run = Run(b"".join(c.tokens for c in chain), chain)
-        else:  # the same chain and tokens, gathered in C from the nodes' inline tokens (_chain.c)
-            chain, data = found
-            run = Run(data, chain)
+            found = chain, b"".join(c.tokens for c in chain)
+        chain, data = found
+        run = Run(data, chain)
         node.run, node.run_at = run, 0
         for i, c in enumerate(chain[:-1]):
             c.run, c.run_at = run, i + 1
