@@ -41,12 +41,15 @@ static int plain_leaf(Node *n, PyObject *backlog) {
         /* A chain goes leaf first: the parent's turn reads the next node up (its grandparent
          * here), most often not in the cache; fetch it now, a drop ahead of its use. */
         __builtin_prefetch(((Node *)parent->parent)->parent);
+        __builtin_prefetch(parent->node_id); /* its id (an int object of its own), which its drop reads */
         int64_t pds;
         if (field(parent->device_state, &pds))
             return -1;
         if (pds != 2)
             return 0;
     }
+    if (PyDict_GET_SIZE(backlog) == 0) /* most often: no host tier, or no backup waits */
+        return 1;
     int in = PyDict_Contains(backlog, n->node_id);
     return in < 0 ? -1 : !in;
 }
