@@ -70,12 +70,15 @@ def drain(core: CacheCore) -> None:
     """Complete every in-flight copy (a one-rank round agrees with itself), acting on the Ready.
     With components, also what a commit does after its completions (freeing the SWA behind
     windows that was waiting for its backups, retrying component backlogs)."""
-    for kind in _KINDS:
-        while core.inflight[kind]:
-            core.complete(kind)
+    inflight = core.inflight
+    if any(inflight.values()):  # most requests start no copy: one look at every queue
+        for kind in _KINDS:
+            while inflight[kind]:
+                core.complete(kind)
     if core.hybrid is not None:
         core.after_commit()
-    core.enforce_retention()
+    if core.retention_cap_tokens >= 0:  # (a negative cap, no cap: nothing to enforce)
+        core.enforce_retention()
     if core.has_ready():
         core.ready()
         core.advance()

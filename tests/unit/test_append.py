@@ -251,3 +251,37 @@ def test_an_insert_after_its_lock_matches_an_insert_that_walks_again(monkeypatch
     b = run(False)
     assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
     assert a.stats.inserted_pages == 3 and a.stats.duplicate_pages == 0
+
+
+@pytest.mark.parametrize("wrong", [True, False])
+def test_an_insert_after_a_full_hit_checks_the_pages_its_lock_read(wrong):
+    """The lock's walk carries the device pages its match read (``Walk.matched_pages``); an insert
+    of the same bytes compares the given pages with them: wrong ones are refused as an insert that
+    walks again refuses them, the right ones give the same core."""
+
+    def run(keep_walk: bool) -> tuple:
+        core = core_of()
+        data = array("i", toks(1, 2, 3)).tobytes()
+        start(core, list(array("i", data)))
+        lease, m = core.lock(data + array("i", toks(4, depth=3)).tobytes())
+        walk = core.lease(lease).walk
+        assert walk is not None and walk.matched_pages is not None and m.device_pages == 3
+        assert walk.matched_pages.tolist() == m.device_page_ids
+        if not keep_walk:
+            core.lease(lease).walk = None
+        tokens = core.lease(lease).tokens
+        pages = m.device_page_ids + core.alloc(lease, 1)
+        if wrong:  # the lease's page where a cached one lies, and a cached page as the new one
+            pages[0], pages[3] = pages[3], pages[0]
+        try:
+            outcome: object = core.insert(lease, tokens, pages)
+        except ValueError as exc:
+            outcome = str(exc)
+        core.release(lease)
+        drain(core)
+        check(core)
+        return outcome, snapshot(core), core.digest.value
+
+    a, b = run(True), run(False)
+    assert a == b
+    assert (a[0] == (1, 0)) != wrong

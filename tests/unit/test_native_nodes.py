@@ -170,3 +170,99 @@ def test_a_native_node_has_the_reference_nodes_fields_and_behaviour():
     assert type(other) is Node and other is not node and other.parent is parent and other.record == node.record
     with pytest.raises(TypeError, match="parent"):
         Node(9, "not a node", b"", 0, 0)
+
+
+def _pair(count: int, size: int = 8) -> tuple[Node, PyNode, list[bytes]]:
+    """A native node and a reference node, each with ``count`` children of ``size``-byte pages."""
+    tree = RadixTree(size // 4)
+    ref = PyNode(0, None, b"", 0, 0)
+    pages = [i.to_bytes(4, "little") * (size // 4) for i in range(count)]
+    for i, page in enumerate(pages):
+        tree.add_child(tree.root, page, i, 0)
+        ref.link(PyNode(i + 1, ref, page, i, 0))
+    return tree.root, ref, pages
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 16, 17, 40])
+def test_a_child_at_a_position_is_the_child_of_that_slice(count):
+    """``child_at(data, pos, step)`` is ``child(data[pos:pos + step])`` on both node types, whether the
+    node scans its few children or looks many up by their tokens, a slice clipped at the end included."""
+    node, ref, pages = _pair(count)
+    data = b"".join(pages) + b"\x07" * 8 + (pages[0][:4] if pages else b"")
+    for step in (8, 4):
+        for pos in range(0, len(data) + 9, 4):
+            want = node.child(data[pos : pos + step])
+            assert node.child_at(data, pos, step) is want
+            got, expect = ref.child_at(data, pos, step), ref.child(data[pos : pos + step])
+            assert got is expect and (got is None) == (want is None)
+    for bad in (node, ref):
+        with pytest.raises(ValueError):
+            bad.child_at(data, -1, 8)
+
+
+@pytest.mark.parametrize("count", [2, 16, 17, 40])
+def test_children_go_one_by_one_whether_scanned_or_looked_up(count):
+    node, ref, pages = _pair(count)
+    kids = {page: node.child(page) for page in pages}
+    for i, page in enumerate(pages[::-1]):
+        node.unlink(kids[page])
+        ref.unlink(ref.child(page))
+        assert node.num_children == ref.num_children == count - i - 1
+        assert sorted(node.children) == sorted(ref.children)
+        with pytest.raises(KeyError):
+            node.unlink(kids[page])
+
+
+def test_a_chain_below_a_node_is_gathered_as_the_reference_does():
+    from tpcache.core._node import chain_below
+
+    tree = RadixTree(2)
+    pages = [bytes([i]) * 8 for i in range(1, 6)]
+    top = tree.add_chain(tree.root, pages, list(range(5)), 0)
+    nodes, data = chain_below(tree.root)
+    assert nodes == top and data == b"".join(pages)
+    tree.add_child(top[2], b"z" * 8, 9, 0)  # a second child ends the chain at top[2]
+    nodes, data = chain_below(tree.root)
+    assert nodes == top[:3] and data == b"".join(pages[:3])
+    assert chain_below(top[-1]) == ([], b"") and chain_below(PyNode(0, None, b"", 0, 0)) is None
+
+
+def test_nodes_made_after_others_went_are_fresh():
+    """Nodes freed by eviction are reused for the next ones of the same size: each comes with the
+    fields a new node has, and its own tokens."""
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8))
+    for round_ in range(6):
+        tokens = [round_ * 100 + t for t in range(32)]
+        lease, _ = core.lock(tokens)
+        core.insert(lease, tokens, core.alloc(lease, 8))  # evicts the previous round's 8 pages
+        core.release(lease)
+        drain(core)
+        nodes = sorted(core.tree.nodes.values(), key=lambda n: n.depth)[1:]
+        assert [n.tokens for n in nodes] == [core_bytes(tokens[i * 4 : i * 4 + 4]) for i in range(8)]
+        for n in nodes:
+            assert (n.host_slot, n.host_state, n.host_pins, n.storage_state, n.hits, n.comp) == (-1, 0, 0, 0, 0, None)
+            assert n.device_pins == 0 and n.run_at == 0 and n.pages_run is None
+    fresh = Node(99, None, b"q" * 16, 3, 4)
+    assert (fresh.tokens, fresh.hash, fresh.device_page, fresh.num_children, fresh.record) == (b"q" * 16, 3, -1, 0, 0)
+
+
+def core_bytes(tokens: list[int]) -> bytes:
+    from tpcache.core.hashing import as_token_bytes
+
+    return as_token_bytes(tokens)
+
+
+def test_the_nodes_a_release_may_drop_are_found_as_the_reference_finds_them():
+    from tpcache.core._node import unresident
+
+    from tpcache.core.leases import _py_unresident
+
+    tree = RadixTree(1)
+    nodes, refs = [], []
+    for i, (dev, host) in enumerate([(0, 0), (2, 0), (0, 1), (1, 2), (0, 0)]):
+        for out, node in ((nodes, tree.add_child(tree.root, bytes([i]) * 4, i, 0)), (refs, PyNode(i, None, b"", 0, 0))):
+            node.device_state, node.host_state = dev, host
+            out.append(node)
+    assert unresident(nodes) == _py_unresident(nodes) == [nodes[0], nodes[4]]
+    assert unresident(refs) == _py_unresident(refs) == [refs[0], refs[4]]
+    assert unresident([]) == [] and unresident(tuple(nodes[:1])) == nodes[:1]

@@ -363,14 +363,17 @@ static int set_int(PyObject **slot, int64_t v) {
     return 0;
 }
 
-/* touch(nodes, device_pins, stamp, hit, clock, digest, offer) -> (digest, evictable delta,
- * protected delta): Ledger.touch's loop (see there). */
+/* touch(nodes, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable delta,
+ * protected delta): Ledger.touch's loop (see there), each node offered to ``candidates`` as
+ * Candidates.offer does (``heaps_offer``), its heaps loaded once for the loop. */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7)
         return PyErr_Format(PyExc_TypeError, "touch takes 7 arguments, not %zd", nargs);
     long long delta = PyLong_AsLongLong(args[1]);
     int stamp = PyObject_IsTrue(args[2]), hit = PyObject_IsTrue(args[3]);
-    PyObject *clock = args[4], *offer = args[6];
+    PyObject *clock = args[4], *cands = args[6];
+    Heaps heaps;
+    int loaded = 0;
     unsigned long long value = PyLong_AsUnsignedLongLongMask(args[5]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
@@ -411,15 +414,22 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         if (which < 0)
             goto fail;
         if (which) {
-            PyObject *r = PyObject_CallOneArg(offer, item);
-            if (r == NULL)
+            if (!loaded && heaps_load(&heaps, cands) < 0) {
+                heaps_clear(&heaps);
                 goto fail;
-            Py_DECREF(r);
+            }
+            loaded = 1;
+            if (heaps_push(&heaps, item, which) < 0)
+                goto fail;
         }
     }
     Py_DECREF(seq);
+    if (loaded)
+        heaps_clear(&heaps);
     return Py_BuildValue("KLL", value & DIGEST_MASK, (long long)evictable, (long long)protected_);
 fail:
+    if (loaded)
+        heaps_clear(&heaps);
     Py_DECREF(seq);
     return NULL;
 }
@@ -587,7 +597,48 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     return PyLong_FromLong(bits);
 }
 
+/* unresident(nodes) -> the nodes with no copy on device or host (both states 0), in order: the
+ * filter Leases.finish runs over a released path. Reference nodes are tested as the reference does. */
+static PyObject *py_unresident(PyObject *mod, PyObject *nodes) {
+    PyObject *seq = PySequence_Fast(nodes, "unresident takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    Py_ssize_t count = out ? PySequence_Fast_GET_SIZE(seq) : 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        int keep;
+        if (is_node(item)) {
+            int64_t ds, hs;
+            if (field(((Node *)item)->device_state, &ds) || field(((Node *)item)->host_state, &hs))
+                goto fail;
+            keep = ds == 0 && hs == 0;
+        } else {
+            PyObject *d = PyObject_GetAttrString(item, "device_state");
+            int on = d ? PyObject_IsTrue(d) : -1;
+            Py_XDECREF(d);
+            if (on == 0) {
+                PyObject *h = PyObject_GetAttrString(item, "host_state");
+                on = h ? PyObject_IsTrue(h) : -1;
+                Py_XDECREF(h);
+            }
+            if (on < 0)
+                goto fail;
+            keep = !on;
+        }
+        if (keep && PyList_Append(out, item) < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 PyMethodDef account_methods[] = {
+    {"unresident", (PyCFunction)py_unresident, METH_O, "The nodes with no copy on device or host (Leases.finish)."},
     {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (accounting.record_of)."},
     {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
      "The reference record, for nodes with components or reference nodes."},

@@ -201,7 +201,7 @@ void heaps_clear(Heaps *h) {
 
 /* eviction.Candidates.offer and _push, for the policies written here (``key_kind`` >= 0); any other
  * policy, or a reference node, gets ``candidates._push(node, which)``. */
-static int heaps_push(Heaps *h, PyObject *node, int which) {
+int heaps_push(Heaps *h, PyObject *node, int which) {
     if (h->kind < 0 || !is_node(node)) {
         PyObject *r = PyObject_CallMethod(h->cands, "_push", "Oi", node, which);
         Py_XDECREF(r);

@@ -230,7 +230,42 @@ done:
     return out;
 }
 
+/* chain_below(node) -> (nodes, tokens): the single-child chain below ``node`` (its only child, that
+ * one's only child, ...) and their page tokens joined, as RadixTree._run gathers them; read from the
+ * nodes' inline tokens, without a bytes object per page. None for a node of the reference type. */
+static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
+    if (!is_node(start))
+        Py_RETURN_NONE;
+    PyObject *nodes = PyList_New(0);
+    if (nodes == NULL)
+        return NULL;
+    Py_ssize_t size = 0;
+    for (Node *cur = (Node *)start; cur->kids != NULL && Py_IS_TYPE(cur->kids, &NodeType); cur = (Node *)cur->kids) {
+        if (PyList_Append(nodes, cur->kids) < 0) {
+            Py_DECREF(nodes);
+            return NULL;
+        }
+        size += Py_SIZE(cur->kids);
+    }
+    PyObject *data = PyBytes_FromStringAndSize(NULL, size);
+    if (data == NULL) {
+        Py_DECREF(nodes);
+        return NULL;
+    }
+    char *dst = PyBytes_AS_STRING(data);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(nodes); i++) {
+        Node *n = (Node *)PyList_GET_ITEM(nodes, i);
+        memcpy(dst, n->tok, (size_t)Py_SIZE(n));
+        dst += Py_SIZE(n);
+    }
+    PyObject *out = PyTuple_Pack(2, nodes, data);
+    Py_DECREF(nodes);
+    Py_DECREF(data);
+    return out;
+}
+
 PyMethodDef chain_methods[] = {
+    {"chain_below", (PyCFunction)py_chain_below, METH_O, "RadixTree._run's chain and its joined tokens (see _chain.c)."},
     {"token_bytes", (PyCFunction)py_token_bytes, METH_O, "hashing.as_token_bytes of a list or tuple of ints, or None."},
     {"pinned_chain", (PyCFunction)(void (*)(void))py_pinned_chain, METH_FASTCALL,
      "Ledger.add_pinned_chain's nodes and records (see _chain.c)."},

@@ -20,11 +20,28 @@
 
 #include "_node.h"
 
+/* Freed nodes of one token size, kept for the next allocations (linked through ``kids``). An
+ * eviction frees about as many pages as the insert after it makes, and a page of 512 tokens is a
+ * node past pymalloc's 512 bytes, so each would otherwise cost a malloc and a free of the C
+ * library (a tenth of a replay). At most FREE_CAP nodes wait: what they hold is bounded. */
+enum { FREE_CAP = 256 };
+static Node *free_nodes = NULL;
+static Py_ssize_t free_len = -1, free_count = 0;
+
 static void node_dealloc(Node *self) {
 #define CLEAR(name) Py_CLEAR(self->name);
     FIELDS(CLEAR)
     Py_CLEAR(self->kids);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    Py_ssize_t len = Py_SIZE(self);
+    if (free_count == 0)
+        free_len = len;
+    if (len == free_len && free_count < FREE_CAP) {
+        self->kids = (PyObject *)free_nodes;
+        free_nodes = self;
+        free_count++;
+        return;
+    }
+    PyObject_Free(self);
 }
 
 /* Node(...)'s fields, on a node just allocated with room for its tokens. */
@@ -67,8 +84,12 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char
 /* A node with room for ``len`` token bytes, its fields zeroed: the token area is left as it comes,
  * since node_fill copies the tokens over it (zeroing 2 KiB pages first was a tenth of a replay). */
 static Node *node_alloc(Py_ssize_t len) {
-    Node *n = (Node *)PyObject_Malloc(offsetof(Node, tok) + (size_t)len);
-    if (n == NULL) {
+    Node *n;
+    if (free_count > 0 && len == free_len) {
+        n = free_nodes;
+        free_nodes = (Node *)n->kids;
+        free_count--;
+    } else if ((n = (Node *)PyObject_Malloc(offsetof(Node, tok) + (size_t)len)) == NULL) {
         PyErr_NoMemory();
         return NULL;
     }
@@ -99,6 +120,10 @@ static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 /* ------------------------------------------------------------------ children */
+
+/* Up to this many children (a dict of them) a removal or a lookup at a position scans them: no hash
+ * of a page's tokens (2 KiB for a page of 512 tokens), whose bytes object would be made just for it. */
+enum { SCAN_KIDS = 16 };
 
 /* Whether ``key`` equals node ``b``'s tokens: 1 or 0, or -1 and an exception. */
 static int same_tokens(PyObject *key, Node *b) {
@@ -160,7 +185,21 @@ int kids_del(Node *n, Node *child) {
         Py_CLEAR(n->kids);
         return 0;
     }
-    PyObject *key = n->kids == NULL || Py_IS_TYPE(n->kids, &NodeType) ? NULL : node_tokens(child);
+    PyObject *key = NULL;
+    if (n->kids != NULL && !Py_IS_TYPE(n->kids, &NodeType)) {
+        if (PyDict_GET_SIZE(n->kids) <= SCAN_KIDS) {
+            /* found by identity: its stored key carries its hash, where a new key of the page's
+             * tokens would be hashed again (2 KiB for a page of 512 tokens) */
+            Py_ssize_t pos = 0;
+            PyObject *k, *v;
+            while (PyDict_Next(n->kids, &pos, &k, &v))
+                if (v == (PyObject *)child) {
+                    key = Py_NewRef(k);
+                    break;
+                }
+        } else
+            key = node_tokens(child);
+    }
     if (key == NULL || PyDict_GetItemWithError(n->kids, key) != (PyObject *)child) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_KeyError, "node %S is not a child of node %S", child->node_id, n->node_id);
@@ -220,6 +259,44 @@ static PyObject *node_child(Node *self, PyObject *key) {
     if (child == NULL && PyErr_Occurred())
         return NULL;
     return Py_NewRef(child ? child : Py_None);
+}
+
+/* child_at(data, pos, step): child(data[pos:pos + step]) for bytes ``data`` and pos >= 0, without
+ * the slice: a page's tokens compared where they lie (and, among a few children, no hash of them). */
+static PyObject *node_child_at(Node *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "child_at takes 3 arguments, not %zd", nargs);
+    PyObject *data = args[0];
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[2]);
+    if ((pos == -1 || step == -1) && PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_Check(data) || pos < 0 || step < 0)
+        return PyErr_Format(PyExc_ValueError, "child_at takes bytes and a position and a length of at least 0");
+    Py_ssize_t size = PyBytes_GET_SIZE(data);
+    Py_ssize_t len = pos >= size ? 0 : step < size - pos ? step : size - pos; /* as the slice clips */
+    const char *key = PyBytes_AS_STRING(data) + (pos < size ? pos : size);
+    PyObject *kids = self->kids, *found = NULL;
+    if (kids == NULL)
+        found = NULL;
+    else if (Py_IS_TYPE(kids, &NodeType)) {
+        Node *only = (Node *)kids;
+        found = Py_SIZE(only) == len && memcmp(only->tok, key, (size_t)len) == 0 ? kids : NULL;
+    } else if (PyDict_GET_SIZE(kids) <= SCAN_KIDS) {
+        Py_ssize_t at = 0;
+        PyObject *v;
+        while (found == NULL && PyDict_Next(kids, &at, NULL, &v)) {
+            Node *c = (Node *)v; /* children are nodes: kids_add is the only way in */
+            if (Py_SIZE(c) == len && memcmp(c->tok, key, (size_t)len) == 0)
+                found = v;
+        }
+    } else {
+        PyObject *k = PyBytes_FromStringAndSize(key, len);
+        found = k ? PyDict_GetItemWithError(kids, k) : NULL;
+        Py_XDECREF(k);
+        if (found == NULL && PyErr_Occurred())
+            return NULL;
+    }
+    return Py_NewRef(found ? found : Py_None);
 }
 
 static PyObject *node_link(Node *self, PyObject *child) {
@@ -314,6 +391,8 @@ static PyMethodDef node_methods[] = {
     {"path", (PyCFunction)node_path, METH_NOARGS, "Nodes from the first page down to this one (the root excluded)."},
     {"__copy__", (PyCFunction)node_copy, METH_NOARGS, "A shallow copy (its fields, not its place in the tree)."},
     {"child", (PyCFunction)node_child, METH_O, "The child for these page tokens, or None."},
+    {"child_at", (PyCFunction)(void (*)(void))node_child_at, METH_FASTCALL,
+     "child(data[pos:pos + step]) for bytes data and pos >= 0, without the slice."},
     {"link", (PyCFunction)node_link, METH_O, "Add a child under its tokens (ValueError if that page has one)."},
     {"unlink", (PyCFunction)node_unlink, METH_O, "Remove a child (KeyError if it is not one)."},
     {NULL, NULL, 0, NULL},

@@ -45,6 +45,8 @@ typedef struct {
 int heaps_load(Heaps *h, PyObject *cands); /* 0, or -1 and an exception (then heaps_clear) */
 void heaps_clear(Heaps *h);
 int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 and an exception */
+/* Push a candidate of ``which`` heaps (candidacy's answer) as Candidates._push: 0, or -1 and an exception. */
+int heaps_push(Heaps *h, PyObject *node, int which);
 /* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
 PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind);
 

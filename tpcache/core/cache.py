@@ -174,25 +174,24 @@ class CacheCore:
         """The longest cached prefix: device-VALID pages, then host-VALID pages; with components,
         the longest prefix the hit rule allows (``hitrule``). Pure."""
         walk = self.tree.walk(as_token_bytes(tokens))
-        result = MatchResult(walk)
         if self.closed:
-            return result
+            return MatchResult(walk)
         nodes = walk.nodes
         valid = DeviceState.VALID
         n = len(nodes)
         if nodes and nodes[-1].device_state == valid:
             i = n  # a device-VALID page has only VALID ancestors (invariants.check): the whole path hits
+            pages = walk.matched_pages = walk.device_page_ids(i)
         else:
             i = 0
             while i < n and nodes[i].device_state == valid:
                 i += 1
-        result.device_page_array = walk.device_page_ids(i)
-        result.device_pages = i
+            pages = walk.device_page_ids(i)
+        dev = i
         host_hits = not self.staging.enabled  # buffer mode: host slots only stage, they are never a hit
         while host_hits and i < n and nodes[i].host_state == HostState.VALID and not nodes[i].device_state:
             i += 1
-        result.host_pages = i - result.device_pages
-        result.nodes = nodes if i == n else nodes[:i]
+        result = MatchResult(walk, dev, i - dev, pages, nodes if i == n else nodes[:i])
         if self.hybrid is not None:
             self.hybrid.match(result, result.device_pages, i)
         return result

@@ -41,6 +41,8 @@ def page_hash(parent_hash: int, page_tokens: bytes, seed: int) -> int:
 
 def as_token_bytes(tokens: TokenIds) -> bytes:
     """Token ids as little-endian int32 bytes, the form pages are keyed and hashed by."""
+    if type(tokens) is bytes and not len(tokens) % 4:
+        return tokens  # already converted (lock, match and insert each take the caller's bytes)
     if _token_bytes is not None and (data := _token_bytes(tokens)) is not None:
         return data  # a list or tuple of ints, converted in C (_chain.c) as below (None for anything else)
     if isinstance(tokens, bytes | bytearray | memoryview):

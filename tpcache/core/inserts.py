@@ -69,7 +69,7 @@ class Inserter:
         k, step = len(walk.nodes), walk.step
         if k < walk.num_pages:
             last = walk.nodes[-1] if k else self.ledger.tree.root
-            if last.child(data[k * step : (k + 1) * step]) is not None:
+            if last.child_at(data, k * step, step) is not None:
                 return None
         return walk
 
@@ -124,11 +124,15 @@ class Inserter:
         k, n = len(nodes), walk.num_pages
         if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] is not nodes[-1]):
             return None
-        if any(node.device_state != _VALID for node in nodes) or walk.device_page_ids(k).tolist() != pages[:k]:
+        if k and nodes[-1].device_state != _VALID:  # a device-VALID page has only VALID ancestors (match)
             return None
-        new = pages[k:n]
+        # The pages the lock's match read stay the nodes' own while the lease pins them.
+        ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)
+        if ids.tolist() != pages[:k]:
+            return None
+        new, held = pages[k:n], lease.pages
         fresh = set(new)
-        if len(fresh) != len(new) or not fresh.issubset(lease.pages):
+        if len(fresh) != len(new) or (held != new and not fresh.issubset(held)):  # (most hold just these)
             return None
         last = nodes[-1] if nodes else self.ledger.tree.root
         return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)

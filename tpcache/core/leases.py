@@ -20,7 +20,20 @@ from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import Node, Walk
+from tpcache.core.tree import NATIVE_NODES, Node, Walk
+
+if NATIVE_NODES:
+    from tpcache.core import _node as _native
+else:
+    _native = None  # type: ignore[assignment]
+
+
+def _py_unresident(nodes: list[Node]) -> list[Node]:
+    """The nodes with no copy on device or host, in order."""
+    return [n for n in nodes if not (n.device_state or n.host_state)]
+
+
+_unresident = _py_unresident if _native is None else _native.unresident  # the same filter in C (_account.c)
 
 # What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
 Kept = tuple[int, bytes, list[int], dict[int, list[int]]]
@@ -223,8 +236,7 @@ class Leases:
         led.device.free(lease.pages)
         del self.table[lease.lease_id]
         # A copy keeps a node; the few with none (a failed copy) may go. Filtered first: a path is long.
-        gone = [n for n in lease.device_nodes if not (n.device_state or n.host_state)]
-        gone += [n for n in lease.host_nodes if not (n.device_state or n.host_state)]
+        gone = _unresident(lease.device_nodes) + _unresident(lease.host_nodes)
         for node in gone:
             if node.parent is not None:
                 led.remove_if_empty(node)

@@ -141,8 +141,8 @@ class Ledger:
         no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
         if _native is not None:  # the same loop in C (_account.c)
             value, evictable, protected = _native.touch(
-                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
-            )
+                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates
+            )  # each node offered as ``self.candidates.offer`` does, the heaps read once
             self.digest.value = value
         else:
             value, evictable, protected = self._touch(nodes, device_pins, stamp, hit)

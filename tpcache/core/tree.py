@@ -107,6 +107,12 @@ class PyNode:
         """The child for these page tokens, or None."""
         return self.children.get(tokens)
 
+    def child_at(self, data: bytes, pos: int, step: int) -> Node | None:
+        """``child(data[pos : pos + step])`` for ``pos`` >= 0 (the C type needs no slice)."""
+        if pos < 0 or step < 0:
+            raise ValueError("child_at takes bytes and a position and a length of at least 0")
+        return self.children.get(data[pos : pos + step])
+
     def link(self, child: Node) -> None:
         """Add a child under its tokens (``children`` changes only here and in ``unlink``)."""
         if child.tokens in self.children:
@@ -150,8 +156,10 @@ class PyNode:
 
 try:
     from tpcache.core._node import Node
+    from tpcache.core._node import chain_below as _chain_below
 except ImportError:  # built without a C compiler
     Node = PyNode  # type: ignore[misc,assignment]
+    _chain_below = None
 
 NATIVE_NODES = Node is not PyNode
 
@@ -195,13 +203,26 @@ class Walk:
     Matched pages are found by their tokens, so a hit costs no hashing; page slices and the hash
     chain of the pages past the match are computed only when asked for."""
 
-    __slots__ = ("nodes", "num_pages", "segments", "_tokens", "_step", "_seed", "_root_hash", "_pages", "_hashes")
+    __slots__ = (
+        "nodes",
+        "num_pages",
+        "segments",
+        "matched_pages",
+        "_tokens",
+        "_step",
+        "_seed",
+        "_root_hash",
+        "_pages",
+        "_hashes",
+    )
 
     def __init__(self, token_bytes: bytes, step: int, seed: int, root_hash: int) -> None:
         self.nodes: list[Node] = []  # matched nodes, first page first
         # how ``nodes`` was found, in order: (run, first, count) for a run slice, a Node for one step
         self.segments: list[tuple[Run, int, int] | Node] = []
         self.num_pages = len(token_bytes) // step  # full pages of the input
+        # device_page_ids(len(nodes)) as CacheCore.match read it, all VALID (or None): true while pinned
+        self.matched_pages: array | None = None
         self._tokens = token_bytes
         self._step = step
         self._seed = seed
@@ -311,7 +332,7 @@ class RadixTree:
                     segments.append(child)
                     pos += step
                 return walk  # pragma: no cover - the whole-chain compare would have matched
-            child = node.child(token_bytes[pos : pos + step])
+            child = node.child_at(token_bytes, pos, step)
             if child is None:
                 break
             nodes.append(child)
@@ -330,12 +351,16 @@ class RadixTree:
         shorter than the chain (the chain grew at its end) is still correct: the walk goes on from its
         last node.
         """
-        chain: list[Node] = []
-        cur = node.only_child
-        while cur is not None:
-            chain.append(cur)
-            cur = cur.only_child
-        run = Run(b"".join(c.tokens for c in chain), chain)
+        found = None if _chain_below is None else _chain_below(node)  # the same, from the nodes' inline tokens
+        if found is None:
+            chain: list[Node] = []
+            cur = node.only_child
+            while cur is not None:
+                chain.append(cur)
+                cur = cur.only_child
+            found = chain, b"".join(c.tokens for c in chain)
+        chain, data = found
+        run = Run(data, chain)
         node.run, node.run_at = run, 0
         for i, c in enumerate(chain[:-1]):
             c.run, c.run_at = run, i + 1
