@@ -6,6 +6,7 @@ Torch-free: a client needs only msgpack (and pyzmq to talk to a service). See RE
 from protocol.codec import (
     decode_request,
     decode_response,
+    encode_match_ok,
     encode_ok,
     encode_request,
     encode_response,
@@ -153,6 +154,7 @@ __all__ = [
     "decode_request",
     "decode_response",
     "encode_request",
+    "encode_match_ok",
     "encode_ok",
     "encode_response",
     "error_response",

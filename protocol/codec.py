@@ -354,7 +354,8 @@ def match_tokens(frame: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[int, byte
     ``frame``, which may be any buffer (a transport's own frame: no copy of the whole frame first).
     None for anything else, on a big-endian host, or without the C reader: the caller then decodes
     the frame the general way (``decode_request``), which reads it as the same request."""
-    if not _LITTLE or len(frame) > limits.max_message_bytes or not _fast_match_allowed(limits):
+    allowed = _FAST_MATCH if limits is DEFAULT_LIMITS else _fast_match_allowed(limits)  # (a call less per frame)
+    if not allowed or not _LITTLE or len(frame) > limits.max_message_bytes:
         return None
     found: tuple[int, bytes, bool | None] | None = _c_match_request(frame, limits.max_bin_len, limits.max_ids, True)
     return found
@@ -438,19 +439,34 @@ def encode_ok(request_id: int, result: Body, limits: Limits = DEFAULT_LIMITS) ->
     ``request_id`` is the id of a request it decoded)."""
     if type(result) is MatchResult and _c_match_reply is not None and _LITTLE:
         r: MatchResult = result
-        frame = _c_match_reply(
-            request_id, r.hit_tokens, r.device_pages, r.host_pages, r.storage_pages, _match_ids(r.device_page_ids)
+        return encode_match_ok(
+            request_id, r.hit_tokens, r.device_pages, r.host_pages, r.storage_pages, r.device_page_ids, limits
         )
-        if len(frame) > limits.max_message_bytes:
-            raise MessageTooLarge(f"the encoded message is {len(frame)} bytes, more than {limits.max_message_bytes}")
-        return frame
     return encode_ok_py(request_id, result, limits)
 
 
-def _match_ids(ids: Any) -> Any:
-    """What the C writer copies as the ids' bin: an ``array('i')`` as is, anything else packed
-    (and checked) the reference way."""
-    return ids if type(ids) is array and ids.typecode == "i" else Ids().to_wire(ids)
+def encode_match_ok(
+    request_id: int,
+    hit_tokens: int,
+    device_pages: int,
+    host_pages: int,
+    storage_pages: int,
+    device_page_ids: Any,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
+    """``encode_ok`` of ``MatchResult(hit_tokens, ..., device_page_ids)`` from its fields, without
+    the body (a server's lookups; the counts are its cache's, ``device_page_ids`` an ``array('i')``
+    or any ids ``Ids`` takes): the same frame, written by the C writer where there is one."""
+    if _c_match_reply is None or not _LITTLE:
+        body = MatchResult.unchecked(hit_tokens, device_pages, host_pages, storage_pages, device_page_ids)
+        return encode_ok_py(request_id, body, limits)
+    ids = device_page_ids
+    if type(ids) is not array or ids.typecode != "i":  # an array('i') is copied as is, anything else checked
+        ids = Ids().to_wire(ids)
+    frame: bytes = _c_match_reply(request_id, hit_tokens, device_pages, host_pages, storage_pages, ids)
+    if len(frame) > limits.max_message_bytes:
+        raise MessageTooLarge(f"the encoded message is {len(frame)} bytes, more than {limits.max_message_bytes}")
+    return frame
 
 
 def encode_ok_py(request_id: int, result: Body, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -507,6 +523,7 @@ __all__ = [
     "MAX_ERROR_MESSAGE",
     "decode_match",
     "match_tokens",
+    "encode_match_ok",
     "decode_request",
     "decode_request_py",
     "decode_response",

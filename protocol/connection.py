@@ -128,6 +128,15 @@ class ServerConnection:
             self._pending.discard(response.id)
         return encode_response(response, self.limits)
 
+    def finish(self, request_id: int) -> bool:
+        """Take ``request_id`` out of flight for a reply the server encodes itself (as ``send``
+        would); False, and nothing changes, when it is not in flight."""
+        pending = self._pending
+        if request_id not in pending:
+            return False
+        pending.remove(request_id)
+        return True
+
     def send_ok(self, request_id: int, result: Body) -> bytes:
         """``send`` of a successful reply, without building a Response (the server's hot path)."""
         self._pending.discard(request_id)

@@ -74,3 +74,37 @@ def burst(service: Service, lookups: int = LOOKUPS) -> None:
         hit = replies[i].unwrap()
         assert (hit.hit_tokens, list(hit.device_page_ids)) == (4 * page, pages), i  # sent after it
     replies[2 * lookups + 1].unwrap()
+
+
+def test_lookups_behind_envelope_frames_are_answered_behind_them(service: Service) -> None:
+    """A client whose requests carry envelope frames (a REQ socket's empty delimiter; sent here by a
+    DEALER, so that many are in flight at once) gets every lookup's reply behind the same frames,
+    among replies sent back to back; a REQ socket, one request at a time, too."""
+    with service.client() as c:
+        page = c.info.page_size
+    tokens = fresh_tokens(2 * page)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(service.endpoint)
+    try:
+        for i in range(200):
+            sock.send_multipart([b"", p.encode_request(p.Request(i, p.MatchRequest(tokens=tokens)))])
+        seen = set()
+        while len(seen) < 200:
+            assert sock.poll(30_000), f"{len(seen)} of 200 replies"
+            delimiter, frame = sock.recv_multipart()
+            response = p.decode_response(frame)
+            assert delimiter == b"" and response.id not in seen
+            assert response.unwrap().hit_tokens == 0
+            seen.add(response.id)
+    finally:
+        sock.close()
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(service.endpoint)
+    try:
+        for i in range(3):
+            assert call(req, i, p.MatchRequest(tokens=tokens)).hit_tokens == 0
+    finally:
+        req.close()

@@ -383,3 +383,14 @@ def test_limits_past_int64_counting_use_the_reference_scan() -> None:
     assert p.decode_request(p.encode_request(request), huge) == request
     with pytest.raises(p.MalformedMessage, match="trailing"):
         p.decode_request(p.encode_request(request) + b"\x00", huge)
+
+
+def test_encode_match_ok_without_the_c_writer_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C helpers were not built, a lookup's reply is the reference encoding of its body."""
+    from array import array
+
+    monkeypatch.setattr(codec_module, "_c_match_reply", None)
+    ids = array("i", range(300))
+    frame = p.encode_match_ok(9, 4800, 300, 0, 0, ids)
+    assert frame == codec_module.encode_ok_py(9, p.MatchResult.unchecked(4800, 300, 0, 0, ids))
+    assert p.decode_response(frame).unwrap() == p.MatchResult(4800, 300, 0, 0, list(range(300)))

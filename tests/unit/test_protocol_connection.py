@@ -133,3 +133,11 @@ def test_admit_puts_an_id_in_flight_exactly_when_receive_would() -> None:
     assert server.pending == {5, 6}
     server.send_ok(5, p.MatchResult.unchecked(0, 0, 0, 0, p.as_id_array([])))
     assert server.admit(7)
+
+
+def test_finish_takes_a_request_out_of_flight_once() -> None:
+    server = p.ServerConnection(max_pending=2)
+    assert server.admit(3)
+    assert server.finish(3) and not server.is_pending(3)
+    assert not server.finish(3) and not server.finish(4)
+    assert server.admit(3)  # its id may be used again

@@ -192,3 +192,44 @@ def test_a_match_reply_over_the_frame_limit_is_refused_like_the_reference() -> N
     with pytest.raises(p.MessageTooLarge) as reference:
         codec.encode_ok_py(1, result, limits)
     assert fast.value.message == reference.value.message
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 4095, 4096])
+def test_a_negative_id_anywhere_in_a_long_bin_is_left_to_the_general_decoder(count: int) -> None:
+    """The C reader checks the ids' signs as it copies them out (``match_tokens``), in words and
+    then a last id: a negative id at either end or in between declines the frame, as does the
+    reference; all non-negative ids come out as their bytes."""
+    ids = list(range(count))
+    for at in sorted({0, count // 2, count - 1}):
+        bad = ids.copy()
+        bad[at] = -1 - at
+        frame = match_frame(tokens=array("i", bad).tobytes())
+        assert p.match_tokens(frame) is None and codec.decode_match(frame) is None
+        same(frame)
+    frame = match_frame(tokens=array("i", ids).tobytes())
+    assert p.match_tokens(frame) == (7, p.pack_ids(ids), None)
+    same(frame)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 2**64 - 1),
+    st.lists(st.integers(0, 2**63 - 1), min_size=4, max_size=4),
+    st.sampled_from([0, 1, 255, 256, 16383, 16384]),
+)
+def test_encode_match_ok_is_encode_ok_of_the_same_fields(rid: int, counts: list[int], n: int) -> None:
+    """A server's lookup replies are written from the match's fields (``encode_match_ok``): the
+    frame ``encode_ok`` and the reference give for that body, for an array or any ids."""
+    ids = array("i", range(n))
+    frame = p.encode_match_ok(rid, *counts, ids)
+    assert frame == codec.encode_ok_py(rid, p.MatchResult.unchecked(*counts, ids))
+    assert p.encode_match_ok(rid, *counts, list(range(n))) == frame
+
+
+def test_encode_match_ok_refuses_a_reply_over_the_frame_limit_like_the_reference() -> None:
+    limits = p.Limits(max_message_bytes=1000)
+    with pytest.raises(p.MessageTooLarge) as fast:
+        p.encode_match_ok(1, 0, 0, 0, 0, array("i", range(1000)), limits)
+    with pytest.raises(p.MessageTooLarge) as reference:
+        codec.encode_ok_py(1, p.MatchResult.unchecked(0, 0, 0, 0, array("i", range(1000))), limits)
+    assert fast.value.message == reference.value.message

@@ -18,7 +18,7 @@ from tpcache.engine import TPCache
 from tpcache.service.buffers import StagedBuffer
 from tpcache.service.config import ServiceConfig, format_kv_layout
 from tpcache.service.leases import LeaseBook, not_found
-from tpcache.service.ops import OPS, Ctx, Watch, match_result, to_protocol_error
+from tpcache.service.ops import OPS, Ctx, Found, Watch, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 
@@ -71,13 +71,15 @@ class RankHandler:
         except Exception as exc:  # mapped: every rank raises alike, the leader replies with it
             raise to_protocol_error(exc) from None
 
-    def lookup(self, tokens: bytes) -> p.MatchResult:
+    def lookup(self, tokens: bytes) -> Found:
         """``apply`` of a plain match request (no storage lookup: rank 0 alone answers it), its
-        tokens as their wire bytes. Raises ProtocolError."""
+        tokens as their wire bytes: what the reply needs of the cache's match (``ops.Found``; the
+        match itself, which lists every node it found, is let go at once). Raises ProtocolError."""
         try:
-            return match_result(self, tokens)
+            m = self.tp.match(tokens)
         except Exception as exc:  # mapped as apply maps it
             raise to_protocol_error(exc) from None
+        return (m.device_pages, m.host_pages, m.device_page_array)
 
     def hello(self) -> p.HelloResult:
         return p.HelloResult(

@@ -52,7 +52,7 @@ from tpcache.service.expiry import LeaseExpiry
 from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
-from tpcache.service.ops import Ctx, Watch, merge_gathered, to_protocol_error
+from tpcache.service.ops import Ctx, Watch, match_body, merge_gathered, to_protocol_error
 
 log = logging.getLogger("tpcache.service")
 
@@ -83,13 +83,10 @@ class Item:
         self.entry.outcome = value
 
 
-@dataclass(slots=True)
-class Lookup:
-    """A plain match request, applied as it was read (``Leader._lookup``): what its reply needs."""
-
-    msg: Message
-    rid: int
-    outcome: Any  # a MatchResult or a ProtocolError
+# A plain match request, applied as it was read (``Leader._lookup``): what its reply needs, as a
+# tuple (the hot path makes one per request): the message, its request id, and what the match
+# found (``ops.Found``) or a ProtocolError.
+Lookup = tuple[Message, int, Any]
 
 
 @dataclass
@@ -290,7 +287,7 @@ class Leader:
             outcome: Any = self.h.lookup(tokens)
         except p.ProtocolError as exc:
             outcome = exc
-        self.lookups.append(Lookup(msg, rid, outcome))
+        self.lookups.append((msg, rid, outcome))
         return True
 
     def _accept(self, msg: Message) -> Item | None:
@@ -360,8 +357,8 @@ class Leader:
         lookups, self.lookups = self.lookups, []
         announced, self.announced = self.announced, False
         if self.broken is not None:
-            for lookup in lookups:  # (none: lookups apply early only while the group is whole)
-                self._reply_to(lookup.msg, lookup.rid, "match", self._broken_error())
+            for msg, rid, _ in lookups:  # (none: lookups apply early only while the group is whole)
+                self._reply_to(msg, rid, "match", self._broken_error())
             self._answer_broken(items)
             return
         entries: list[Entry] = self.internal
@@ -468,25 +465,34 @@ class Leader:
         return outcome
 
     def _answer_lookups(self, lookups: list[Lookup], report: Any, closed: bool) -> None:
-        """Reply to the batch's lookups (``_reply_to`` of each, guarded): a plain hit or miss is
-        encoded and sent here directly, anything else (an error, a hit from a closed cache) the
+        """Reply to the batch's lookups, in order (``_reply_to`` of each, guarded): a plain hit or
+        miss is encoded straight from the cache's match here, and the frames go to the socket back
+        to back (``FrontDoor.send_all``); anything else (an error, a hit from a closed cache) the
         general way."""
-        send = self.door.send
+        page_size = self.h.tp.config.page_size
+        encode = p.encode_match_ok
+        replies: list[tuple[Conn, list[bytes], bytes]] = []
         ok = 0
-        for lookup in lookups:
-            outcome = lookup.outcome
-            msg = lookup.msg
-            if type(outcome) is not p.MatchResult or closed or not msg.conn.server.is_pending(lookup.rid):
-                self._reply_to(msg, lookup.rid, "match", self._guard(outcome, report, closed))
+        for msg, rid, outcome in lookups:
+            conn = msg.conn
+            if type(outcome) is not tuple or closed or not conn.server.finish(rid):
+                self.door.send_all(replies)  # (the replies before it go first)
+                ok += len(replies)
+                replies = []
+                if type(outcome) is tuple:  # (ops.Found)
+                    outcome = match_body(outcome, page_size)
+                self._reply_to(msg, rid, "match", self._guard(outcome, report, closed))
                 continue
+            device, host, pages = outcome
             try:
-                frame = msg.conn.server.send_ok(lookup.rid, outcome)
+                frame = encode(rid, (device + host) * page_size, device, host, 0, pages)
             except p.ProtocolError as exc:  # the result itself is too large to send (as in _reply_to)
                 self.in_flight -= 1
-                self._send(msg, p.encode_response(p.error_response(lookup.rid, exc)), "match", "too_large")
+                self._send(msg, p.encode_response(p.error_response(rid, exc)), "match", "too_large")
                 continue
-            ok += 1
-            send(msg.conn, msg.envelope, frame)
+            replies.append((conn, msg.envelope, frame))
+        self.door.send_all(replies)
+        ok += len(replies)
         self.in_flight -= ok
         if ok:
             key = ("match", "ok")
