@@ -133,6 +133,16 @@ static inline uint64_t mul_fold(uint64_t a, uint64_t b) {
 
 enum { STRIPE = 64, PER_BLOCK = (XXH3_SECRET_SIZE - STRIPE) / 8, BLOCK = STRIPE * PER_BLOCK };
 
+/* The eight accumulators merged into the hash of ``len`` bytes: the end of every long hash. */
+static uint64_t merge_acc(const uint64_t *acc, size_t len, const uint8_t *secret) {
+    uint64_t h = len * PRIME64_1;
+    for (int i = 0; i < 4; i++)
+        h += mul_fold(acc[2 * i] ^ read64(secret + 11 + 16 * i), acc[2 * i + 1] ^ read64(secret + 19 + 16 * i));
+    h ^= h >> 37;
+    h *= PRIME_MX1;
+    return h ^ (h >> 32);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 /* With AVX2 (checked at run time: the build targets plain x86-64) four lanes at a time, the eight
  * accumulators in two registers; the same arithmetic as ``accumulate`` and ``scramble``. */
@@ -170,12 +180,7 @@ AVX2 static uint64_t xxh3_long_avx2(const uint8_t *input, size_t len, const uint
     uint64_t out[8];
     _mm256_storeu_si256((__m256i *)out, acc[0]);
     _mm256_storeu_si256((__m256i *)(out + 4), acc[1]);
-    uint64_t h = len * PRIME64_1;
-    for (int i = 0; i < 4; i++)
-        h += mul_fold(out[2 * i] ^ read64(secret + 11 + 16 * i), out[2 * i + 1] ^ read64(secret + 19 + 16 * i));
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    return h ^ (h >> 32);
+    return merge_acc(out, len, secret);
 }
 
 static int use_avx2 = -1; /* unknown until the first long hash */
@@ -194,12 +199,7 @@ static uint64_t xxh3_long_portable(const uint8_t *input, size_t len, const uint8
     for (size_t s = 0; s < stripes; s++)
         accumulate(acc, input + blocks * BLOCK + s * STRIPE, secret + 8 * s);
     accumulate(acc, input + len - STRIPE, secret + XXH3_SECRET_SIZE - STRIPE - 7); /* the last stripe */
-    uint64_t h = len * PRIME64_1; /* merge */
-    for (int i = 0; i < 4; i++)
-        h += mul_fold(acc[2 * i] ^ read64(secret + 11 + 16 * i), acc[2 * i + 1] ^ read64(secret + 19 + 16 * i));
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    return h ^ (h >> 32);
+    return merge_acc(acc, len, secret);
 }
 
 uint64_t xxh3_long(const uint8_t *input, size_t len, const uint8_t *secret) {
@@ -442,12 +442,10 @@ static PyObject *s_lease_id, *s_device_nodes, *s_host_nodes, *s_pages, *s_ops, *
 static int load_lease_names(void) {
     if (s_node_id != NULL)
         return 0;
-#define INTERN(name) (s_##name = PyUnicode_InternFromString(#name)) == NULL
     if (INTERN(lease_id) || INTERN(device_nodes) || INTERN(host_nodes) || INTERN(pages) || INTERN(ops) ||
         INTERN(releasing) || INTERN(cursor) || INTERN(prefetch) || INTERN(admission) || INTERN(parts) ||
         INTERN(hit_pages) || INTERN(record) || INTERN(kept) || INTERN(total) || INTERN(node_id))
         return -1;
-#undef INTERN
     return 0;
 }
 

@@ -125,17 +125,11 @@ static PyObject *s_device_heap, *s_host_heap, *s_tree, *s_nodes, *s_key_kind, *s
 static int load_heapq(void) {
     if (heappush != NULL)
         return 0;
-    s_device_heap = PyUnicode_InternFromString("device_heap");
-    s_host_heap = PyUnicode_InternFromString("host_heap");
-    s_tree = PyUnicode_InternFromString("tree");
-    s_nodes = PyUnicode_InternFromString("nodes");
-    s_key_kind = PyUnicode_InternFromString("key_kind");
-    s_rebuild = PyUnicode_InternFromString("rebuild");
-    PyObject *m = PyImport_ImportModule("_heapq");
-    if (m == NULL || !s_device_heap || !s_host_heap || !s_tree || !s_nodes || !s_key_kind || !s_rebuild) {
-        Py_XDECREF(m);
+    if (INTERN(device_heap) || INTERN(host_heap) || INTERN(tree) || INTERN(nodes) || INTERN(key_kind) || INTERN(rebuild))
         return -1;
-    }
+    PyObject *m = PyImport_ImportModule("_heapq");
+    if (m == NULL)
+        return -1;
     heappop = PyObject_GetAttrString(m, "heappop");
     heappush = heappop ? PyObject_GetAttrString(m, "heappush") : NULL;
     Py_DECREF(m);

@@ -48,11 +48,7 @@ static PyObject *s_next_id, *s_page_size, *s_seed, *s_nodes; /* the tree's attri
 static int load_valid(void) {
     if (device_valid != NULL)
         return 0;
-    s_next_id = PyUnicode_InternFromString("_next_id");
-    s_page_size = PyUnicode_InternFromString("page_size");
-    s_seed = PyUnicode_InternFromString("seed");
-    s_nodes = PyUnicode_InternFromString("nodes");
-    if (!s_next_id || !s_page_size || !s_seed || !s_nodes)
+    if (INTERN_AS(s_next_id, "_next_id") || INTERN(page_size) || INTERN(seed) || INTERN(nodes))
         return -1;
     device_valid = device_state_member("VALID");
     return device_valid == NULL ? -1 : 0;

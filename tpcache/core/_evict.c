@@ -135,19 +135,13 @@ done:
 static PyObject *s_device, *s_owned, *s_free, *s_digest, *s_backlog, *s_value, *s_evictable;
 
 static int load_names(void) {
-    if (s_pages != NULL)
+    if (s_pages != NULL) /* the last one made */
         return 0;
-    s_device = PyUnicode_InternFromString("device");
-    s_owned = PyUnicode_InternFromString("_owned");
-    s_free = PyUnicode_InternFromString("_free");
-    s_digest = PyUnicode_InternFromString("digest");
-    s_backlog = PyUnicode_InternFromString("backup_backlog");
-    s_value = PyUnicode_InternFromString("value");
-    s_evictable = PyUnicode_InternFromString("evictable_device_pages");
-    if (!s_device || !s_owned || !s_free || !s_digest || !s_backlog || !s_value || !s_evictable)
+    if (INTERN(device) || INTERN_AS(s_owned, "_owned") || INTERN_AS(s_free, "_free") || INTERN(digest) ||
+        INTERN_AS(s_backlog, "backup_backlog") || INTERN(value) || INTERN_AS(s_evictable, "evictable_device_pages") ||
+        INTERN(pages))
         return -1;
-    s_pages = PyUnicode_InternFromString("pages");
-    return s_pages == NULL ? -1 : 0;
+    return 0;
 }
 
 /* o.name, or NULL once anything before it failed (no lookup runs with an exception set). */

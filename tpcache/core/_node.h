@@ -82,6 +82,11 @@ int record_native(Node *n, uint64_t *out);
  * at ``tok`` (_node.c). */
 Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock);
 
+/* Intern ``text`` into ``var`` (an attribute name a kernel looks up, made once): true on a failure,
+ * so that a loader chains them with || and returns -1. INTERN(name): s_<name> for "name". */
+#define INTERN_AS(var, text) (((var) = PyUnicode_InternFromString(text)) == NULL)
+#define INTERN(name) INTERN_AS(s_##name, #name)
+
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
 /* An int field's value: -1 and an exception if it is not an int64. */

@@ -46,28 +46,23 @@ class PageAllocator:
 
     def try_alloc(self, n: int) -> list[int] | None:
         """``alloc``, or None, changing nothing, when fewer than ``n`` pages are available."""
+        if n < 0:
+            raise ValueError("cannot allocate a negative number of pages")
         free, owned = self._free, self._owned
-        if n <= len(free):
-            if n <= 0:
-                if n < 0:
-                    raise ValueError("cannot allocate a negative number of pages")
-                return []
-            pages = free[-n:]  # LIFO: the last freed first
-            del free[-n:]
-            pages.reverse()
-            for p in pages:
-                owned[p] = 1
-            return pages
-        start, new = self._fresh, n - len(free)
-        if new > self.num_pages - start:
+        new = n - len(free)  # never-used pages it takes, once every freed one is
+        if new > self.num_pages - self._fresh:
             return None
-        pages = free[::-1]
-        free.clear()
+        reuse = len(free) if new > 0 else n
+        pages = free[len(free) - reuse :]  # LIFO: the last freed first
+        pages.reverse()
+        del free[len(free) - reuse :]
         for p in pages:
             owned[p] = 1
-        self._fresh = start + new
-        owned.extend(b"\x01" * new)  # ``_owned`` covers exactly the pages below ``_fresh``
-        pages.extend(range(start, start + new))
+        if new > 0:
+            start = self._fresh
+            self._fresh = start + new
+            owned.extend(b"\x01" * new)  # ``_owned`` covers exactly the pages below ``_fresh``
+            pages.extend(range(start, start + new))
         return pages
 
     def free(self, pages: list[int]) -> None:

@@ -104,7 +104,7 @@ class Inserter:
         step = led.page_size * 4
         n = len(data) // step
         held = lease.pages
-        if not n or len(pages) < n or len(held) < n or cursor.child(data[:step]) is not None:
+        if not n or len(pages) < n or len(held) < n or cursor.child_at(data, 0, step) is not None:
             return None
         new = pages if len(pages) == n else pages[:n]
         fresh = set(new)

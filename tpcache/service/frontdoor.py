@@ -221,12 +221,10 @@ class FrontDoor:
             except (ValueError, TypeError, zmq.ZMQError):
                 continue  # not named by our ZAP handler: cannot be told apart from another connection
             conn = self.conns.get(conn_id)
-            if conn is not None:  # (``_conn``'s first case, inline: the one every request takes)
+            if conn is not None:  # a live connection: every request but a connection's first
                 self.conns.move_to_end(conn_id)
-            else:
-                conn = self._conn(conn_id, identity, part)
-                if conn is None:
-                    continue
+            elif (conn := self._arriving(conn_id, identity, part)) is None:
+                continue
             self.counters["requests_received"] += 1
             # A frame of a connection that is gone by now still counts (it was sent before the
             # connection closed, as TCP delivers it); only its reply has nowhere to go.
@@ -243,11 +241,9 @@ class FrontDoor:
                 continue
             return Message(conn, [identity, *(f.bytes for f in envelope)], part)
 
-    def _conn(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
-        conn = self.conns.get(conn_id)
-        if conn is not None:
-            self.conns.move_to_end(conn_id)
-            return conn
+    def _arriving(self, conn_id: int, identity: bytes, frame: zmq.Frame) -> Conn | None:
+        """The connection of a frame whose number is not a live connection's: a departed one, a new
+        one (registered here), or None for a number this process never handed out."""
         conn = self.departed.get(conn_id)
         if conn is not None:
             return conn
