@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import neg
 
 LAYOUT_VERSION = 2
 INT64_MAX = (1 << 63) - 1
@@ -80,14 +81,20 @@ class RoundLayout:
             raise RoundVectorError(f"field {self.fields[bad]} = {values[bad]} does not fit the round vector's int64")
         out = [0] * (2 * len(values))
         out[0::2] = values
-        out[1::2] = [-x for x in values]
+        out[1::2] = map(neg, values)
         return out
 
     def unpack(self, reduced: Sequence[int]) -> Agreement:
         if len(reduced) != self.length:
             raise RoundVectorError(f"round vector has {len(reduced)} elements, layout needs {self.length}")
         index = self._index  # type: ignore[attr-defined]
-        return Agreement(_Fields(index, list(reduced[0::2])), _Fields(index, [-x for x in reduced[1::2]]))
+        return Agreement(_Fields(index, list(reduced[0::2])), _Fields(index, list(map(neg, reduced[1::2]))))
+
+    def unanimous(self, values: Sequence[int]) -> Agreement:
+        """The agreement when every rank sent ``values`` (the reduced vector equals its own
+        ``pack_values(values)``): each field's minimum and maximum are its value here."""
+        fields = _Fields(self._index, values)  # type: ignore[attr-defined]
+        return Agreement(fields, fields)
 
 
 class _Fields:
@@ -113,7 +120,7 @@ class Agreement:
     @property
     def unanimous(self) -> bool:
         """Every field agreed (the common case: one list comparison)."""
-        return self.lo._values == self.hi._values
+        return self.lo is self.hi or self.lo._values == self.hi._values
 
     def agreed(self, name: str) -> bool:
         return self.lo[name] == self.hi[name]

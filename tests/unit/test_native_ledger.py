@@ -1,5 +1,5 @@
 """The core's kernels in C (``tpcache/core/_account.c``, ``_candidates.c``, ``_evict.c``, ``_chain.c``,
-``_holding.c``)
+``_holding.c``, ``_settle.c``)
 against their Python references: records, counter flags, holdings, candidacy, offers and pops
 on random node states; mixes, hashes and token bytes; eviction and inserts on two cores in lockstep. The
 simulator schedules in ``test_native_nodes`` hold the whole core equal end to end."""
@@ -33,6 +33,7 @@ from tpcache.core.holdings import (
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
 from tpcache.core.records import Lease
+from tpcache.core.tiers import DeviceState, HostState, IllegalTransition, StorageState
 from tpcache.core.tree import NATIVE_NODES, RadixTree
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, random_op
@@ -218,6 +219,74 @@ def test_dropping_a_device_leaf_in_one_step_is_free_then_remove(seed):
         )
     assert fast and refused
     check(a)
+
+
+# (from states, the change): an agreed copy's change to its pages, as the completions apply them.
+SETTLES = [
+    ({"host_state": HostState.WRITING}, {"host": HostState.VALID}),  # a backup landed
+    ({"device_state": DeviceState.LOADING, "host_pins": 1}, {"device": DeviceState.VALID, "host_pins": -1}),
+    ({"storage_state": StorageState.WRITING, "host_pins": 2}, {"storage": StorageState.DURABLE, "host_pins": -1}),
+    ({"storage_state": StorageState.NONE}, {"storage": StorageState.WRITING, "host_pins": 1}),
+    ({"host_state": HostState.WRITING}, {"host": HostState.VALID, "storage": StorageState.DURABLE}),
+]
+
+
+def _settle_cores(seed: int) -> tuple[CacheCore, CacheCore]:
+    config = CacheConfig(page_size=4, device_pages=24, host_pages=24, write_policy="write_through")
+    cores = CacheCore(config), CacheCore(config)
+    leases: list[list] = [[], []]
+    rng = random.Random(seed)
+    for _ in range(50):
+        op = random_op(rng, 4, requests=0.3, appends=0.1)
+        for core, held in zip(cores, leases, strict=True):
+            apply(core, op, held)
+            drain(core)
+    return cores
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("case", range(len(SETTLES)))
+def test_settling_a_copy_in_c_is_the_update_loop(seed, case, monkeypatch):
+    """``Ledger.settle`` in C (``_settle.c``) leaves what the reference loop of ``update`` leaves: the
+    nodes, digest, counters, mirror index (in its order) and heaps; at a node whose transition the
+    tier tables refuse it raises as the reference does, with the nodes before it changed alike."""
+    a, b = _settle_cores(seed)
+    before, change = SETTLES[case]
+    rng = random.Random(seed * 10 + case)
+    present = [i for i, n in a.tree.nodes.items() if n.parent is not None]
+    ids = sorted(rng.sample(present, min(12, len(present))))
+    assert len(ids) >= 8
+    bad = ids[5] if seed == 2 else None  # a node the change cannot apply to: the loop stops there
+    tier = next(t for t in ("device", "host", "storage") if t in change)
+    for core in (a, b):
+        for i in ids:
+            node = core.tree.nodes[i]
+            for name, value in before.items():
+                setattr(node, name, value)
+            if "storage" not in change:  # some become mirrors (device, host and storage copies)
+                node.storage_state = StorageState.DURABLE
+            if i == bad:  # a state to itself is never a transition
+                setattr(node, f"{tier}_state", change[tier])
+            core.ledger._rerecord(node)
+    outcome = []
+    for core, native in ((a, True), (b, False)):
+        with monkeypatch.context() as m:
+            if not native:
+                m.setattr(ledger_module, "_native", None)
+            nodes = [core.tree.nodes[i] for i in ids]
+            try:
+                core.ledger.settle(nodes, **change)
+                outcome.append(None)
+            except IllegalTransition as exc:
+                outcome.append(str(exc))
+    assert outcome[0] == outcome[1] and (outcome[0] is not None) == (bad is not None)
+    assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
+    assert list(a.ledger.mirrors) == list(b.ledger.mirrors)
+    assert (a.ledger.evictable_device_pages, a.ledger.protected_device_pages) == (
+        b.ledger.evictable_device_pages,
+        b.ledger.protected_device_pages,
+    )
+    assert a.candidates.device_heap == b.candidates.device_heap and a.candidates.host_heap == b.candidates.host_heap
 
 
 def test_a_leaf_with_a_host_copy_is_not_dropped_in_one_step():

@@ -236,7 +236,7 @@ int record_native(Node *n, uint64_t *out) {
     return 0;
 }
 
-static int record_any(PyObject *node, uint64_t *out) {
+int record_any(PyObject *node, uint64_t *out) {
     if (is_node(node) && ((Node *)node)->comp == Py_None)
         return record_native((Node *)node, out);
     if (record_fallback == NULL) {
@@ -353,14 +353,6 @@ static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
     Py_INCREF(fn);
     Py_XSETREF(mix_fallback, fn);
     Py_RETURN_NONE;
-}
-
-static int set_int(PyObject **slot, int64_t v) {
-    PyObject *o = PyLong_FromLongLong(v);
-    if (o == NULL)
-        return -1;
-    Py_SETREF(*slot, o);
-    return 0;
 }
 
 /* touch(nodes, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable delta,

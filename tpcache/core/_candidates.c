@@ -238,21 +238,36 @@ static int state_field(PyObject *node, int device, int64_t *out) {
     return field(device ? ((Node *)node)->device_state : ((Node *)node)->host_state, out);
 }
 
-/* offer_around(candidates, node): eviction.Candidates.offer_around (see there). */
-static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2)
-        return PyErr_Format(PyExc_TypeError, "offer_around takes 2 arguments, not %zd", nargs);
-    PyObject *cands = args[0], *node = args[1];
-    if (!is_node(node))
-        return PyErr_Format(PyExc_TypeError, "offer_around takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
-    if (offer1(cands, node) < 0)
-        return NULL;
+int lazy_offer(LazyHeaps *h, PyObject *node) {
+    int which = candidacy(node); /* most offers push nothing: no need for the heaps */
+    if (which <= 0)
+        return which;
+    if (!h->loaded) {
+        if (heaps_load(&h->heaps, h->cands) < 0) {
+            heaps_clear(&h->heaps);
+            return -1;
+        }
+        h->loaded = 1;
+    }
+    return heaps_push(&h->heaps, node, which);
+}
+
+void lazy_clear(LazyHeaps *h) {
+    if (h->loaded)
+        heaps_clear(&h->heaps);
+    h->loaded = 0;
+}
+
+int lazy_offer_around(LazyHeaps *h, PyObject *node) {
+    if (lazy_offer(h, node) < 0)
+        return -1;
     PyObject *first = ((Node *)node)->parent;
     if (!is_node(first) || !is_node(((Node *)first)->parent))
-        Py_RETURN_NONE;
+        return 0;
     Py_INCREF(first); /* an offer may run Python: hold what the walk stands on */
-    PyObject *parent = Py_NewRef(first), *out = NULL;
-    if (offer1(cands, parent) < 0)
+    PyObject *parent = Py_NewRef(first);
+    int rc = -1;
+    if (lazy_offer(h, parent) < 0)
         goto done;
     for (;;) {
         int64_t ds, hs;
@@ -262,7 +277,7 @@ static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_
             break;
         PyObject *up = ((Node *)parent)->parent;
         if (!is_node(up) || !is_node(((Node *)up)->parent)) {
-            out = Py_NewRef(Py_None);
+            rc = 0;
             goto done;
         }
         Py_SETREF(parent, Py_NewRef(up));
@@ -270,13 +285,23 @@ static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_
     int64_t ds;
     if (state_field(parent, 1, &ds))
         goto done;
-    if (parent != first && ds == 2 && offer1(cands, parent) < 0)
-        goto done;
-    out = Py_NewRef(Py_None);
+    rc = parent != first && ds == 2 ? lazy_offer(h, parent) : 0;
 done:
     Py_DECREF(parent);
     Py_DECREF(first);
-    return out;
+    return rc < 0 ? -1 : 0;
+}
+
+/* offer_around(candidates, node): eviction.Candidates.offer_around (see there). */
+static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "offer_around takes 2 arguments, not %zd", nargs);
+    if (!is_node(args[1]))
+        return PyErr_Format(PyExc_TypeError, "offer_around takes a native Node, not %.100s", Py_TYPE(args[1])->tp_name);
+    LazyHeaps h = {.cands = args[0]};
+    int rc = lazy_offer_around(&h, args[1]);
+    lazy_clear(&h);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* Whether a popped (or top) entry is live: its node is a candidate of ``which`` with the key it was

@@ -31,6 +31,7 @@ extern PyMethodDef account_methods[];   /* _account.c */
 extern PyMethodDef candidate_methods[]; /* _candidates.c */
 extern PyMethodDef evict_methods[];     /* _evict.c */
 extern PyMethodDef chain_methods[];     /* _chain.c */
+extern PyMethodDef settle_methods[];    /* _settle.c */
 
 /* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
 int candidacy(PyObject *node); /* _candidates.c */
@@ -45,6 +46,15 @@ typedef struct {
 int heaps_load(Heaps *h, PyObject *cands); /* 0, or -1 and an exception (then heaps_clear) */
 void heaps_clear(Heaps *h);
 int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 and an exception */
+/* Heaps loaded at the first push of a loop of offers (most offers push nothing). */
+typedef struct {
+    PyObject *cands;
+    Heaps heaps;
+    int loaded;
+} LazyHeaps;
+int lazy_offer(LazyHeaps *h, PyObject *node);        /* Candidates.offer: 0, or -1 and an exception */
+int lazy_offer_around(LazyHeaps *h, PyObject *node); /* Candidates.offer_around, for a native node */
+void lazy_clear(LazyHeaps *h);
 /* Push a candidate of ``which`` heaps (candidacy's answer) as Candidates._push: 0, or -1 and an exception. */
 int heaps_push(Heaps *h, PyObject *node, int which);
 /* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
@@ -78,6 +88,9 @@ uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
  * an exception (_account.c). */
 int record_native(Node *n, uint64_t *out);
+/* Any node's digest record: ``record_native``, or the reference's for a node with components or a
+ * reference node: 0, or -1 and an exception (_account.c). */
+int record_any(PyObject *node, uint64_t *out);
 /* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it, its tokens the ``len`` bytes
  * at ``tok`` (_node.c). */
 Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock);
@@ -95,6 +108,15 @@ static inline int field(PyObject *v, int64_t *out) {
     if (x == -1 && PyErr_Occurred())
         return -1;
     *out = (int64_t)x;
+    return 0;
+}
+
+/* Set an int field: 0, or -1 and an exception. */
+static inline int set_int(PyObject **slot, int64_t v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL)
+        return -1;
+    Py_SETREF(*slot, o);
     return 0;
 }
 

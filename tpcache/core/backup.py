@@ -197,8 +197,7 @@ class Backup:
             return
         if not todo:
             return
-        for node in todo:
-            self.ledger.update(node, storage=StorageState.WRITING, host_pins=+1)  # the op reads the slot
+        self.ledger.settle(todo, storage=StorageState.WRITING, host_pins=+1)  # the op reads the slot
         self.outbox.issue(OpKind.STORAGE_WRITE, todo, -1)
         self.ledger.stats.storage_write_issued_pages += len(todo)
 

@@ -52,8 +52,7 @@ class Completions:
         if op.parts:
             self._parts(op, ok, waiters)
         self._appliers[kind](op, ok, waiters)
-        for node in op.pinned:  # the path a copy protected, released with its ack
-            led.update(node, device_pins=-1)
+        led.touch(op.pinned, -1)  # the path a copy protected, released with its ack
         for node in reversed(op.nodes):
             led.remove_if_empty(node)
         for lease in waiters:
@@ -100,11 +99,10 @@ class Completions:
 
     def _backup(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
-        for i, node in op.full_moves():
-            if i < ok:
-                led.update(node, host=(HostState.VALID, node.host_slot))
-            else:
-                led.free_host_copy(node)
+        landed, failed = _split(op, ok)
+        led.settle(landed, host=HostState.VALID)
+        for node in failed:
+            led.free_host_copy(node)
         led.stats.backups_done_pages += ok
         self.backup.store(op.nodes[:ok])
 
@@ -113,15 +111,12 @@ class Completions:
         if op.engine_pages:  # into the engine's blocks: no tier state changes, the lease holds the slots
             led.stats.loads_done_pages += ok
             return
-        failed: list[Node] = []
-        for i, node in op.full_moves():
-            if i < ok:
-                led.update(node, device=(DeviceState.VALID, node.device_page), host_pins=-1)
-            else:
-                led.device.free([node.device_page])
-                led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
-                failed.append(node)
-        led.stats.loads_done_pages += ok if op.full_index is None else sum(i < ok for i in op.full_index)
+        landed, failed = _split(op, ok)
+        led.settle(landed, device=DeviceState.VALID, host_pins=-1)
+        for node in failed:
+            led.device.free([node.device_page])
+            led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
+        led.stats.loads_done_pages += len(landed)
         if self.staging.enabled:  # a staged page that reached device needs no host slot: its leases let go
             landed = {n.node_id for _, n in zip(range(ok), op.nodes, strict=False)}
             for lease in waiters:
@@ -134,17 +129,16 @@ class Completions:
 
     def _storage_write(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
-        for i, node in op.full_moves():
-            led.update(node, storage=StorageState.DURABLE if i < ok else StorageState.NONE, host_pins=-1)
+        landed, failed = _split(op, ok)
+        led.settle(landed, storage=StorageState.DURABLE, host_pins=-1)
+        led.settle(failed, storage=StorageState.NONE, host_pins=-1)
         led.stats.storage_written_pages += ok
 
     def _storage_read(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
-        for i, node in enumerate(op.nodes):
-            if i < ok:
-                led.update(node, host=(HostState.VALID, node.host_slot), storage=StorageState.DURABLE)
-            else:
-                led.free_host_copy(node)
+        led.settle(op.nodes[:ok], host=HostState.VALID, storage=StorageState.DURABLE)
+        for node in op.nodes[ok:]:
+            led.free_host_copy(node)
         led.stats.prefetch_read_pages += ok
         lease = self.leases.table.get(op.lease_id)
         if lease is not None and lease.prefetch is not None:  # the anchor it lets go of may be done staging
@@ -153,3 +147,12 @@ class Completions:
 
     def _storage_query(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         self.prefetch.on_query(op, ok)
+
+
+def _split(op: Transfer, ok: int) -> tuple[list[Node], list[Node]]:
+    """The nodes whose full page the op moves: those among its ``ok`` leading pages (landed on every
+    rank), and the rest (the copy failed somewhere), each in op order."""
+    if op.full_index is None:
+        return op.nodes[:ok], op.nodes[ok:]
+    nodes = op.nodes
+    return [nodes[i] for i in op.full_index if i < ok], [nodes[i] for i in op.full_index if i >= ok]

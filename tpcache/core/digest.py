@@ -9,12 +9,15 @@ the same operations. 62 bits keep ``x`` and ``-x`` inside int64 for the round ve
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 
 import xxhash
 
 DIGEST_BITS = 62
 DIGEST_MASK = (1 << DIGEST_BITS) - 1
 _RECORD = struct.Struct("<QqqqqqqQ")
+_BIG_ENDIAN = sys.byteorder == "big"
 
 try:
     from tpcache.core import _node as _native
@@ -36,10 +39,12 @@ else:
 
 
 def mix_ids(ids: list[int], seed: int = 0) -> int:
-    """An order-sensitive 62-bit digest of a list of ids (completion queues, plans)."""
-    h = xxhash.xxh3_64(seed=seed)
-    h.update(struct.pack(f"<{len(ids)}q", *ids))
-    return h.intdigest() & DIGEST_MASK
+    """An order-sensitive 62-bit digest of a list of ids (completion queues, plans): XXH3 of the
+    ids as little-endian int64."""
+    packed = array("q", ids)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return xxhash.xxh3_64_intdigest(packed, seed=seed) & DIGEST_MASK
 
 
 class Digest:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tpcache.core.accounting import lease_record
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.ledger import Ledger
-from tpcache.core.outbox import Outbox
+from tpcache.core.outbox import Outbox, path_union
 from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
 from tpcache.core.tree import NATIVE_NODES, Node, Walk
@@ -132,7 +132,7 @@ class Leases:
             self.pin_host(lease, [node])
             pins.append(("host", node))
         before = len(lease.device_nodes)
-        self.pin_device(lease, [n for n in reversed(self.ledger.path_union([node])) if n.on_device])
+        self.pin_device(lease, [n for n in reversed(path_union([node])) if n.on_device])
         pins += [("device", n) for n in lease.device_nodes[before:]]
         return pins
 

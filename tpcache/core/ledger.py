@@ -34,7 +34,7 @@ from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest
 from tpcache.core.hashing import page_hash
 from tpcache.core.records import Lease, Stats
-from tpcache.core.tiers import DeviceState, HostState, StorageState, check_transition
+from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, StorageState, check_transition
 from tpcache.core.tree import NATIVE_NODES, Node, RadixTree, drop_pages
 
 if NATIVE_NODES:
@@ -134,6 +134,37 @@ class Ledger:
         # can also decide its parent's and the device page above a host-only chain.
         around = device is not None or host is not None or storage is not None or host_pins != 0
         self._refresh(node, was, around)
+
+    def settle(
+        self,
+        nodes: list[Node],
+        device: DeviceState | None = None,
+        host: HostState | None = None,
+        storage: StorageState | None = None,
+        host_pins: int = 0,
+    ) -> None:
+        """``update(node, device=(device, its page), host=(host, its slot), storage=storage,
+        host_pins=host_pins)`` for each node in order (None: that tier unchanged): one agreed copy's
+        change to its pages, in one loop with the same records, counters, mirrors and offers."""
+        if _native is not None:  # the same loop in C (_settle.c), up to a node it leaves to update
+            value, evictable, protected, stopped = _native.settle(
+                nodes, device, host, storage, host_pins, self.digest.value, self.candidates, self.mirrors, TRANSITIONS
+            )
+            self.digest.value = value
+            self.evictable_device_pages += evictable
+            self.protected_device_pages += protected
+            if stopped < 0:
+                return
+            nodes = nodes[stopped:]
+        for node in nodes:
+            dev = None if device is None else (device, node.device_page)
+            self.update(
+                node,
+                device=dev,
+                host=None if host is None else (host, node.host_slot),
+                storage=storage,
+                host_pins=host_pins,
+            )
 
     def touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
         """``update(node, device_pins=..., stamp=..., hit=...)`` for each node in order, in one loop:
@@ -391,15 +422,3 @@ class Ledger:
         assert node.comp is not None
         p.host.free([node.comp[p.base + HSLOT]])
         self.update(node, part=p.index, host=(HostState.NONE, -1))
-
-    def path_union(self, nodes: list[Node]) -> list[Node]:
-        """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""
-        seen: set[int] = set()
-        out: list[Node] = []
-        for node in nodes:
-            cur: Node | None = node
-            while cur is not None and cur.parent is not None and cur.node_id not in seen:
-                seen.add(cur.node_id)
-                out.append(cur)
-                cur = cur.parent
-        return out

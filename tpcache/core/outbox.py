@@ -17,6 +17,19 @@ from tpcache.core.records import OpKind, PartCopy, Ready, ReadyNotAdvanced, Tran
 from tpcache.core.tree import Node
 
 
+def path_union(nodes: list[Node]) -> list[Node]:
+    """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""
+    seen: set[int] = set()
+    out: list[Node] = []
+    for node in nodes:
+        cur: Node | None = node
+        while cur is not None and cur.parent is not None and cur.node_id not in seen:
+            seen.add(cur.node_id)
+            out.append(cur)
+            cur = cur.parent
+    return out
+
+
 class Outbox:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
@@ -62,7 +75,7 @@ class Outbox:
         if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):
             # A copy in flight protects the device pages along its pages' paths until its ack: they
             # stay, and count as protected rather than evictable meanwhile (the retention cap holds).
-            op.pinned = [n for n in self.ledger.path_union(op.nodes) if n.on_device]
+            op.pinned = [n for n in path_union(op.nodes) if n.on_device]
             for node in op.pinned:
                 self.ledger.update(node, device_pins=+1)
         self.inflight[kind].append(op)

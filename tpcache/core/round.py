@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
 from tpcache.core.backup import MirrorRelease
@@ -34,8 +35,7 @@ FEATURES = {"mirror_release": MirrorRelease}  # plan features by name (``set_fea
 _EMPTY_QUEUE = mix_ids([])
 
 
-@dataclass(frozen=True)
-class QueueObservation:
+class QueueObservation(NamedTuple):
     """What this rank saw of one completion queue, reading from its head in issue order."""
 
     done: int = 0  # ops finished at the head
@@ -86,7 +86,7 @@ class Round:
         self.disabled: set[str] = set()
         self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
         self.broken: str | None = None  # why the collective can no longer be trusted, once it failed
-        self._prepared = False
+        self._prepared: tuple[list[int], list[int]] | None = None  # this round's values and vector
         self._index = {name: self.layout.index(name) for name in ("layout", "round", "seq", "health")}
 
     def rebind(self, core: CacheCore) -> None:
@@ -110,7 +110,7 @@ class Round:
 
         ``landed``: op id -> pages that landed, for every op this rank saw finish and not yet
         retired; ``health``: the rank's health bits; ``drained``: no copy physically in flight."""
-        if self._prepared:
+        if self._prepared is not None:
             raise RuntimeError("prepare called twice without commit: one collective per round")
         core = self.core
         inflight = core.outbox.inflight
@@ -136,29 +136,35 @@ class Round:
         values += (core.outbox.next_op, core.book.next_lease, core.host_deficit)
         plan = self.pending_plan
         values += (plan.count, plan.tokens, plan.digest) if plan else (0, 0, 0)
-        values += tuple(len(p.backlog) for p in core.ledger.parts.values())
-        self._prepared = True
-        return self.layout.pack_values(values)
+        if core.ledger.parts:
+            values += (len(p.backlog) for p in core.ledger.parts.values())
+        vector = self.layout.pack_values(values)
+        self._prepared = (values, vector)
+        return vector
 
     def poison_vector(self, seq: int, health: int) -> list[int]:
         """A vector that says "this rank is unhealthy", for a rank that could not prepare one."""
-        self._prepared = True
         values = [0] * len(self.layout.fields)
         values[self._index["layout"]] = self.layout_digest
         values[self._index["round"]] = self.number
         values[self._index["seq"]] = seq
         values[self._index["health"]] = health
-        return self.layout.pack_values(values)
+        vector = self.layout.pack_values(values)
+        self._prepared = (values, vector)
+        return vector
 
     # ------------------------------------------------------------------ commit
 
     def commit(self, reduced: Sequence[int]) -> RoundReport:
-        if not self._prepared:
+        if self._prepared is None:
             raise RuntimeError("commit without prepare")
-        self._prepared = False
+        values, vector = self._prepared
+        self._prepared = None
         number = self.number
         self.number += 1  # first: a commit that raises below still counts its round, as its peers do
-        agreement = self.layout.unpack(reduced)
+        # The reduced vector is this rank's own exactly when every rank sent the same one (MIN over
+        # each (x, -x) pair gives (x, -x) back only if no rank had less or more): the common case.
+        agreement = self.layout.unanimous(values) if reduced == vector else self.layout.unpack(reduced)
         report = RoundReport(round=number, idle=agreement.lo["idle"] == 1)
         core = self.core
 
@@ -205,7 +211,7 @@ class Round:
         """The collective failed (timeout, dead rank): close for good, mutating nothing else. The
         round still counts, so a rank whose call failed and a peer whose call went through agree
         on the number of rounds issued."""
-        self._prepared = False
+        self._prepared = None
         self.number += 1
         self.broken = reason
         self.core.close(f"{reason}; the group must be restarted")

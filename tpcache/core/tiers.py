@@ -55,6 +55,15 @@ _ALLOWED: dict[type[IntEnum], set[tuple[int, int]]] = {
 }
 
 
+# Per tier (device, host, storage) and old state, a bit per allowed new state: the tables above for
+# the ledger's C kernels (``_settle.c``).
+TRANSITIONS = bytes(
+    sum(1 << new for old_, new in _ALLOWED[kind] if old_ == old)
+    for kind in (DeviceState, HostState, StorageState)
+    for old in range(3)
+)
+
+
 def check_transition(kind: type[IntEnum], old: int, new: int) -> None:
     if (old, new) not in _ALLOWED[kind]:
         raise IllegalTransition(f"{kind.__name__}: {kind(old).name} -> {kind(new).name} is not allowed")
