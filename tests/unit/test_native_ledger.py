@@ -182,19 +182,24 @@ def test_a_native_holding_keeps_the_entries_and_total_of_the_reference(seed):
         native.total = 0
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_dropping_a_device_leaf_in_one_step_is_free_then_remove(seed):
-    """``Ledger.drop_device_leaf`` (eviction's common case) leaves what ``free_device_copy`` +
-    ``remove_if_empty`` leave: nodes, digest, counters, free pages; it refuses any other node."""
-    cores = [CacheCore(CacheConfig(page_size=4, device_pages=24, host_pages=0))]
-    cores.append(CacheCore(cores[0].config))
+def _twin_cores(config: CacheConfig, seed: int, steps: int) -> tuple[list[CacheCore], list[list]]:
+    """Two cores after the same random requests (page size 4), and the leases each still holds."""
+    cores = [CacheCore(config), CacheCore(config)]
     leases: list[list] = [[], []]
     rng = random.Random(seed)
-    for _ in range(60):
+    for _ in range(steps):
         op = random_op(rng, 4, requests=0.3, appends=0.1)
         for core, held in zip(cores, leases, strict=True):
             apply(core, op, held)
             drain(core)
+    return cores, leases
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dropping_a_device_leaf_in_one_step_is_free_then_remove(seed):
+    """``Ledger.drop_device_leaf`` (eviction's common case) leaves what ``free_device_copy`` +
+    ``remove_if_empty`` leave: nodes, digest, counters, free pages; it refuses any other node."""
+    cores, leases = _twin_cores(CacheConfig(page_size=4, device_pages=24, host_pages=0), seed, 60)
     for core, held in zip(cores, leases, strict=True):
         for lease, _ in held[: len(held) // 2]:  # some pages stay pinned
             core.release(lease)
@@ -231,26 +236,14 @@ SETTLES = [
 ]
 
 
-def _settle_cores(seed: int) -> tuple[CacheCore, CacheCore]:
-    config = CacheConfig(page_size=4, device_pages=24, host_pages=24, write_policy="write_through")
-    cores = CacheCore(config), CacheCore(config)
-    leases: list[list] = [[], []]
-    rng = random.Random(seed)
-    for _ in range(50):
-        op = random_op(rng, 4, requests=0.3, appends=0.1)
-        for core, held in zip(cores, leases, strict=True):
-            apply(core, op, held)
-            drain(core)
-    return cores
-
-
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("case", range(len(SETTLES)))
 def test_settling_a_copy_in_c_is_the_update_loop(seed, case, monkeypatch):
     """``Ledger.settle`` in C (``_settle.c``) leaves what the reference loop of ``update`` leaves: the
     nodes, digest, counters, mirror index (in its order) and heaps; at a node whose transition the
     tier tables refuse it raises as the reference does, with the nodes before it changed alike."""
-    a, b = _settle_cores(seed)
+    config = CacheConfig(page_size=4, device_pages=24, host_pages=24, write_policy="write_through")
+    (a, b), _ = _twin_cores(config, seed, 50)
     before, change = SETTLES[case]
     rng = random.Random(seed * 10 + case)
     present = [i for i, n in a.tree.nodes.items() if n.parent is not None]

@@ -18,7 +18,6 @@
 #include "_node.h"
 #include "_xxh3.h"
 
-#define DIGEST_MASK ((UINT64_C(1) << 62) - 1)
 #define PRIME32_1 UINT64_C(0x9E3779B1)
 #define PRIME32_2 UINT64_C(0x85EBCA77)
 #define PRIME32_3 UINT64_C(0xC2B2AE3D)
@@ -357,15 +356,14 @@ static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
 
 /* touch(nodes, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable delta,
  * protected delta): Ledger.touch's loop (see there), each node offered to ``candidates`` as
- * Candidates.offer does (``heaps_offer``), its heaps loaded once for the loop. */
+ * Candidates.offer does (``lazy_offer``), its heaps loaded at the first push. */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7)
         return PyErr_Format(PyExc_TypeError, "touch takes 7 arguments, not %zd", nargs);
     long long delta = PyLong_AsLongLong(args[1]);
     int stamp = PyObject_IsTrue(args[2]), hit = PyObject_IsTrue(args[3]);
-    PyObject *clock = args[4], *cands = args[6];
-    Heaps heaps;
-    int loaded = 0;
+    PyObject *clock = args[4];
+    LazyHeaps heaps = {.cands = args[6]};
     unsigned long long value = PyLong_AsUnsignedLongLongMask(args[5]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
@@ -402,26 +400,14 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             goto fail;
         n->record = rec;
         value += rec - old;
-        int which = candidacy(item); /* offered only where the offer will push */
-        if (which < 0)
+        if (lazy_offer(&heaps, item) < 0)
             goto fail;
-        if (which) {
-            if (!loaded && heaps_load(&heaps, cands) < 0) {
-                heaps_clear(&heaps);
-                goto fail;
-            }
-            loaded = 1;
-            if (heaps_push(&heaps, item, which) < 0)
-                goto fail;
-        }
     }
     Py_DECREF(seq);
-    if (loaded)
-        heaps_clear(&heaps);
+    lazy_clear(&heaps);
     return Py_BuildValue("KLL", value & DIGEST_MASK, (long long)evictable, (long long)protected_);
 fail:
-    if (loaded)
-        heaps_clear(&heaps);
+    lazy_clear(&heaps);
     Py_DECREF(seq);
     return NULL;
 }
@@ -578,13 +564,8 @@ int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out) {
 static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     if (!is_node(node))
         return PyErr_Format(PyExc_TypeError, "flags_of takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
-    Node *n = (Node *)node;
-    int64_t ds, dp, hs, ss;
-    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
-        field(n->storage_state, &ss))
-        return NULL;
-    long bits = (ds == 2 && dp == 0) | (ds != 0 && dp > 0) << 1 | (ds == 2 && hs == 2 && ss == 2) << 2;
-    return PyLong_FromLong(bits);
+    int bits;
+    return node_flags((Node *)node, &bits) < 0 ? NULL : PyLong_FromLong(bits);
 }
 
 /* unresident(nodes) -> the nodes with no copy on device or host (both states 0), in order: the

@@ -225,12 +225,9 @@ static PyObject *py_offer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
 }
 
 int offer1(PyObject *cands, PyObject *node) {
-    int which = candidacy(node); /* most offers push nothing: no need for the heaps */
-    if (which <= 0)
-        return which;
-    Heaps h;
-    int rc = heaps_load(&h, cands) < 0 ? -1 : heaps_push(&h, node, which);
-    heaps_clear(&h);
+    LazyHeaps h = {.cands = cands};
+    int rc = lazy_offer(&h, node);
+    lazy_clear(&h);
     return rc;
 }
 

@@ -19,7 +19,6 @@
 
 #include "_node.h"
 
-#define DIGEST_MASK ((UINT64_C(1) << 62) - 1)
 
 static PyObject *device_none = NULL; /* tiers.DeviceState.NONE, the value the reference stores */
 

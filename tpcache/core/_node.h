@@ -111,6 +111,19 @@ static inline int field(PyObject *v, int64_t *out) {
     return 0;
 }
 
+#define DIGEST_MASK ((UINT64_C(1) << 62) - 1) /* digest.DIGEST_MASK */
+
+/* accounting.reference_flags_of of a native node, evictable | protected << 1 | mirror << 2: 0, or
+ * -1 and an exception on a field that is not an int. */
+static inline int node_flags(Node *n, int *out) {
+    int64_t ds, dp, hs, ss;
+    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
+        field(n->storage_state, &ss))
+        return -1;
+    *out = (ds == 2 && dp == 0) | (ds != 0 && dp > 0) << 1 | (ds == 2 && hs == 2 && ss == 2) << 2;
+    return 0;
+}
+
 /* Set an int field: 0, or -1 and an exception. */
 static inline int set_int(PyObject **slot, int64_t v) {
     PyObject *o = PyLong_FromLongLong(v);

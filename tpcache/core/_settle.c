@@ -1,8 +1,6 @@
 /* Ledger.settle in C: one agreed tier change applied to each node of a list, in order. */
 #include "_node.h"
 
-#define DIGEST_MASK ((1ULL << 62) - 1)
-
 /* Whether ``old -> new`` is allowed for tier ``t`` (0 device, 1 host, 2 storage): ``allowed[3 t + old]``
  * has bit ``new`` set (tiers.TRANSITIONS, built from the tier tables). */
 static int allowed_move(const unsigned char *allowed, int t, int64_t old, int64_t new) {
@@ -16,15 +14,6 @@ static int target(PyObject *state, int64_t *out) {
         return 0;
     }
     return field(state, out);
-}
-
-static int flags(Node *n, int *out) {
-    int64_t ds, dp, hs, ss;
-    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
-        field(n->storage_state, &ss))
-        return -1;
-    *out = (ds == 2 && dp == 0) | (ds != 0 && dp > 0) << 1 | (ds == 2 && hs == 2 && ss == 2) << 2;
-    return 0;
 }
 
 /* settle(nodes, device, host, storage, host_pins, digest, candidates, mirrors, allowed)
@@ -81,7 +70,7 @@ static PyObject *py_settle(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             stopped = i;
             break;
         }
-        if (flags(n, &was) < 0)
+        if (node_flags(n, &was) < 0)
             goto fail;
         for (int t = 0; t < 3; t++) {
             if (want[t] >= 0)
@@ -91,7 +80,7 @@ static PyObject *py_settle(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         if (hpins && (field(n->host_pins, &pins) || set_int(&n->host_pins, pins + hpins) < 0))
             goto fail;
         uint64_t rec, old = n->record;
-        if (record_any(item, &rec) < 0 || flags(n, &now) < 0)
+        if (record_any(item, &rec) < 0 || node_flags(n, &now) < 0)
             goto fail;
         n->record = rec;
         value += rec - old;

@@ -118,11 +118,11 @@ class Completions:
             led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
         led.stats.loads_done_pages += len(landed)
         if self.staging.enabled:  # a staged page that reached device needs no host slot: its leases let go
-            landed = {n.node_id for _, n in zip(range(ok), op.nodes, strict=False)}
+            arrived = {n.node_id for n in op.nodes[:ok]}  # with nodes that moved only component data
             for lease in waiters:
                 held = lease.prefetch.anchor if lease.prefetch is not None else []
                 anchors = {n.node_id for tier, n in held if tier == "host"}
-                mine = [n for n in lease.host_nodes if n.node_id in landed and n.node_id not in anchors]
+                mine = [n for n in lease.host_nodes if n.node_id in arrived and n.node_id not in anchors]
                 self.leases.unpin_host(lease, mine)
         for lease in waiters if failed else ():  # every request sharing a failed load lets go of its pages
             self.leases.drop_failed_loads(lease, failed)

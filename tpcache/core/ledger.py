@@ -158,13 +158,8 @@ class Ledger:
             nodes = nodes[stopped:]
         for node in nodes:
             dev = None if device is None else (device, node.device_page)
-            self.update(
-                node,
-                device=dev,
-                host=None if host is None else (host, node.host_slot),
-                storage=storage,
-                host_pins=host_pins,
-            )
+            slot = None if host is None else (host, node.host_slot)
+            self.update(node, device=dev, host=slot, storage=storage, host_pins=host_pins)
 
     def touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
         """``update(node, device_pins=..., stamp=..., hit=...)`` for each node in order, in one loop:
