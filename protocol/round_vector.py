@@ -98,19 +98,19 @@ class RoundLayout:
 
 
 class _Fields:
-    """Per-field values, read by name."""
+    """Per-field values, read by name (or by position in ``values``, in layout order)."""
 
-    __slots__ = ("_index", "_values")
+    __slots__ = ("_index", "values")
 
     def __init__(self, index: dict[str, int], values: list[int]) -> None:
         self._index = index
-        self._values = values
+        self.values = values
 
     def __getitem__(self, name: str) -> int:
-        return self._values[self._index[name]]
+        return self.values[self._index[name]]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Agreement:
     """Per field, the minimum (``lo``) and maximum (``hi``) over all ranks."""
 
@@ -120,7 +120,7 @@ class Agreement:
     @property
     def unanimous(self) -> bool:
         """Every field agreed (the common case: one list comparison)."""
-        return self.lo is self.hi or self.lo._values == self.hi._values
+        return self.lo is self.hi or self.lo.values == self.hi.values
 
     def agreed(self, name: str) -> bool:
         return self.lo[name] == self.hi[name]

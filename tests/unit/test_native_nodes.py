@@ -255,7 +255,7 @@ def core_bytes(tokens: list[int]) -> bytes:
 def test_the_nodes_a_release_may_drop_are_found_as_the_reference_finds_them():
     from tpcache.core._node import unresident
 
-    from tpcache.core.leases import _py_unresident
+    from tpcache.core.accounting import _py_unresident
 
     tree = RadixTree(1)
     nodes, refs = [], []

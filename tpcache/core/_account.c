@@ -4,9 +4,9 @@
  * reference; tests hold the two equal (same records, digests, counters).
  *
  * Records are XXH3-64 (seed 0, default secret) of the same little-endian fields the reference
- * packs, so digests do not depend on which path computed them. Only inputs of 17-128 bytes occur
- * (a record is 64 bytes, a holding term 24), so only that branch of the algorithm is here for them;
- * the branch for inputs over 240 bytes (with a seed) is here for the page hashes of _chain.c.
+ * packs, so digests do not depend on which path computed them. Records take inputs of 17-128 bytes
+ * (a record is 64 bytes, a holding term 24); the branch for inputs over 240 bytes (with a seed) is
+ * here for the page hashes of _chain.c, and ``xxh3_64`` covers lists of ids of any length (_round.c).
  * Both are written from the specification (xxHash's doc/xxhash_spec.md); tests compare them with
  * the xxhash package for every length and seed they take.
  */
@@ -75,6 +75,59 @@ uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed) {
     acc ^= acc >> 37;
     acc *= PRIME_MX1;
     return acc ^ (acc >> 32);
+}
+
+static inline uint64_t avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= PRIME_MX1;
+    return h ^ (h >> 32);
+}
+
+/* XXH3-64 with seed 0 of ``len`` bytes, a multiple of 8 (a list of int64 ids): the branches of the
+ * specification for 0, 8, 16, 17-128, 129-240 and longer inputs. */
+uint64_t xxh3_64(const uint8_t *input, size_t len) {
+    if (len == 0) {
+        uint64_t h = read64(SECRET + 56) ^ read64(SECRET + 64); /* XXH64's avalanche of it */
+        h ^= h >> 33;
+        h *= PRIME64_2;
+        h ^= h >> 29;
+        h *= PRIME64_3;
+        return h ^ (h >> 32);
+    }
+    if (len <= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, input, 4);
+        memcpy(&hi, input + len - 4, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        lo = __builtin_bswap32(lo);
+        hi = __builtin_bswap32(hi);
+#endif
+        uint64_t h = ((uint64_t)hi + ((uint64_t)lo << 32)) ^ (read64(SECRET + 8) ^ read64(SECRET + 16));
+        h ^= (h << 49 | h >> 15) ^ (h << 24 | h >> 40);
+        h *= UINT64_C(0x9FB21C651E98DF25);
+        h ^= (h >> 35) + len;
+        h *= UINT64_C(0x9FB21C651E98DF25);
+        return h ^ (h >> 28);
+    }
+    if (len <= 16) {
+        uint64_t lo = read64(input) ^ (read64(SECRET + 24) ^ read64(SECRET + 32));
+        uint64_t hi = read64(input + len - 8) ^ (read64(SECRET + 40) ^ read64(SECRET + 48));
+        __uint128_t m = (__uint128_t)lo * hi;
+        return avalanche(len + __builtin_bswap64(lo) + hi + ((uint64_t)m ^ (uint64_t)(m >> 64)));
+    }
+    if (len <= 128)
+        return xxh3_17to128(input, len, 0);
+    if (len <= 240) {
+        uint64_t acc = len * PRIME64_1;
+        for (size_t i = 0; i < 8; i++)
+            acc += mix16(input + 16 * i, SECRET + 16 * i, 0);
+        acc = avalanche(acc);
+        for (size_t i = 8; i < len / 16; i++)
+            acc += mix16(input + 16 * i, SECRET + 16 * (i - 8) + 3, 0);
+        acc += mix16(input + len - 16, SECRET + 136 - 17, 0);
+        return avalanche(acc);
+    }
+    return xxh3_long(input, len, SECRET);
 }
 
 void xxh3_secret(uint64_t seed, uint8_t *out) {
@@ -609,7 +662,7 @@ fail:
 }
 
 PyMethodDef account_methods[] = {
-    {"unresident", (PyCFunction)py_unresident, METH_O, "The nodes with no copy on device or host (Leases.finish)."},
+    {"unresident", (PyCFunction)py_unresident, METH_O, "The nodes with no copy on device or host (accounting.unresident)."},
     {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (accounting.record_of)."},
     {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
      "The reference record, for nodes with components or reference nodes."},

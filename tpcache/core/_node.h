@@ -32,6 +32,7 @@ extern PyMethodDef candidate_methods[]; /* _candidates.c */
 extern PyMethodDef evict_methods[];     /* _evict.c */
 extern PyMethodDef chain_methods[];     /* _chain.c */
 extern PyMethodDef settle_methods[];    /* _settle.c */
+extern PyMethodDef round_methods[];     /* _round.c */
 
 /* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
 int candidacy(PyObject *node); /* _candidates.c */

@@ -31,6 +31,14 @@ _NONE = DeviceState.NONE
 _MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
 
 
+def _py_unresident(nodes: list[Node]) -> list[Node]:
+    """The nodes with no copy on device or host (they count for nothing), in order."""
+    return [n for n in nodes if not (n.device_state or n.host_state)]
+
+
+unresident = _py_unresident if _native is None else _native.unresident  # the same filter in C (_account.c)
+
+
 def reference_record_of(node: Node) -> int:
     """A node's contribution to the state digest: every field that decides a hit, a page number or
     an eviction (tier states, device page, host slot, pins, stamp, hits, creation time), and every

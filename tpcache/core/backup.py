@@ -261,6 +261,8 @@ class MirrorRelease:
     def prepare(self, agreement: Agreement) -> Plan | None:
         want = agreement.lo["host_deficit"]
         led = self.backup.ledger
+        if want <= 0 and not led.parts:  # the common case: no pool short of slots
+            return None
         chosen: list[Node] = []
         if want > 0 and led.mirrors:
             # the mirror index holds every page that could qualify; the sort makes its order irrelevant

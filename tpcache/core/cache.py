@@ -373,11 +373,10 @@ class CacheCore:
         if self.hybrid is not None:
             self.backup.retry_part_backlogs()
             self.hybrid.free_behind()
-        for lease in list(self.book.table.values()):
-            if lease.prefetch is not None and lease.prefetch.status != "done":
-                self.prefetcher.tick(lease)
-                if lease.lease_id in self.book.table:
-                    self.book.refresh(lease)
+        for lease in self.prefetcher.running(self.book.table):  # not every lease: most fetch nothing
+            self.prefetcher.tick(lease)
+            if lease.lease_id in self.book.table:
+                self.book.refresh(lease)
 
     def evict_device(self, n: int) -> int:
         return self.evictor.evict_device(n)

@@ -43,21 +43,23 @@ class Completions:
 
     def apply(self, kind: OpKind, acked_pages: int | None = None) -> Transfer:
         """Apply the agreed completion of the head op of ``kind`` (None: every page landed)."""
-        head = self.outbox.inflight[kind][0]
-        ok = head.num_pages if acked_pages is None else max(0, min(acked_pages, head.num_pages))
+        pages = len(self.outbox.inflight[kind][0].page_hashes)  # the head op's num_pages
+        ok = pages if acked_pages is None else max(0, min(acked_pages, pages))
         op = self.outbox.retire_head(kind, ok)
         led = self.ledger
-        led.stats.failed_copy_pages += op.num_pages - ok
+        if ok < pages:
+            led.stats.failed_copy_pages += pages - ok
         waiters = self.leases.waiting_for(op.op_id)
         if op.parts:
             self._parts(op, ok, waiters)
         self._appliers[kind](op, ok, waiters)
-        led.touch(op.pinned, -1)  # the path a copy protected, released with its ack
-        for node in reversed(op.nodes):
-            led.remove_if_empty(node)
+        if op.pinned:
+            led.touch(op.pinned, -1)  # the path a copy protected, released with its ack
+        led.remove_empty(op.nodes)
         for lease in waiters:
             self.leases.op_done(lease, op.op_id)
-        self.staging.note(op.nodes)  # buffer mode: an agreed copy may end these pages' staging
+        if self.staging.enabled:  # buffer mode: an agreed copy may end these pages' staging
+            self.staging.note(op.nodes)
         return op
 
     def _parts(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:

@@ -38,13 +38,16 @@ else:
     mix = reference_mix
 
 
-def mix_ids(ids: list[int], seed: int = 0) -> int:
+def reference_mix_ids(ids: list[int]) -> int:
     """An order-sensitive 62-bit digest of a list of ids (completion queues, plans): XXH3 of the
     ids as little-endian int64."""
     packed = array("q", ids)
     if _BIG_ENDIAN:
         packed.byteswap()
-    return xxhash.xxh3_64_intdigest(packed, seed=seed) & DIGEST_MASK
+    return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
+
+
+mix_ids = reference_mix_ids if _native is None else _native.mix_ids  # the same value in C (_round.c)
 
 
 class Digest:

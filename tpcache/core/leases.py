@@ -14,26 +14,13 @@ Invariants (``invariants.check``):
 
 from __future__ import annotations
 
-from tpcache.core.accounting import lease_record
+from tpcache.core.accounting import lease_record, unresident
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox, path_union
 from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import NATIVE_NODES, Node, Walk
-
-if NATIVE_NODES:
-    from tpcache.core import _node as _native
-else:
-    _native = None  # type: ignore[assignment]
-
-
-def _py_unresident(nodes: list[Node]) -> list[Node]:
-    """The nodes with no copy on device or host, in order."""
-    return [n for n in nodes if not (n.device_state or n.host_state)]
-
-
-_unresident = _py_unresident if _native is None else _native.unresident  # the same filter in C (_account.c)
+from tpcache.core.tree import Node, Walk
 
 # What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
 Kept = tuple[int, bytes, list[int], dict[int, list[int]]]
@@ -197,7 +184,8 @@ class Leases:
 
     def waiting_for(self, op_id: int) -> list[Lease]:
         """The live leases that wait for ``op_id`` (forgetting the op's waiter list)."""
-        return [self.table[lid] for lid in self.waiters.pop(op_id, ()) if lid in self.table]
+        waiting = self.waiters.pop(op_id, None)
+        return [self.table[lid] for lid in waiting if lid in self.table] if waiting else []
 
     def op_done(self, lease: Lease, op_id: int) -> None:
         """``op_id`` retired: the lease no longer waits for it; a parked lease may finish now."""
@@ -236,7 +224,7 @@ class Leases:
         led.device.free(lease.pages)
         del self.table[lease.lease_id]
         # A copy keeps a node; the few with none (a failed copy) may go. Filtered first: a path is long.
-        gone = _unresident(lease.device_nodes) + _unresident(lease.host_nodes)
+        gone = unresident(lease.device_nodes) + unresident(lease.host_nodes)
         for node in gone:
             if node.parent is not None:
                 led.remove_if_empty(node)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from tpcache.core.accounting import EVICTABLE, LEASE_TAG, MIRROR, NO_IDS, PROTECTED, flags_of, record_of
+from tpcache.core.accounting import EVICTABLE, LEASE_TAG, MIRROR, NO_IDS, PROTECTED, flags_of, record_of, unresident
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.components import (
     DEV,
@@ -241,6 +241,11 @@ class Ledger:
         self.digest.value = value & DIGEST_MASK
         self.protected_device_pages += len(nodes)
         return nodes
+
+    def remove_empty(self, nodes: list[Node]) -> None:
+        """``remove_if_empty`` for each node, last first; a resident node stays, so only the rest are visited."""
+        for node in reversed(unresident(nodes)):
+            self.remove_if_empty(node)
 
     def remove_if_empty(self, node: Node) -> None:
         """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""

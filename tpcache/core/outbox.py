@@ -110,4 +110,5 @@ class Outbox:
         self._ready = Ready()
 
     def has_ready(self) -> bool:
-        return bool(self._ready)
+        ready = self._ready
+        return bool(ready.transfers or ready.retired or ready.released)  # Ready.__bool__, inline: once a round

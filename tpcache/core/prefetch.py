@@ -63,6 +63,10 @@ TRANSITIONS: dict[str, dict[str, str]] = {
 }
 
 
+def _idle(lease: Lease) -> bool:
+    return lease.prefetch is None or lease.prefetch.status == "done"
+
+
 class IllegalPrefetchEvent(RuntimeError):
     """A prefetch event its state does not accept: a bug, never user input."""
 
@@ -92,6 +96,7 @@ class Prefetcher:
         self.evictor = evictor
         self.closed = closed
         self.hybrid = hybrid
+        self.started: dict[int, Lease] = {}  # lease id -> lease, for every fetch started and not seen done
 
     # ------------------------------------------------------------------ sequenced
 
@@ -102,6 +107,7 @@ class Prefetcher:
             return True
         lease.prefetch = PrefetchState(lease.tokens, status="done", read=read)
         _to(lease.prefetch, "start")
+        self.started[lease.lease_id] = lease
         return self._query(lease)
 
     def admissible(self, lease: Lease, policy: str, timeout_rounds: int) -> bool:
@@ -196,6 +202,14 @@ class Prefetcher:
             state.retry_at = state.rounds + self.config.prefetch_retry_rounds
         else:
             _to(state, "exhausted")
+
+    def running(self, table: dict[int, Lease]) -> list[Lease]:
+        """The leases of ``table`` whose fetch is not done, in lease id order (the table's): each
+        fetch leaves "done" only through ``start``, so looking at those started finds them all."""
+        started = self.started
+        for lease_id in [i for i, lease in started.items() if table.get(i) is not lease or _idle(lease)]:
+            del started[lease_id]
+        return [started[i] for i in sorted(started)] if started else []
 
     def tick(self, lease: Lease) -> None:
         """Once per commit: pace retries, retry deferred reads, advance the timeout clock."""

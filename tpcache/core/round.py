@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
 from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
@@ -28,11 +29,16 @@ from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
 from tpcache.core.plans import Plan, PlanFeature
 
+try:
+    from tpcache.core import _node as _native
+except ImportError:  # built without a C compiler
+    _native = None  # type: ignore[assignment]
+
 log = logging.getLogger("tpcache.round")
 
 QUEUE_OF: dict[OpKind, str] = dict(zip(OpKind, QUEUES, strict=True))
+_QUEUES_IN_ORDER = itemgetter(*QUEUE_OF)  # the inflight dict's queues, in layout order
 FEATURES = {"mirror_release": MirrorRelease}  # plan features by name (``set_feature``)
-_EMPTY_QUEUE = mix_ids([])
 
 
 class QueueObservation(NamedTuple):
@@ -57,7 +63,23 @@ def observe_head(landed: Mapping[int, int], pending: Sequence[Transfer]) -> Queu
     return QueueObservation(done, clean, head or 0)
 
 
-@dataclass
+def reference_queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping[int, int]) -> list[int]:
+    """Per queue in order, its fields of the round vector as this rank saw it: the digest of the ids
+    in flight, then ``observe_head``'s counts (``head_acked`` 0 unless the head op finished)."""
+    out: list[int] = []
+    for pending in queues:
+        obs = observe_head(landed, pending)
+        out += (mix_ids([op.op_id for op in pending]), obs.done, obs.clean, obs.head_acked if obs.done else 0)
+    return out
+
+
+def queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping[int, int]) -> list[int]:
+    if _native is not None and type(landed) is dict:  # the same fields in C (_round.c)
+        return _native.queue_fields(queues, landed)
+    return reference_queue_fields(queues, landed)
+
+
+@dataclass(slots=True)
 class RoundReport:
     round: int
     completed: list[Transfer] = field(default_factory=list)
@@ -81,13 +103,16 @@ class Round:
         self.number = 0
         self.features: list[PlanFeature] = list(core.plan_features if features is None else features)
         self._configured = [f.name for f in self.features]
+        self._switched = False  # the features differ from the configured ones (``set_feature``)
         self.pending_plan: Plan | None = None  # prepared last commit, checked this round
         self.plan_mismatches = 0  # consecutive rounds whose plans disagreed
         self.disabled: set[str] = set()
         self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
         self.broken: str | None = None  # why the collective can no longer be trusted, once it failed
         self._prepared: tuple[list[int], list[int]] | None = None  # this round's values and vector
-        self._index = {name: self.layout.index(name) for name in ("layout", "round", "seq", "health")}
+        at = self.layout.index
+        self._health, self._idle, self._flush_at, self._drained = at("health"), at("idle"), at("flush"), at("drained")
+        self._queue_at = [(kind, at(f"{q}.queue_digest")) for kind, q in QUEUE_OF.items()]
 
     def rebind(self, core: CacheCore) -> None:
         """After an agreed flush the core starts over: the features (as switched at runtime) act on it."""
@@ -98,8 +123,8 @@ class Round:
 
     def state_digest(self) -> int:
         """The core's state digest and the round's own state that decides (the plans' counters)."""
-        names = [f.name for f in self.features]
-        if self.plan_mismatches or self.disabled or names != self._configured:
+        if self.plan_mismatches or self.disabled or self._switched:
+            names = [f.name for f in self.features]
             off = mix_ids(sorted(mix_text(name) for name in self.disabled))
             plans = mix(self.plan_mismatches, off, mix_ids([mix_text(name) for name in names]))
             return (self.core.state_digest() + plans) & DIGEST_MASK
@@ -126,29 +151,29 @@ class Round:
             int(core.flush_requested),
             core.book.kept_digest,
         ]
-        for kind in QUEUE_OF:  # per queue, in layout order
-            pending = inflight[kind]
-            if not pending:
-                values += (_EMPTY_QUEUE, 0, 0, 0)
-                continue
-            obs = observe_head(landed, pending)
-            values += (mix_ids([op.op_id for op in pending]), obs.done, obs.clean, obs.head_acked if obs.done else 0)
+        values += queue_fields(_QUEUES_IN_ORDER(inflight), landed)
         values += (core.outbox.next_op, core.book.next_lease, core.host_deficit)
         plan = self.pending_plan
         values += (plan.count, plan.tokens, plan.digest) if plan else (0, 0, 0)
         if core.ledger.parts:
             values += (len(p.backlog) for p in core.ledger.parts.values())
-        vector = self.layout.pack_values(values)
+        vector = self._pack(values)
         self._prepared = (values, vector)
         return vector
+
+    def _pack(self, values: list[int]) -> list[int]:
+        if _native is not None and len(values) == len(self.layout.fields):
+            vector = _native.pack_pairs(values)  # None: a value out of range, which the reference names
+            if vector is not None:
+                return vector
+        return self.layout.pack_values(values)
 
     def poison_vector(self, seq: int, health: int) -> list[int]:
         """A vector that says "this rank is unhealthy", for a rank that could not prepare one."""
         values = [0] * len(self.layout.fields)
-        values[self._index["layout"]] = self.layout_digest
-        values[self._index["round"]] = self.number
-        values[self._index["seq"]] = seq
-        values[self._index["health"]] = health
+        at = self.layout.index
+        values[at("layout")], values[at("round")], values[at("seq")] = self.layout_digest, self.number, seq
+        values[self._health] = health
         vector = self.layout.pack_values(values)
         self._prepared = (values, vector)
         return vector
@@ -164,20 +189,25 @@ class Round:
         self.number += 1  # first: a commit that raises below still counts its round, as its peers do
         # The reduced vector is this rank's own exactly when every rank sent the same one (MIN over
         # each (x, -x) pair gives (x, -x) back only if no rank had less or more): the common case.
-        agreement = self.layout.unanimous(values) if reduced == vector else self.layout.unpack(reduced)
-        report = RoundReport(round=number, idle=agreement.lo["idle"] == 1)
+        if reduced == vector:
+            agreement = self.layout.unanimous(values)
+            clear = values[self._health] == 0
+        else:
+            agreement = self.layout.unpack(reduced)
+            clear = agreement.unanimous and agreement.lo.values[self._health] == 0
+        lo = agreement.lo.values
+        report = RoundReport(number, idle=lo[self._idle] == 1)
         core = self.core
 
-        unanimous = agreement.unanimous and agreement.lo["health"] == 0
-        if not unanimous:
+        if not clear:
             self._check_header(agreement, report)
         inflight = core.outbox.inflight
-        for kind, q in QUEUE_OF.items():
-            if inflight[kind] or not unanimous:
-                self._apply_queue(kind, q, agreement, report)
-        if self.pending_plan is not None or not unanimous:
+        for kind, at in self._queue_at:
+            if inflight[kind] or not clear:
+                self._apply_queue(kind, at, agreement, report)
+        if self.pending_plan is not None or not clear:
             self._apply_plan(agreement, report)
-        if agreement.lo["flush"] == 1 and agreement.lo["drained"] == 1:
+        if lo[self._flush_at] == 1 and lo[self._drained] == 1:
             # Every rank asked for the flush and has no copy physically in flight, so dropping all
             # state frees nothing a copy still writes, whatever each rank's (diverged) queues say.
             # The leases a flush keeps must be the same everywhere, or the ranks would differ again.
@@ -189,7 +219,7 @@ class Round:
                     "round %d: flush waits: the ranks hold different leases; release every lease to flush",
                     report.round,
                 )
-        if not core.closed:
+        if core.closed_reason is None:
             core.after_commit()
             self.pending_plan = self._prepare_plan(agreement)
             core.enforce_retention()
@@ -204,6 +234,7 @@ class Round:
         self.features = [f for f in self.features if f.name != name]
         if enabled:
             self.features.append(FEATURES[name](self.core.backup))
+        self._switched = [f.name for f in self.features] != self._configured
         self.disabled.discard(name)
         self.plan_mismatches = 0
 
@@ -236,18 +267,21 @@ class Round:
             log.error("round %d: cache closed: %s", report.round, reason)
         self.core.close(reason)
 
-    def _apply_queue(self, kind: OpKind, q: str, a: Agreement, report: RoundReport) -> None:
-        if not a.agreed(f"{q}.queue_digest"):
+    def _apply_queue(self, kind: OpKind, at: int, a: Agreement, report: RoundReport) -> None:
+        """``at``: the position of the queue's digest; its counts follow (``QUEUE_FIELDS``)."""
+        lo = a.lo.values
+        if lo[at] != a.hi.values[at]:
             # Ranks disagree on what is in flight: nothing on this queue can be applied safely.
-            self._mismatch(f"{q}.queue_digest", report)
-            self._close(f"{q} queues differ across ranks", report)
+            self._mismatch(self.layout.fields[at], report)
+            self._close(f"{QUEUE_OF[kind]} queues differ across ranks", report)
             return
-        done, clean = a.lo[f"{q}.done"], a.lo[f"{q}.clean"]
+        done, clean = lo[at + 1], lo[at + 2]
+        complete = self.core.complete
         for _ in range(min(done, clean)):
-            report.completed.append(self.core.complete(kind))
+            report.completed.append(complete(kind))
         if clean < done and clean == 0:
             # The head op fell short on some rank: keep only the pages every rank got through.
-            report.completed.append(self.core.complete(kind, a.lo[f"{q}.head_acked"]))
+            report.completed.append(complete(kind, lo[at + 3]))
 
     def _apply_plan(self, a: Agreement, report: RoundReport) -> None:
         plan, self.pending_plan = self.pending_plan, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,7 +115,7 @@ class TPCache(Operations):
         self.world_size = collective.world_size
         self.round_timeout_s = round_timeout_s
         core = CacheCore(config)
-        self.round_seconds: list[float] = []  # recent round wall times (metrics only)
+        self.round_seconds: deque[float] = deque(maxlen=4096)  # recent round wall times (metrics only)
         self.kv_layout = kv_layout
         self.device_pool = device_pool
         self.host_pool: HostPool | None = None
@@ -232,7 +233,6 @@ class TPCache(Operations):
         start = time.perf_counter()
         report = self.driver.step()
         self.round_seconds.append(time.perf_counter() - start)  # metrics only
-        del self.round_seconds[:-4096]
         return report
 
     def drain(self, max_rounds: int = 10_000, pause_s: float = 0.0005) -> int:

@@ -1,0 +1,186 @@
+/* The round's per-step arithmetic in C: the digest of a list of ids (digest.mix_ids), what a rank
+ * saw of each completion queue (round.queue_fields), and the round vector's (x, -x) pairs
+ * (RoundLayout.pack_values). round.py and round_vector.py keep the Python versions as the
+ * reference; tests hold the two equal. */
+#include "_node.h"
+#include "_xxh3.h"
+
+#include <string.h>
+
+#define INT64_LIMIT INT64_MAX /* the round vector's values lie in [-INT64_MAX, INT64_MAX] */
+
+static PyObject *s_op_id, *s_page_hashes;
+
+static int load_names(void) { return s_page_hashes != NULL || !(INTERN(op_id) || INTERN(page_hashes)) ? 0 : -1; }
+
+/* XXH3 of the ``n`` ids at ``items`` as little-endian int64, mod 2**62: 0, or -1 and an exception
+ * (OverflowError for an id outside int64, as array('q') raises). */
+static int hash_ids(PyObject *const *items, Py_ssize_t n, uint64_t *out) {
+    int64_t local[32], *buf = n <= 32 ? local : PyMem_Malloc((size_t)n * 8);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(items[i]);
+        if (v == -1 && PyErr_Occurred()) {
+            if (buf != local)
+                PyMem_Free(buf);
+            return -1;
+        }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        v = (long long)__builtin_bswap64((uint64_t)v);
+#endif
+        buf[i] = (int64_t)v;
+    }
+    *out = xxh3_64((const uint8_t *)buf, (size_t)n * 8) & DIGEST_MASK;
+    if (buf != local)
+        PyMem_Free(buf);
+    return 0;
+}
+
+/* mix_ids(ids) -> digest.mix_ids(ids) with seed 0. */
+static PyObject *py_mix_ids(PyObject *mod, PyObject *ids) {
+    PyObject *seq = PySequence_Fast(ids, "mix_ids takes a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    uint64_t h;
+    int rc = hash_ids(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), &h);
+    Py_DECREF(seq);
+    return rc < 0 ? NULL : PyLong_FromUnsignedLongLong(h);
+}
+
+/* One queue's four fields (round.queue_fields): 0, or -1 and an exception. */
+static int one_queue(PyObject *pending, PyObject *landed, PyObject *out) {
+    PyObject *ops = PySequence_List(pending);
+    if (ops == NULL)
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(ops);
+    PyObject *local[32], **ids = n <= 32 ? local : PyMem_Malloc((size_t)n * sizeof(PyObject *));
+    int64_t done = 0, clean = 0, head = 0;
+    int rc = -1, seen_gap = 0;
+    Py_ssize_t got = 0;
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (; got < n; got++) {
+        PyObject *op = PyList_GET_ITEM(ops, got);
+        if ((ids[got] = PyObject_GetAttr(op, s_op_id)) == NULL)
+            goto out;
+        if (seen_gap)
+            continue;
+        PyObject *pages = PyDict_GetItemWithError(landed, ids[got]); /* borrowed */
+        if (pages == NULL) {
+            if (PyErr_Occurred())
+                goto out;
+            seen_gap = 1; /* the first op not finished ends the count */
+            continue;
+        }
+        int64_t landed_pages;
+        if (field(pages, &landed_pages))
+            goto out;
+        done++;
+        if (got == 0)
+            head = landed_pages;
+        if (clean == done - 1) {
+            PyObject *hashes = PyObject_GetAttr(op, s_page_hashes);
+            if (hashes == NULL)
+                goto out;
+            Py_ssize_t num_pages = PyObject_Length(hashes);
+            Py_DECREF(hashes);
+            if (num_pages < 0)
+                goto out;
+            clean += landed_pages == num_pages;
+        }
+    }
+    uint64_t digest;
+    if (hash_ids(ids, n, &digest) < 0)
+        goto out;
+    int64_t fields[3] = {done, clean, done ? head : 0};
+    PyObject *d = PyLong_FromUnsignedLongLong(digest);
+    if (d == NULL || PyList_Append(out, d) < 0) {
+        Py_XDECREF(d);
+        goto out;
+    }
+    Py_DECREF(d);
+    for (int i = 0; i < 3; i++) {
+        PyObject *v = PyLong_FromLongLong(fields[i]);
+        if (v == NULL || PyList_Append(out, v) < 0) {
+            Py_XDECREF(v);
+            goto out;
+        }
+        Py_DECREF(v);
+    }
+    rc = 0;
+out:
+    for (Py_ssize_t i = 0; i < got; i++)
+        Py_DECREF(ids[i]);
+    if (ids != local)
+        PyMem_Free(ids);
+    Py_DECREF(ops);
+    return rc;
+}
+
+/* queue_fields(queues, landed) -> [digest, done, clean, head_acked] per queue, in order, as
+ * round.queue_fields computes them (``landed`` a dict: op id -> pages landed). */
+static PyObject *py_queue_fields(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "queue_fields takes the queues and a dict of landed ops");
+    if (load_names() < 0)
+        return NULL;
+    PyObject *it = PyObject_GetIter(args[0]), *out = PyList_New(0), *pending;
+    if (it == NULL || out == NULL)
+        goto fail;
+    while ((pending = PyIter_Next(it)) != NULL) {
+        int rc = one_queue(pending, args[1], out);
+        Py_DECREF(pending);
+        if (rc < 0)
+            goto fail;
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    return out;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* pack_pairs(values) -> [x0, -x0, x1, -x1, ...], or None when a value is not an int in
+ * [-INT64_MAX, INT64_MAX] (the caller's reference raises the error that names the field). */
+static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
+    if (!PyList_CheckExact(values))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(values);
+    PyObject *out = PyList_New(2 * n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyList_GET_ITEM(values, i);
+        int overflow = 0;
+        long long v = PyLong_Check(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : 0;
+        if (!PyLong_Check(x) || overflow || v < -INT64_LIMIT || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        PyObject *neg = PyLong_FromLongLong(-v);
+        if (neg == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_INCREF(x);
+        PyList_SET_ITEM(out, 2 * i, x);
+        PyList_SET_ITEM(out, 2 * i + 1, neg);
+    }
+    return out;
+}
+
+PyMethodDef round_methods[] = {
+    {"mix_ids", py_mix_ids, METH_O, "digest.mix_ids(ids) in C."},
+    {"queue_fields", (PyCFunction)(void (*)(void))py_queue_fields, METH_FASTCALL, "round.queue_fields in C."},
+    {"pack_pairs", py_pack_pairs, METH_O, "RoundLayout.pack_values' pairs in C (None: let the reference raise)."},
+    {NULL, NULL, 0, NULL},
+};
