@@ -110,7 +110,7 @@ class _Fields:
         return self.values[self._index[name]]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Agreement:
     """Per field, the minimum (``lo``) and maximum (``hi``) over all ranks."""
 

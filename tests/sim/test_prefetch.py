@@ -1,6 +1,8 @@
 """Storage prefetch (reference seed 003) on a simulated group: agreed hits, pacing, caps, unwind."""
 
-from tpcache.core import CacheConfig, OpKind
+import pytest
+
+from tpcache.core import CacheConfig, InvariantViolation, OpKind, check
 from tpcache.core.hashing import as_token_bytes
 from tpcache.testing.ops import tokens_for
 from tpcache.testing.sim import Faults, SimCluster
@@ -53,6 +55,21 @@ def test_prefetch_reads_the_agreed_hit_into_host_then_loads_back():
     rounds(sim, 2)
     for rank in sim.ranks:  # check() verified the bytes: every hit page holds its own data
         assert rank.core.match(tokens_for(PATH, PAGE, 0)).device_pages == len(PATH)
+
+
+def test_a_commit_ticks_every_running_fetch_and_only_those_in_lease_order():
+    sim = cluster()
+    store_then_forget(sim)
+    sim.apply_ops([("lock", (3, 3), 0)])  # a lease that fetches nothing
+    first, second = lock_and_prefetch(sim), lock_and_prefetch(sim)
+    core = sim.ranks[0].core
+    assert [lease.lease_id for lease in core.prefetcher.running(core.book.table)] == [first, second]
+    started = core.prefetcher.started.pop(second)  # a running fetch no commit would tick
+    with pytest.raises(InvariantViolation, match="not among those a commit ticks"):
+        check(core)
+    core.prefetcher.started[second] = started
+    rounds(sim, 3)  # done: the commits stop looking at them
+    assert core.prefetcher.running(core.book.table) == [] and not core.prefetcher.started
 
 
 def test_a_page_stored_on_only_one_rank_is_a_miss():

@@ -1,6 +1,6 @@
 """The round's kernels in C (``tpcache/core/_round.c``) against their Python references: the digest
 of a list of ids, the completion queues' fields of the round vector, and the vector's (x, -x) pairs.
-The simulator's schedules run the round end to end on whichever path is built."""
+(``tests/sim`` runs the round end to end on whichever of the two is built.)"""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ from protocol.round_vector import RoundLayout, RoundVectorError
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.digest import reference_mix_ids
 from tpcache.core.records import OpKind, Transfer
-from tpcache.core.round import Round, reference_queue_fields
+from tpcache.core.round import Round, queue_fields, reference_queue_fields
 from tpcache.core.tree import NATIVE_NODES
 
-pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="the C extension is not built")
+native = pytest.mark.skipif(not NATIVE_NODES, reason="the C extension is not built")
 
 if NATIVE_NODES:
     from tpcache.core import _node
 
 
+@native
 def test_the_digest_of_ids_matches_the_reference_at_every_length():
     rng = random.Random(5)
     # 0, 8 and 16 bytes, 17-128, 129-240, and the long hash over one and several 1 KiB blocks.
@@ -29,7 +30,9 @@ def test_the_digest_of_ids_matches_the_reference_at_every_length():
         for _ in range(5):
             ids = [rng.randrange(-(1 << 63), 1 << 63) for _ in range(n)]
             assert _node.mix_ids(ids) == reference_mix_ids(ids), n
-    assert _node.mix_ids((1, 2, 3)) == reference_mix_ids([1, 2, 3])  # any sequence, as array('q') takes
+    assert _node.mix_ids((1, 2, 3)) == reference_mix_ids([1, 2, 3])
+    with pytest.raises(TypeError, match="list of ints"):
+        _node.mix_ids(iter([1]))
     for bad, error in (([1 << 63], OverflowError), ([-(1 << 63) - 1], OverflowError), ([1.0], TypeError)):
         with pytest.raises(error):
             reference_mix_ids(bad)
@@ -41,6 +44,7 @@ def _op(op_id: int, pages: int) -> Transfer:
     return Transfer(op_id, OpKind.BACKUP, [], [], [], [0] * pages)
 
 
+@native
 def test_the_queue_fields_match_the_reference_on_random_queues():
     rng = random.Random(11)
     for _ in range(400):
@@ -59,15 +63,22 @@ def test_the_queue_fields_match_the_reference_on_random_queues():
         assert _node.queue_fields(queues, landed) == reference_queue_fields(queues, landed)
 
 
-def test_the_queue_fields_refuse_what_the_reference_cannot_read():
+@native
+def test_odd_landed_counts_are_read_as_the_reference_reads_them():
+    queues = [deque([_op(1, 2), _op(2, 1)])]
+    for odd in (None, 1.0, "1", 1 << 70, True):  # None: not landed; the rest: the kernel hands over
+        landed = {1: odd, 2: 1}
+        assert queue_fields(queues, landed) == reference_queue_fields(queues, landed), odd
+    assert _node.queue_fields(queues, {1: "1"}) is None
+    for bad in ([deque([object()])], [deque([Transfer(None, OpKind.LOAD, [], [], [], [])])]):
+        for fields in (_node.queue_fields, reference_queue_fields):  # no op id: both raise
+            with pytest.raises((AttributeError, TypeError)):
+                fields(bad, {})
     with pytest.raises(TypeError):
-        _node.queue_fields([deque([_op(1, 1)])], [(1, 1)])  # landed must be a dict (the caller checks)
-    with pytest.raises(AttributeError):
-        _node.queue_fields([deque([object()])], {})
-    with pytest.raises(TypeError):
-        _node.queue_fields([deque([_op(1, 1)])], {1: "1"})
+        _node.queue_fields(queues, [(1, 1)])  # a landed mapping that is not a dict takes the reference
 
 
+@native
 def test_the_vector_pairs_match_the_reference_and_leave_bad_values_to_it():
     layout = RoundLayout(tuple(f"f{i}" for i in range(6)))
     rng = random.Random(3)
@@ -79,10 +90,11 @@ def test_the_vector_pairs_match_the_reference_and_leave_bad_values_to_it():
         assert _node.pack_pairs(bad) is None
     assert _node.pack_pairs((1, 2)) is None  # only a list: the round builds one
 
-    # The round takes the reference's error, which names the field.
+
+def test_the_round_names_a_field_out_of_range_on_either_path():
     rnd = Round(CacheCore(CacheConfig(page_size=4, device_pages=8)))
     values = [0] * len(rnd.layout.fields)
-    values[rnd.layout.index("seq")] = limit + 1
+    values[rnd.layout.index("seq")] = (1 << 63) - 1 + 1
     with pytest.raises(RoundVectorError, match="field seq"):
         rnd._pack(values)
     values[rnd.layout.index("seq")] = 7

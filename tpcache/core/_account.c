@@ -61,9 +61,19 @@ static inline void write64(uint8_t *p, uint64_t v) {
     memcpy(p, &v, 8);
 }
 
-static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret, uint64_t seed) {
-    __uint128_t m = (__uint128_t)(read64(data) ^ (read64(secret) + seed)) * (read64(data + 8) ^ (read64(secret + 8) - seed));
+static inline uint64_t mul_fold(uint64_t a, uint64_t b) {
+    __uint128_t m = (__uint128_t)a * b;
     return (uint64_t)m ^ (uint64_t)(m >> 64);
+}
+
+static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret, uint64_t seed) {
+    return mul_fold(read64(data) ^ (read64(secret) + seed), read64(data + 8) ^ (read64(secret + 8) - seed));
+}
+
+static inline uint64_t avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= PRIME_MX1;
+    return h ^ (h >> 32);
 }
 
 uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed) {
@@ -72,15 +82,7 @@ uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed) {
         acc += mix16(input + 16 * i, SECRET + 32 * i, seed);
         acc += mix16(input + len - 16 * i - 16, SECRET + 32 * i + 16, seed);
     }
-    acc ^= acc >> 37;
-    acc *= PRIME_MX1;
-    return acc ^ (acc >> 32);
-}
-
-static inline uint64_t avalanche(uint64_t h) {
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    return h ^ (h >> 32);
+    return avalanche(acc);
 }
 
 /* XXH3-64 with seed 0 of ``len`` bytes, a multiple of 8 (a list of int64 ids): the branches of the
@@ -112,8 +114,7 @@ uint64_t xxh3_64(const uint8_t *input, size_t len) {
     if (len <= 16) {
         uint64_t lo = read64(input) ^ (read64(SECRET + 24) ^ read64(SECRET + 32));
         uint64_t hi = read64(input + len - 8) ^ (read64(SECRET + 40) ^ read64(SECRET + 48));
-        __uint128_t m = (__uint128_t)lo * hi;
-        return avalanche(len + __builtin_bswap64(lo) + hi + ((uint64_t)m ^ (uint64_t)(m >> 64)));
+        return avalanche(len + __builtin_bswap64(lo) + hi + mul_fold(lo, hi));
     }
     if (len <= 128)
         return xxh3_17to128(input, len, 0);
@@ -178,11 +179,6 @@ static inline void scramble(uint64_t *acc, const uint8_t *secret) {
 }
 #endif
 
-static inline uint64_t mul_fold(uint64_t a, uint64_t b) {
-    __uint128_t m = (__uint128_t)a * b;
-    return (uint64_t)m ^ (uint64_t)(m >> 64);
-}
-
 enum { STRIPE = 64, PER_BLOCK = (XXH3_SECRET_SIZE - STRIPE) / 8, BLOCK = STRIPE * PER_BLOCK };
 
 /* The eight accumulators merged into the hash of ``len`` bytes: the end of every long hash. */
@@ -190,9 +186,7 @@ static uint64_t merge_acc(const uint64_t *acc, size_t len, const uint8_t *secret
     uint64_t h = len * PRIME64_1;
     for (int i = 0; i < 4; i++)
         h += mul_fold(acc[2 * i] ^ read64(secret + 11 + 16 * i), acc[2 * i + 1] ^ read64(secret + 19 + 16 * i));
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    return h ^ (h >> 32);
+    return avalanche(h);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -622,7 +616,8 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
 }
 
 /* unresident(nodes) -> the nodes with no copy on device or host (both states 0), in order: the
- * filter Leases.finish runs over a released path. Reference nodes are tested as the reference does. */
+ * filter a release runs over its path and a completion over its op's pages (accounting.unresident).
+ * Reference nodes are tested as the reference does. */
 static PyObject *py_unresident(PyObject *mod, PyObject *nodes) {
     PyObject *seq = PySequence_Fast(nodes, "unresident takes a sequence of nodes");
     if (seq == NULL)

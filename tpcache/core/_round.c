@@ -7,11 +7,11 @@
 
 #include <string.h>
 
-#define INT64_LIMIT INT64_MAX /* the round vector's values lie in [-INT64_MAX, INT64_MAX] */
-
 static PyObject *s_op_id, *s_page_hashes;
 
-static int load_names(void) { return s_page_hashes != NULL || !(INTERN(op_id) || INTERN(page_hashes)) ? 0 : -1; }
+static int load_names(void) {
+    return (s_op_id == NULL && INTERN(op_id)) || (s_page_hashes == NULL && INTERN(page_hashes)) ? -1 : 0;
+}
 
 /* XXH3 of the ``n`` ids at ``items`` as little-endian int64, mod 2**62: 0, or -1 and an exception
  * (OverflowError for an id outside int64, as array('q') raises). */
@@ -39,49 +39,56 @@ static int hash_ids(PyObject *const *items, Py_ssize_t n, uint64_t *out) {
     return 0;
 }
 
-/* mix_ids(ids) -> digest.mix_ids(ids) with seed 0. */
+/* mix_ids(ids) -> digest.mix_ids(ids) for a list or tuple of ints (a copy is hashed: an id's
+ * __index__ cannot change the list under the loop). */
 static PyObject *py_mix_ids(PyObject *mod, PyObject *ids) {
-    PyObject *seq = PySequence_Fast(ids, "mix_ids takes a sequence of ints");
-    if (seq == NULL)
+    if (!PyList_Check(ids) && !PyTuple_Check(ids))
+        return PyErr_Format(PyExc_TypeError, "mix_ids takes a list of ints, not %.100s", Py_TYPE(ids)->tp_name);
+    PyObject *items = PySequence_Tuple(ids);
+    if (items == NULL)
         return NULL;
     uint64_t h;
-    int rc = hash_ids(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), &h);
-    Py_DECREF(seq);
+    int rc = hash_ids(PySequence_Fast_ITEMS(items), PyTuple_GET_SIZE(items), &h);
+    Py_DECREF(items);
     return rc < 0 ? NULL : PyLong_FromUnsignedLongLong(h);
 }
 
-/* One queue's four fields (round.queue_fields): 0, or -1 and an exception. */
+/* One queue's four fields (round.queue_fields) appended to ``out``: 0; 1 when a landed count is not
+ * an int64, which the reference (its caller's fallback) reads as it reads it; or -1 and an exception. */
 static int one_queue(PyObject *pending, PyObject *landed, PyObject *out) {
     PyObject *ops = PySequence_List(pending);
     if (ops == NULL)
         return -1;
-    Py_ssize_t n = PyList_GET_SIZE(ops);
+    Py_ssize_t n = PyList_GET_SIZE(ops), got = 0; /* ids[0..got) hold references */
     PyObject *local[32], **ids = n <= 32 ? local : PyMem_Malloc((size_t)n * sizeof(PyObject *));
     int64_t done = 0, clean = 0, head = 0;
     int rc = -1, seen_gap = 0;
-    Py_ssize_t got = 0;
     if (ids == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    for (; got < n; got++) {
-        PyObject *op = PyList_GET_ITEM(ops, got);
-        if ((ids[got] = PyObject_GetAttr(op, s_op_id)) == NULL)
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *op = PyList_GET_ITEM(ops, i);
+        if ((ids[i] = PyObject_GetAttr(op, s_op_id)) == NULL)
             goto out;
+        got = i + 1;
         if (seen_gap)
             continue;
-        PyObject *pages = PyDict_GetItemWithError(landed, ids[got]); /* borrowed */
-        if (pages == NULL) {
-            if (PyErr_Occurred())
-                goto out;
+        PyObject *pages = PyDict_GetItemWithError(landed, ids[i]); /* borrowed */
+        if (pages == NULL && PyErr_Occurred())
+            goto out;
+        if (pages == NULL || pages == Py_None) {
             seen_gap = 1; /* the first op not finished ends the count */
             continue;
         }
-        int64_t landed_pages;
-        if (field(pages, &landed_pages))
+        int overflow = 0;
+        long long landed_pages = PyLong_Check(pages) ? PyLong_AsLongLongAndOverflow(pages, &overflow) : 0;
+        if (!PyLong_Check(pages) || overflow) {
+            rc = 1;
             goto out;
+        }
         done++;
-        if (got == 0)
+        if (i == 0)
             head = landed_pages;
         if (clean == done - 1) {
             PyObject *hashes = PyObject_GetAttr(op, s_page_hashes);
@@ -123,20 +130,26 @@ out:
 }
 
 /* queue_fields(queues, landed) -> [digest, done, clean, head_acked] per queue, in order, as
- * round.queue_fields computes them (``landed`` a dict: op id -> pages landed). */
+ * round.queue_fields computes them (``landed`` a dict: op id -> pages landed); None when a landed
+ * count is not an int64 (the caller falls back to the reference). */
 static PyObject *py_queue_fields(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyDict_Check(args[1]))
         return PyErr_Format(PyExc_TypeError, "queue_fields takes the queues and a dict of landed ops");
     if (load_names() < 0)
         return NULL;
-    PyObject *it = PyObject_GetIter(args[0]), *out = PyList_New(0), *pending;
-    if (it == NULL || out == NULL)
+    PyObject *it = PyObject_GetIter(args[0]), *out = it == NULL ? NULL : PyList_New(0), *pending;
+    if (out == NULL)
         goto fail;
     while ((pending = PyIter_Next(it)) != NULL) {
         int rc = one_queue(pending, args[1], out);
         Py_DECREF(pending);
         if (rc < 0)
             goto fail;
+        if (rc > 0) {
+            Py_DECREF(it);
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
     }
     if (PyErr_Occurred())
         goto fail;
@@ -161,7 +174,7 @@ static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
         PyObject *x = PyList_GET_ITEM(values, i);
         int overflow = 0;
         long long v = PyLong_Check(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : 0;
-        if (!PyLong_Check(x) || overflow || v < -INT64_LIMIT || (v == -1 && PyErr_Occurred())) {
+        if (!PyLong_Check(x) || overflow || v < -INT64_MAX || (v == -1 && PyErr_Occurred())) {
             PyErr_Clear();
             Py_DECREF(out);
             Py_RETURN_NONE;

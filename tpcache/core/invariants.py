@@ -57,6 +57,9 @@ def check(core: CacheCore) -> None:
     for lease in core.leases.values():
         if lease.releasing and not lease.ops:
             fail(f"lease {lease.lease_id} is releasing with nothing in flight: leaked")
+        fetch = lease.prefetch
+        if fetch is not None and fetch.status != "done" and core.prefetcher.started.get(lease.lease_id) is not lease:
+            fail(f"lease {lease.lease_id}: its fetch is {fetch.status} but not among those a commit ticks")
         ids = [n.node_id for n in lease.device_nodes]
         if len(set(ids)) != len(ids):
             fail(f"lease {lease.lease_id} pins a node twice on device")

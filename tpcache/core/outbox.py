@@ -110,5 +110,4 @@ class Outbox:
         self._ready = Ready()
 
     def has_ready(self) -> bool:
-        ready = self._ready
-        return bool(ready.transfers or ready.retired or ready.released)  # Ready.__bool__, inline: once a round
+        return bool(self._ready)

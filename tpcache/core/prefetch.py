@@ -63,7 +63,7 @@ TRANSITIONS: dict[str, dict[str, str]] = {
 }
 
 
-def _idle(lease: Lease) -> bool:
+def _fetch_done(lease: Lease) -> bool:
     return lease.prefetch is None or lease.prefetch.status == "done"
 
 
@@ -207,7 +207,7 @@ class Prefetcher:
         """The leases of ``table`` whose fetch is not done, in lease id order (the table's): each
         fetch leaves "done" only through ``start``, so looking at those started finds them all."""
         started = self.started
-        for lease_id in [i for i, lease in started.items() if table.get(i) is not lease or _idle(lease)]:
+        for lease_id in [i for i, lease in started.items() if table.get(i) is not lease or _fetch_done(lease)]:
             del started[lease_id]
         return [started[i] for i in sorted(started)] if started else []
 

@@ -75,7 +75,9 @@ def reference_queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping
 
 def queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping[int, int]) -> list[int]:
     if _native is not None and type(landed) is dict:  # the same fields in C (_round.c)
-        return _native.queue_fields(queues, landed)
+        fields = _native.queue_fields(queues, landed)
+        if fields is not None:  # None: a landed count that is not an int64, read as the reference reads it
+            return fields
     return reference_queue_fields(queues, landed)
 
 
@@ -111,8 +113,9 @@ class Round:
         self.broken: str | None = None  # why the collective can no longer be trusted, once it failed
         self._prepared: tuple[list[int], list[int]] | None = None  # this round's values and vector
         at = self.layout.index
-        self._health, self._idle, self._flush_at, self._drained = at("health"), at("idle"), at("flush"), at("drained")
-        self._queue_at = [(kind, at(f"{q}.queue_digest")) for kind, q in QUEUE_OF.items()]
+        self._at_health, self._at_idle = at("health"), at("idle")
+        self._at_flush, self._at_drained = at("flush"), at("drained")
+        self._at_queues = [(kind, at(f"{q}.queue_digest")) for kind, q in QUEUE_OF.items()]
 
     def rebind(self, core: CacheCore) -> None:
         """After an agreed flush the core starts over: the features (as switched at runtime) act on it."""
@@ -173,7 +176,7 @@ class Round:
         values = [0] * len(self.layout.fields)
         at = self.layout.index
         values[at("layout")], values[at("round")], values[at("seq")] = self.layout_digest, self.number, seq
-        values[self._health] = health
+        values[self._at_health] = health
         vector = self.layout.pack_values(values)
         self._prepared = (values, vector)
         return vector
@@ -191,23 +194,23 @@ class Round:
         # each (x, -x) pair gives (x, -x) back only if no rank had less or more): the common case.
         if reduced == vector:
             agreement = self.layout.unanimous(values)
-            clear = values[self._health] == 0
+            clear = values[self._at_health] == 0
         else:
             agreement = self.layout.unpack(reduced)
-            clear = agreement.unanimous and agreement.lo.values[self._health] == 0
+            clear = agreement.unanimous and agreement.lo.values[self._at_health] == 0
         lo = agreement.lo.values
-        report = RoundReport(number, idle=lo[self._idle] == 1)
+        report = RoundReport(number, idle=lo[self._at_idle] == 1)
         core = self.core
 
         if not clear:
             self._check_header(agreement, report)
         inflight = core.outbox.inflight
-        for kind, at in self._queue_at:
+        for kind, at in self._at_queues:
             if inflight[kind] or not clear:
                 self._apply_queue(kind, at, agreement, report)
         if self.pending_plan is not None or not clear:
             self._apply_plan(agreement, report)
-        if lo[self._flush_at] == 1 and lo[self._drained] == 1:
+        if lo[self._at_flush] == 1 and lo[self._at_drained] == 1:
             # Every rank asked for the flush and has no copy physically in flight, so dropping all
             # state frees nothing a copy still writes, whatever each rank's (diverged) queues say.
             # The leases a flush keeps must be the same everywhere, or the ranks would differ again.
