@@ -15,12 +15,14 @@ it times, on the same processes:
   completion (and the evictions that the full pool then asks for); every timed work round is
   checked to have committed one;
 - the raw all-reduce of the same vector on each transport, and the floor, a raw loopback TCP
-  exchange of the same bytes.
+  exchange of the same bytes;
+- the raw shm all-reduce behind ``--busy-us`` of busy loop, timed together: how a rank's own work
+  before the exchange adds to a round's wall time (on shared memory, one for one).
 
 Prints rank 0's numbers (p50 of wall time per call): round_us_p50/p99 and ratio (empty round /
 raw all-reduce), work_round_us_p50/p99 and work_ratio (round with work / raw all-reduce), the
 same for gloo (gloo_*), the local part of a work round (prepare and commit, thread CPU time, which
-load moves little), floor_us_p50, speedup_vs_gloo.
+load moves little), floor_us_p50, speedup_vs_gloo, busy_raw_us_p50 (busy loop + raw all-reduce).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def busy(seconds: float) -> None:
+    """Spin for ``seconds`` of wall time (a rank's work before the exchange, without the cache)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class WorkRounds:
@@ -94,24 +103,26 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     gloo_work = WorkRounds(gloo, 1 << 20)
     local = WorkRounds(fast, 2 << 20)
 
+    raw = allreduce_fn(fast.collective, vector)
     calls_before = fast.collective.calls
     rounds_before = fast.round.number
     samples = interleaved(
         {
             "round": fast.step,
             "work_round": (work.request, work.step),
-            "raw": allreduce_fn(fast.collective, vector),
+            "raw": raw,
             "gloo_round": gloo.step,
             "gloo_work_round": (gloo_work.request, gloo_work.step),
             "gloo_raw": allreduce_fn(gloo.collective, vector),
             "floor": lambda: floor.exchange(vector),
             "split_work_round": (local.request, local.split_step),
+            "busy_raw": lambda: (busy(opts["busy_us"] * 1e-6), raw()),
         },
         rounds=opts["rounds"],
         blocks=opts["blocks"],
         warmup=opts["warmup"],
     )
-    raw_calls = opts["rounds"] + opts["warmup"]
+    raw_calls = 2 * (opts["rounds"] + opts["warmup"])  # the raw all-reduce, alone and behind the busy loop
     per_round = (fast.collective.calls - calls_before - raw_calls) / (fast.round.number - rounds_before)
     if rank == 0:
         s = {k: summarize_us(v) for k, v in samples.items()}
@@ -140,6 +151,8 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                 "gloo_work_rounds_committed": f"{gloo_work.completed}/{gloo_work.rounds}",
                 "floor_us_p50": s["floor"]["p50_us"],
                 "speedup_vs_gloo": round(s["gloo_round"]["p50_us"] / s["round"]["p50_us"], 2),
+                "busy_us": opts["busy_us"],
+                "busy_raw_us_p50": s["busy_raw"]["p50_us"],
                 "open": not fast.core.closed and not gloo.core.closed,
             }
         )
@@ -157,10 +170,11 @@ def main() -> None:
     parser.add_argument("--transport", choices=("auto", "shm", "torch"), default="auto")
     parser.add_argument("--blocks", type=int, default=10, help="interleaved blocks per measurement")
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--busy-us", type=float, default=40.0, help="busy loop before the busy_raw all-reduce")
     parser.add_argument("--json", action="store_true", help="print one JSON object on one line")
     args = parser.parse_args()
 
-    opts = {k: getattr(args, k) for k in ("rounds", "transport", "blocks", "warmup")}
+    opts = {k: getattr(args, k) for k in ("rounds", "transport", "blocks", "warmup", "busy_us")}
     from tpcache.dist.benchutil import run_ranks
 
     report = run_ranks(rank_main, args.world_size, opts)
