@@ -17,12 +17,17 @@ it times, on the same processes:
 - the raw all-reduce of the same vector on each transport, and the floor, a raw loopback TCP
   exchange of the same bytes;
 - the raw shm all-reduce behind ``--busy-us`` of busy loop, timed together: how a rank's own work
-  before the exchange adds to a round's wall time (on shared memory, one for one).
+  before the exchange adds to a round's wall time (on shared memory, one for one);
+- on each transport, the raw all-reduce after the same untimed request as a round with work (on a
+  cache of its own, whose untimed round before the request commits the last one's backup): the
+  same gap between calls without the round, since gloo's latency moves with that gap.
 
 Prints rank 0's numbers (p50 of wall time per call): round_us_p50/p99 and ratio (empty round /
 raw all-reduce), work_round_us_p50/p99 and work_ratio (round with work / raw all-reduce), the
 same for gloo (gloo_*), the local part of a work round (prepare and commit, thread CPU time, which
-load moves little), floor_us_p50, speedup_vs_gloo, busy_raw_us_p50 (busy loop + raw all-reduce).
+load moves little), floor_us_p50, speedup_vs_gloo, busy_raw_us_p50 (busy loop + raw all-reduce),
+and work_same_gap_ratio / gloo_work_same_gap_ratio: the round with work over the raw all-reduce
+after the same request (not the issue's floor: that is the plain raw all-reduce above).
 """
 
 from __future__ import annotations
@@ -83,6 +88,19 @@ class WorkRounds:
         self.completed += len(report.completed) > 0
 
 
+class GapRaw:
+    """The raw all-reduce after the same untimed request a round with work follows, on its own cache:
+    its setup runs the round (untimed) that commits the previous request's backup, then a request."""
+
+    def __init__(self, tp: Any, salt: int, timed: Any) -> None:
+        self.work = WorkRounds(tp, salt)
+        self.timed = timed
+
+    def setup(self) -> None:
+        self.work.step()
+        self.work.request()
+
+
 def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
@@ -104,8 +122,10 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     local = WorkRounds(fast, 2 << 20)
 
     raw = allreduce_fn(fast.collective, vector)
+    gap = GapRaw(TPCache(config, fast.collective), 3 << 20, raw)  # the same collective, its own cache
+    gloo_gap = GapRaw(TPCache(config, gloo.collective), 4 << 20, allreduce_fn(gloo.collective, vector))
     calls_before = fast.collective.calls
-    rounds_before = fast.round.number
+    rounds_before = fast.round.number + gap.work.tp.round.number
     samples = interleaved(
         {
             "round": fast.step,
@@ -117,13 +137,16 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
             "floor": lambda: floor.exchange(vector),
             "split_work_round": (local.request, local.split_step),
             "busy_raw": lambda: (busy(opts["busy_us"] * 1e-6), raw()),
+            "gap_raw": (gap.setup, gap.timed),
+            "gloo_gap_raw": (gloo_gap.setup, gloo_gap.timed),
         },
         rounds=opts["rounds"],
         blocks=opts["blocks"],
         warmup=opts["warmup"],
     )
-    raw_calls = 2 * (opts["rounds"] + opts["warmup"])  # the raw all-reduce, alone and behind the busy loop
-    per_round = (fast.collective.calls - calls_before - raw_calls) / (fast.round.number - rounds_before)
+    raw_calls = 3 * (opts["rounds"] + opts["warmup"])  # the raw all-reduce alone, behind the busy loop, after a request
+    rounds_run = fast.round.number + gap.work.tp.round.number - rounds_before
+    per_round = (fast.collective.calls - calls_before - raw_calls) / rounds_run
     if rank == 0:
         s = {k: summarize_us(v) for k, v in samples.items()}
         cpu_local_us = round(percentile(local.cpu_local, 0.5) * 1e6, 2)
@@ -153,11 +176,17 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                 "speedup_vs_gloo": round(s["gloo_round"]["p50_us"] / s["round"]["p50_us"], 2),
                 "busy_us": opts["busy_us"],
                 "busy_raw_us_p50": s["busy_raw"]["p50_us"],
+                "work_gap_raw_us_p50": s["gap_raw"]["p50_us"],
+                "work_same_gap_ratio": round(s["work_round"]["p50_us"] / s["gap_raw"]["p50_us"], 3),
+                "gloo_work_gap_raw_us_p50": s["gloo_gap_raw"]["p50_us"],
+                "gloo_work_same_gap_ratio": round(s["gloo_work_round"]["p50_us"] / s["gloo_gap_raw"]["p50_us"], 3),
                 "open": not fast.core.closed and not gloo.core.closed,
             }
         )
     dist.barrier()
     floor.close()
+    gap.work.tp.close()
+    gloo_gap.work.tp.close()
     fast.close()
     gloo.close()
     dist.destroy_process_group()

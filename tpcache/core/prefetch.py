@@ -207,9 +207,11 @@ class Prefetcher:
         """The leases of ``table`` whose fetch is not done, in lease id order (the table's): each
         fetch leaves "done" only through ``start``, so looking at those started finds them all."""
         started = self.started
+        if not started:  # most rounds: nothing to look at
+            return []
         for lease_id in [i for i, lease in started.items() if table.get(i) is not lease or _fetch_done(lease)]:
             del started[lease_id]
-        return [started[i] for i in sorted(started)] if started else []
+        return [started[i] for i in sorted(started)]
 
     def tick(self, lease: Lease) -> None:
         """Once per commit: pace retries, retry deferred reads, advance the timeout clock."""
