@@ -19,7 +19,6 @@
 
 #include "_node.h"
 
-
 static PyObject *device_none = NULL; /* tiers.DeviceState.NONE, the value the reference stores */
 
 int heaps_next_pop(Heaps *h, Node *node); /* _candidates.c */

@@ -76,8 +76,8 @@ class Outbox:
             # A copy in flight protects the device pages along its pages' paths until its ack: they
             # stay, and count as protected rather than evictable meanwhile (the retention cap holds).
             op.pinned = [n for n in path_union(op.nodes) if n.on_device]
-            for node in op.pinned:
-                self.ledger.update(node, device_pins=+1)
+            if op.pinned:
+                self.ledger.touch(op.pinned, +1)  # let go of with touch(-1) at its ack (completions)
         self.inflight[kind].append(op)
         self._ready.transfers.append(op)
         return op
