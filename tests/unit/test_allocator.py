@@ -1,6 +1,8 @@
+import random
+
 import pytest
 
-from tpcache.core import HostAllocator, OutOfPages, PageAllocator
+from tpcache.core import HostAllocator, OutOfPages, PageAllocator, allocator
 
 
 def test_pages_handed_out_in_order_and_reused_lifo():
@@ -59,3 +61,48 @@ def test_host_merge_only_when_free_list_is_short():
     h.alloc(3)  # 6 never-used slots suffice: no merge
     assert h.merges == 0
     h.check()
+
+
+@pytest.mark.skipif(allocator._native is None, reason="tpcache.core._node was not built (no C compiler)")
+@pytest.mark.parametrize("seed", range(4))
+def test_native_take_is_the_reference_take(seed):
+    """The same random allocs and frees through ``take_pages`` (C) and ``reference_take``: the same
+    pages, free lists, ownership marks and never-used mark after every call, None alike."""
+    rng = random.Random(seed)
+    size = rng.choice([0, 1, 7, 64])
+    pools = [([], bytearray(), 0), ([], bytearray(), 0)]
+    owned: list[int] = []
+    for _ in range(400):
+        if owned and rng.random() < 0.4:  # free some pages, as PageAllocator.free does
+            for p in rng.sample(owned, rng.randint(1, len(owned))):
+                owned.remove(p)
+                for free, marks, _fresh in pools:
+                    marks[p] = 0
+                    free.append(p)
+            continue
+        n = rng.choice([0, 1, 2, 3, size, size + 1])
+        got = []
+        for i, take in enumerate((allocator._native.take_pages, allocator.reference_take)):
+            free, marks, fresh = pools[i]
+            taken = take(free, marks, fresh, size, n)
+            got.append(taken)
+            if taken is not None:
+                pools[i] = (free, marks, taken[1])
+        assert got[0] == got[1] and pools[0] == pools[1]
+        if got[0] is not None:
+            owned += got[0][0]
+    assert sorted(owned) == [p for p, mark in enumerate(pools[0][1]) if mark]
+
+
+@pytest.mark.skipif(allocator._native is None, reason="tpcache.core._node was not built (no C compiler)")
+def test_native_take_refuses_a_pool_it_cannot_read_and_changes_nothing():
+    take = allocator._native.take_pages
+    with pytest.raises(TypeError):
+        take((1,), bytearray(2), 2, 4, 1)
+    with pytest.raises(ValueError, match="take_pages"):
+        take([], bytearray(1), 2, 4, 1)  # the marks must cover exactly the pages below ``fresh``
+    free, marks = [0, 9], bytearray(2)
+    with pytest.raises(ValueError, match="out of range"):
+        take(free, marks, 2, 4, 2)  # page 9 was never handed out
+    assert (free, marks) == ([0, 9], bytearray(2))
+    assert take([], bytearray(), 0, 3, 4) is None

@@ -9,12 +9,13 @@ from __future__ import annotations
 import heapq
 import random
 import struct
+import types
 from array import array
 
 import pytest
 import xxhash
 
-from tpcache.core import CacheConfig, CacheCore, check, eviction, hashing
+from tpcache.core import CacheConfig, CacheCore, allocator, check, eviction, hashing, inserts
 from tpcache.core import ledger as ledger_module
 from tpcache.core.accounting import LEASE_TAG, NO_IDS, flags_of, record_of, reference_flags_of, reference_record_of
 from tpcache.core.digest import mix, reference_mix
@@ -376,36 +377,49 @@ def test_lease_records_fold_as_the_reference_folds_them():
 
 
 def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two cores, the same random ops: one through the C kernels (eviction's leaf loop, the insert
-    chain, token bytes) and ``_append_new``, the other through the Python references and
-    ``_adopt``; equal after every op. With host pages (write-through), eviction meets leaves with
-    host copies and backlog entries, which the C loop hands back to the Python one."""
+    """Three cores, the same random ops: one through the C kernels (eviction's leaf loop, the insert
+    and append chains, page allocation, token bytes), one through the Python references with
+    ``_append_new``, the last through the references and ``_adopt``; equal after every op. With host
+    pages (write-through), eviction meets leaves with host copies and backlog entries, which the C
+    loop hands back to the Python one."""
     policies = {"eviction_policy": policy, "write_policy": "write_through"}
     config = CacheConfig(page_size=page_size, device_pages=40, host_pages=host_pages, **policies)
-    cores = CacheCore(config), CacheCore(config)
-    held: list[list] = [[], []]
+    cores = CacheCore(config), CacheCore(config), CacheCore(config)
+    held: list[list] = [[], [], []]
     chain, token_bytes = _node.pinned_chain, hashing._token_bytes
+    appended = []  # the chains append_chain made (the native core's appends it took)
+
+    def append_chain(*args):
+        made = _node.append_chain(*args)
+        appended.append(made is not None)
+        return made
+
+    monkeypatch.setattr(inserts, "_native", types.SimpleNamespace(append_chain=append_chain))
     rng = random.Random(seed)
     for step in range(250):
         op = random_op(rng, page_size, requests=0.4, appends=0.2)
-        for native, core, leases in zip((True, False), cores, held, strict=True):
+        for mode, core, leases in zip(("native", "reference", "adopt"), cores, held, strict=True):
             with monkeypatch.context() as m:
-                if not native:
-                    m.setattr(eviction, "_native", None)
-                    m.setattr(ledger_module, "_native", None)  # touch, the insert chain, lease records
+                if mode != "native":
+                    for module in (eviction, ledger_module, inserts, allocator):  # touch, chains, lease records
+                        m.setattr(module, "_native", None)
                     m.setattr(_node, "pinned_chain", lambda *args: None)
                     m.setattr(hashing, "_token_bytes", None)
+                if mode == "adopt":
                     m.setattr(Inserter, "_append_new", lambda *args: None)
                     m.setattr(Inserter, "_insert_pinned", lambda *args: None)
                 apply(core, op, leases)
                 drain(core)
-        a, b = cores
-        assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value, f"step {step}: {op}"
-        assert a.device._free == b.device._free and a.candidates.device_heap == b.candidates.device_heap
+        for other in cores[1:]:
+            a, b = cores[0], other
+            assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value, f"step {step}: {op}"
+            assert a.device._free == b.device._free and a.candidates.device_heap == b.candidates.device_heap
+            assert a.clock == b.clock and a.stats == b.stats
     assert _node.pinned_chain is chain and hashing._token_bytes is token_bytes
     assert a.stats.device_evicted_pages > 20 and a.stats.inserted_pages > 40
-    check(a)
-    check(b)
+    assert sum(appended) >= 5 if page_size > 2 else not any(appended)  # pages of 2 tokens hash in the reference
+    for core in cores:
+        check(core)
 
 
 # Hash inputs: 2 tokens are the reference's, 4 and 16 are 24 and 72 bytes in C, 64 are 264 (xxh3_long in C).
@@ -414,3 +428,37 @@ def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypat
 @pytest.mark.parametrize("host_pages", [0, 12])
 def test_the_kernels_and_their_references_make_the_same_core(page_size, policy, host_pages, monkeypatch):
     _lockstep(page_size, policy, host_pages, page_size * 7 + len(policy) + host_pages, monkeypatch)
+
+
+def test_append_chain_takes_only_new_pages_the_lease_holds_and_otherwise_changes_nothing():
+    """The cases ``append_chain`` leaves to the reference (None) change nothing; the one it takes
+    makes the chain ``_append_new`` makes."""
+    config = CacheConfig(page_size=4, device_pages=32)
+    core = CacheCore(config)
+    tokens = list(range(8))
+    lease_id, _ = core.lock(tokens)
+    core.insert(lease_id, tokens, core.alloc(lease_id, 2))
+    other_id, _ = core.lock([100 + t for t in range(4)])
+    core.insert(other_id, [100 + t for t in range(4)], core.alloc(other_id, 1))
+    lease, led = core.lease(lease_id), core.ledger
+    cursor, fresh = lease.cursor, core.alloc(lease_id, 2)
+    foreign = core.lease(other_id).device_nodes[0].device_page
+    data = as_token_bytes(list(range(8, 16)))
+    state = lambda: (snapshot(core), led.digest.value, led.clock, list(lease.pages), list(lease.device_nodes))  # noqa: E731
+    before = state()
+    refused = [
+        (led, lease, cursor, data, [fresh[0], foreign]),  # a page the lease does not hold
+        (led, lease, cursor, data, [fresh[0], fresh[0]]),  # the same page twice
+        (led, lease, cursor, data, fresh[:1]),  # fewer pages than the data's
+        (led, lease, cursor, b"", fresh),  # nothing to add
+        (led, lease, cursor, data, tuple(fresh)),  # pages not in a list
+        (led, lease, led.tree.root, as_token_bytes(tokens), fresh),  # the first page is below the root already
+    ]
+    for args in refused:
+        assert _node.append_chain(*args) is None, args
+        assert state() == before
+    assert lease.cursor is cursor
+    nodes = _node.append_chain(led, lease, cursor, data, fresh)
+    assert [n.device_page for n in nodes] == fresh and lease.cursor is nodes[-1] and lease.pages == []
+    assert led.clock == before[2] + 1 and list(lease.device_nodes) == before[4] + nodes
+    check(core)

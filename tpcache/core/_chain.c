@@ -173,15 +173,8 @@ done:
  * None for pages of 1 or 2 tokens, or pages not in a list (the reference handles those).
  * The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes,
  * each below the one before, device VALID on its page, pinned once, recorded, ids from the tree's. */
-static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6)
-        return PyErr_Format(PyExc_TypeError, "pinned_chain takes 6 arguments, not %zd", nargs);
-    PyObject *tree = args[0], *parent = args[1], *data = args[2], *pages = args[4], *clock = args[5];
-    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
-    if (offset == -1 && PyErr_Occurred())
-        return NULL;
-    if (!is_node(parent) || !PyBytes_Check(data) || !PyList_Check(pages))
-        Py_RETURN_NONE; /* the reference takes any other sequence of pages (and refuses what it refuses) */
+static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssize_t offset, PyObject *pages,
+                       PyObject *clock) {
     if (load_valid() < 0)
         return NULL;
     PyObject *size = PyObject_GetAttr(tree, s_page_size);
@@ -226,6 +219,165 @@ done:
     return out;
 }
 
+static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6)
+        return PyErr_Format(PyExc_TypeError, "pinned_chain takes 6 arguments, not %zd", nargs);
+    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    if (!is_node(args[1]) || !PyBytes_Check(args[2]) || !PyList_Check(args[4]))
+        Py_RETURN_NONE; /* the reference takes any other sequence of pages (and refuses what it refuses) */
+    return pinned(args[0], args[1], args[2], offset, args[4], args[5]);
+}
+
+static PyObject *s_pages, *s_device_nodes, *s_cursor;             /* a lease's attribute names, interned */
+static PyObject *s_tree, *s_parts, *s_clock, *s_digest, *s_value, *s_protected; /* the ledger's */
+enum { APPEND_MAX = 64 }; /* pages one append_chain takes (more: the reference) */
+
+static int load_append(void) {
+    if (s_protected != NULL)
+        return 0;
+    return load_valid() < 0 || INTERN(pages) || INTERN(device_nodes) || INTERN(cursor) || INTERN(tree) ||
+                   INTERN(parts) || INTERN(clock) || INTERN(digest) || INTERN(value) ||
+                   INTERN_AS(s_protected, "protected_device_pages")
+               ? -1
+               : 0;
+}
+
+/* Whether page ``p`` is an entry of ``held`` (int entries compared by value, as a set of ints does). */
+static int holds(PyObject *held, int64_t p) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(held); i++) {
+        PyObject *item = PyList_GET_ITEM(held, i);
+        if (!PyLong_Check(item))
+            continue;
+        long long v = PyLong_AsLongLong(item);
+        if (v == -1 && PyErr_Occurred())
+            PyErr_Clear(); /* past int64: not a page */
+        else if (v == p)
+            return 1;
+    }
+    return 0;
+}
+
+/* The first ``n`` of ``pages`` into ``out`` when they are distinct int64 pages the lease holds: 1, else 0. */
+static int fresh_pages(PyObject *pages, Py_ssize_t n, PyObject *held, int64_t *out) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(pages, i);
+        long long v = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+        if (!PyLong_Check(item) || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+        for (Py_ssize_t k = 0; k < i; k++)
+            if (out[k] == v)
+                return 0;
+        if (!holds(held, v))
+            return 0;
+        out[i] = v;
+    }
+    return 1;
+}
+
+/* ``obj.<name> += add`` for an int attribute, masked to the digest's 62 bits when ``mask``: 0, or -1. */
+static int add_to(PyObject *obj, PyObject *name, uint64_t add, int mask) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    unsigned long long now = v ? PyLong_AsUnsignedLongLongMask(v) : 0;
+    Py_XDECREF(v);
+    if (PyErr_Occurred())
+        return -1;
+    now += add;
+    PyObject *after = PyLong_FromUnsignedLongLong(mask ? now & DIGEST_MASK : now);
+    int rc = after == NULL ? -1 : PyObject_SetAttr(obj, name, after);
+    Py_XDECREF(after);
+    return rc;
+}
+
+/* The lease's side of the chain: its pages leave lease.pages, its nodes join lease.device_nodes, and
+ * lease.cursor moves to the last node if the lease pins exactly the path to it (None otherwise). */
+static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes,
+                 const int64_t *fresh, Py_ssize_t n) {
+    int64_t depth;
+    PyObject *extended = NULL;
+    if (holding_drop_ints((Holding *)held, fresh, n) < 0 || field(cursor->depth, &depth) < 0 ||
+        (extended = holding_extend((Holding *)pinned_nodes, nodes)) == NULL)
+        return -1;
+    Py_DECREF(extended);
+    int whole = PyList_GET_SIZE(pinned_nodes) == depth + n;
+    return PyObject_SetAttr(lease, s_cursor, whole ? PyList_GET_ITEM(nodes, n - 1) : Py_None);
+}
+
+/* append_chain(ledger, lease, cursor, data, pages) -> the new nodes, or None, changing nothing:
+ * Inserter._append_new and _add_new in one call, for an append whose pages are all new below
+ * ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full pages of
+ * ``data``) are distinct pages the lease holds, in a ledger without components. The ledger ticks and
+ * the nodes are pinned_chain's (stamped with the new clock, recorded in the digest, counted
+ * protected); the lease adopts them (``adopt``). None for any other append, and for holdings or pages
+ * the kernel does not take: the reference decides those. */
+static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5)
+        return PyErr_Format(PyExc_TypeError, "append_chain takes 5 arguments, not %zd", nargs);
+    PyObject *ledger = args[0], *lease = args[1], *cursor = args[2], *data = args[3], *pages = args[4];
+    if (!is_node(cursor) || !PyBytes_Check(data) || !PyList_Check(pages))
+        Py_RETURN_NONE;
+    if (load_append() < 0)
+        return NULL;
+    PyObject *parts = PyObject_GetAttr(ledger, s_parts), *tree = NULL, *held = NULL, *pinned_nodes = NULL;
+    PyObject *out = NULL, *head = NULL, *taken = NULL, *made = NULL, *clock = NULL, *size = NULL;
+    int64_t fresh[APPEND_MAX];
+    int plain = parts == NULL ? -1 : !PyObject_IsTrue(parts);
+    if (plain > 0) {
+        tree = PyObject_GetAttr(ledger, s_tree);
+        size = tree ? PyObject_GetAttr(tree, s_page_size) : NULL;
+        held = size ? PyObject_GetAttr(lease, s_pages) : NULL;
+        pinned_nodes = held ? PyObject_GetAttr(lease, s_device_nodes) : NULL;
+    }
+    Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : 0;
+    if (plain < 0 || (plain > 0 && pinned_nodes == NULL) || PyErr_Occurred())
+        goto done;
+    Py_ssize_t n = step > 0 ? PyBytes_GET_SIZE(data) / step : 0;
+    if (!plain || !is_holding(held) || !is_holding(pinned_nodes) || n == 0 || n > APPEND_MAX ||
+        PyList_GET_SIZE(pages) < n || PyList_GET_SIZE(held) < n || !fresh_pages(pages, n, held, fresh)) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data), step);
+    if (head == NULL)
+        goto done;
+    if (kids_get((Node *)cursor, head) != NULL || PyErr_Occurred()) {
+        out = PyErr_Occurred() ? NULL : Py_NewRef(Py_None); /* a page already below the cursor: _adopt's */
+        goto done;
+    }
+    PyObject *now = PyObject_GetAttr(ledger, s_clock);
+    long long tick = now ? PyLong_AsLongLong(now) : -1;
+    Py_XDECREF(now);
+    clock = tick == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(tick + 1); /* Ledger.tick */
+    taken = clock ? PyList_GetSlice(pages, 0, n) : NULL;
+    made = taken ? pinned(tree, cursor, data, 0, taken, clock) : NULL;
+    if (made == NULL || made == Py_None) {
+        out = Py_XNewRef(made); /* None: pages too short for the kernel's hash, before any change */
+        goto done;
+    }
+    PyObject *nodes = PyTuple_GET_ITEM(made, 0), *digest = NULL;
+    uint64_t records = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(made, 1));
+    int bad = PyObject_SetAttr(ledger, s_clock, clock) < 0 || (digest = PyObject_GetAttr(ledger, s_digest)) == NULL ||
+              add_to(digest, s_value, records, 1) < 0 || add_to(ledger, s_protected, (uint64_t)n, 0) < 0 ||
+              adopt(lease, held, pinned_nodes, (Node *)cursor, nodes, fresh, n) < 0;
+    Py_XDECREF(digest);
+    if (!bad)
+        out = Py_NewRef(nodes);
+done:
+    Py_XDECREF(parts);
+    Py_XDECREF(tree);
+    Py_XDECREF(size);
+    Py_XDECREF(clock);
+    Py_XDECREF(made);
+    Py_XDECREF(taken);
+    Py_XDECREF(head);
+    Py_XDECREF(held);
+    Py_XDECREF(pinned_nodes);
+    return out;
+}
+
 /* chain_below(node) -> (nodes, tokens): the single-child chain below ``node`` (its only child, that
  * one's only child, ...) and their page tokens joined, as RadixTree._run gathers them; read from the
  * nodes' inline tokens, without a bytes object per page. None for a node of the reference type. */
@@ -265,5 +417,7 @@ PyMethodDef chain_methods[] = {
     {"token_bytes", (PyCFunction)py_token_bytes, METH_O, "hashing.as_token_bytes of a list or tuple of ints, or None."},
     {"pinned_chain", (PyCFunction)(void (*)(void))py_pinned_chain, METH_FASTCALL,
      "Ledger.add_pinned_chain's nodes and records (see _chain.c)."},
+    {"append_chain", (PyCFunction)(void (*)(void))py_append_chain, METH_FASTCALL,
+     "Inserter._append_new's new pinned chain below a lease's cursor (see _chain.c)."},
     {NULL, NULL, 0, NULL},
 };

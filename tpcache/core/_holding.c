@@ -12,12 +12,6 @@
 
 #define MASK ((UINT64_C(1) << 62) - 1)
 
-typedef struct {
-    PyListObject list;
-    int64_t lease_id, kind;
-    uint64_t total;
-} Holding;
-
 /* The sum of the terms of ``seq``'s items (a list or tuple): 0, or -1 and an exception. */
 static int sum_terms(Holding *self, PyObject *seq, uint64_t *out) {
     uint64_t total = 0, term;
@@ -32,7 +26,7 @@ static int sum_terms(Holding *self, PyObject *seq, uint64_t *out) {
     return 0;
 }
 
-static PyObject *holding_extend(Holding *self, PyObject *items) {
+PyObject *holding_extend(Holding *self, PyObject *items) {
     PyObject *seq = PySequence_Fast(items, "a holding extends with an iterable");
     if (seq == NULL)
         return NULL;
@@ -150,6 +144,28 @@ out:
 }
 
 static PyObject *holding_discard(Holding *self, PyObject *items) { return split(self, items, 0); }
+
+int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count) {
+    PyObject *kept = PyList_New(0), *gone = PyList_New(0), *done = NULL;
+    for (Py_ssize_t i = 0; kept != NULL && gone != NULL && i < PyList_GET_SIZE(self); i++) {
+        PyObject *item = PyList_GET_ITEM(self, i);
+        long long v = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+        if (v == -1 && PyErr_Occurred())
+            PyErr_Clear(); /* not an int64: not one of ``drop`` */
+        int in = 0;
+        for (Py_ssize_t k = 0; k < count && !in && PyLong_Check(item); k++)
+            in = drop[k] == v;
+        if (PyList_Append(in ? gone : kept, item) < 0)
+            goto out;
+    }
+    if (kept != NULL && gone != NULL)
+        done = keep_only(self, kept, gone);
+out:
+    Py_XDECREF(kept);
+    Py_XDECREF(gone);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
 
 static PyObject *holding_retain(Holding *self, PyObject *keep) { return split(self, keep, 1); }
 

@@ -440,7 +440,8 @@ PyMODINIT_FUNC PyInit__node(void) {
         return NULL;
     if (PyModule_AddFunctions(m, candidate_methods) < 0 || PyModule_AddFunctions(m, evict_methods) < 0 ||
         PyModule_AddFunctions(m, chain_methods) < 0 || PyModule_AddFunctions(m, settle_methods) < 0 ||
-        PyModule_AddFunctions(m, round_methods) < 0) {
+        PyModule_AddFunctions(m, round_methods) < 0 ||
+        PyModule_AddFunctions(m, pool_methods) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -33,6 +33,7 @@ extern PyMethodDef evict_methods[];     /* _evict.c */
 extern PyMethodDef chain_methods[];     /* _chain.c */
 extern PyMethodDef settle_methods[];    /* _settle.c */
 extern PyMethodDef round_methods[];     /* _round.c */
+extern PyMethodDef pool_methods[];      /* _pool.c */
 
 /* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
 int candidacy(PyObject *node); /* _candidates.c */
@@ -82,6 +83,16 @@ int kids_next(Node *n, Py_ssize_t *pos, PyObject **child);
  * (lease, kind, key), key a page or a node's id, mod 2**62: 0, or -1 and an exception (_account.c). */
 int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out);
 extern PyTypeObject HoldingType; /* _holding.c */
+typedef struct {
+    PyListObject list;
+    int64_t lease_id, kind;
+    uint64_t total;
+} Holding;
+static inline int is_holding(PyObject *o) { return o != NULL && PyObject_TypeCheck(o, &HoldingType); }
+/* Holding.extend: None, or NULL and an exception. */
+PyObject *holding_extend(Holding *self, PyObject *items);
+/* Holding.discard of the int entries equal to one of ``drop``: 0, or -1 and an exception. */
+int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
 
 /* XXH3-64 (default secret, ``seed``) of 17 to 128 bytes (_account.c). */
 uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);

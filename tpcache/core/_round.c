@@ -16,7 +16,7 @@ static int load_names(void) {
 /* XXH3 of the ``n`` ids at ``items`` as little-endian int64, mod 2**62: 0, or -1 and an exception
  * (OverflowError for an id outside int64, as array('q') raises). */
 static int hash_ids(PyObject *const *items, Py_ssize_t n, uint64_t *out) {
-    int64_t local[32], *buf = n <= 32 ? local : PyMem_Malloc((size_t)n * 8);
+    int64_t local[32] = {0}, *buf = n <= 32 ? local : PyMem_Malloc((size_t)n * 8);
     if (buf == NULL) {
         PyErr_NoMemory();
         return -1;

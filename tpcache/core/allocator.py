@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from collections import deque
 
+try:
+    from tpcache.core import _node as _native
+except ImportError:  # built without a C compiler
+    _native = None  # type: ignore[assignment]
+
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; the caller evicts or refuses."""
@@ -48,21 +53,11 @@ class PageAllocator:
         """``alloc``, or None, changing nothing, when fewer than ``n`` pages are available."""
         if n < 0:
             raise ValueError("cannot allocate a negative number of pages")
-        free, owned = self._free, self._owned
-        new = n - len(free)  # never-used pages it takes, once every freed one is
-        if new > self.num_pages - self._fresh:
+        take = _native.take_pages if _native is not None else reference_take  # the same in C (_pool.c)
+        taken = take(self._free, self._owned, self._fresh, self.num_pages, n)
+        if taken is None:
             return None
-        reuse = len(free) if new > 0 else n
-        pages = free[len(free) - reuse :]  # LIFO: the last freed first
-        pages.reverse()
-        del free[len(free) - reuse :]
-        for p in pages:
-            owned[p] = 1
-        if new > 0:
-            start = self._fresh
-            self._fresh = start + new
-            owned.extend(b"\x01" * new)  # ``_owned`` covers exactly the pages below ``_fresh``
-            pages.extend(range(start, start + new))
+        pages, self._fresh = taken
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -141,3 +136,26 @@ class HostAllocator(PageAllocator):
 
     def check(self) -> None:
         self._check_pool(self._free + list(self._released))
+
+
+def reference_take(
+    free: list[int], owned: bytearray, fresh: int, num_pages: int, n: int
+) -> tuple[list[int], int] | None:
+    """``n`` pages of a pool whose never-used pages start at ``fresh``, and where they start after:
+    freed pages first, the last freed first (``free`` loses them), then never-used ones in order;
+    ``owned`` marks every page given (it covers exactly the pages below ``fresh``). None, changing
+    nothing, when fewer than ``n`` pages are available."""
+    new = n - len(free)  # never-used pages it takes, once every freed one is
+    if new > num_pages - fresh:
+        return None
+    reuse = len(free) if new > 0 else n
+    pages = free[len(free) - reuse :]
+    pages.reverse()
+    del free[len(free) - reuse :]
+    for p in pages:
+        owned[p] = 1
+    if new > 0:
+        owned.extend(b"\x01" * new)
+        pages.extend(range(fresh, fresh + new))
+        fresh += new
+    return pages, fresh

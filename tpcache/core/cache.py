@@ -279,7 +279,9 @@ class CacheCore:
             pages = self.part_evictor.alloc_device(self.ledger.parts[part], n)
             self.hybrid.held(lease, part).pages.extend(pages)
         else:
-            pages = self.evictor.alloc_device(n)
+            pages = self.ledger.device.try_alloc(n)  # most allocations: enough pages are free
+            if pages is None:
+                pages = self.evictor.alloc_device(n)
             lease.pages.extend(pages)
         self.book.refresh(lease)
         return pages

@@ -20,6 +20,11 @@ from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
 from tpcache.core.tree import Node, Walk
 
+try:
+    from tpcache.core import _node as _native
+except ImportError:  # built without a C compiler
+    _native = None  # type: ignore[assignment]
+
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
     from tpcache.core.hybrid import Hybrid
@@ -92,6 +97,10 @@ class Inserter:
             padded = {c: [-1] * len(path) + list(v) for c, v in parts.items()} if parts else None
             return self.insert(lease, before + as_token_bytes(tokens), [n.device_page for n in path] + pages, padded)
         data = as_token_bytes(tokens)
+        if not parts and _native is not None:  # ``_append_new`` in C (_chain.c): None where it does not apply
+            chain = _native.append_chain(self.ledger, lease, cursor, data, pages)
+            if chain is not None:
+                return self._added(lease, chain)
         if not parts and (made := self._append_new(lease, cursor, data, pages)) is not None:
             return made
         return self._adopt(lease, self.ledger.tree.walk(data, cursor), cursor, pages, parts)
@@ -152,10 +161,13 @@ class Inserter:
         chain = led.add_pinned_chain(parent, data, offset, new) if new else []
         lease.device_nodes.extend(chain)
         lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == parent.depth + n else None
+        return self._added(lease, chain)
+
+    def _added(self, lease: Lease, chain: list[Node]) -> tuple[int, int]:
         self.backup.on_insert(chain)
         self.book.refresh(lease)
-        led.stats.inserted_pages += n
-        return n, 0
+        self.ledger.stats.inserted_pages += len(chain)
+        return len(chain), 0
 
     def _adopt(
         self,
