@@ -477,6 +477,11 @@ static int load_lease_names(void) {
 /* An int attribute of ``o`` (``sub`` of it when given: lease.pages.total): 0, or -1 and an exception. */
 static int int_attr(PyObject *o, PyObject *name, PyObject *sub, int64_t *out) {
     PyObject *v = PyObject_GetAttr(o, name);
+    if (sub == s_total && is_holding(v)) { /* a native holding's total, read without an int object */
+        *out = (int64_t)((Holding *)v)->total;
+        Py_DECREF(v);
+        return 0;
+    }
     if (v != NULL && sub != NULL)
         Py_SETREF(v, PyObject_GetAttr(v, sub));
     int rc = v == NULL ? -1 : field(v, out);
