@@ -106,3 +106,12 @@ def test_native_take_refuses_a_pool_it_cannot_read_and_changes_nothing():
         take(free, marks, 2, 4, 2)  # page 9 was never handed out
     assert (free, marks) == ([0, 9], bytearray(2))
     assert take([], bytearray(), 0, 3, 4) is None
+
+    class Index:  # an index-like count (a numpy integer, say), which the reference takes too
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __index__(self) -> int:
+            return self.n
+
+    assert take([], bytearray(), Index(0), Index(4), Index(2)) == ([0, 1], 2)

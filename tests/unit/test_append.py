@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check
+from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check, inserts
 from tpcache.core.holdings import NodeHolding
 from tpcache.core.inserts import Inserter
 from tpcache.replay import drain
@@ -285,3 +285,18 @@ def test_an_insert_after_a_full_hit_checks_the_pages_its_lock_read(wrong):
     a, b = run(True), run(False)
     assert a == b
     assert (a[0] == (1, 0)) != wrong
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_append_of_the_lease_s_own_pages_caches_them(kernel, monkeypatch):
+    """``append`` given the very list the lease holds its pages in (which adopting them empties)
+    caches those pages, through the C kernel and through ``_append_new``."""
+    if not kernel:
+        monkeypatch.setattr(inserts, "_native", None)
+    core = core_of()
+    lease = start(core, toks(1, 2))
+    core.alloc(lease, 1)
+    held = core.lease(lease).pages
+    assert core.append(lease, toks(3, depth=2), held) == (1, 0)
+    assert list(held) == [] and core.lease(lease).cursor.device_page is not None
+    check(core)

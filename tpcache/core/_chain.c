@@ -279,16 +279,16 @@ static int fresh_pages(PyObject *pages, Py_ssize_t n, PyObject *held, int64_t *o
 }
 
 /* ``obj.<name> += add`` for an int attribute, masked to the digest's 62 bits when ``mask``: 0, or -1. */
-static int add_to(PyObject *obj, PyObject *name, uint64_t add, int mask) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    unsigned long long now = v ? PyLong_AsUnsignedLongLongMask(v) : 0;
+static int add_to(PyObject *obj, PyObject *name, long long add, int mask) {
+    PyObject *v = PyObject_GetAttr(obj, name), *by = v ? PyLong_FromLongLong(add) : NULL;
+    PyObject *sum = by ? PyNumber_Add(v, by) : NULL, *cap = sum && mask ? PyLong_FromUnsignedLongLong(DIGEST_MASK) : NULL;
+    if (cap != NULL)
+        Py_SETREF(sum, PyNumber_And(sum, cap));
+    int rc = sum == NULL || (mask && cap == NULL) ? -1 : PyObject_SetAttr(obj, name, sum);
     Py_XDECREF(v);
-    if (PyErr_Occurred())
-        return -1;
-    now += add;
-    PyObject *after = PyLong_FromUnsignedLongLong(mask ? now & DIGEST_MASK : now);
-    int rc = after == NULL ? -1 : PyObject_SetAttr(obj, name, after);
-    Py_XDECREF(after);
+    Py_XDECREF(by);
+    Py_XDECREF(sum);
+    Py_XDECREF(cap);
     return rc;
 }
 
@@ -298,7 +298,11 @@ static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *
                  const int64_t *fresh, Py_ssize_t n) {
     int64_t depth;
     PyObject *extended = NULL;
-    if (holding_drop_ints((Holding *)held, fresh, n) < 0 || field(cursor->depth, &depth) < 0 ||
+    /* Holding exactly the n distinct pages, the lease holds nothing else: emptied, as the reference does. */
+    int all = PyList_GET_SIZE(held) == n;
+    if (all && PyList_SetSlice(held, 0, n, NULL) == 0)
+        ((Holding *)held)->total = 0;
+    if ((all ? PyErr_Occurred() != NULL : holding_drop_ints((Holding *)held, fresh, n) < 0) || field(cursor->depth, &depth) < 0 ||
         (extended = holding_extend((Holding *)pinned_nodes, nodes)) == NULL)
         return -1;
     Py_DECREF(extended);
@@ -350,6 +354,10 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     PyObject *now = PyObject_GetAttr(ledger, s_clock);
     long long tick = now ? PyLong_AsLongLong(now) : -1;
     Py_XDECREF(now);
+    if (tick == LLONG_MAX) { /* a clock the kernel cannot advance: the reference's */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
     clock = tick == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(tick + 1); /* Ledger.tick */
     taken = clock ? PyList_GetSlice(pages, 0, n) : NULL;
     made = taken ? pinned(tree, cursor, data, 0, taken, clock) : NULL;
@@ -360,7 +368,7 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     PyObject *nodes = PyTuple_GET_ITEM(made, 0), *digest = NULL;
     uint64_t records = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(made, 1));
     int bad = PyObject_SetAttr(ledger, s_clock, clock) < 0 || (digest = PyObject_GetAttr(ledger, s_digest)) == NULL ||
-              add_to(digest, s_value, records, 1) < 0 || add_to(ledger, s_protected, (uint64_t)n, 0) < 0 ||
+              add_to(digest, s_value, (long long)records, 1) < 0 || add_to(ledger, s_protected, (long long)n, 0) < 0 ||
               adopt(lease, held, pinned_nodes, (Node *)cursor, nodes, fresh, n) < 0;
     Py_XDECREF(digest);
     if (!bad)

@@ -149,12 +149,12 @@ int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count) {
     PyObject *kept = PyList_New(0), *gone = PyList_New(0), *done = NULL;
     for (Py_ssize_t i = 0; kept != NULL && gone != NULL && i < PyList_GET_SIZE(self); i++) {
         PyObject *item = PyList_GET_ITEM(self, i);
-        long long v = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+        int overflow = 0, in = 0;
+        long long v = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
         if (v == -1 && PyErr_Occurred())
-            PyErr_Clear(); /* not an int64: not one of ``drop`` */
-        int in = 0;
-        for (Py_ssize_t k = 0; k < count && !in && PyLong_Check(item); k++)
-            in = drop[k] == v;
+            goto out;
+        for (Py_ssize_t k = 0; k < count && !in && PyLong_Check(item) && !overflow; k++)
+            in = drop[k] == v; /* (an int past int64 is none of them) */
         if (PyList_Append(in ? gone : kept, item) < 0)
             goto out;
     }

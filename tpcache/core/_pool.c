@@ -16,9 +16,11 @@ static PyObject *py_take_pages(PyObject *mod, PyObject *const *args, Py_ssize_t 
     PyObject *free_list = args[0], *owned = args[1];
     if (!PyList_CheckExact(free_list) || !PyByteArray_CheckExact(owned))
         return PyErr_Format(PyExc_TypeError, "take_pages takes a list and a bytearray");
-    Py_ssize_t fresh = PyLong_AsSsize_t(args[2]), total = PyLong_AsSsize_t(args[3]), n = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
+    Py_ssize_t counts[3]; /* fresh, num_pages, n: any int or index-like value, as the reference takes them */
+    for (int i = 0; i < 3; i++)
+        if ((counts[i] = PyNumber_AsSsize_t(args[2 + i], PyExc_OverflowError)) == -1 && PyErr_Occurred())
+            return NULL;
+    Py_ssize_t fresh = counts[0], total = counts[1], n = counts[2];
     if (n < 0 || fresh < 0 || fresh > total || PyByteArray_GET_SIZE(owned) != fresh)
         return PyErr_Format(PyExc_ValueError, "take_pages: %zd pages of a pool at %zd of %zd", n, fresh, total);
     Py_ssize_t freed = PyList_GET_SIZE(free_list), new = n - freed;
@@ -51,6 +53,11 @@ static PyObject *py_take_pages(PyObject *mod, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     if (PyList_SetSlice(free_list, freed - reuse, freed, NULL) < 0) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (new > 0 && PyByteArray_Resize(owned, fresh) < 0) /* the marks back as they were */
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
         Py_DECREF(pages);
         return NULL;
     }

@@ -115,7 +115,7 @@ class Inserter:
         held = lease.pages
         if not n or len(pages) < n or len(held) < n or cursor.child_at(data, 0, step) is not None:
             return None
-        new = pages if len(pages) == n else pages[:n]
+        new = pages[:n]  # a copy: ``pages`` may be the lease's own holding, which the adoption empties
         fresh = set(new)
         if len(fresh) != n or not fresh.issubset(held):
             return None
