@@ -143,6 +143,30 @@ static int set_by_tokens(PyObject *d, Node *node) {
     return rc;
 }
 
+PyObject *kids_at(Node *n, const char *key, Py_ssize_t len) {
+    PyObject *kids = n->kids, *found = NULL;
+    if (kids == NULL)
+        return NULL;
+    if (Py_IS_TYPE(kids, &NodeType)) {
+        Node *only = (Node *)kids;
+        return Py_SIZE(only) == len && memcmp(only->tok, key, (size_t)len) == 0 ? kids : NULL;
+    }
+    if (PyDict_GET_SIZE(kids) <= SCAN_KIDS) {
+        Py_ssize_t at = 0;
+        PyObject *v;
+        while (found == NULL && PyDict_Next(kids, &at, NULL, &v)) {
+            Node *c = (Node *)v; /* children are nodes: kids_add is the only way in */
+            if (Py_SIZE(c) == len && memcmp(c->tok, key, (size_t)len) == 0)
+                found = v;
+        }
+        return found;
+    }
+    PyObject *k = PyBytes_FromStringAndSize(key, len);
+    found = k ? PyDict_GetItemWithError(kids, k) : NULL;
+    Py_XDECREF(k);
+    return found;
+}
+
 PyObject *kids_get(Node *n, PyObject *key) {
     if (n->kids == NULL)
         return NULL;
@@ -274,28 +298,9 @@ static PyObject *node_child_at(Node *self, PyObject *const *args, Py_ssize_t nar
         return PyErr_Format(PyExc_ValueError, "child_at takes bytes and a position and a length of at least 0");
     Py_ssize_t size = PyBytes_GET_SIZE(data);
     Py_ssize_t len = pos >= size ? 0 : step < size - pos ? step : size - pos; /* as the slice clips */
-    const char *key = PyBytes_AS_STRING(data) + (pos < size ? pos : size);
-    PyObject *kids = self->kids, *found = NULL;
-    if (kids == NULL)
-        found = NULL;
-    else if (Py_IS_TYPE(kids, &NodeType)) {
-        Node *only = (Node *)kids;
-        found = Py_SIZE(only) == len && memcmp(only->tok, key, (size_t)len) == 0 ? kids : NULL;
-    } else if (PyDict_GET_SIZE(kids) <= SCAN_KIDS) {
-        Py_ssize_t at = 0;
-        PyObject *v;
-        while (found == NULL && PyDict_Next(kids, &at, NULL, &v)) {
-            Node *c = (Node *)v; /* children are nodes: kids_add is the only way in */
-            if (Py_SIZE(c) == len && memcmp(c->tok, key, (size_t)len) == 0)
-                found = v;
-        }
-    } else {
-        PyObject *k = PyBytes_FromStringAndSize(key, len);
-        found = k ? PyDict_GetItemWithError(kids, k) : NULL;
-        Py_XDECREF(k);
-        if (found == NULL && PyErr_Occurred())
-            return NULL;
-    }
+    PyObject *found = kids_at(self, PyBytes_AS_STRING(data) + (pos < size ? pos : size), len);
+    if (found == NULL && PyErr_Occurred())
+        return NULL;
     return Py_NewRef(found ? found : Py_None);
 }
 
@@ -441,7 +446,7 @@ PyMODINIT_FUNC PyInit__node(void) {
     if (PyModule_AddFunctions(m, candidate_methods) < 0 || PyModule_AddFunctions(m, evict_methods) < 0 ||
         PyModule_AddFunctions(m, chain_methods) < 0 || PyModule_AddFunctions(m, settle_methods) < 0 ||
         PyModule_AddFunctions(m, round_methods) < 0 ||
-        PyModule_AddFunctions(m, pool_methods) < 0) {
+        PyModule_AddFunctions(m, pool_methods) < 0 || PyModule_AddFunctions(m, lookup_methods) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -34,6 +34,7 @@ extern PyMethodDef chain_methods[];     /* _chain.c */
 extern PyMethodDef settle_methods[];    /* _settle.c */
 extern PyMethodDef round_methods[];     /* _round.c */
 extern PyMethodDef pool_methods[];      /* _pool.c */
+extern PyMethodDef lookup_methods[];    /* _lookup.c */
 
 /* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
 int candidacy(PyObject *node); /* _candidates.c */
@@ -71,6 +72,9 @@ static inline Py_ssize_t kids_count(Node *n) {
 }
 /* The child keyed by ``key`` (borrowed), or NULL: then an exception is set on an error only. */
 PyObject *kids_get(Node *n, PyObject *key);
+/* The child whose tokens are the ``len`` bytes at ``key`` (borrowed), or NULL: then an exception is
+ * set on an error only. */
+PyObject *kids_at(Node *n, const char *key, Py_ssize_t len);
 /* Add ``child`` under its tokens: 0, 1 if a child has those tokens already (nothing changed), or -1
  * and an exception. */
 int kids_add(Node *n, Node *child);

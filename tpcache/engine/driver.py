@@ -17,12 +17,14 @@ the group for good (every rank closes and says the group must be restarted).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from protocol.round_vector import HEALTH_COMMIT_FAILED, HEALTH_PREPARE_FAILED
 from tpcache.core import Admitted, CacheClosed, CacheCore, MatchResult, Materialized, Shape, Transfer
 from tpcache.core.hashing import TokenIds
+from tpcache.core.lookup import lookup
 from tpcache.core.round import Round, RoundReport
 from tpcache.dist.collective import Collective, CollectiveError
 
@@ -268,3 +270,7 @@ class Operations:
     def match(self, tokens: TokenIds) -> MatchResult:
         """A pure lookup (not sequenced; changes nothing)."""
         return self.core.match(tokens)
+
+    def lookup(self, tokens: TokenIds) -> tuple[int, int, array]:
+        """``match``'s (device pages, host pages, device page ids) alone, at less cost. Pure."""
+        return lookup(self.core, tokens)

@@ -76,10 +76,9 @@ class RankHandler:
         tokens as their wire bytes: what the reply needs of the cache's match (``ops.Found``; the
         match itself, which lists every node it found, is let go at once). Raises ProtocolError."""
         try:
-            m = self.tp.match(tokens)
+            return self.tp.lookup(tokens)
         except Exception as exc:  # mapped as apply maps it
             raise to_protocol_error(exc) from None
-        return (m.device_pages, m.host_pages, m.device_page_array)
 
     def hello(self) -> p.HelloResult:
         return p.HelloResult(

@@ -179,8 +179,7 @@ Found = tuple[int, int, array]
 
 def match_result(h: RankHandler, tokens: Any) -> p.MatchResult:
     """The reply to a match of ``tokens`` (ids, or their wire bytes) without a storage lookup."""
-    m = h.tp.match(tokens)
-    return match_body((m.device_pages, m.host_pages, m.device_page_array), h.tp.config.page_size)
+    return match_body(h.tp.lookup(tokens), h.tp.config.page_size)
 
 
 def match_body(found: Found, page_size: int) -> p.MatchResult:
