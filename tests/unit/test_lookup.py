@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+import tpcache.core.lookup as lookup_module
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.lookup import lookup as lookup_of
 from tpcache.core.tree import NATIVE_NODES
@@ -44,16 +45,40 @@ def expected(core: CacheCore, tokens: list[int]) -> tuple[int, int, list[int]]:
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", range(3))
 def test_a_lookup_finds_what_match_finds(config, seed):
-    core = CacheCore(CacheConfig(page_size=PAGE, **CONFIGS[config]))
+    _schedule(config, seed, PAGE, alphabet=4)
+
+
+@pytest.mark.parametrize(("page_size", "alphabet"), [(1, 4), (16, 4), (4, 40)])
+def test_a_lookup_finds_what_match_finds_at_other_pages_and_fan_outs(page_size, alphabet):
+    """Pages of 1 and 16 tokens, and nodes with more children than the kernel scans (a dict lookup)."""
+    _schedule("host", page_size + alphabet, page_size, alphabet)
+
+
+def test_without_the_kernel_a_lookup_is_match_s(monkeypatch):
+    monkeypatch.setattr(lookup_module, "_native_lookup", None)
+    _schedule("host", 7, PAGE, alphabet=4)
+
+
+@pytest.mark.parametrize("tokens", [[1, 2**31], [1.5], "abcd", b"abc", None, [[1]]])
+def test_a_lookup_refuses_what_match_refuses(tokens):
+    core = CacheCore(CacheConfig(page_size=PAGE, device_pages=8))
+    with pytest.raises(Exception) as refused:
+        core.match(tokens)
+    with pytest.raises(type(refused.value)):
+        lookup_of(core, tokens)
+
+
+def _schedule(config: str, seed: int, page: int, alphabet: int) -> None:
+    core = CacheCore(CacheConfig(page_size=page, **CONFIGS[config]))
     rng = random.Random(seed)
     leases: list = []
     seen: list[list[int]] = []
     native = host_hits = host_only = 0
     for step in range(300):
-        op = random_op(rng, PAGE, requests=0.4, appends=0.1)
+        op = random_op(rng, page, alphabet=alphabet, requests=0.4, appends=0.1)
         apply(core, op, leases)
         if op[0] in ("lock", "request"):
-            seen.append(tokens_for(op[1], PAGE, op[2]))
+            seen.append(tokens_for(op[1], page, op[2]))
         if rng.random() < 0.3:
             drain(core)  # otherwise copies stay in flight: loading pages, slots being written
         for tokens in seen[-12:] + [t[: rng.randrange(len(t) + 1)] for t in seen[-4:]]:

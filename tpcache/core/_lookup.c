@@ -1,6 +1,6 @@
 /* A plain lookup in C: CacheCore.match's counts and device pages for a tree of native nodes without
  * components, read node by node from the root with each page's tokens compared where they lie; no
- * walk, no list of the nodes found. CacheCore.lookup falls back to match for anything else; tests
+ * walk, no list of the nodes found. tpcache.core.lookup falls back to match for anything else; tests
  * hold the two equal. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -13,12 +13,18 @@ static PyObject *array_type = NULL; /* array.array, for the pages */
 
 static PyObject *valid_member = NULL; /* DeviceState.VALID, the object most nodes on a hit hold */
 
-/* A node's tier state (an IntEnum member): its value, or -1 and an exception. */
-static long state(PyObject *v) {
-    if (v == valid_member)
-        return STATE_VALID;
-    long s = PyLong_AsLong(v);
-    return s == -1 && PyErr_Occurred() ? -1 : s;
+/* A node's tier state (an IntEnum member) into ``*out``: 0, or -1 and an exception. */
+static int state(PyObject *v, long *out) {
+    if (v == valid_member) {
+        *out = STATE_VALID;
+        return 0;
+    }
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a node's tier state was deleted");
+        return -1;
+    }
+    *out = PyLong_AsLong(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* lookup(root, data, step, host_hits) -> (device pages, host pages, array('i') of the device pages):
@@ -38,12 +44,16 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     if (!PyBytes_Check(data) || step <= 0)
         return PyErr_Format(PyExc_ValueError, "lookup takes token bytes and a page of at least one byte");
-    if (array_type == NULL) {
+    if (array_type == NULL) { /* both or neither: a failed load is tried again at the next call */
         PyObject *m = PyImport_ImportModule("array");
-        array_type = m ? PyObject_GetAttrString(m, "array") : NULL;
+        PyObject *type = m ? PyObject_GetAttrString(m, "array") : NULL, *valid = type ? device_state_member("VALID") : NULL;
         Py_XDECREF(m);
-        if (array_type == NULL || (valid_member = device_state_member("VALID")) == NULL)
+        if (valid == NULL) {
+            Py_XDECREF(type);
             return NULL;
+        }
+        array_type = type;
+        valid_member = valid;
     }
     Py_ssize_t pages = PyBytes_GET_SIZE(data) / step, dev = 0, host = 0;
     PyObject *ids = PyBytes_FromStringAndSize(NULL, pages * 4); /* int32 per page, as array('i') holds them */
@@ -60,8 +70,8 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             break;
         }
         node = (Node *)child; /* children are nodes: kids_add is the only way in */
-        long ds = state(node->device_state);
-        if (ds < 0)
+        long ds, hs = STATE_NONE;
+        if (state(node->device_state, &ds) < 0)
             goto fail;
         if (host == 0 && ds == STATE_VALID) { /* still in the device prefix */
             if (node->device_page < INT32_MIN || node->device_page > INT32_MAX) {
@@ -71,8 +81,7 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             out[dev++] = (int32_t)node->device_page;
             continue;
         }
-        long hs = host_hits ? state(node->host_state) : STATE_NONE;
-        if (hs < 0)
+        if (host_hits && state(node->host_state, &hs) < 0)
             goto fail;
         if (hs != STATE_VALID || ds != STATE_NONE)
             break;
@@ -90,6 +99,6 @@ fail:
 
 PyMethodDef lookup_methods[] = {
     {"lookup", (PyCFunction)(void (*)(void))py_lookup, METH_FASTCALL,
-     "CacheCore.match's device and host hit and device pages (CacheCore.lookup; see _lookup.c)."},
+     "CacheCore.match's device and host hit and device pages (tpcache.core.lookup; see _lookup.c)."},
     {NULL, NULL, 0, NULL},
 };

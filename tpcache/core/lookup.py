@@ -13,16 +13,17 @@ if TYPE_CHECKING:
     from tpcache.core.cache import CacheCore
 
 try:
-    from tpcache.core import _node as _native
-except ImportError:  # built without a C compiler
-    _native = None  # type: ignore[assignment]
+    from tpcache.core._node import lookup as _native_lookup
+except ImportError:  # built without a C compiler (or an older build)
+    _native_lookup = None
 
 
 def lookup(core: CacheCore, tokens: TokenIds) -> tuple[int, int, array]:
     """(device pages, host pages, the device prefix's page ids) of ``core.match(tokens)``."""
-    if _native is not None and core.hybrid is None and not core.closed:  # (components: the hit rule's)
-        found = _native.lookup(core.tree.root, as_token_bytes(tokens), core.page_size * 4, not core.staging.enabled)
+    data = as_token_bytes(tokens)  # once: ``match`` takes the bytes as they are
+    if _native_lookup is not None and core.hybrid is None and not core.closed:  # (components: the hit rule's)
+        found = _native_lookup(core.tree.root, data, core.page_size * 4, not core.staging.enabled)
         if found is not None:
             return found
-    m = core.match(tokens)
+    m = core.match(data)
     return m.device_pages, m.host_pages, m.device_page_array
