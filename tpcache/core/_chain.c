@@ -196,10 +196,8 @@ static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssi
         goto done;
     }
     if (count > 0) {
-        PyObject *head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + offset, step);
-        int taken = head ? kids_get((Node *)parent, head) != NULL : -1;
+        int taken = kids_at((Node *)parent, PyBytes_AS_STRING(data) + offset, step) != NULL;
         taken = taken == 0 && PyErr_Occurred() ? -1 : taken;
-        Py_XDECREF(head);
         if (taken != 0) {
             if (taken > 0)
                 PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", ((Node *)parent)->node_id);
@@ -326,7 +324,7 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     if (load_append() < 0)
         return NULL;
     PyObject *parts = PyObject_GetAttr(ledger, s_parts), *tree = NULL, *held = NULL, *pinned_nodes = NULL;
-    PyObject *out = NULL, *head = NULL, *taken = NULL, *made = NULL, *clock = NULL, *size = NULL;
+    PyObject *out = NULL, *taken = NULL, *made = NULL, *clock = NULL, *size = NULL;
     int64_t fresh[APPEND_MAX];
     int plain = parts == NULL ? -1 : !PyObject_IsTrue(parts);
     if (plain > 0) {
@@ -344,10 +342,7 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
         out = Py_NewRef(Py_None);
         goto done;
     }
-    head = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data), step);
-    if (head == NULL)
-        goto done;
-    if (kids_get((Node *)cursor, head) != NULL || PyErr_Occurred()) {
+    if (kids_at((Node *)cursor, PyBytes_AS_STRING(data), step) != NULL || PyErr_Occurred()) {
         out = PyErr_Occurred() ? NULL : Py_NewRef(Py_None); /* a page already below the cursor: _adopt's */
         goto done;
     }
@@ -380,7 +375,6 @@ done:
     Py_XDECREF(clock);
     Py_XDECREF(made);
     Py_XDECREF(taken);
-    Py_XDECREF(head);
     Py_XDECREF(held);
     Py_XDECREF(pinned_nodes);
     return out;

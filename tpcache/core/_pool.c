@@ -3,6 +3,7 @@
  * every step. The Python version stays as the reference; tests hold the two equal. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 #include "_node.h"
 
@@ -26,11 +27,10 @@ static PyObject *py_take_pages(PyObject *mod, PyObject *const *args, Py_ssize_t 
     Py_ssize_t freed = PyList_GET_SIZE(free_list), new = n - freed;
     if (new > total - fresh)
         Py_RETURN_NONE;
-    Py_ssize_t reuse = new > 0 ? freed : n;
+    Py_ssize_t reuse = new > 0 ? freed : n, unused = new > 0 ? new : 0; /* never-used pages it takes */
     PyObject *pages = PyList_New(n);
     if (pages == NULL)
         return NULL;
-    char *mark = PyByteArray_AS_STRING(owned);
     for (Py_ssize_t i = 0; i < reuse; i++) { /* check every reused page before changing anything */
         PyObject *p = PyList_GET_ITEM(free_list, freed - 1 - i);
         Py_ssize_t page = PyLong_Check(p) ? PyLong_AsSsize_t(p) : -1;
@@ -48,26 +48,24 @@ static PyObject *py_take_pages(PyObject *mod, PyObject *const *args, Py_ssize_t 
         }
         PyList_SET_ITEM(pages, i, p);
     }
-    if (new > 0 && PyByteArray_Resize(owned, fresh + new) < 0) {
+    if (unused && PyByteArray_Resize(owned, fresh + unused) < 0) {
         Py_DECREF(pages);
         return NULL;
     }
     if (PyList_SetSlice(free_list, freed - reuse, freed, NULL) < 0) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (new > 0 && PyByteArray_Resize(owned, fresh) < 0) /* the marks back as they were */
+        if (unused && PyByteArray_Resize(owned, fresh) < 0) /* the marks back as they were */
             PyErr_Clear();
         PyErr_Restore(type, value, tb);
         Py_DECREF(pages);
         return NULL;
     }
-    mark = PyByteArray_AS_STRING(owned);
+    char *mark = PyByteArray_AS_STRING(owned); /* (after the resize, which may move it) */
     for (Py_ssize_t i = 0; i < reuse; i++)
         mark[PyLong_AsSsize_t(PyList_GET_ITEM(pages, i))] = 1;
-    for (Py_ssize_t i = 0; i < (new > 0 ? new : 0); i++)
-        mark[fresh + i] = 1;
-    PyObject *out = Py_BuildValue("(Nn)", pages, fresh + (new > 0 ? new : 0));
-    return out;
+    memset(mark + fresh, 1, (size_t)unused);
+    return Py_BuildValue("(Nn)", pages, fresh + unused);
 }
 
 PyMethodDef pool_methods[] = {

@@ -97,12 +97,12 @@ class Inserter:
             padded = {c: [-1] * len(path) + list(v) for c, v in parts.items()} if parts else None
             return self.insert(lease, before + as_token_bytes(tokens), [n.device_page for n in path] + pages, padded)
         data = as_token_bytes(tokens)
-        if not parts and _native is not None:  # ``_append_new`` in C (_chain.c): None where it does not apply
-            chain = _native.append_chain(self.ledger, lease, cursor, data, pages)
+        if not parts:  # most appends: ``_append_new``, in C where built (_chain.c; None where it does not apply)
+            chain = _native.append_chain(self.ledger, lease, cursor, data, pages) if _native is not None else None
             if chain is not None:
                 return self._added(lease, chain)
-        if not parts and (made := self._append_new(lease, cursor, data, pages)) is not None:
-            return made
+            if (made := self._append_new(lease, cursor, data, pages)) is not None:
+                return made
         return self._adopt(lease, self.ledger.tree.walk(data, cursor), cursor, pages, parts)
 
     def _append_new(self, lease: Lease, cursor: Node, data: bytes, pages: list[int]) -> tuple[int, int] | None:
