@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import neg
+from typing import NamedTuple
 
 LAYOUT_VERSION = 2
 INT64_MAX = (1 << 63) - 1
@@ -110,9 +111,9 @@ class _Fields:
         return self.values[self._index[name]]
 
 
-@dataclass(frozen=True, slots=True)
-class Agreement:
-    """Per field, the minimum (``lo``) and maximum (``hi``) over all ranks."""
+class Agreement(NamedTuple):
+    """Per field, the minimum (``lo``) and maximum (``hi``) over all ranks (a tuple: every round
+    makes one, and a frozen dataclass costs several times as much to build)."""
 
     lo: _Fields
     hi: _Fields

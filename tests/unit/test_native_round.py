@@ -1,10 +1,12 @@
 """The round's kernels in C (``tpcache/core/_round.c``) against their Python references: the digest
-of a list of ids, the completion queues' fields of the round vector, and the vector's (x, -x) pairs.
+of a list of ids, the completion queues' fields of the round vector, the vector's (x, -x) pairs, and
+whether a reduced vector is this rank's own.
 (``tests/sim`` runs the round end to end on whichever of the two is built.)"""
 
 from __future__ import annotations
 
 import random
+from array import array
 from collections import deque
 
 import pytest
@@ -13,7 +15,7 @@ from protocol.round_vector import RoundLayout, RoundVectorError
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.digest import reference_mix_ids
 from tpcache.core.records import OpKind, Transfer
-from tpcache.core.round import Round, queue_fields, reference_queue_fields
+from tpcache.core.round import Round, queue_fields, reference_queue_fields, reference_same_vector, same_vector
 from tpcache.core.tree import NATIVE_NODES
 
 native = pytest.mark.skipif(not NATIVE_NODES, reason="the C extension is not built")
@@ -85,10 +87,53 @@ def test_the_vector_pairs_match_the_reference_and_leave_bad_values_to_it():
     limit = (1 << 63) - 1
     for _ in range(200):
         values = [rng.choice([0, 1, -1, limit, -limit, rng.randrange(-limit, limit + 1)]) for _ in range(6)]
-        assert _node.pack_pairs(values) == layout.pack_values(values)
+        assert _node.pack_pairs(values) == array("q", layout.pack_values(values))
     for bad in ([limit + 1], [-limit - 1], [1 << 80], [1.5], ["1"], [None]):
         assert _node.pack_pairs(bad) is None
     assert _node.pack_pairs((1, 2)) is None  # only a list: the round builds one
+
+
+@native
+def test_a_reduced_vector_is_the_rank_s_own_exactly_when_the_reference_says_so():
+    rng = random.Random(11)
+    limit = (1 << 63) - 1
+    for _ in range(300):
+        values = [rng.choice([0, 1, -1, limit, -limit, rng.randrange(-limit, limit + 1)]) for _ in range(6)]
+        vector = _node.pack_pairs(values)
+        reduced = vector.tolist()
+        change = rng.randrange(4)
+        if change == 1:  # another rank sent less somewhere
+            reduced[rng.randrange(len(reduced))] -= 1
+        elif change == 2:  # one value short or one too many
+            reduced = reduced[:-1] if rng.random() < 0.5 else reduced + [0]
+        elif change == 3:  # a value that is no int64, or no int
+            reduced[rng.randrange(len(reduced))] = rng.choice([1 << 64, -(1 << 70), 1.0, None, "1"])
+        want = reference_same_vector(reduced, vector)
+        assert _node.same_vector(reduced, vector) in (want, None)
+        assert same_vector(reduced, vector) is want
+    vector = _node.pack_pairs([5, 7])
+    assert _node.same_vector([5, -5, 7, -7], vector) is True and same_vector([5, -5, 7, -7], vector)
+    assert _node.same_vector([True, -1], _node.pack_pairs([1])) is True  # an int's subclass, as == reads it
+    assert _node.same_vector([1 << 64, -5, 7, -7], vector) is False
+    assert _node.same_vector([5.0, -5, 7, -7], vector) is None and same_vector([5.0, -5, 7, -7], vector)
+    # Not a list, or not an int64 array: left to the reference (which the round then uses).
+    assert _node.same_vector((5, -5, 7, -7), vector) is None and same_vector((5, -5, 7, -7), vector)
+    assert _node.same_vector(vector, vector) is None and same_vector(vector, vector)
+    assert _node.same_vector([5, -5], array("i", [5, -5])) is None
+
+
+def test_the_round_takes_its_own_vector_back_as_unanimous_on_either_path():
+    """A one-rank round: the reduced vector is the rank's own whatever form it comes back in."""
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8))
+    rnd = Round(core)
+    for reduced in (list, tuple, lambda v: v):
+        vector = rnd.prepare(0, {}, 0, True)
+        report = rnd.commit(reduced(vector))
+        assert report.mismatches == [] and report.closed_reason is None
+    vector = rnd.prepare(0, {}, 0, True)
+    other = vector.tolist()
+    other[2] += 1  # another rank saw a different round number
+    assert rnd.commit(other).mismatches == ["round"] and core.closed
 
 
 def test_the_round_names_a_field_out_of_range_on_either_path():
@@ -98,4 +143,4 @@ def test_the_round_names_a_field_out_of_range_on_either_path():
     with pytest.raises(RoundVectorError, match="field seq"):
         rnd._pack(values)
     values[rnd.layout.index("seq")] = 7
-    assert rnd._pack(values) == rnd.layout.pack_values(values)
+    assert rnd._pack(values).tolist() == rnd.layout.pack_values(values)

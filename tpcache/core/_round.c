@@ -1,7 +1,7 @@
 /* The round's per-step arithmetic in C: the digest of a list of ids (digest.mix_ids), what a rank
- * saw of each completion queue (round.queue_fields), and the round vector's (x, -x) pairs
- * (RoundLayout.pack_values). round.py and round_vector.py keep the Python versions as the
- * reference; tests hold the two equal. */
+ * saw of each completion queue (round.queue_fields), the round vector's (x, -x) pairs
+ * (RoundLayout.pack_values), and whether the reduced vector is this rank's own (Round.commit).
+ * round.py and round_vector.py keep the Python versions as the reference; tests hold the two equal. */
 #include "_node.h"
 #include "_xxh3.h"
 
@@ -161,39 +161,80 @@ fail:
     return NULL;
 }
 
-/* pack_pairs(values) -> [x0, -x0, x1, -x1, ...], or None when a value is not an int in
- * [-INT64_MAX, INT64_MAX] (the caller's reference raises the error that names the field). */
+/* pack_pairs(values) -> array('q', [x0, -x0, x1, -x1, ...]), what the collective sends (no int
+ * object made per element), or None when a value is not an int in [-INT64_MAX, INT64_MAX] (the
+ * caller's reference raises the error that names the field). */
 static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
+    static PyObject *array_type;
     if (!PyList_CheckExact(values))
         Py_RETURN_NONE;
+    if (array_type == NULL) {
+        PyObject *m = PyImport_ImportModule("array");
+        array_type = m == NULL ? NULL : PyObject_GetAttrString(m, "array");
+        Py_XDECREF(m);
+        if (array_type == NULL)
+            return NULL;
+    }
     Py_ssize_t n = PyList_GET_SIZE(values);
-    PyObject *out = PyList_New(2 * n);
-    if (out == NULL)
+    PyObject *raw = PyBytes_FromStringAndSize(NULL, 16 * n);
+    if (raw == NULL)
         return NULL;
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(raw);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PyList_GET_ITEM(values, i);
         int overflow = 0;
         long long v = PyLong_Check(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : 0;
         if (!PyLong_Check(x) || overflow || v < -INT64_MAX || (v == -1 && PyErr_Occurred())) {
             PyErr_Clear();
-            Py_DECREF(out);
+            Py_DECREF(raw);
             Py_RETURN_NONE;
         }
-        PyObject *neg = PyLong_FromLongLong(-v);
-        if (neg == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_INCREF(x);
-        PyList_SET_ITEM(out, 2 * i, x);
-        PyList_SET_ITEM(out, 2 * i + 1, neg);
+        out[2 * i] = (int64_t)v;
+        out[2 * i + 1] = -(int64_t)v;
     }
-    return out;
+    PyObject *vector = PyObject_CallFunction(array_type, "sO", "q", raw);
+    Py_DECREF(raw);
+    return vector;
+}
+
+/* same_vector(reduced, vector) -> whether the list ``reduced`` holds exactly the int64 values of the
+ * array('q') ``vector`` (the reduced vector is this rank's own), with no int object made; None
+ * when ``reduced`` is not a list, holds something that is not an int, or ``vector`` is not an int64
+ * array (the caller compares as Python does). */
+static PyObject *py_same_vector(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "same_vector takes the reduced vector and this rank's own");
+    if (!PyList_CheckExact(args[0]) || !PyObject_CheckBuffer(args[1]))
+        Py_RETURN_NONE;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *answer = Py_None;
+    if (view.itemsize == 8 && view.format != NULL && strcmp(view.format, "q") == 0) {
+        Py_ssize_t n = PyList_GET_SIZE(args[0]);
+        const int64_t *mine = view.buf;
+        answer = n == view.len / 8 ? Py_True : Py_False;
+        for (Py_ssize_t i = 0; i < n && answer == Py_True; i++) {
+            PyObject *x = PyList_GET_ITEM(args[0], i);
+            int overflow = 0;
+            if (!PyLong_Check(x)) {
+                answer = Py_None; /* no int (a float equal to one?): as Python compares it */
+                break;
+            }
+            long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+            if (overflow || v != mine[i])
+                answer = Py_False; /* past int64, or another value: not this rank's vector */
+        }
+    }
+    PyBuffer_Release(&view);
+    return Py_NewRef(answer);
 }
 
 PyMethodDef round_methods[] = {
     {"mix_ids", py_mix_ids, METH_O, "digest.mix_ids(ids) in C."},
     {"queue_fields", (PyCFunction)(void (*)(void))py_queue_fields, METH_FASTCALL, "round.queue_fields in C."},
-    {"pack_pairs", py_pack_pairs, METH_O, "RoundLayout.pack_values' pairs in C (None: let the reference raise)."},
+    {"pack_pairs", py_pack_pairs, METH_O, "RoundLayout.pack_values' pairs in C, as an array('q') (None: let the reference raise)."},
+    {"same_vector", (PyCFunction)(void (*)(void))py_same_vector, METH_FASTCALL,
+     "Whether a reduced list equals this rank's int64 array (None: compare in Python)."},
     {NULL, NULL, 0, NULL},
 };

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -81,6 +82,19 @@ def queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping[int, int]
     return reference_queue_fields(queues, landed)
 
 
+def reference_same_vector(reduced: Sequence[int], vector: array) -> bool:
+    """Whether the reduced vector holds exactly this rank's own values, in order."""
+    return list(reduced) == vector.tolist()
+
+
+def same_vector(reduced: Sequence[int], vector: array) -> bool:
+    if _native is not None:  # in C (_round.c): no int object made per element
+        same = _native.same_vector(reduced, vector)
+        if same is not None:  # None: not a list and an int64 array, compared as the reference does
+            return same
+    return reference_same_vector(reduced, vector)
+
+
 @dataclass(slots=True)
 class RoundReport:
     round: int
@@ -111,7 +125,7 @@ class Round:
         self.disabled: set[str] = set()
         self.mismatch_counts: dict[str, int] = {}  # field -> rounds it disagreed (metrics)
         self.broken: str | None = None  # why the collective can no longer be trusted, once it failed
-        self._prepared: tuple[list[int], list[int]] | None = None  # this round's values and vector
+        self._prepared: tuple[list[int], array] | None = None  # this round's values and vector
         at = self.layout.index
         self._at_health, self._at_idle = at("health"), at("idle")
         self._at_flush, self._at_drained = at("flush"), at("drained")
@@ -133,7 +147,7 @@ class Round:
             return (self.core.state_digest() + plans) & DIGEST_MASK
         return self.core.state_digest()
 
-    def prepare(self, seq: int, landed: Mapping[int, int], health: int, drained: bool) -> list[int]:
+    def prepare(self, seq: int, landed: Mapping[int, int], health: int, drained: bool) -> array:
         """This rank's vector for the round. Pure with respect to the core.
 
         ``landed``: op id -> pages that landed, for every op this rank saw finish and not yet
@@ -164,20 +178,21 @@ class Round:
         self._prepared = (values, vector)
         return vector
 
-    def _pack(self, values: list[int]) -> list[int]:
+    def _pack(self, values: list[int]) -> array:
+        """The vector the collective sends, as the int64 array it sends (no conversion there)."""
         if _native is not None and len(values) == len(self.layout.fields):
             vector = _native.pack_pairs(values)  # None: a value out of range, which the reference names
             if vector is not None:
                 return vector
-        return self.layout.pack_values(values)
+        return array("q", self.layout.pack_values(values))
 
-    def poison_vector(self, seq: int, health: int) -> list[int]:
+    def poison_vector(self, seq: int, health: int) -> array:
         """A vector that says "this rank is unhealthy", for a rank that could not prepare one."""
         values = [0] * len(self.layout.fields)
         at = self.layout.index
         values[at("layout")], values[at("round")], values[at("seq")] = self.layout_digest, self.number, seq
         values[self._at_health] = health
-        vector = self.layout.pack_values(values)
+        vector = array("q", self.layout.pack_values(values))
         self._prepared = (values, vector)
         return vector
 
@@ -192,7 +207,7 @@ class Round:
         self.number += 1  # first: a commit that raises below still counts its round, as its peers do
         # The reduced vector is this rank's own exactly when every rank sent the same one (MIN over
         # each (x, -x) pair gives (x, -x) back only if no rank had less or more): the common case.
-        if reduced == vector:
+        if same_vector(reduced, vector):
             agreement = self.layout.unanimous(values)
             clear = values[self._at_health] == 0
         else:

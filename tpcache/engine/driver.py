@@ -99,7 +99,7 @@ class Driver:
 
     # ------------------------------------------------------------------ the round
 
-    def begin(self) -> list[int]:
+    def begin(self) -> array:
         """The first half of a round: this rank's vector (a poison vector if it cannot prepare one)."""
         try:
             landed = self.io.landed()
