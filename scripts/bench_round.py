@@ -26,8 +26,12 @@ Prints rank 0's numbers (p50 of wall time per call): round_us_p50/p99 and ratio 
 raw all-reduce), work_round_us_p50/p99 and work_ratio (round with work / raw all-reduce), the
 same for gloo (gloo_*), the local part of a work round (prepare and commit, thread CPU time, which
 load moves little), floor_us_p50, speedup_vs_gloo, busy_raw_us_p50 (busy loop + raw all-reduce),
-and work_same_gap_ratio / gloo_work_same_gap_ratio: the round with work over the raw all-reduce
-after the same request (not the issue's floor: that is the plain raw all-reduce above).
+work_exchange_us_p50 (the all-reduce inside a round with work, wall time, waiting for the other rank
+included), work_same_gap_ratio / gloo_work_same_gap_ratio: the round with work over the raw
+all-reduce after the same request (not the issue's floor: that is the plain raw all-reduce above),
+and work_gap_raw_ratio / gloo_work_gap_raw_ratio: that raw all-reduce over the plain one, what the
+request before a round costs the exchange alone (a round with work, which adds its own prepare and
+commit to it, cannot come under this ratio).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class WorkRounds:
         self.rounds = 0
         self.completed = 0
         self.cpu_local: list[float] = []  # thread CPU seconds of prepare + commit per round
+        self.exchange: list[float] = []  # wall seconds of the all-reduce inside the round
 
     def request(self) -> None:
         self.n += 1
@@ -75,13 +80,16 @@ class WorkRounds:
         self.completed += len(report.completed) > 0
 
     def split_step(self) -> None:
-        """The same round in its three parts, timing the local ones (prepare, commit) in CPU time."""
+        """The same round in its three parts, timing the local ones (prepare, commit) in CPU time
+        and the all-reduce between them in wall time (waiting for the other ranks included)."""
         driver, cpu = self.tp.driver, time.thread_time
         t0 = cpu()
         vector = driver.begin()
         t1 = cpu()
+        wall = time.perf_counter()
         reduced = driver.collective.allreduce_min(vector, driver.round_timeout_s)
         t2 = cpu()
+        self.exchange.append(time.perf_counter() - wall)
         report = driver.end(reduced)
         self.cpu_local.append(cpu() - t2 + t1 - t0)
         self.rounds += 1
@@ -150,6 +158,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     if rank == 0:
         s = {k: summarize_us(v) for k, v in samples.items()}
         cpu_local_us = round(percentile(local.cpu_local, 0.5) * 1e6, 2)
+        exchange_us = round(percentile(local.exchange, 0.5) * 1e6, 2)
         results.put(
             {
                 "world_size": world,
@@ -166,6 +175,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                 "work_ratio": round(s["work_round"]["p50_us"] / s["raw"]["p50_us"], 3),
                 "work_rounds_committed": f"{work.completed}/{work.rounds}",
                 "work_local_cpu_us_p50": cpu_local_us,
+                "work_exchange_us_p50": exchange_us,
                 "gloo_round_us_p50": s["gloo_round"]["p50_us"],
                 "gloo_work_round_us_p50": s["gloo_work_round"]["p50_us"],
                 "gloo_allreduce_us_p50": s["gloo_raw"]["p50_us"],
@@ -178,8 +188,10 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                 "busy_raw_us_p50": s["busy_raw"]["p50_us"],
                 "work_gap_raw_us_p50": s["gap_raw"]["p50_us"],
                 "work_same_gap_ratio": round(s["work_round"]["p50_us"] / s["gap_raw"]["p50_us"], 3),
+                "work_gap_raw_ratio": round(s["gap_raw"]["p50_us"] / s["raw"]["p50_us"], 3),
                 "gloo_work_gap_raw_us_p50": s["gloo_gap_raw"]["p50_us"],
                 "gloo_work_same_gap_ratio": round(s["gloo_work_round"]["p50_us"] / s["gloo_gap_raw"]["p50_us"], 3),
+                "gloo_work_gap_raw_ratio": round(s["gloo_gap_raw"]["p50_us"] / s["gloo_raw"]["p50_us"], 3),
                 "open": not fast.core.closed and not gloo.core.closed,
             }
         )
