@@ -120,6 +120,16 @@ def test_a_reduced_vector_is_the_rank_s_own_exactly_when_the_reference_says_so()
     assert _node.same_vector((5, -5, 7, -7), vector) is None and same_vector((5, -5, 7, -7), vector)
     assert _node.same_vector(vector, vector) is None and same_vector(vector, vector)
     assert _node.same_vector([5, -5], array("i", [5, -5])) is None
+    assert _node.same_vector([5, 7], memoryview(vector)[::2]) is None  # strided: no one int64 run
+
+    class Loose(int):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = int.__hash__
+
+    assert _node.same_vector([Loose(9), -5, 7, -7], vector) is None  # its own == decides
+    assert same_vector([Loose(9), -5, 7, -7], vector) is reference_same_vector([Loose(9), -5, 7, -7], vector) is True
 
 
 def test_the_round_takes_its_own_vector_back_as_unanimous_on_either_path():

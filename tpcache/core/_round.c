@@ -199,16 +199,20 @@ static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
 
 /* same_vector(reduced, vector) -> whether the list ``reduced`` holds exactly the int64 values of the
  * array('q') ``vector`` (the reduced vector is this rank's own), with no int object made; None
- * when ``reduced`` is not a list, holds something that is not an int, or ``vector`` is not an int64
- * array (the caller compares as Python does). */
+ * when ``reduced`` is not a list, holds something that is not a plain int, or ``vector`` is not a
+ * contiguous int64 array (the caller compares as Python does). */
 static PyObject *py_same_vector(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "same_vector takes the reduced vector and this rank's own");
     if (!PyList_CheckExact(args[0]) || !PyObject_CheckBuffer(args[1]))
         Py_RETURN_NONE;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError))
+            return NULL;
+        PyErr_Clear(); /* not one int64 run (a strided view): as Python compares it */
+        Py_RETURN_NONE;
+    }
     PyObject *answer = Py_None;
     if (view.itemsize == 8 && view.format != NULL && strcmp(view.format, "q") == 0) {
         Py_ssize_t n = PyList_GET_SIZE(args[0]);
@@ -217,8 +221,8 @@ static PyObject *py_same_vector(PyObject *mod, PyObject *const *args, Py_ssize_t
         for (Py_ssize_t i = 0; i < n && answer == Py_True; i++) {
             PyObject *x = PyList_GET_ITEM(args[0], i);
             int overflow = 0;
-            if (!PyLong_Check(x)) {
-                answer = Py_None; /* no int (a float equal to one?): as Python compares it */
+            if (!PyLong_CheckExact(x) && !PyBool_Check(x)) {
+                answer = Py_None; /* no plain int (a float, a subclass with its own ==): as Python compares it */
                 break;
             }
             long long v = PyLong_AsLongLongAndOverflow(x, &overflow);

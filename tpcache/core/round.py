@@ -88,6 +88,8 @@ def reference_same_vector(reduced: Sequence[int], vector: array) -> bool:
 
 
 def same_vector(reduced: Sequence[int], vector: array) -> bool:
+    if reduced is vector:  # a one-rank caller that hands its own vector back
+        return True
     if _native is not None:  # in C (_round.c): no int object made per element
         same = _native.same_vector(reduced, vector)
         if same is not None:  # None: not a list and an int64 array, compared as the reference does

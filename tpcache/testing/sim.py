@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import random
 import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -323,7 +324,7 @@ class SimCluster:
                     raise SimFailure(f"round {self.now}: {kind.name} applied completions despite differing digests")
         self.after_commit = True
 
-    def _exchange(self, vectors: dict[int, list[int]]) -> dict[int, list[int] | CollectiveError]:
+    def _exchange(self, vectors: dict[int, array]) -> dict[int, list[int] | CollectiveError]:
         if self.shm is None:
             full = [vectors.get(r) for r in range(len(self.ranks))]
             try:
@@ -377,7 +378,7 @@ class SimCluster:
             if self.shm is not None:
                 self.shm[victim.rank].close()
 
-    def _inject_vector(self, vectors: dict[int, list[int]]) -> tuple[OpKind, list[list[int]]] | None:
+    def _inject_vector(self, vectors: dict[int, array]) -> tuple[OpKind, list[list[int]]] | None:
         """A divergence in the vector itself. For a queue: returns the queue and each rank's op ids
         in flight on it, which must all still be in flight after the commit (nothing applied)."""
         f, victim = self.faults, self.victim
