@@ -9,8 +9,6 @@
 
 enum { STATE_NONE = 0, STATE_VALID = 2 }; /* tiers.DeviceState and HostState */
 
-static PyObject *array_type = NULL; /* array.array, for the pages */
-
 static PyObject *valid_member = NULL; /* DeviceState.VALID, the object most nodes on a hit hold */
 
 /* A node's tier state (an IntEnum member) into ``*out``: 0, or -1 and an exception. */
@@ -44,17 +42,8 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     if (!PyBytes_Check(data) || step <= 0)
         return PyErr_Format(PyExc_ValueError, "lookup takes token bytes and a page of at least one byte");
-    if (array_type == NULL) { /* both or neither: a failed load is tried again at the next call */
-        PyObject *m = PyImport_ImportModule("array");
-        PyObject *type = m ? PyObject_GetAttrString(m, "array") : NULL, *valid = type ? device_state_member("VALID") : NULL;
-        Py_XDECREF(m);
-        if (valid == NULL) {
-            Py_XDECREF(type);
-            return NULL;
-        }
-        array_type = type;
-        valid_member = valid;
-    }
+    if (valid_member == NULL && (valid_member = device_state_member("VALID")) == NULL)
+        return NULL; /* tried again at the next call */
     Py_ssize_t pages = PyBytes_GET_SIZE(data) / step, dev = 0, host = 0;
     PyObject *ids = PyBytes_FromStringAndSize(NULL, pages * 4); /* int32 per page, as array('i') holds them */
     if (ids == NULL)
@@ -89,7 +78,7 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     }
     if (_PyBytes_Resize(&ids, dev * 4) < 0)
         return NULL;
-    PyObject *array = PyObject_CallFunction(array_type, "sO", "i", ids);
+    PyObject *array = array_from_bytes("i", ids);
     Py_DECREF(ids);
     return array == NULL ? NULL : Py_BuildValue("(nnN)", dev, host, array);
 fail:

@@ -143,6 +143,20 @@ static int set_by_tokens(PyObject *d, Node *node) {
     return rc;
 }
 
+/* array.array(typecode, raw): a new array of ``raw``'s bytes read as that type; NULL and an exception
+ * if the array module cannot be loaded (tried again at the next call). */
+PyObject *array_from_bytes(const char *typecode, PyObject *raw) {
+    static PyObject *array_type;
+    if (array_type == NULL) {
+        PyObject *m = PyImport_ImportModule("array");
+        array_type = m ? PyObject_GetAttrString(m, "array") : NULL;
+        Py_XDECREF(m);
+        if (array_type == NULL)
+            return NULL;
+    }
+    return PyObject_CallFunction(array_type, "sO", typecode, raw);
+}
+
 PyObject *kids_at(Node *n, const char *key, Py_ssize_t len) {
     PyObject *kids = n->kids, *found = NULL;
     if (kids == NULL)

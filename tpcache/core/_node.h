@@ -75,6 +75,8 @@ PyObject *kids_get(Node *n, PyObject *key);
 /* The child whose tokens are the ``len`` bytes at ``key`` (borrowed), or NULL: then an exception is
  * set on an error only. */
 PyObject *kids_at(Node *n, const char *key, Py_ssize_t len);
+/* array.array(typecode, raw) (a new reference; _node.c), or NULL and an exception. */
+PyObject *array_from_bytes(const char *typecode, PyObject *raw);
 /* Add ``child`` under its tokens: 0, 1 if a child has those tokens already (nothing changed), or -1
  * and an exception. */
 int kids_add(Node *n, Node *child);

@@ -165,16 +165,8 @@ fail:
  * object made per element), or None when a value is not an int in [-INT64_MAX, INT64_MAX] (the
  * caller's reference raises the error that names the field). */
 static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
-    static PyObject *array_type;
     if (!PyList_CheckExact(values))
         Py_RETURN_NONE;
-    if (array_type == NULL) {
-        PyObject *m = PyImport_ImportModule("array");
-        array_type = m == NULL ? NULL : PyObject_GetAttrString(m, "array");
-        Py_XDECREF(m);
-        if (array_type == NULL)
-            return NULL;
-    }
     Py_ssize_t n = PyList_GET_SIZE(values);
     PyObject *raw = PyBytes_FromStringAndSize(NULL, 16 * n);
     if (raw == NULL)
@@ -192,7 +184,7 @@ static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
         out[2 * i] = (int64_t)v;
         out[2 * i + 1] = -(int64_t)v;
     }
-    PyObject *vector = PyObject_CallFunction(array_type, "sO", "q", raw);
+    PyObject *vector = array_from_bytes("q", raw);
     Py_DECREF(raw);
     return vector;
 }

@@ -92,7 +92,7 @@ def same_vector(reduced: Sequence[int], vector: array) -> bool:
         return True
     if _native is not None:  # in C (_round.c): no int object made per element
         same = _native.same_vector(reduced, vector)
-        if same is not None:  # None: not a list and an int64 array, compared as the reference does
+        if same is not None:  # None: what only Python's == can judge (see _round.c), left to the reference
             return same
     return reference_same_vector(reduced, vector)
 
@@ -194,7 +194,7 @@ class Round:
         at = self.layout.index
         values[at("layout")], values[at("round")], values[at("seq")] = self.layout_digest, self.number, seq
         values[self._at_health] = health
-        vector = array("q", self.layout.pack_values(values))
+        vector = self._pack(values)
         self._prepared = (values, vector)
         return vector
 
