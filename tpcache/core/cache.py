@@ -121,7 +121,8 @@ class CacheCore:
 
     @property
     def host_deficit(self) -> int:
-        return len(self.ledger.backup_backlog)
+        """Host slots wanted and not found: waiting backups and deferred storage prefetch reads."""
+        return len(self.ledger.backup_backlog) + self.prefetcher.host_deficit()
 
     @property
     def evictable_device_tokens(self) -> int:

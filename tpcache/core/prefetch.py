@@ -17,6 +17,7 @@ it fails lands fewer pages, agreed like any other short read, so a hit is never 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from tpcache.core.tree import Node
 
 if TYPE_CHECKING:
     from tpcache.core.hybrid import Hybrid
+
+log = logging.getLogger("tpcache.prefetch")
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 
@@ -228,6 +231,29 @@ class Prefetcher:
         elif state.status == "retry_wait" and state.rounds >= state.retry_at:
             self._query(lease, retry=True)
 
+    def host_deficit(self) -> int:
+        """Host slots the deferred reads lack, together (the same on every rank: sequenced state)."""
+        started = self.started
+        if not started:  # most rounds: nothing to look at
+            return 0
+        return sum(
+            lease.prefetch.short
+            for lease in started.values()
+            if lease.prefetch is not None and lease.prefetch.status == "deferred"
+        )
+
+    def _gave_up(self, pages: int) -> None:
+        stats = self.ledger.stats
+        stats.prefetch_gave_up_host_full += 1
+        if stats.prefetch_gave_up_host_full & (stats.prefetch_gave_up_host_full - 1) == 0:  # 1st, 2nd, 4th, ...
+            log.warning(
+                "a storage prefetch of %d pages read nothing: no host slot came free in %d rounds "
+                "(host pages pinned by requests, or mirror release is off); %d such prefetches so far",
+                pages,
+                self.config.prefetch_max_deferrals,
+                stats.prefetch_gave_up_host_full,
+            )
+
     # ------------------------------------------------------------------ internals
 
     def _continuation(self, state: PrefetchState) -> tuple[Node, int, list[int], list[bytes], list[Node]] | None:
@@ -287,8 +313,18 @@ class Prefetcher:
         if slots is None:
             self.leases.unpin_anchor(lease, anchor)
             # proceed with what the device holds once the deferrals are used up
-            _to(state, "give_up" if state.deferrals >= self.config.prefetch_max_deferrals else "no_slots")
+            if state.deferrals >= self.config.prefetch_max_deferrals:
+                state.short = 0
+                _to(state, "give_up")
+                self._gave_up(end - k)
+                return
+            # What the read lacks joins the host deficit: the round agrees on it and mirror release
+            # frees that many durable host mirrors of device pages, which a host pool made only of
+            # mirrors (host pages <= device pages) has plenty of, so a later tick finds its slots.
+            state.short = max(1, end - k - self.ledger.host.available)
+            _to(state, "no_slots")
             return
+        state.short = 0
         nodes: list[Node] = []
         for i, slot in zip(range(k, end), slots, strict=True):
             parent = self.ledger.add(parent, pages[i], hashes[i], host=(HostState.WRITING, slot))

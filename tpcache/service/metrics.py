@@ -86,6 +86,12 @@ COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
     ),
     ("prefetch_read_pages", "Pages a storage prefetch read into the host tier", "", {"": "prefetch_read_pages"}),
     (
+        "prefetch_gave_up_host_full",
+        "Storage prefetches that read nothing more because no host slot came free in time",
+        "",
+        {"": "prefetch_gave_up_host_full"},
+    ),
+    (
         "staging_freed_pages",
         "Host staging slots (buffer host mode) freed once the copy they staged was agreed complete",
         "",
