@@ -52,6 +52,6 @@ def test_prefetch_frees_durable_mirrors_when_the_host_pool_holds_only_mirrors(tm
             served += 1
         assert served == PREFIXES
         assert tp.core.stats.mirrors_released_pages > 0
-        assert tp.core.stats.prefetch_gave_up_host_full == 0
+        assert tp.core.stats.prefetch_rejected_host_full == 0
     finally:
         tp.close()

@@ -170,6 +170,8 @@ def test_settings_that_may_differ_between_ranks_are_exactly_the_local_ones() -> 
         "internal_host",
         "storage_dir",
         "storage_url",
+        "storage_key",  # a secret: never sent between ranks (each reads its own)
+        "storage_key_file",
         "metrics_port",
         "ready_file",
     }

@@ -100,6 +100,7 @@ class Prefetcher:
         self.closed = closed
         self.hybrid = hybrid
         self.started: dict[int, Lease] = {}  # lease id -> lease, for every fetch started and not seen done
+        self.gave_up = 0  # fetches that found no host slot in time (paces the warning; not cache state)
 
     # ------------------------------------------------------------------ sequenced
 
@@ -243,15 +244,15 @@ class Prefetcher:
         )
 
     def _gave_up(self, pages: int) -> None:
-        stats = self.ledger.stats
-        stats.prefetch_gave_up_host_full += 1
-        if stats.prefetch_gave_up_host_full & (stats.prefetch_gave_up_host_full - 1) == 0:  # 1st, 2nd, 4th, ...
+        self.ledger.stats.prefetch_rejected_host_full += pages
+        self.gave_up += 1  # for the log alone: the 1st, 2nd, 4th, 8th ... time
+        if self.gave_up & (self.gave_up - 1) == 0:
             log.warning(
-                "a storage prefetch of %d pages read nothing: no host slot came free in %d rounds "
-                "(host pages pinned by requests, or mirror release is off); %d such prefetches so far",
+                "a storage prefetch read %d pages it found in storage into no host slot: none came free in %d "
+                "rounds (host pages pinned by requests, or mirror release off); %d such prefetches so far",
                 pages,
                 self.config.prefetch_max_deferrals,
-                stats.prefetch_gave_up_host_full,
+                self.gave_up,
             )
 
     # ------------------------------------------------------------------ internals

@@ -239,7 +239,7 @@ class Stats:
     prefetch_read_pages: int = 0
     prefetch_stale_completions: int = 0
     prefetch_reissued: int = 0  # lookups issued again at once because the prefix they hang from moved
-    prefetch_gave_up_host_full: int = 0  # fetches that read nothing more: no host slot came free in time
+    prefetch_rejected_host_full: int = 0  # pages a prefetch found in storage and read not: no host slot in time
     storage_hit_tokens: int = 0  # tokens a committed admission loaded from pages read from storage
     admissions_committed: int = 0
     admission_retries: int = 0  # "try again" answers of materialize

@@ -70,7 +70,11 @@ COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "rejected_pages",
         "Pages a copy or write could not take, by reason",
         "reason",
-        {"host_full": "backup_rejected_host_full", "copy_failed": "failed_copy_pages"},
+        {
+            "host_full": "backup_rejected_host_full",
+            "copy_failed": "failed_copy_pages",
+            "prefetch_host_full": "prefetch_rejected_host_full",
+        },
     ),
     (
         "mirrors_released_pages",
@@ -85,12 +89,6 @@ COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         {"": "prefetch_hit_pages"},
     ),
     ("prefetch_read_pages", "Pages a storage prefetch read into the host tier", "", {"": "prefetch_read_pages"}),
-    (
-        "prefetch_gave_up_host_full",
-        "Storage prefetches that read nothing more because no host slot came free in time",
-        "",
-        {"": "prefetch_gave_up_host_full"},
-    ),
     (
         "staging_freed_pages",
         "Host staging slots (buffer host mode) freed once the copy they staged was agreed complete",
@@ -122,7 +120,7 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "storage_read_misses",
         "Pages this rank's storage backend did not return, by reason",
         "reason",
-        {r: f"misses_{r}" for r in ("missing", "short", "corrupt", "foreign", "io_error")},
+        {r: f"misses_{r}" for r in ("missing", "short", "corrupt", "foreign", "io_error", "unauthenticated")},
     ),
     ("storage_writes", "Pages this rank's storage backend wrote", "", {"": "put_ok"}),
     (

@@ -219,9 +219,11 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag)
 
         spec = parse_storage_url(config.storage_location())
         shard = config.group(world).place(rank)
-        storage = open_storage(spec, shard=shard, capacity_bytes=config.storage_bytes)
+        storage = open_storage(
+            spec, shard=shard, capacity_bytes=config.storage_bytes, storage_key=config.storage_secret()
+        )
         if rank == 0:
-            log.info("storage tier: %s", spec.describe())
+            log.info("storage tier: %s; %s", spec.describe(), storage.trust)
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))
@@ -308,7 +310,7 @@ def startup_block(
             place = f"{Path(spec.location) / f'rank{rank}'} (file backend), capacity {capacity}"
         else:
             place = f"{spec.describe()} (sized by the store)"
-        store = f"{place}, {format_bytes(int(stats.get('bytes_used', 0)))} in use"
+        store = f"{place}, {format_bytes(int(stats.get('bytes_used', 0)))} in use; {storage.trust}"
     else:
         store = "off"
     metrics = (

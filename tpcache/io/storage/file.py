@@ -51,6 +51,7 @@ from tpcache.io.storage.base import (
     MISS_IO_ERROR,
     MISS_MISSING,
     MISS_SHORT,
+    MISS_UNAUTHENTICATED,
     PUT_IO_ERROR,
     PUT_NO_SPACE,
     PUT_TOO_LARGE,
@@ -670,6 +671,8 @@ class FileBackend(StorageBackend):
                     reason = MISS_FOREIGN
                 elif payload_checksum(view) != header.payload_xxh:
                     reason = MISS_CORRUPT
+                elif self.record_mac is not None and not self.record_mac.verify(header, enc, view):
+                    reason = MISS_UNAUTHENTICATED
             except RecordError as exc:
                 reason = MISS_CORRUPT if exc.reason == "corrupt" else MISS_FOREIGN
         if reason is not None:
@@ -724,7 +727,8 @@ class FileBackend(StorageBackend):
         touched: set[int],
     ) -> None:
         """Queue one record on ``run`` (written by ``_flush_run``), making room first if needed."""
-        head = encode_header(enc, self._seq, len(view), payload_checksum(view))
+        mac = self.record_mac.sign(enc, view) if self.record_mac is not None else b""
+        head = encode_header(enc, self._seq, len(view), payload_checksum(view), mac=mac)
         length = len(head) + len(view)
         if length + 2 * self._reserve > self._capacity:
             raise _PutFailed(PUT_TOO_LARGE)
