@@ -120,14 +120,17 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "storage_read_misses",
         "Pages this rank's storage backend did not return, by reason",
         "reason",
-        {r: f"misses_{r}" for r in ("missing", "short", "corrupt", "foreign", "io_error", "unauthenticated")},
+        {
+            r: f"misses_{r}"
+            for r in ("missing", "short", "corrupt", "foreign", "io_error", "unauthenticated", "unusable")
+        },
     ),
     ("storage_writes", "Pages this rank's storage backend wrote", "", {"": "put_ok"}),
     (
         "storage_write_failures",
         "Pages this rank's storage backend could not write, by reason",
         "reason",
-        {r: f"put_failures_{r}" for r in ("no_space", "too_large", "io_error")},
+        {r: f"put_failures_{r}" for r in ("no_space", "too_large", "io_error", "unusable")},
     ),
     ("storage_evictions", "Records the storage backend evicted to stay within its capacity", "", {"": "evictions"}),
     (
