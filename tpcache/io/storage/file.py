@@ -339,9 +339,20 @@ class FileBackend(StorageBackend):
 
     def _filesystem_full(self, pinned: set[bytes], keep: _Segment | None) -> bool:
         """The disk is full below capacity (ENOSPC: other files took the space, or it shrank):
-        lower the capacity to what this store holds now, then evict its oldest segments (neither
-        the one being written, ``keep``, nor one holding a record of this call) so that writing
-        goes on. Whether any space was freed."""
+        evict this store's oldest segment (neither the one being written, ``keep``, nor one holding
+        a record of this call) so that writing goes on, and lower the capacity to what the store
+        held when the disk filled (until a restart sizes it again), so that later puts make room
+        by eviction first. Whether any space was freed."""
+        victim = next(
+            (
+                seg
+                for seg in sorted(self._segments.values(), key=lambda x: x.segno)
+                if seg is not keep and not any(enc in pinned for enc in seg.members)
+            ),
+            None,
+        )
+        if victim is None:
+            return False
         if self._disk < self._capacity:
             if not self._full_noted:
                 self._full_noted = True
@@ -353,12 +364,8 @@ class FileBackend(StorageBackend):
                     format_bytes(self._capacity),
                 )
             self._set_capacity(max(self._disk, 1))
-        for seg in sorted(self._segments.values(), key=lambda x: x.segno):
-            if seg is keep or any(enc in pinned for enc in seg.members):
-                continue
-            self._drop_oldest(seg)
-            return True
-        return False
+        self._drop_oldest(victim)
+        return True
 
     def _drop_oldest(self, seg: _Segment) -> None:
         """Evict every record of ``seg`` and delete it (it frees its whole file at once)."""
