@@ -121,7 +121,6 @@ class CacheCore:
 
     @property
     def host_deficit(self) -> int:
-        """Host slots wanted and not found: waiting backups and deferred storage prefetch reads."""
         return len(self.ledger.backup_backlog) + self.prefetcher.host_deficit()
 
     @property
@@ -317,7 +316,7 @@ class CacheCore:
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
         lease = self._live(lease_id)
         self.ledger.tick()
-        if not self.config.storage:
+        if not self.config.storage or self.backup.storage_down:
             return False
         started = self.prefetcher.start(lease, read)
         self.book.refresh(lease)

@@ -100,6 +100,7 @@ class Prefetcher:
         self.closed = closed
         self.hybrid = hybrid
         self.started: dict[int, Lease] = {}  # lease id -> lease, for every fetch started and not seen done
+        self.storage_down = False  # agreed: storage is off (``CacheCore.storage_lost``)
         self.gave_up = 0  # fetches that found no host slot in time (paces the warning; not cache state)
 
     # ------------------------------------------------------------------ sequenced
@@ -109,6 +110,8 @@ class Prefetcher:
         False when there is nothing to fetch."""
         if lease.prefetch is not None and lease.prefetch.status != "done":
             return True
+        if self.storage_down:
+            return False
         lease.prefetch = PrefetchState(lease.tokens, status="done", read=read)
         _to(lease.prefetch, "start")
         self.started[lease.lease_id] = lease
