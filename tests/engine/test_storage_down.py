@@ -65,6 +65,7 @@ def test_a_removed_storage_directory_turns_storage_off_on_every_rank_agreed(tmp_
             on_both(ranks, lambda tp: [tp.step() for _ in range(6)])  # noticed within a few rounds
         assert all(tp.core.backup.storage_down for tp in ranks)
         assert not any(tp.core.closed for tp in ranks)  # storage is off, the cache serves on
+        assert all(tp.health()["storage_down"] and tp.health()["state"] == "open" for tp in ranks)
         assert [durable(tp) for tp in ranks] == [0, 0]  # no host mirror counts as redundant any more
         notes = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert sum("was removed" in m and "turns to misses" in m for m in notes) == 1, notes

@@ -306,7 +306,7 @@ def startup_block(
 
         spec = parse_storage_url(config.storage_location())
         if spec.backend == "file":
-            capacity = format_bytes(config.storage_bytes)
+            capacity = format_bytes(int(stats.get("capacity_bytes", config.storage_bytes)))  # as the disk allows
             place = f"{Path(spec.location) / f'rank{rank}'} (file backend), capacity {capacity}"
         else:
             place = f"{spec.describe()} (sized by the store)"
