@@ -66,9 +66,10 @@ def test_an_unwritable_storage_directory_and_a_failed_check_create_nothing(
 
 def test_a_remote_store_that_nothing_serves(capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
-    assert main(["local", "--storage-url", f"redis://127.0.0.1:{port}/0", *LAYOUT]) == 2
+    assert main(["local", "--storage-url", f"redis://:hunter2@127.0.0.1:{port}/0", *LAYOUT]) == 2
     line = one_line(capsys.readouterr().err)
-    assert f"--storage-url redis://127.0.0.1:{port}/0: cannot reach the Redis server at 127.0.0.1:{port} (" in line
+    assert f"--storage-url redis://:***@127.0.0.1:{port}/0: cannot reach the Redis server at 127.0.0.1:{port} (" in line
+    assert "hunter2" not in line
     url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{port}/metadata"
     assert main(["local", "--storage-url", url, *LAYOUT]) == 2
     assert f"cannot reach the Mooncake master at 127.0.0.1:{port}" in one_line(capsys.readouterr().err)
