@@ -5,6 +5,7 @@ call times out says what listens at the endpoint and how to start a service."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -20,7 +21,7 @@ import protocol as p
 from launcher.__main__ import main
 from launcher.local import free_port
 from tests.service.harness import REPO, repo_env
-from tpcache.client import Client
+from tpcache.client import AsyncClient, Client
 from tpcache.io.storage.file import FileBackend
 
 LAYOUT = ["--kv-layout", "L2xH2xD4:fp32"]
@@ -157,6 +158,12 @@ def test_a_client_whose_first_call_times_out_says_what_listens_there(tmp_path: P
     path = tmp_path / "service.sock"
     with pytest.raises(p.RequestTimeout, match=f"no socket at {path}"):
         Client(f"ipc://{path}", timeout_s=0.2)
+    with socket.socket(socket.AF_UNIX) as stale:  # what a stopped service leaves behind
+        stale.bind(str(path))
+    with pytest.raises(p.RequestTimeout, match=f"nothing listens on the socket {path} \\(connection refused"):
+        Client(f"ipc://{path}", timeout_s=0.2)
+    with pytest.raises(p.RequestTimeout, match=f"nothing listens on 127.0.0.1:{port} "):
+        asyncio.run(AsyncClient.connect(f"tcp://127.0.0.1:{port}", timeout_s=0.2))
     with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen()

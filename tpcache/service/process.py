@@ -4,10 +4,13 @@ Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, 
 MASTER_PORT). Uses NCCL and the device ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU
 otherwise.
 
-Start-up, in order: this rank's machine checks (ports, storage directory, memory for its pools);
-the group forms; every rank's settings and check results are gathered (``agree``) and any
-problem, or any setting that must be equal and is not, stops every rank with exit code 2 before a
-pool is allocated; then the cache, the channels, and one INFO block that says what runs.
+Start-up, in order: this rank's machine checks (ports, storage directory, a shared store's
+servers, memory for its pools; they create nothing); the group forms; every rank's settings and
+check results are gathered (``agree``) and any problem, or any setting that must be equal and is
+not, stops every rank with exit code 2 before a pool is allocated; then each rank opens its storage
+tier (creating the file tier's directory, joining a shared store), and one that cannot stops every
+rank alike; then the cache, the channels, and one INFO block that says what runs. A group that
+does not start prints one line (rank 0), with the traceback, if any, at DEBUG.
 
 SIGINT and SIGTERM on any rank stop every rank: a follower asks the leader, the leader answers
 what is in flight with "the service is stopping", fans a stop batch out, and each rank closes its
@@ -26,6 +29,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -262,8 +266,6 @@ def _write_torchrun_error(line: str) -> None:
     path = os.environ.get(TORCHRUN_ERROR_FILE_ENV)
     if not path:
         return
-    import time
-
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(data))
