@@ -343,6 +343,8 @@ class SettingError(ConfigError):
 def spelling(name: str, value: Any, source: str) -> str:
     """How ``source`` writes this setting: ``--device-pages 0``, ``TPCACHE_DEVICE_PAGES=0``, ..."""
     shown = "***" if FIELDS.get(name) is not None and FIELDS[name].metadata.get("secret") else value
+    if name == "storage_url" and isinstance(value, str):
+        shown = _mask_password(value)
     if source == COMMAND_LINE:
         return f"{flag_name(name)} {shown}"
     if source == ENVIRONMENT:
@@ -350,6 +352,16 @@ def spelling(name: str, value: Any, source: str) -> str:
     if source.startswith("file "):
         return f"{name} = {shown!r} in {source.removeprefix('file ')}"
     return f"{name} = {shown!r} ({source})"
+
+
+def _mask_password(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part shown as ``***``."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    user, at, host = netloc.rpartition("@")
+    if not sep or not at or ":" not in user:
+        return url
+    return f"{scheme}://{user.split(':', 1)[0]}:***@{host}{slash}{tail}"
 
 
 def _check_range(f: dataclasses.Field, value: Any) -> None:
