@@ -74,3 +74,38 @@ def test_ranks_with_different_kv_page_layouts_stop_before_the_cache_is_built() -
     gathered = [facts(GIB), facts(GIB, layout="L2xH1xD32:bf16 vllm[B,1,32,64]order=0123torch.bfloat16")]
     with pytest.raises(ConfigError, match=r"KV page layout differs across TP ranks \(rank 0 L2xH2xD32.*, rank 1 L2xH1"):
         agree_host_tier(ConnectorOptions.from_extra_config({}), gathered, PAGE_BYTES)
+
+
+def test_tpcache_logs_print_through_the_vllm_handler() -> None:
+    """Under vLLM only the ``vllm`` logger has a handler: tpcache's lines (a close's cause from
+    ``tpcache.round``, the connector's own under ``vllm.tpcache``) must reach it, once each."""
+    import logging
+
+    from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+    vllm, ours = logging.getLogger("vllm"), logging.getLogger("tpcache")
+    saved = (vllm.handlers[:], vllm.level, vllm.propagate, ours.handlers[:], ours.level, ours.propagate)
+    keep = Keep()
+    try:
+        vllm.handlers, vllm.propagate = [keep], False  # as vLLM's logging config leaves it
+        vllm.setLevel(logging.INFO)
+        ours.handlers, ours.level = [], logging.NOTSET
+        speak_through_vllm()
+        speak_through_vllm()  # a second connector in the process adds nothing
+        logging.getLogger("tpcache.round").error("round 3: cache closed: layout differs across ranks")
+        logging.getLogger(LOGGER).info("tpcache 0.1.0 rank 0 of 2: host tier 512 pages")
+        logging.getLogger("tpcache.shell").debug("not at vLLM's level")
+        assert keep.lines == [
+            "ERROR round 3: cache closed: layout differs across ranks",
+            "INFO tpcache 0.1.0 rank 0 of 2: host tier 512 pages",
+        ]
+    finally:
+        vllm.handlers, vllm.level, vllm.propagate, ours.handlers, ours.level, ours.propagate = saved
