@@ -3,6 +3,8 @@ from the least free memory any rank reads, and explicit settings that must be eq
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tpcache.integrations.vllm.options import (
@@ -79,7 +81,6 @@ def test_ranks_with_different_kv_page_layouts_stop_before_the_cache_is_built() -
 def test_tpcache_logs_print_through_the_vllm_handler() -> None:
     """Under vLLM only the ``vllm`` logger has a handler: tpcache's lines (a close's cause from
     ``tpcache.round``, the connector's own under ``vllm.tpcache``) must reach it, once each."""
-    import logging
 
     from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 
@@ -109,3 +110,29 @@ def test_tpcache_logs_print_through_the_vllm_handler() -> None:
         ]
     finally:
         vllm.handlers, vllm.level, vllm.propagate, ours.handlers, ours.level, ours.propagate = saved
+
+
+def test_a_worker_whose_cache_closes_warns_with_the_cause_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 applies a lookup the other rank never got: the round closes the cache on both, and
+    each worker says so at WARNING with the round's reason; the close that recurs says no more."""
+    from typing import Any
+
+    from tests.engine.test_external_pages import engine_kv, make, run_ranks, toks
+    from tpcache.integrations.vllm.messages import LOOKUP, StepOps
+    from tpcache.integrations.vllm.worker import WorkerSide
+
+    def body(rank: int, collective: Any) -> list[bool]:
+        side = WorkerSide(make(engine_kv(rank), collective), reopen=False)
+        closed = []
+        for step in range(3):
+            ops = [(LOOKUP, "extra", toks(1, 2))] if rank == 1 and step == 0 else []
+            closed.append(side.run_step(StepOps(step=step, ops=ops)).report.closed)
+        return closed
+
+    caplog.set_level(logging.WARNING, logger="vllm.tpcache")
+    assert run_ranks(body) == [[True, True, True], [True, True, True]]
+    warnings = sorted(r.getMessage() for r in caplog.records if r.name == "vllm.tpcache")
+    assert len(warnings) == 2, warnings
+    for rank, line in enumerate(warnings):
+        assert line.startswith(f"tpcache rank {rank}: the cache closed (seq differs across ranks"), line
+        assert line.endswith("it serves no hits from now on (reopen is off); vLLM computes those prefixes"), line
