@@ -23,7 +23,7 @@ from tpcache.core.eviction import make_policy
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.service.config import ConfigError, ServiceConfig
 
-DEFAULT_HOST_FRACTION = 0.1  # of the memory available at start, over all TP ranks of the host
+DEFAULT_HOST_FRACTION = 0.1  # of the least memory any TP rank has available at start, shared by the ranks
 DEFAULT_HOST_CAP_BYTES = 8 << 30  # per rank
 
 
@@ -35,7 +35,9 @@ def _opt(default: Any, help: str) -> Any:
 class ConnectorOptions:
     host_pages: int = _opt(0, "pages in the host tier (L2) per rank; 0: from host_bytes")
     host_bytes: int = _opt(
-        0, "bytes of the host tier per rank; 0 with host_pages 0: a tenth of available memory over the ranks"
+        0,
+        "bytes of the host tier per rank; 0 with host_pages 0: a tenth of the least memory any TP rank has "
+        "available at start, shared by the ranks, at most 8 GiB a rank",
     )
     storage_dir: str = _opt("", "directory of the storage tier (L3), shared by restarts; empty: off")
     storage_bytes: int = _opt(1 << 30, "capacity of the storage tier per rank, in bytes")
