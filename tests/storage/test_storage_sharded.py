@@ -55,7 +55,9 @@ def tokens(*pages: int) -> list[int]:
     return [v * 1000 + i for v in pages for i in range(PAGE)]
 
 
-def on_group(shape: ParallelGroup, url: str, fn: Callable[[TPCache], Any], **kw: Any) -> list[Any]:
+def on_group(
+    shape: ParallelGroup, url: str, fn: Callable[[TPCache], Any], model_id: str = MODEL_ID, **kw: Any
+) -> list[Any]:
     """Build a group of ``shape`` on the shared layout at ``url``, run ``fn`` on every rank at once."""
     sim = SimGroup(shape.world_size)
     ranks = [
@@ -65,7 +67,7 @@ def on_group(shape: ParallelGroup, url: str, fn: Callable[[TPCache], Any], **kw:
             kv_layout=rank_layout(shape),
             storage=url,
             group=shape,
-            model_id=MODEL_ID,
+            model_id=model_id,
             round_timeout_s=30.0,
             **kw,
         )
@@ -162,35 +164,42 @@ def test_the_shard_granularity_serves_every_shape_that_divides_it_and_refuses_th
     assert len(ids) == 3
 
 
-def test_a_tp2_store_is_read_byte_exact_by_tp1_tp4_and_pp2_and_a_lost_shard_misses_everywhere(
-    tmp_path: Path,
-) -> None:
-    url = f"file://{tmp_path}"
-    wrote = on_group(
-        ParallelGroup(tp_size=2), url, lambda tp: (write(tp, tokens(1, 2, 3)), tp.drain(), tp.core.stats)[2]
-    )
+def cross_shape(url: str, remove: Callable[[StorageKey], int], model_id: str = MODEL_ID) -> None:
+    """A TP=2 group writes; TP=1, TP=4 and PP2xTP1 groups read every page byte-exact; one shard is
+    removed (``remove``: from wherever it is stored, how many copies went); then that page is a miss
+    on every rank of every reader shape, even on ranks whose own shards are all there."""
+    writer = ParallelGroup(tp_size=2)
+    wrote = on_group(writer, url, lambda tp: (write(tp, tokens(1, 2, 3)), tp.drain(), tp.core.stats)[2], model_id)
     assert [s.storage_written_pages for s in wrote] == [3, 3]
     for shape in READERS:
-        got = on_group(shape, url, lambda tp: read(tp, tokens(1, 2, 3)))
+        got = on_group(shape, url, lambda tp: read(tp, tokens(1, 2, 3)), model_id)
         for r in got:
             assert (r["status"], r["host"], r["exact"]) == (("done", 3), 3, True), shape.name
             assert r["stats"]["page_hits"] == 3 and r["stats"]["page_partial"] == 0
-    # Remove one shard of the second page (KV head 3, layer 0) wherever it is stored: that page is a
-    # miss on every rank of every reader shape, even on ranks whose own shards are all there.
-    page2 = on_group(ParallelGroup(tp_size=1), url, lambda tp: tp.match(tokens(1, 2)).page_hashes[1])[0]
-    m = model()
-    lost = StorageKey(MODEL_ID, m.layout_id, 0, 1, page2, layers=(0, 0), heads=(3, 3))
-    removed = 0
-    for owner in sorted(p.name for p in (tmp_path / "model").iterdir()):
-        store = SharedFileStore(tmp_path / "model", owner, capacity_bytes=1 << 24)
-        removed += store.delete([lost])[0]
-        store.close()
-    assert removed >= 1
+    page2 = on_group(ParallelGroup(tp_size=1), url, lambda tp: tp.match(tokens(1, 2)).page_hashes[1], model_id)[0]
+    lost = StorageKey(model_id, model().layout_id, 0, 1, page2, layers=(0, 0), heads=(3, 3))  # head 3, layer 0
+    assert remove(lost) >= 1
     for shape in READERS:
-        got = on_group(shape, url, lambda tp: read(tp, tokens(1, 2, 3)))
+        got = on_group(shape, url, lambda tp: read(tp, tokens(1, 2, 3)), model_id)
         assert [(r["status"], r["host"], r["exact"]) for r in got] == [(("done", 1), 1, True)] * shape.world_size
-    partial = on_group(ParallelGroup(tp_size=4), url, lambda tp: read(tp, tokens(1, 2, 3))["stats"]["page_partial"])
+    partial = on_group(
+        ParallelGroup(tp_size=4), url, lambda tp: read(tp, tokens(1, 2, 3))["stats"]["page_partial"], model_id
+    )
     assert partial == [0, 0, 0, 1]  # only the rank of head 3 saw the set incomplete; all four missed
+
+
+def test_a_tp2_store_is_read_byte_exact_by_tp1_tp4_and_pp2_and_a_lost_shard_misses_everywhere(
+    tmp_path: Path,
+) -> None:
+    def remove(key: StorageKey) -> int:
+        removed = 0
+        for owner in sorted(p.name for p in (tmp_path / "model").iterdir()):
+            store = SharedFileStore(tmp_path / "model", owner, capacity_bytes=1 << 24)
+            removed += store.delete([key])[0]
+            store.close()
+        return removed
+
+    cross_shape(f"file://{tmp_path}", remove)
 
 
 def test_a_reader_sees_a_writers_new_records_and_a_removed_segment_is_a_miss(tmp_path: Path) -> None:
