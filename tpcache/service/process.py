@@ -150,6 +150,22 @@ def build_cache(config: ServiceConfig, collective: Any, device: Any, pool: Any =
     )
 
 
+def open_model_storage(config: ServiceConfig, shard: Any, world: int) -> Any:
+    """The shared storage layout for this rank (``--model-id`` with ``--model-layout``)."""
+    from tpcache.io.storage.sharded import ModelShape, open_shared_storage
+
+    layout = config.rank_layout(world)  # a shape that splits the model's shards is refused there
+    model = ModelShape.of_rank(config.model_id, layout, shard)
+    return open_shared_storage(
+        config.storage_location(),
+        model=model,
+        shard=shard,
+        layout=layout,
+        capacity_bytes=config.storage_bytes,
+        storage_key=config.storage_secret(),
+    )
+
+
 def write_ready_file(path: str, info: dict[str, Any]) -> None:
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".ready-", suffix=".json")
@@ -219,11 +235,16 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag)
 
         spec = parse_storage_url(config.storage_location())
         shard = config.group(world).place(rank)
-        storage = open_storage(
-            spec, shard=shard, capacity_bytes=config.storage_bytes, storage_key=config.storage_secret()
-        )
+        if config.model_id:
+            storage = open_model_storage(config, shard, world)
+        else:
+            storage = open_storage(
+                spec, shard=shard, capacity_bytes=config.storage_bytes, storage_key=config.storage_secret()
+            )
         if rank == 0:
             log.info("storage tier: %s; %s", spec.describe(), storage.trust)
+            if config.model_id:
+                log.info("storage layout: shared by every group shape of %s", storage.model.describe())
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))
