@@ -249,3 +249,36 @@ def test_a_hybrid_model_and_a_context_parallel_group_are_refused_in_one_line(tmp
             group=ParallelGroup(cp_size=2),
             model_id=MODEL_ID,
         )
+
+
+def test_another_models_store_and_records_without_the_storage_key_are_misses(tmp_path: Path) -> None:
+    from tpcache.io.storage import RecordMac
+
+    shape2, shape1 = ParallelGroup(tp_size=2), ParallelGroup(tp_size=1)
+    lay2, lay1 = rank_layout(shape2), rank_layout(shape1)
+    writers = [
+        ShardedStorage(SharedFileStore(tmp_path, f"r{r}of2", capacity_bytes=1 << 24), model(), Shard(r, 2), lay2)
+        for r in range(2)
+    ]
+    writers[0].authenticate(RecordMac(b"k" * 16))  # rank 0's shards signed, rank 1's not
+    for r, w in enumerate(writers):
+        assert w.put([StorageKey("ns", 1, r, 2, 5)], [rank_slice(5, shape2, r)]) == [True]
+        w.close()
+    key, out = [StorageKey("ns", 1, 0, 1, 5)], [torch.zeros(lay1.page_bytes, dtype=torch.uint8)]
+
+    def reader(m: ModelShape, mac: bytes | None) -> ShardedStorage:
+        store = ShardedStorage(SharedFileStore(tmp_path, "r0of1", capacity_bytes=1 << 24), m, Shard(0, 1), lay1)
+        if mac is not None:
+            store.authenticate(RecordMac(mac))
+        return store
+
+    plain = reader(model(), None)  # checksums only: the whole page
+    assert plain.get(key, out) == [True] and torch.equal(out[0], rank_slice(5, shape1, 0))
+    plain.close()
+    keyed = reader(model(), b"k" * 16)  # rank 1's unsigned shards fail: the page is a miss
+    assert keyed.exists(key) == [True] and keyed.get(key, out) == [False] and not out[0].any()
+    assert keyed.stats()["misses_unauthenticated"] == 8 and keyed.stats()["page_partial"] == 1
+    keyed.close()
+    other = reader(ModelShape("another-model", LAYERS, HEADS, DIM, DTYPE, PAGE), None)
+    assert other.exists(key) == [False] and other.get(key, out) == [False]
+    other.close()

@@ -169,7 +169,8 @@ class ShardedStorage(StorageBackend):
         self._first_head = self.shard.tp_rank * layout.heads_per_rank
         self._shape = (layout.num_layers, 2, layout.page_size, layout.heads_per_rank, layout.head_dim * layout.itemsize)
         self._counters = StorageCounters(0)
-        for name in ("page_gets", "page_hits", "page_partial", "page_puts", "page_put_ok"):
+        self._names = ("page_gets", "page_hits", "page_partial", "page_puts", "page_put_ok")
+        for name in self._names:
             self._counters.set(name, 0)
         self.record_mac = inner.record_mac
 
@@ -269,7 +270,8 @@ class ShardedStorage(StorageBackend):
         """The store's counters (per shard record) and this view's per page: ``page_gets``,
         ``page_hits``, ``page_partial`` (pages looked up or read with some but not all of their shards: a miss),
         ``page_puts``, ``page_put_ok``."""
-        return {**self._inner.stats(), **self._counters.snapshot()}
+        mine = self._counters.snapshot()
+        return {**self._inner.stats(), **{name: mine[name] for name in self._names}}
 
     def close(self) -> None:
         self._inner.close()
