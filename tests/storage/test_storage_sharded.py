@@ -147,7 +147,7 @@ def test_shard_keys_name_the_model_and_its_ranges_never_a_place() -> None:
 
 def test_the_shard_granularity_serves_every_shape_that_divides_it_and_refuses_the_rest() -> None:
     m = model()
-    assert (m.heads_per_shard, m.layers_per_shard) == (1, 1)  # gcd(4 layers, 8) = 4 blocks
+    assert (m.heads_per_shard, m.layers_per_shard) == (1, 1)  # gcd(4 layers, 4) = 4 blocks
     for shape in (ParallelGroup(tp_size=2), *READERS):
         ranges = m.ranges(rank_layout(shape), shape.place(0))
         assert len(ranges) == (LAYERS // shape.pp_size) * (HEADS // shape.tp_size)

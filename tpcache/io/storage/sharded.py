@@ -8,7 +8,7 @@ on read), under a key that names the model and the shard's global ranges, never 
 place (``keys.StorageKey`` with ``layers``/``heads``: ``v2/<model>/<layout id>/l0-1.h2-2/<hash>``).
 
 The shard granularity is fixed per model (``ModelShape``): one KV head a shard by default, so every
-TP size that divides the KV heads reads whole shards, and ``gcd(layers, 8)`` layer blocks, so every
+TP size that divides the KV heads reads whole shards, and ``gcd(layers, 4)`` layer blocks, so every
 pipeline size that divides that count does. A group whose ranks would split a shard is refused at
 start with one line.
 
@@ -43,7 +43,7 @@ from tpcache.io.storage.buffers import byte_view
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 
 SHARD_FORMAT_VERSION = 1
-DEFAULT_LAYER_BLOCKS = 8  # layer blocks are gcd(layers, 8): pipeline sizes 1, 2, 4, 8 where they divide
+DEFAULT_LAYER_BLOCKS = 4  # layer blocks are gcd(layers, 4): pipeline sizes 1, 2, 4 where they divide
 
 
 def _wide(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -77,7 +77,7 @@ class ModelShape:
 
     ``model_id`` names the model (a checkpoint and revision, in the user's words); two checkpoints
     with the same id and the same layout cannot be told apart. ``layers_per_shard`` 0 takes
-    ``layers / gcd(layers, 8)``."""
+    ``layers / gcd(layers, 4)``."""
 
     model_id: str
     num_layers: int
