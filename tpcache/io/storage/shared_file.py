@@ -64,6 +64,7 @@ class _Seen:
 
     ino: int
     size: int  # bytes looked at
+    sealed: bool = False  # read from its index: it no longer grows
     keys: dict[bytes, _Loc] = field(default_factory=dict)
 
 
@@ -88,6 +89,9 @@ class SharedFileStore(StorageBackend):
         self._lock = threading.Lock()
         self._seen: dict[str, dict[int, _Seen]] = {}  # owner -> segno -> what was read of it
         self._where: dict[bytes, dict[str, _Loc]] = {}  # key -> owner -> its record there
+        self._stamps: dict[str, int | None] = {}  # owner -> its directory's mtime when last listed
+        self._names: dict[str, list[str]] = {}  # owner -> that listing
+        self._looks = 0
         self._counters = StorageCounters(0)
         for name in ("peer_refreshes", "peer_records"):
             self._counters.set(name, 0)
@@ -120,22 +124,36 @@ class SharedFileStore(StorageBackend):
         d = self._root / owner
         segs = self._seen.setdefault(owner, {})
         try:
-            names = os.listdir(d)
+            stamp = os.stat(d).st_mtime_ns
         except OSError:
-            names = []
+            stamp = None
+        self._looks += 1
+        # The same directory stamp: no file came or went (a full listing every 64th look all the same,
+        # should two changes share one stamp), and a segment read from its index no longer grows.
+        same = stamp is not None and stamp == self._stamps.get(owner) and self._looks % 64
+        if same:
+            names = self._names[owner]
+        else:
+            try:
+                names = os.listdir(d)
+            except OSError:
+                names = []
+            self._stamps[owner], self._names[owner] = stamp, names
         segnos = {int(m[1]) for m in map(_SEGMENT_NAME.fullmatch, names) if m is not None}
         indexed = {int(m[1]) for m in map(_INDEX_NAME.fullmatch, names) if m is not None}
         for segno in set(segs) - segnos:
             self._drop(owner, segno)
         for segno in sorted(segnos):
             path = d / f"{segno:010d}.seg"
+            seen = segs.get(segno)
+            if same and seen is not None and seen.sealed:
+                continue
             try:
                 st = os.stat(path)
             except OSError:
                 if segno in segs:
                     self._drop(owner, segno)
                 continue
-            seen = segs.get(segno)
             if seen is not None and seen.ino == st.st_ino and seen.size == st.st_size:
                 continue
             if seen is not None and (seen.ino != st.st_ino or st.st_size < seen.size):
@@ -149,6 +167,8 @@ class SharedFileStore(StorageBackend):
                 seen = segs[segno] = _Seen(st.st_ino, 0)
             if found is None:
                 found = self._scan(path, seen.size, st.st_size)
+            else:
+                seen.sealed = True  # an index is written for a sealed segment only
             for enc, loc in found:
                 old = seen.keys.get(enc)
                 if old is None or loc.seq >= old.seq:  # newest record of a key in one owner wins
