@@ -151,6 +151,9 @@ def run(backend: str, url: str, total: int, repeats: int, batch_bytes: int) -> l
             sides = {name: getattr(r, name) for name in sides_}
             if backend == "file":  # the file store's floor is its own backend (see the docstring)
                 del sides["raw_shards"]
+            for side in sides.values():  # warm up: first calls allocate and fault pages in
+                side(batches, False)
+                side(batches, True)
             for name in list(sides) if rep % 2 == 0 else list(reversed(sides)):
                 side = sides[name]
                 tp = sum(_timed(functools.partial(side, bt, False)) for bt in range(batches))
@@ -158,7 +161,7 @@ def run(backend: str, url: str, total: int, repeats: int, batch_bytes: int) -> l
                 runs[name].append((moved / tp / 1e9, moved / tg / 1e9))
             if backend == "file":
                 runs["raw_shards"].append(runs["backend_shards"][-1])
-            r.close(batches)
+            r.close(batches + 1)
         for k, op in enumerate(("put", "get")):
             med = {name: statistics.median(x[k] for x in runs[name]) for name in runs}
             cases.append(
