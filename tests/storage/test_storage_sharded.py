@@ -282,3 +282,18 @@ def test_another_models_store_and_records_without_the_storage_key_are_misses(tmp
     other = reader(ModelShape("another-model", LAYERS, HEADS, DIM, DTYPE, PAGE), None)
     assert other.exists(key) == [False] and other.get(key, out) == [False]
     other.close()
+
+
+def test_pipeline_stages_write_their_layers_and_a_tp4_group_reads_every_head(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}"
+    writer = ParallelGroup(pp_size=2, tp_size=2)
+    on_group(writer, url, lambda tp: (write(tp, tokens(7, 8)), tp.drain()))
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == [
+        "p0of2.r0of2",
+        "p0of2.r1of2",
+        "p1of2.r0of2",
+        "p1of2.r1of2",
+    ]
+    for shape in (ParallelGroup(tp_size=4), ParallelGroup(tp_size=1)):
+        got = on_group(shape, url, lambda tp: read(tp, tokens(7, 8)))
+        assert [(r["status"], r["exact"]) for r in got] == [(("done", 2), True)] * shape.world_size
