@@ -383,7 +383,8 @@ STORAGE_REASONS = (
 @dataclass(frozen=True, slots=True)
 class LockResult(Body):
     """``hit_tokens`` counts the device and host hits and the storage pages already read to host
-    (``ready_pages``); ``load`` brings the host and storage ones to device."""
+    (``ready_pages``); ``load`` brings the host and storage ones to device. ``ready_pages`` and
+    ``storage_reason`` are None when the lock looked nothing up in storage."""
 
     lease: int = _field(U64)
     hit_tokens: int = _field(COUNT)
@@ -391,8 +392,10 @@ class LockResult(Body):
     host_pages: int = _field(COUNT)
     storage_pages: int = _field(COUNT)  # the continuation every rank found in storage (agreed)
     device_page_ids: array = _field(Ids())
-    ready_pages: int = _field(COUNT, 0)  # of storage_pages, those read to host (pinned for the lease)
-    storage_reason: str = _field(Text(16, choices=STORAGE_REASONS), "")  # why the rest is not
+    # With a storage lookup (else None, left off the wire): of storage_pages, those read to host
+    # (pinned for the lease), and why the rest is not.
+    ready_pages: int | None = _field(Maybe(COUNT), None)
+    storage_reason: str | None = _field(Maybe(Text(16, choices=STORAGE_REASONS)), None)
 
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # when a storage read lets a reply go
@@ -507,7 +510,7 @@ class PrefetchResult(Body):
     status: str = _field(Text(16, choices=("none", "running", "done")))  # "none": nothing to fetch
     storage_pages: int = _field(COUNT)  # the continuation every rank found in storage (agreed)
     ready_pages: int = _field(COUNT)  # of those, pages landed in host (``load`` brings them to device)
-    storage_reason: str = _field(Text(16, choices=STORAGE_REASONS), "")  # why not all of them (as lock's)
+    storage_reason: str | None = _field(Maybe(Text(16, choices=STORAGE_REASONS)), None)  # why not all (as lock's)
 
 
 @register("prefetch", PrefetchResult)

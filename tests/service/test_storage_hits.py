@@ -120,7 +120,7 @@ def test_lock_wait_complete_then_load_serves_the_written_bytes(stored, restarted
         c.release(lk.lease)
         # Served once: the next lock finds them on device.
         again = c.lock(prompts["lock"])
-        assert (again.device_pages, again.storage_pages, again.storage_reason) == (PAGES, 0, "")
+        assert (again.device_pages, again.storage_pages, again.storage_reason) == (PAGES, 0, None)  # no lookup
         c.release(again.lease)
         assert storage_hit_tokens(c) == before + PAGES * PAGE
         assert c.stats().values["digests_equal"] is True
@@ -148,7 +148,7 @@ def test_lock_then_prefetch_then_load(stored, restarted) -> None:
     with service.client() as c:
         before = storage_hit_tokens(c)
         lk = c.lock(prompts["prefetch"], prefetch="none")
-        assert (lk.hit_tokens, lk.storage_pages, lk.ready_pages, lk.storage_reason) == (0, 0, 0, "")
+        assert (lk.hit_tokens, lk.storage_pages, lk.ready_pages, lk.storage_reason) == (0, 0, None, None)
         result = c.prefetch(lk.lease, policy="wait_complete")
         assert (result.status, result.storage_pages, result.ready_pages, result.storage_reason) == (
             "done",

@@ -238,7 +238,7 @@ def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body | Watch:
     ids = m.device_page_array
     policy = body.prefetch or ("best_effort" if h.storage_prefetch else "none")
     if policy == "none" or h.tp.core.closed or not h.start_prefetch(lease):
-        return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids, 0, "")
+        return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids, None, None)
     page_size = h.tp.config.page_size
     return Watch(
         lease,
