@@ -242,8 +242,10 @@ class Stats:
     prefetch_read_pages: int = 0
     prefetch_stale_completions: int = 0
     prefetch_reissued: int = 0  # lookups issued again at once because the prefix they hang from moved
-    storage_hit_tokens: int = 0  # tokens loaded to device from pages read from storage (lock+load, or admission)
-    lock_storage_hit_tokens: int = 0  # of those, what loads under a lock served (the rest: committed admissions)
+    storage_hit_tokens: int = 0  # tokens a committed admission loaded from pages read from storage
+    # ... and, counted in storage_hit_tokens too, tokens a load under a lock brought to device from
+    # pages read from storage (counted once the load is agreed landed)
+    lock_storage_hit_tokens: int = 0
     admissions_committed: int = 0
     admission_retries: int = 0  # "try again" answers of materialize
     admission_reselects: int = 0  # fewer pages arrived than planned: selected again without staged hits
