@@ -212,11 +212,6 @@ class CacheCore:
         state = self.lease(lease_id).prefetch
         return ("none", 0) if state is None else (state.status, state.ready_pages)
 
-    def loading(self, lease_id: int) -> bool:
-        """Whether a load the lease waits for (its own, or one it shares) is still in flight. Pure."""
-        loads = {op.op_id for op in self.outbox.inflight[OpKind.LOAD]}
-        return any(op in loads for op in self.lease(lease_id).ops)
-
     def admissible(self, lease_id: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
         """Whether the lease's request may be admitted under the prefetch stop policy. Pure."""
         return self.prefetcher.admissible(self.lease(lease_id), policy, timeout_rounds)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import protocol as p
-from tpcache.core import UnknownLease
+from tpcache.core import OpKind, UnknownLease
 from tpcache.core.tiers import DeviceState
 from tpcache.engine import TPCache
 from tpcache.service.buffers import StagedBuffer
@@ -188,7 +188,7 @@ class RankHandler:
         if lease not in self.book:
             raise not_found(lease)  # released or expired while it waited
         if watch.load is not None:
-            if not now and self.tp.core.loading(lease):
+            if not now and self.loading(lease):
                 return None
             return watch.reply(self.landed(lease, watch.load))
         status, ready = self.tp.prefetch_status(lease)
@@ -216,6 +216,12 @@ class RankHandler:
         if buffer or state.deferrals >= self.tp.config.prefetch_max_deferrals:
             return "no_host_space"
         return "read_failed"
+
+    def loading(self, lease: int) -> bool:
+        """Whether a load the lease waits for (its own, or one it shares) is still in flight."""
+        core = self.tp.core
+        loads = {op.op_id for op in core.inflight[OpKind.LOAD]}
+        return any(op in loads for op in core.lease(lease).ops)
 
     def landed(self, lease: int, pages: list[int]) -> list[int]:
         """The leading ``pages`` (a load's, in the lease's page order) that are device-valid now."""
