@@ -6,6 +6,7 @@ brought to device. Then ``examples/client.py``, unmodified, against such a group
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from tests.service.checks import fresh_tokens
 from tests.service.harness import REPO, Service, repo_env, running_service, wait_for
 from tests.service.test_auth_metrics import free_port_pair
-from tpcache.client import Client
+from tpcache.client import AsyncClient, Client
 
 # One worker runs the whole module, in order: its groups share one storage directory, one at a time
 # (under --dist loadgroup the group name keeps the module on one worker).
@@ -71,7 +72,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
     """A storage directory a first group wrote: one prompt per flow, and the example's."""
     tmp = tmp_path_factory.mktemp("storagehits")
     storage = tmp / "kv"
-    prompts = {name: fresh_tokens(PAGES * PAGE) for name in ("lock", "best_effort", "prefetch", "no_space")}
+    prompts = {name: fresh_tokens(PAGES * PAGE) for name in ("lock", "best_effort", "prefetch", "async", "no_space")}
     prompts["example"] = PROMPT
     with running_service(tmp / "first", *args(storage)) as service, service.client() as c:
         data = {name: write(c, tokens) for name, tokens in prompts.items()}
@@ -160,6 +161,23 @@ def test_lock_then_prefetch_then_load(stored, restarted) -> None:
         assert c.get_pages(pages, lease=lk.lease).data == data["prefetch"]
         assert storage_hit_tokens(c) == before + PAGES * PAGE
         c.release(lk.lease)
+
+
+def test_the_async_client_serves_storage_hits(stored, restarted) -> None:
+    _, prompts, data = stored
+    service, _ = restarted
+
+    async def serve() -> tuple[list[int], bytes]:
+        async with await AsyncClient.connect(service.endpoint, timeout_s=30) as c:
+            lk = await c.lock(prompts["async"])
+            assert lk.storage_pages == PAGES
+            pages = await c.hit_pages(lk)
+            got = (await c.get_pages(pages, lease=lk.lease)).data
+            await c.release(lk.lease)
+            return pages, got
+
+    pages, got = asyncio.run(serve())
+    assert len(pages) == PAGES and got == data["async"]
 
 
 def test_the_client_example_serves_storage_hits_with_the_bytes_written(stored, restarted) -> None:
