@@ -242,6 +242,12 @@ class ServiceConfig:
                 raise SettingError(
                     "host_mode", self.host_mode, "stages writes as pages are written: use write_through(_selective)"
                 )
+        elif self.storage_location() and not self.host_pages:
+            raise SettingError(
+                "host_pages",
+                self.host_pages,
+                "must be > 0 with a storage tier: pages reach storage and come back from it through the host tier",
+            )
 
     def _check_model_id(self) -> None:
         if not self.model_layout:
