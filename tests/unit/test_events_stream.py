@@ -205,3 +205,30 @@ def test_a_group_that_restarts_is_followed_from_its_new_incarnation(streams):
         sub.poll(0.05)
     assert g.counters["incarnations"] >= 1
     sub.close()
+
+
+def test_the_page_hash_and_the_digest_keep_their_documented_values():
+    from tpcache.core.hashing import as_token_bytes, hash_chain
+
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert hash_chain(as_token_bytes(tokens), 4, "") == [9564278882950974937, 4776551355992039541]
+    assert hash_chain(as_token_bytes(tokens), 4, "llama-3-8b") == [2915114071343900636, 10571369670382152602]
+    assert wire.digest_of(([1, 2], [3], [])) == 11354718384610661277
+
+
+def test_event_settings_are_checked_and_off_by_default():
+    from tpcache.service.config import ConfigError, ServiceConfig, build_config, events_endpoints
+
+    assert events_endpoints(ServiceConfig()) == ("", "")
+    on = build_config(cli={"events_endpoint": "5557"}, env={})
+    assert events_endpoints(on) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")  # loopback unless named
+    named = build_config(cli={"events_endpoint": "tcp://0.0.0.0:0"}, env={})
+    assert events_endpoints(named) == ("tcp://0.0.0.0:0", "tcp://0.0.0.0:0")
+    for cli, name in (
+        ({"events_endpoint": "udp://x"}, "events_endpoint"),
+        ({"events_endpoint": "5557", "events_topic": "tpcache"}, "events_topic"),
+        ({"events_replay_endpoint": "5558"}, "events_replay_endpoint"),
+        ({"events_endpoint": "5557", "events_replay_batches": 0}, "events_replay_batches"),
+    ):
+        with pytest.raises(ConfigError, match=name.replace("_", "[-_]")):
+            build_config(cli=cli, env={})

@@ -16,6 +16,7 @@ the mirror reaches the digest's batch.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from tpcache.events import wire
 log = logging.getLogger("tpcache.events")
 
 REQUEST_TIMEOUT_MS = 5_000
+IDLE_CHECK_S = 1.0  # a group silent this long is asked where its stream is (a lost last batch shows no gap)
 
 
 class ReplayError(RuntimeError):
@@ -51,6 +53,7 @@ class Group:
     pending_digests: dict[int, int] = field(default_factory=dict)  # seq -> digest, for batches not yet applied
     sub: Any = None
     dealer: Any = None
+    heard: float = 0.0  # when the stream last said something (monotonic seconds)
 
     @property
     def incarnation(self) -> int | None:
@@ -153,9 +156,14 @@ class Subscriber:
         returns the messages read."""
         n = 0
         ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        now = time.monotonic()
         for g in self.groups:
             if g.sub not in ready:
+                if now - g.heard >= IDLE_CHECK_S:
+                    g.heard = now
+                    self._check_idle(g)
                 continue
+            g.heard = now
             while True:
                 try:
                     topic, seq8, payload = g.sub.recv_multipart(zmq.NOBLOCK)
@@ -193,6 +201,16 @@ class Subscriber:
         g.seq = seq
         g.counters["batches"] += 1
         self._check_pending(g)
+
+    def _check_idle(self, g: Group) -> None:
+        before = g.incarnation
+        self._request(g, wire.HELLO)
+        _, seq8, body = self._recv(g)
+        if wire.unpack(body)["incarnation"] != before:
+            self._new_incarnation(g)
+        elif wire.seq_of(seq8) > g.seq:
+            g.counters["gaps"] += 1
+            self._catch_up(g, g.seq + 1)
 
     def _on_digest(self, g: Group, seq: int, digest: int) -> None:
         if seq > g.seq:

@@ -36,12 +36,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay marker
 HELLO, SNAPSHOT, SNAPSHOT_END, REFUSED = b"hello", b"snapshot", b"snapshot-end", b"refused"
 DIGEST_TOPIC = "tpcache-digest"
 
-_PAIR = struct.Struct("<QB")
+PAIR = struct.Struct("<QB")
+xxh3_64 = xxhash.xxh3_64_intdigest
 
 
 def pair_term(page_hash: int, tier: int) -> int:
     """One (page hash, tier) pair's term in the digest."""
-    return xxhash.xxh3_64_intdigest(_PAIR.pack(page_hash, tier))
+    return xxh3_64(PAIR.pack(page_hash, tier))
 
 
 def digest_of(tiers: tuple[set[int], set[int], set[int]] | list[list[int]]) -> int:

@@ -1,0 +1,151 @@
+"""What the KV-event stream costs rank 0: CPU time per request with events on and off.
+
+    python scripts/bench_events.py --json [--runs 5] [--requests 300] [--pages 8]
+
+Starts two local 2-rank services (metadata only, CPU) that differ only in ``--events-endpoint``:
+each with a small device tier and a host tier kept full (``write_through``), so that every request
+(lock, alloc, insert, release of ``--pages`` new pages, a quarter of them behind a shared prefix)
+inserts pages and evicts others on both tiers. The events-on service has the reference subscriber
+connected (``tpcache.events.Subscriber``, in this process), reading every batch and checking
+every digest. A run drives ``--requests`` requests through each service, in alternating order
+from run to run, and reads rank 0's CPU time (all threads, /proc schedstat) around each.
+
+Printed: ``cpu_us_per_request_off`` / ``_on`` (medians over runs), ``ratio`` = the median over runs
+of off / on (1.0: events cost nothing; the target is >= 0.95), ``ratio_min`` / ``ratio_max`` its
+spread and ``ratios`` every run's; the subscriber's counters (batches, digests checked,
+mismatches, resyncs) and the publisher's (pages stored and removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launcher.local import spawn_ranks, stop_ranks, wait_ready  # noqa: E402
+from protocol.errors import NoSpace  # noqa: E402
+from tpcache.client import Client  # noqa: E402
+from tpcache.events import Subscriber  # noqa: E402
+from tpcache.service.config import build_config  # noqa: E402
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid`` so far, all its threads, to the nanosecond (Linux
+    /proc/PID/task/*/schedstat; /proc/PID/stat counts 10 ms ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def requests(c: Client, rng: random.Random, n: int, pages: int, page: int, sub: Subscriber | None) -> int:
+    """``n`` requests (lock, alloc, insert, release); returns those that inserted."""
+    inserted = 0
+    shared = [rng.randrange(1 << 30) for _ in range(2 * page)]
+    for _ in range(n):
+        fresh = [rng.randrange(1 << 30) for _ in range(pages * page)]
+        tokens = shared + fresh[: (pages - 2) * page] if rng.random() < 0.25 else fresh
+        lk = c.lock(tokens, prefetch="none")
+        have = list(c.match(tokens).device_page_ids)
+        if len(have) == lk.hit_tokens // page and len(have) < pages:
+            try:
+                new = list(c.alloc(lk.lease, pages - len(have)).device_page_ids)
+                c.insert(tokens, have + new, lease=lk.lease)
+                inserted += 1
+            except NoSpace:
+                pass
+        c.release(lk.lease)
+        if sub is not None:
+            sub.poll(0)
+    return inserted
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--runs", type=int, default=5, help="alternating off/on runs; medians [5]")
+    parser.add_argument("--requests", type=int, default=300, help="requests per service per run [300]")
+    parser.add_argument("--pages", type=int, default=8, help="pages per request [8]")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page [16]")
+    args = parser.parse_args()
+    if args.runs < 1 or args.requests < 1 or args.pages < 3:
+        parser.error("--runs and --requests must be at least 1, --pages at least 3")
+    page = args.page_size
+    out: dict[str, Any] = {"requests": args.requests, "pages": args.pages, "page_size": page, "ranks": 2}
+    out["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
+    with tempfile.TemporaryDirectory(prefix="tpcache-bench-events-") as tmp:
+        services: dict[str, Any] = {}
+        try:
+            for mode in ("off", "on"):
+                cli = {
+                    "endpoint": "tcp://127.0.0.1:0",
+                    "ready_file": str(Path(tmp) / f"ready-{mode}.json"),
+                    "page_size": page,
+                    "device_pages": 8 * args.pages,
+                    "host_pages": 16 * args.pages,
+                    "write_policy": "write_through",
+                    "log_level": "ERROR",
+                }
+                if mode == "on":
+                    cli["events_endpoint"] = "0"
+                procs = spawn_ranks(build_config(cli=cli, env={}), 2)
+                services[mode] = {"procs": procs, "info": wait_ready(cli["ready_file"], procs)}
+            info_on = services["on"]["info"]["events"]
+            sub = Subscriber()
+            group = sub.follow(info_on["endpoint"], info_on["replay_endpoint"])
+            clients = {mode: Client(s["info"]["endpoint"], timeout_s=30) for mode, s in services.items()}
+            rng = {mode: random.Random(1) for mode in services}
+            for mode, c in clients.items():  # warm up: fill both tiers
+                requests(c, rng[mode], 40, args.pages, page, sub if mode == "on" else None)
+            runs: list[dict[str, float]] = []
+            for run in range(args.runs):
+                result: dict[str, float] = {}
+                for mode in ("off", "on") if run % 2 == 0 else ("on", "off"):
+                    pid = services[mode]["info"]["pids"][0]
+                    cpu0 = cpu_seconds(pid)
+                    requests(clients[mode], rng[mode], args.requests, args.pages, page, sub if mode == "on" else None)
+                    result[mode] = (cpu_seconds(pid) - cpu0) * 1e6 / args.requests
+                runs.append(result)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                sub.poll(0.1)
+            stats = clients["on"].stats().values
+            for c in clients.values():
+                c.close()
+        finally:
+            for s in services.values():
+                stop_ranks(s["procs"])
+    ratios = sorted(r["off"] / r["on"] for r in runs)
+    out["cpu_us_per_request_off"] = round(median(r["off"] for r in runs), 1)
+    out["cpu_us_per_request_on"] = round(median(r["on"] for r in runs), 1)
+    out["ratio"] = round(median(ratios), 3)
+    out["ratio_min"], out["ratio_max"] = round(ratios[0], 3), round(ratios[-1], 3)
+    out["ratios"] = [round(r["off"] / r["on"], 3) for r in runs]
+    out["subscriber"] = dict(group.counters)
+    out["publisher"] = {k: v for k, v in stats.items() if k.startswith("event_") or k.startswith("rank0.event_")}
+    out["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    sub.close()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
