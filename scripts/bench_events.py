@@ -7,8 +7,9 @@ each with a small device tier and a host tier kept full (``write_through``), so 
 (lock, alloc, insert, release of ``--pages`` new pages, a quarter of them behind a shared prefix)
 inserts pages and evicts others on both tiers. The events-on service has the reference subscriber
 connected (``tpcache.events.Subscriber``, in this process), reading every batch and checking
-every digest. A run drives ``--requests`` requests through each service, in alternating order
-from run to run, and reads rank 0's CPU time (all threads, /proc schedstat) around each.
+every digest. A run drives ``--requests`` requests through each service in ``--slices`` alternating slices
+(off, on, on, off, ...) and sums rank 0's CPU time (all threads, /proc schedstat) around each slice.
+``--calibrate`` runs both services with events off: the ratio's noise on this machine.
 
 Printed: ``cpu_us_per_request_off`` / ``_on`` (medians over runs), ``ratio`` = the median over runs
 of off / on (1.0: events cost nothing; the target is >= 0.95), ``ratio_min`` / ``ratio_max`` its
@@ -81,6 +82,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300, help="requests per service per run [300]")
     parser.add_argument("--pages", type=int, default=8, help="pages per request [8]")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page [16]")
+    parser.add_argument("--slices", type=int, default=10, help="alternating slices per run [10]")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="events off in both services: the ratio's noise on this machine"
+    )
+    parser.add_argument("--no-subscriber", action="store_true", help="events on, but nobody subscribed")
     args = parser.parse_args()
     if args.runs < 1 or args.requests < 1 or args.pages < 3:
         parser.error("--runs and --requests must be at least 1, --pages at least 3")
@@ -100,28 +106,35 @@ def main() -> int:
                     "write_policy": "write_through",
                     "log_level": "ERROR",
                 }
-                if mode == "on":
+                if mode == "on" and not args.calibrate:
                     cli["events_endpoint"] = "0"
                 procs = spawn_ranks(build_config(cli=cli, env={}), 2)
                 services[mode] = {"procs": procs, "info": wait_ready(cli["ready_file"], procs)}
             info_on = services["on"]["info"]["events"]
             sub = Subscriber()
-            group = sub.follow(info_on["endpoint"], info_on["replay_endpoint"])
+            group = (
+                sub.follow(info_on["endpoint"], info_on["replay_endpoint"])
+                if info_on and not args.no_subscriber
+                else None
+            )
             clients = {mode: Client(s["info"]["endpoint"], timeout_s=30) for mode, s in services.items()}
             rng = {mode: random.Random(1) for mode in services}
             for mode, c in clients.items():  # warm up: fill both tiers
-                requests(c, rng[mode], 40, args.pages, page, sub if mode == "on" else None)
+                requests(c, rng[mode], 40, args.pages, page, sub if mode == "on" and group else None)
             runs: list[dict[str, float]] = []
+            per_slice = max(1, args.requests // args.slices)
             for run in range(args.runs):
-                result: dict[str, float] = {}
-                for mode in ("off", "on") if run % 2 == 0 else ("on", "off"):
-                    pid = services[mode]["info"]["pids"][0]
-                    cpu0 = cpu_seconds(pid)
-                    requests(clients[mode], rng[mode], args.requests, args.pages, page, sub if mode == "on" else None)
-                    result[mode] = (cpu_seconds(pid) - cpu0) * 1e6 / args.requests
-                runs.append(result)
+                cpu = {"off": 0.0, "on": 0.0}
+                for i in range(args.slices):  # fine-grained alternation: both see the same machine load
+                    for mode in ("off", "on") if (run + i) % 2 == 0 else ("on", "off"):
+                        pid = services[mode]["info"]["pids"][0]
+                        cpu0 = cpu_seconds(pid)
+                        user = sub if mode == "on" and group else None
+                        requests(clients[mode], rng[mode], per_slice, args.pages, page, user)
+                        cpu[mode] += cpu_seconds(pid) - cpu0
+                runs.append({mode: t * 1e6 / (per_slice * args.slices) for mode, t in cpu.items()})
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
+            while group is not None and time.monotonic() < deadline:
                 sub.poll(0.1)
             stats = clients["on"].stats().values
             for c in clients.values():
@@ -135,7 +148,7 @@ def main() -> int:
     out["ratio"] = round(median(ratios), 3)
     out["ratio_min"], out["ratio_max"] = round(ratios[0], 3), round(ratios[-1], 3)
     out["ratios"] = [round(r["off"] / r["on"], 3) for r in runs]
-    out["subscriber"] = dict(group.counters)
+    out["subscriber"] = dict(group.counters) if group is not None else None
     out["publisher"] = {k: v for k, v in stats.items() if k.startswith("event_") or k.startswith("rank0.event_")}
     out["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     sub.close()
