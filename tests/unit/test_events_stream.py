@@ -25,7 +25,13 @@ P = 4
 class Stream:
     """A core whose change feed a publisher publishes after every step (what rank 0 does)."""
 
-    def __init__(self, namespace: str = "", replay_batches: int = 10_000, endpoints: tuple[str, str] | None = None):
+    def __init__(
+        self,
+        namespace: str = "",
+        replay_batches: int = 10_000,
+        endpoints: tuple[str, str] | None = None,
+        batch_s: float = 0.0,
+    ):
         config = CacheConfig(
             page_size=P, device_pages=10, host_pages=14, write_policy="write_through", storage=True, namespace=namespace
         )
@@ -36,7 +42,14 @@ class Stream:
         identity = {"model": "m", "namespace": namespace, "incarnation": random.getrandbits(63)}
         identity.update(tp_size=2, pp_size=1, page_size=P)
         self.pub = EventPublisher(
-            zmq.Context.instance(), pub, replay, identity, page_size=P, replay_batches=replay_batches, digest_every=3
+            zmq.Context.instance(),
+            pub,
+            replay,
+            identity,
+            page_size=P,
+            replay_batches=replay_batches,
+            digest_every=3,
+            batch_s=batch_s,
         )
         self.prompts: list[list[int]] = []
 
@@ -232,3 +245,20 @@ def test_event_settings_are_checked_and_off_by_default():
     ):
         with pytest.raises(ConfigError, match=name.replace("_", "[-_]")):
             build_config(cli=cli, env={})
+
+
+def test_rounds_close_together_share_a_batch_in_their_order(streams):
+    s = Stream(batch_s=3600.0)  # no batch falls due by itself: tick(0) after time has passed does it
+    streams.append(s)
+    sub = Subscriber()
+    g = follow(sub, s)
+    before = s.pub.seq
+    s.step(12)  # rounds that store pages and evict them again
+    assert s.pub.seq == before and len(s.pub.pending) >= 6
+    assert s.pub.tick(100) <= 100
+    s.pub.batch_s = 0.0
+    assert s.pub.tick(100) == 100 and not s.pub.pending
+    assert s.pub.seq == before + 1  # one batch for all of them
+    sync(sub, g, s)
+    assert g.tiers == s.tiers()
+    sub.close()

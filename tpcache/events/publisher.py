@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from tpcache.core.feed import Changes
+from tpcache.core.feed import ChangeFeed, Changes, on_tiers
 from tpcache.events import wire
 
 log = logging.getLogger("tpcache.events")
@@ -47,8 +47,14 @@ class EventPublisher:
         digest_every: int = 64,
         snapshot_max_pages: int = 4_000_000,
         hwm: int = 100_000,
+        batch_s: float = 0.0,
     ) -> None:
+        """``batch_s``: rounds that follow a batch by less than this go into the next batch, sent
+        once it is that old (``tick``): one message for several rounds (0: a batch per round)."""
         self.identity = dict(identity)
+        self.batch_s = batch_s
+        self.pending: list[Changes] = []  # rounds not yet in a batch, oldest first
+        self.last_batch = -1e9  # when the last batch was sealed (monotonic seconds)
         self.page_size = page_size
         self.topic = topic.encode()
         self.digest_topic = wire.DIGEST_TOPIC.encode()
@@ -88,7 +94,7 @@ class EventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tpcache-events-replay", daemon=True)
         self._thread.start()
-        self.publish(Changes(cleared=True), force=True)  # batch 0: the cache starts empty
+        self.publish(Changes(cleared=True))  # batch 0: the cache starts empty
 
     def info(self) -> dict[str, Any]:
         """Where and what the stream is (the ready file and the start-up line show it)."""
@@ -102,10 +108,29 @@ class EventPublisher:
 
     # ------------------------------------------------------------------ the round thread
 
-    def publish(self, changes: Changes, force: bool = False) -> None:
-        """Publish what one round changed (nothing when it changed nothing)."""
-        if not changes and not force:
-            return
+    def publish(self, changes: Changes) -> None:
+        """Publish what one round changed (nothing when it changed nothing): at once, or with the
+        next rounds' when the last batch is younger than ``batch_s``."""
+        if changes:
+            self.pending.append(changes)
+        if self.pending and time.monotonic() - self.last_batch >= self.batch_s:
+            self.flush()
+
+    def tick(self, timeout_ms: int) -> int:
+        """Send the pending rounds if their batch is due; returns ``timeout_ms`` or, with rounds
+        pending, at most the milliseconds until their batch is due (the leader's poll timeout)."""
+        if not self.pending:
+            return timeout_ms
+        left = self.batch_s - (time.monotonic() - self.last_batch)
+        if left <= 0:
+            self.flush()
+            return timeout_ms
+        return min(timeout_ms, int(left * 1000) + 1)
+
+    def flush(self) -> None:
+        """One batch of every pending round, in order: per round, cleared, removals, stores."""
+        rounds, self.pending = self.pending, []
+        self.last_batch = time.monotonic()
         events: list[dict[str, Any]] = []
         stored_n = removed_n = 0
         # A drain lists a page as removed only from a tier it was on and as stored only on a tier it
@@ -113,23 +138,24 @@ class EventPublisher:
         xxh, pair = wire.xxh3_64, wire.PAIR.pack
         with self.lock:
             mirror, digest = self.mirror, self.digest
-            if changes.cleared:
-                for tier in mirror:
-                    tier.clear()
-                digest = 0
-                events.append(wire.CLEARED)
-            for tier, hashes in enumerate(changes.removed):
-                if hashes:
-                    mirror[tier].difference_update(hashes)
-                    digest -= sum(map(xxh, map(pair, hashes, repeat(tier, len(hashes)))))
-                    events.append(wire.removed_event(hashes, tier))
-                    removed_n += len(hashes)
-            for tier, hashes in enumerate(changes.stored):
-                if hashes:
-                    mirror[tier].update(hashes)
-                    digest += sum(map(xxh, map(pair, hashes, repeat(tier, len(hashes)))))
-                    events.append(wire.stored_event(hashes, tier, self.page_size))
-                    stored_n += len(hashes)
+            for changes in rounds:
+                if changes.cleared:
+                    for tier in mirror:
+                        tier.clear()
+                    digest = 0
+                    events.append(wire.CLEARED)
+                for tier, hashes in enumerate(changes.removed):
+                    if hashes:
+                        mirror[tier].difference_update(hashes)
+                        digest -= sum(map(xxh, map(pair, hashes, repeat(tier, len(hashes)))))
+                        events.append(wire.removed_event(hashes, tier))
+                        removed_n += len(hashes)
+                for tier, hashes in enumerate(changes.stored):
+                    if hashes:
+                        mirror[tier].update(hashes)
+                        digest += sum(map(xxh, map(pair, hashes, repeat(tier, len(hashes)))))
+                        events.append(wire.stored_event(hashes, tier, self.page_size))
+                        stored_n += len(hashes)
             self.digest = digest & wire.MASK
             if not events:
                 return
@@ -154,6 +180,8 @@ class EventPublisher:
             self.pub.send_multipart((self.digest_topic, seq8, wire.pack(body)))
 
     def close(self) -> None:
+        if self.pending:
+            self.flush()
         self._stop.set()
         self._thread.join(timeout=2.0)
         self.pub.close(0)
@@ -215,3 +243,46 @@ class EventPublisher:
                 send((client, b"", wire.SNAPSHOT, s8, wire.pack([tier, hashes[start : start + SNAPSHOT_CHUNK]])))
         end = {"seq": seq, "digest": digest, "pages": pages, "group": self.identity}
         send((client, b"", wire.SNAPSHOT_END, s8, wire.pack(end)))
+
+
+class RoundStream:
+    """A core's change feed, published after every round: what rank 0 runs (the service's leader,
+    or an embedding engine's rank 0 through ``TPCache.publish_events``)."""
+
+    def __init__(self, publisher: EventPublisher, core: Any) -> None:
+        self.publisher = publisher
+        self.feed = ChangeFeed()
+        self.closed = False  # the last batch told subscribers the cache is closed (all cleared)
+        core.ledger.feed = self.feed
+
+    def after_round(self, core: Any) -> None:
+        """Publish what changed since the last round. A closed cache serves no hit: it is published
+        as all cleared, and once it reopens (an agreed flush) as cleared plus what it then holds."""
+        feed = self.feed
+        if core.ledger.feed is not feed:  # the core was rebuilt: start its stream over from what it holds
+            core.ledger.feed = feed
+            feed.drain()
+            self.publisher.publish(_everything(core))
+            return
+        changes = feed.drain()
+        if core.closed:
+            if not self.closed:
+                self.closed = True
+                self.publisher.publish(Changes(cleared=True))
+            return
+        if self.closed:
+            self.closed = False
+            if not changes.cleared:
+                changes = _everything(core)
+        self.publisher.publish(changes)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def _everything(core: Any) -> Changes:
+    tiers = on_tiers(core.tree.nodes.values())
+    out = Changes(cleared=True)
+    for tier, hashes in enumerate(tiers):
+        out.stored[tier].extend(sorted(hashes))
+    return out

@@ -158,6 +158,8 @@ class Leader:
                 self.stop()
                 return EXIT_GROUP_BROKEN
             timeout_ms = self._poll_timeout_ms()
+            if self.events is not None:  # rounds waiting for their event batch: sent when it is due
+                timeout_ms = self.events.publisher.tick(timeout_ms)
             ready = dict(self.poller.poll(timeout_ms))
             if door.zap in ready:
                 door.answer_zap()
