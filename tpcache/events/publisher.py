@@ -1,8 +1,10 @@
 """Rank 0's event stream: after each commit, what the round changed on each tier, in order.
 
-``publish`` runs on the round thread and costs what the round changed: each change moves the
-published mirror (a set of page hashes per tier) and its digest, the batch is encoded once, kept
-in the replay ring and sent on the PUB socket, which never blocks: a subscriber that falls more than
+``publish`` runs on the round thread and costs what the round changed. A batch holds the rounds
+since the last one (a round ``batch_s`` or more after the last batch seals one at once; rounds
+closer together wait for ``tick``): sealing it moves the published mirror (a set of page hashes per
+tier) and its digest, encodes it once, keeps it in the replay ring and sends it on the PUB socket,
+which never blocks: a subscriber that falls more than
 ``hwm`` messages behind loses messages in ZMQ's queue (it sees the gap in the sequence numbers and
 asks for a replay). The replay endpoint (a ROUTER) is served by a thread of its own: replays from
 the ring, the group's identity, and snapshots of the mirror, copied under the lock at a batch
