@@ -44,6 +44,7 @@ def test_a_service_streams_what_its_cache_holds(tmp_path: Path) -> None:
         *("--page-size", str(P), "--device-pages", "16", "--host-pages", "24", "--kv-layout", "L1xH1xD4:fp32"),
         *("--storage-dir", str(tmp_path / "storage"), "--write-policy", "write_through", "--heartbeat-s", "0.2"),
         *("--events-endpoint", "0", "--events-digest-every", "2", "--events-model", "tiny"),
+        *("--events-replay-batches", "30", "--events-batch-ms", "0"),
     )
     with running_service(tmp_path / "svc", *args) as svc:
         info = svc.info["events"]
@@ -62,7 +63,14 @@ def test_a_service_streams_what_its_cache_holds(tmp_path: Path) -> None:
         c = svc.client()
         rng = random.Random(7)
         prompts = []
-        for _ in range(60):
+        restarted = Subscriber()
+        for n in range(60):
+            if n == 20:  # a router stops, keeping its mirror; it comes back 3 requests later
+                kept = restarted.follow(info["endpoint"], info["replay_endpoint"])
+                restarted.close()
+            if n == 23:
+                back = restarted.follow(info["endpoint"], info["replay_endpoint"], resume=kept)
+                assert back.counters["replayed"] >= 1 and back.counters["resyncs"] == 0
             depth = rng.randint(1, 5)
             tokens = [rng.randrange(3) * 100 + d * 1000 + i for d in range(depth) for i in range(P)]
             prompts.append(tokens)
@@ -76,6 +84,12 @@ def test_a_service_streams_what_its_cache_holds(tmp_path: Path) -> None:
             c.release(lk.lease)
             sub.poll(0)
         _settle(sub, plain, seen)
+        late = Subscriber()  # joins after more batches than the ring keeps: a snapshot
+        joined = late.follow(info["endpoint"], info["replay_endpoint"])
+        assert joined.counters["resyncs"] == 1 and joined.tiers == group.tiers and joined.seq == group.seq
+        late.close()
+        restarted.poll(0.5)
+        assert back.tiers == group.tiers
 
         counts = group.counters
         assert counts["digests_checked"] >= 10 and counts["digest_mismatches"] == 0 and counts["resyncs"] == 0

@@ -147,6 +147,7 @@ class Subscriber:
 
     def close(self) -> None:
         for g in self.groups:
+            self.poller.unregister(g.sub)
             g.sub.close(0)
             g.dealer.close(0)
         self.groups = []
