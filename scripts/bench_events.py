@@ -86,12 +86,14 @@ def main() -> int:
     parser.add_argument(
         "--calibrate", action="store_true", help="events off in both services: the ratio's noise on this machine"
     )
+    parser.add_argument("--batch-ms", type=float, default=None, help="--events-batch-ms of the events-on service")
     parser.add_argument("--no-subscriber", action="store_true", help="events on, but nobody subscribed")
     args = parser.parse_args()
     if args.runs < 1 or args.requests < 1 or args.pages < 3:
         parser.error("--runs and --requests must be at least 1, --pages at least 3")
     page = args.page_size
     out: dict[str, Any] = {"requests": args.requests, "pages": args.pages, "page_size": page, "ranks": 2}
+    out["events_batch_ms"] = args.batch_ms
     out["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="tpcache-bench-events-") as tmp:
         services: dict[str, Any] = {}
@@ -108,6 +110,8 @@ def main() -> int:
                 }
                 if mode == "on" and not args.calibrate:
                     cli["events_endpoint"] = "0"
+                    if args.batch_ms is not None:
+                        cli["events_batch_ms"] = args.batch_ms
                 procs = spawn_ranks(build_config(cli=cli, env={}), 2)
                 services[mode] = {"procs": procs, "info": wait_ready(cli["ready_file"], procs)}
             info_on = services["on"]["info"]["events"]

@@ -176,7 +176,7 @@ class EventPublisher:
         c["event_pages_stored"] += stored_n
         c["event_pages_removed"] += removed_n
         seq8 = wire.seq_bytes(seq)
-        self.pub.send_multipart((self.topic, seq8, payload), copy=False)
+        self.pub.send_multipart((self.topic, seq8, payload))  # copied: zero-copy wakes a GC thread per message
         if seq % self.digest_every == 0:
             body = {"seq": seq, "digest": digest, "pages": pages, "group": self.identity}
             self.pub.send_multipart((self.digest_topic, seq8, wire.pack(body)))
@@ -195,7 +195,7 @@ class EventPublisher:
         router = self.router
         while not self._stop.is_set():
             try:
-                if not router.poll(50):
+                if not router.poll(200):
                     continue
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
