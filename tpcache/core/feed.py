@@ -100,10 +100,19 @@ class ChangeFeed:
         return self
 
     def drain(self) -> Changes:
+        if not self._seen and not self._cleared:
+            return Changes()
         out = Changes(cleared=self._cleared)
         removed, stored = out.removed, out.stored
         for node, was in self._seen.values():
-            now = tier_bits(node)
+            if node.parent is None:  # ``tier_bits``, inlined: this loop runs per changed page
+                now = 0
+            else:
+                now = (
+                    (node.device_state == _DEV_VALID)
+                    | (node.host_state == _HOST_VALID) << 1
+                    | (node.storage_state == _DURABLE) << 2
+                )
             if now == was:
                 continue
             h = node.hash
