@@ -6,10 +6,12 @@ Starts two local 2-rank services (metadata only, CPU) that differ only in ``--ev
 each with a small device tier and a host tier kept full (``write_through``), so that every request
 (lock, alloc, insert, release of ``--pages`` new pages, a quarter of them behind a shared prefix)
 inserts pages and evicts others on both tiers. The events-on service has the reference subscriber
-connected (``tpcache.events.Subscriber``, in this process), reading every batch and checking
-every digest. A run drives ``--requests`` requests through each service in ``--slices`` alternating slices
-(off, on, on, off, ...) and sums rank 0's CPU time (all threads, /proc schedstat) around each slice.
-``--calibrate`` runs both services with events off: the ratio's noise on this machine.
+connected (``tpcache.events.Subscriber``, in a process of its own, so that the driving client's pace
+is the same for both services), reading every batch and checking every digest. A run drives
+``--requests`` requests through each service in ``--slices`` alternating slices (off, on, on, off,
+...) and sums rank 0's CPU time (all threads, /proc schedstat) around each slice. ``--calibrate``
+runs both services with events off: the ratio's noise on this machine; ``--no-subscriber`` leaves
+the stream without a subscriber; ``--batch-ms`` sets the events-on service's ``--events-batch-ms``.
 
 Printed: ``cpu_us_per_request_off`` / ``_on`` (medians over runs), ``ratio`` = the median over runs
 of off / on (1.0: events cost nothing; the target is >= 0.95), ``ratio_min`` / ``ratio_max`` its
@@ -23,6 +25,8 @@ import argparse
 import json
 import os
 import random
+import select
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +57,23 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def requests(c: Client, rng: random.Random, n: int, pages: int, page: int, sub: Subscriber | None) -> int:
+def subscriber_process(endpoint: str, replay_endpoint: str) -> int:
+    """Follow the group until stdin closes, then print the subscriber's counters (a router's
+    process: the driving client's pace stays the same with events on and off)."""
+    sub = Subscriber()
+    group = sub.follow(endpoint, replay_endpoint)
+    print("following", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        sub.poll(0.05)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        sub.poll(0.1)
+    print(json.dumps(group.counters), flush=True)
+    sub.close()
+    return 0
+
+
+def requests(c: Client, rng: random.Random, n: int, pages: int, page: int) -> int:
     """``n`` requests (lock, alloc, insert, release); returns those that inserted."""
     inserted = 0
     shared = [rng.randrange(1 << 30) for _ in range(2 * page)]
@@ -70,8 +90,6 @@ def requests(c: Client, rng: random.Random, n: int, pages: int, page: int, sub: 
             except NoSpace:
                 pass
         c.release(lk.lease)
-        if sub is not None:
-            sub.poll(0)
     return inserted
 
 
@@ -88,7 +106,10 @@ def main() -> int:
     )
     parser.add_argument("--batch-ms", type=float, default=None, help="--events-batch-ms of the events-on service")
     parser.add_argument("--no-subscriber", action="store_true", help="events on, but nobody subscribed")
+    parser.add_argument("--follow", nargs=2, help=argparse.SUPPRESS)  # the subscriber's own process
     args = parser.parse_args()
+    if args.follow:
+        return subscriber_process(*args.follow)
     if args.runs < 1 or args.requests < 1 or args.pages < 3:
         parser.error("--runs and --requests must be at least 1, --pages at least 3")
     page = args.page_size
@@ -115,16 +136,15 @@ def main() -> int:
                 procs = spawn_ranks(build_config(cli=cli, env={}), 2)
                 services[mode] = {"procs": procs, "info": wait_ready(cli["ready_file"], procs)}
             info_on = services["on"]["info"]["events"]
-            sub = Subscriber()
-            group = (
-                sub.follow(info_on["endpoint"], info_on["replay_endpoint"])
-                if info_on and not args.no_subscriber
-                else None
-            )
+            follower = None
+            if info_on and not args.no_subscriber:
+                cmd = [sys.executable, __file__, "--follow", info_on["endpoint"], info_on["replay_endpoint"]]
+                follower = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert follower.stdout is not None and follower.stdout.readline().strip() == "following"
             clients = {mode: Client(s["info"]["endpoint"], timeout_s=30) for mode, s in services.items()}
             rng = {mode: random.Random(1) for mode in services}
             for mode, c in clients.items():  # warm up: fill both tiers
-                requests(c, rng[mode], 40, args.pages, page, sub if mode == "on" and group else None)
+                requests(c, rng[mode], 40, args.pages, page)
             runs: list[dict[str, float]] = []
             per_slice = max(1, args.requests // args.slices)
             for run in range(args.runs):
@@ -133,13 +153,13 @@ def main() -> int:
                     for mode in ("off", "on") if (run + i) % 2 == 0 else ("on", "off"):
                         pid = services[mode]["info"]["pids"][0]
                         cpu0 = cpu_seconds(pid)
-                        user = sub if mode == "on" and group else None
-                        requests(clients[mode], rng[mode], per_slice, args.pages, page, user)
+                        requests(clients[mode], rng[mode], per_slice, args.pages, page)
                         cpu[mode] += cpu_seconds(pid) - cpu0
                 runs.append({mode: t * 1e6 / (per_slice * args.slices) for mode, t in cpu.items()})
-            deadline = time.monotonic() + 5
-            while group is not None and time.monotonic() < deadline:
-                sub.poll(0.1)
+            counters = None
+            if follower is not None:
+                out_text, _ = follower.communicate("", timeout=60)  # closes its stdin: it reports and exits
+                counters = json.loads(out_text.strip().splitlines()[-1])
             stats = clients["on"].stats().values
             for c in clients.values():
                 c.close()
@@ -152,10 +172,9 @@ def main() -> int:
     out["ratio"] = round(median(ratios), 3)
     out["ratio_min"], out["ratio_max"] = round(ratios[0], 3), round(ratios[-1], 3)
     out["ratios"] = [round(r["off"] / r["on"], 3) for r in runs]
-    out["subscriber"] = dict(group.counters) if group is not None else None
+    out["subscriber"] = counters
     out["publisher"] = {k: v for k, v in stats.items() if k.startswith("event_") or k.startswith("rank0.event_")}
     out["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    sub.close()
     if args.json:
         print(json.dumps(out))
     else:

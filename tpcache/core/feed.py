@@ -2,8 +2,9 @@
 
 A page is *on* a tier when its copy there is readable: device ``VALID``, host ``VALID``, storage
 ``DURABLE``, in a node that is in the tree. The ledger (the one mutator of node state) tells the feed
-about every node before it changes one (``before``) and about every node it creates (``fresh``);
-the C kernels that change tier state report their nodes to the ledger, which tells the feed. The
+about every node before it changes one (``before``) and about every node it creates (``fresh``),
+also around its C kernels: the nodes a settle will change before the call, the nodes a chain kernel
+made after it, and the leaves the eviction kernel dropped (it lists them for the ledger). The
 feed keeps, per node first seen since the last ``drain``, the tiers it was on then; ``drain``
 compares them with the tiers it is on now and returns the difference as a ``Changes``.
 
