@@ -13,6 +13,10 @@ is the same for both services), reading every batch and checking every digest. A
 runs both services with events off: the ratio's noise on this machine; ``--no-subscriber`` leaves
 the stream without a subscriber; ``--batch-ms`` sets the events-on service's ``--events-batch-ms``.
 
+``core_us_per_request_off`` / ``_on`` and ``core_ratio`` come first: the round thread's share
+alone, in this process (a core's requests with and without its feed published; this thread's CPU
+time, which other processes' load moves far less than a whole service's).
+
 Printed: ``cpu_us_per_request_off`` / ``_on`` (medians over runs), ``ratio`` = the median over runs
 of off / on (1.0: events cost nothing; the target is >= 0.95), ``ratio_min`` / ``ratio_max`` its
 spread and ``ratios`` every run's; the subscriber's counters (batches, digests checked,
@@ -73,6 +77,55 @@ def subscriber_process(endpoint: str, replay_endpoint: str) -> int:
     return 0
 
 
+def core_cost(pages: int, page: int, runs: int, n: int = 2000) -> dict[str, Any]:
+    """The round thread's share, in one process: a core's requests (lock, alloc, insert, release,
+    the round's completions) with and without its change feed published (PUB socket, nobody
+    subscribed), this thread's CPU time per request, alternating, median over ``runs``."""
+    import zmq
+
+    from tpcache.core import CacheConfig, CacheCore
+    from tpcache.core.feed import ChangeFeed
+    from tpcache.events.publisher import EventPublisher
+    from tpcache.replay import drain
+
+    def one(on: bool, seed: int) -> float:
+        core = CacheCore(CacheConfig(page_size=page, device_pages=8 * pages, host_pages=16 * pages))
+        pub = None
+        if on:
+            core.ledger.feed = feed = ChangeFeed()
+            identity = {"incarnation": 1, "page_size": page}
+            pub = EventPublisher(
+                zmq.Context.instance(), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", identity, page_size=page
+            )
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(1 << 30) for _ in range(pages * page)] for _ in range(n)]
+        start = time.thread_time()
+        for tokens in prompts:
+            lease, _ = core.lock(tokens)
+            core.insert(lease, tokens, core.alloc(lease, pages))
+            core.release(lease)
+            drain(core)
+            if pub is not None:
+                pub.publish(feed.drain())
+        spent = time.thread_time() - start
+        if pub is not None:
+            pub.close()
+        return spent * 1e6 / n
+
+    results = []
+    for run in range(runs):
+        order = (False, True) if run % 2 == 0 else (True, False)
+        results.append({on: one(on, run) for on in order})
+    ratios = sorted(r[False] / r[True] for r in results)
+    return {
+        "core_us_per_request_off": round(median(r[False] for r in results), 1),
+        "core_us_per_request_on": round(median(r[True] for r in results), 1),
+        "core_ratio": round(median(ratios), 3),
+        "core_ratio_min": round(ratios[0], 3),
+        "core_ratio_max": round(ratios[-1], 3),
+    }
+
+
 def requests(c: Client, rng: random.Random, n: int, pages: int, page: int) -> int:
     """``n`` requests (lock, alloc, insert, release); returns those that inserted."""
     inserted = 0
@@ -106,6 +159,7 @@ def main() -> int:
     )
     parser.add_argument("--batch-ms", type=float, default=None, help="--events-batch-ms of the events-on service")
     parser.add_argument("--no-subscriber", action="store_true", help="events on, but nobody subscribed")
+    parser.add_argument("--core-only", action="store_true", help="only the in-process round-thread share")
     parser.add_argument("--follow", nargs=2, help=argparse.SUPPRESS)  # the subscriber's own process
     args = parser.parse_args()
     if args.follow:
@@ -116,6 +170,10 @@ def main() -> int:
     out: dict[str, Any] = {"requests": args.requests, "pages": args.pages, "page_size": page, "ranks": 2}
     out["events_batch_ms"] = args.batch_ms
     out["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
+    out.update(core_cost(args.pages, page, args.runs))
+    if args.core_only:
+        print(json.dumps(out))
+        return 0
     with tempfile.TemporaryDirectory(prefix="tpcache-bench-events-") as tmp:
         services: dict[str, Any] = {}
         try:
