@@ -174,6 +174,8 @@ def test_settings_that_may_differ_between_ranks_are_exactly_the_local_ones() -> 
         "storage_key_file",
         "metrics_port",
         "ready_file",
+        "events_endpoint",
+        "events_replay_endpoint",
     }
     assert set(FIELDS) - set(shared) == local | {"log_level"}
     assert "secret" not in shared and shared["storage"] is False

@@ -406,9 +406,10 @@ class CacheCore:
         What outlives it: lease and op ids keep counting from the given (agreed) values, the
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release."""
-        cap, kept = self.evictor.retention_cap_tokens, self.book.kept()
+        cap, kept, feed = self.evictor.retention_cap_tokens, self.book.kept(), self.ledger.feed
         self.tree.dispose()  # the old tree goes now, not at the collection that finds the old core
         self.__init__(self.config)  # type: ignore[misc]
+        self.ledger.feed = feed.clear() if feed is not None else None  # its next drain says: cleared
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
         self.book.take_back(kept)
 

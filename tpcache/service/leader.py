@@ -48,6 +48,7 @@ import protocol as p
 from tpcache.service.batch import ACTIVATE, EXIT_GROUP_BROKEN, EXPIRE, REQUEST, Entry, apply_batch
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
+from tpcache.service.events import EventStream
 from tpcache.service.expiry import LeaseExpiry
 from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
 from tpcache.service.handlers import RankHandler
@@ -142,6 +143,8 @@ class Leader:
         self.broken_since = 0.0
         self.last_round = time.monotonic()
         self.last_progress = True
+        # The KV-event stream (``events_endpoint``): what each round changed, published after its commit.
+        self.events = EventStream(config, ctx, handler.tp.core, channels.world) if config.events_endpoint else None
 
     # ------------------------------------------------------------------ main loop
 
@@ -155,6 +158,8 @@ class Leader:
                 self.stop()
                 return EXIT_GROUP_BROKEN
             timeout_ms = self._poll_timeout_ms()
+            if self.events is not None:  # rounds waiting for their event batch: sent when it is due
+                timeout_ms = self.events.publisher.tick(timeout_ms)
             ready = dict(self.poller.poll(timeout_ms))
             if door.zap in ready:
                 door.answer_zap()
@@ -387,6 +392,9 @@ class Leader:
             report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items], len(lookups))
         finally:
             self.in_round = False
+        if self.events is not None:
+            self.events.after_round(self.h.tp.core)
+            self.h.service_counters.update(self.events.counters())
         lookups += self.lookups  # read while the round waited (``_while_round``)
         self.lookups = []
         now = time.monotonic()
@@ -652,4 +660,7 @@ class Leader:
         self._flush_request_counts()
         if self.ch.outs:
             self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True})
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         self.door.close()
