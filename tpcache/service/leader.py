@@ -49,7 +49,7 @@ from tpcache.service.batch import ACTIVATE, EXIT_GROUP_BROKEN, EXPIRE, REQUEST, 
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
 from tpcache.service.expiry import LeaseExpiry
-from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
+from tpcache.service.frontdoor import Conn, FrontDoor, Message, default_unread_bytes
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
 from tpcache.service.ops import Ctx, Watch, match_body, merge_gathered, to_protocol_error
@@ -114,7 +114,13 @@ class Leader:
         self.config = config
         self.metrics = metrics
         self.request_counts: dict[tuple[str, str], int] = {}
-        self.door = FrontDoor(ctx, config.endpoint, config.max_pending_per_client)
+        self.door = FrontDoor(
+            ctx,
+            config.endpoint,
+            config.max_pending_per_client,
+            config.max_unread_reply_bytes or default_unread_bytes(),
+            config.max_connections,
+        )
         self.endpoint = self.door.endpoint
         self.poller = zmq.Poller()
         for sock in self.door.sockets():
@@ -277,7 +283,7 @@ class Leader:
             return False
         rid, tokens, storage = found
         conn = msg.conn
-        if storage or (self.secret and not conn.authed) or self.in_flight >= MAX_TOTAL_PENDING:
+        if storage or (self.secret and not conn.authed) or conn.refused or self.in_flight >= MAX_TOTAL_PENDING:
             return False  # sequenced, or refused: the general path answers it
         if not conn.server.admit(rid):
             return False  # a duplicate id, or too many in flight: the general path says so
@@ -286,7 +292,7 @@ class Leader:
         try:
             outcome: Any = self.h.lookup(tokens)
         except p.ProtocolError as exc:
-            outcome = exc
+            outcome = exc.with_traceback(None)  # (its frames would hold the batch)
         self.lookups.append((msg, rid, outcome))
         return True
 
@@ -301,6 +307,9 @@ class Leader:
         entry = Entry(REQUEST, 0, conn.id, msg.frame, request.body)
         item = Item(msg, request, entry, 0, request.body.route())
         try:
+            if conn.refused:
+                self.door.refuse(conn)
+                raise p.Overloaded(conn.refused)
             self._authorize(conn, request)
             if self.in_flight > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
@@ -311,7 +320,7 @@ class Leader:
             self.h.precheck(request.body)
             self._reserve_reply(item)
         except p.ProtocolError as exc:
-            item.outcome = exc
+            item.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
             self._reply(item)
             return None
         return item
@@ -322,13 +331,7 @@ class Leader:
         size = self.h.reply_bytes(item.request.body)
         if not size:
             return
-        conn = item.msg.conn
-        if conn.reply_bytes + size > MAX_REPLY_BYTES_IN_FLIGHT:
-            raise p.Overloaded(
-                f"this connection's replies in flight would carry {conn.reply_bytes + size} bytes, more than "
-                f"{MAX_REPLY_BYTES_IN_FLIGHT}; read them, then retry"
-            )
-        conn.reply_bytes += size
+        self.door.reserve(item.msg.conn, size)  # (and every connection's together: max_unread_reply_bytes)
         item.reply_bytes = size
 
     def _authorize(self, conn: Conn, request: p.Request) -> None:
@@ -382,6 +385,7 @@ class Leader:
         # lock in the same batch sees the lock.
         internal = [e for e in entries if e.kind != REQUEST]
         self.h.service_counters.update(self.door.counters)
+        self.h.service_counters["unread_reply_bytes"] = self.door.held
         self.in_round = True
         try:
             report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items], len(lookups))
@@ -449,7 +453,7 @@ class Leader:
                 try:
                     item.outcome = self.h.apply(body, Ctx(0, item.msg.conn.id))
                 except p.ProtocolError as exc:
-                    item.outcome = exc
+                    item.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
             else:
                 item.outcome = self._broken_error()
             self._reply(item)
@@ -589,7 +593,7 @@ class Leader:
     # ------------------------------------------------------------------ replies
 
     def _reply(self, item: Item) -> None:
-        item.msg.conn.reply_bytes -= item.reply_bytes
+        self.door.unreserve(item.msg.conn, item.reply_bytes)
         item.reply_bytes = 0
         self._reply_to(item.msg, item.request.id, item.request.op, item.outcome)
 
