@@ -213,6 +213,10 @@ class MooncakeStore:
     def holder_pid(self) -> int:
         return self._holder.pid
 
+    @property
+    def master_pid(self) -> int:
+        return self._master.pid
+
     def start(self) -> MooncakeStore:
         try:
             self._metadata.start()
