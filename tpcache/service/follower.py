@@ -27,6 +27,7 @@ import protocol as p
 from tpcache.service.batch import EXIT_GROUP_BROKEN, REQUEST, apply_batch
 from tpcache.service.channels import MAX_ANSWER_BYTES, Batch, Channels
 from tpcache.service.config import ServiceConfig
+from tpcache.service.frontdoor import release_free_memory
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
 from tpcache.service.ops import gathered_payload
@@ -36,6 +37,8 @@ log = logging.getLogger("tpcache.service")
 EXIT_LEADER_GONE = 3
 FOLLOWER_YIELD_S = 20e-6  # the shm round's yield phase on a follower (500 us by default)
 MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
+TRIM_AFTER_BYTES = 4 << 20  # page bytes answered since memory was last handed back ...
+TRIM_QUIET_S = 0.5  # ... and none answered for this long: hand free memory back to the OS
 
 
 def _fault_drop_batch() -> int:
@@ -55,6 +58,8 @@ class Follower:
         self.expected_batch = 0
         self.expected_seq = 1
         self.drop_batch = _fault_drop_batch()
+        self.answered_bytes = 0  # page bytes sent to the leader since free memory was handed back
+        self.answered_at = 0.0  # when the last of them was sent
         collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
         if hasattr(collective, "yield_s"):
             # A follower waits in a round for the leader, which first reads its clients: yielding
@@ -111,6 +116,9 @@ class Follower:
                 log.error("rank %d: no stop from the leader after a signal; exiting", self.ch.rank)
                 return 1
             ready = dict(poller.poll(100))
+            if self.answered_bytes >= TRIM_AFTER_BYTES and time.monotonic() - self.answered_at >= TRIM_QUIET_S:
+                self.answered_bytes = 0  # large answers, and none for a while: the burst is over
+                release_free_memory()
             if leader is not None and leader in ready and not self._batch_waiting():
                 return self._leader_gone("exited")
             if inbox in ready:
@@ -178,6 +186,9 @@ class Follower:
                 chunk, size = [], 0
             chunk.append(answer)
             size += data
+            if data:
+                self.answered_bytes += data
+                self.answered_at = time.monotonic()
         if chunk:
             self.ch.send_up({"b": b, "r": self.ch.rank, "a": chunk})
 

@@ -533,7 +533,7 @@ class FrontDoor:
             self.trim_at = 0.0
             self.peak = self.held
             gc.collect()  # (garbage cycles holding replies go first)
-            _malloc_trim()
+            release_free_memory()
 
     def _warn(self, kind: str, text: str) -> None:
         now = time.monotonic()
@@ -574,7 +574,9 @@ def _raise_descriptor_limit(connections: int) -> None:
 
 _LIBC: Any = None
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 128 << 10  # replies' buffers from this size on are mapped, so freeing one unmaps it
+# Buffers from this size on (large replies) are mapped, so freeing one unmaps it. Each costs its
+# page faults once more, where a heap buffer is reused warm; page-sized buffers stay on the heap.
+MMAP_THRESHOLD = 256 << 10
 
 
 def _libc() -> Any:
@@ -598,8 +600,9 @@ def _map_large_buffers() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
-def _malloc_trim() -> None:
-    """Hand memory the allocator keeps free back to the OS (glibc; elsewhere nothing)."""
+def release_free_memory() -> None:
+    """Hand memory the allocator keeps free back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing): after a burst of large buffers, so that the next burst does not ratchet RSS up."""
     libc = _libc()
     if libc:
         libc.malloc_trim(0)
