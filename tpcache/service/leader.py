@@ -57,6 +57,9 @@ from tpcache.service.ops import Ctx, Watch, match_body, merge_gathered, to_proto
 log = logging.getLogger("tpcache.service")
 
 MAX_TOTAL_PENDING = 262_144
+# A batch takes no more requests once the large replies it will build (inline pages) pass this: its
+# round stays short, so a request read after it (a new client's hello) waits little.
+MAX_BATCH_REPLY_BYTES = 16 << 20
 _LOOKUPS_PER_POLL = 4  # read per call while a round waits: the round looks at its peers in between
 WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
 STOPPING = "the service is stopping (a rank got SIGINT or SIGTERM); retry once it is back"
@@ -221,7 +224,8 @@ class Leader:
         # and their frames are let go at once instead of waiting, cold, for the batch to end.
         early = self.broken is None and not self.internal
         limit = self.config.max_batch
-        while len(items) + len(lookups) < limit and size < MAX_BATCH_BYTES:
+        replies = 0  # bytes of the large replies this batch's requests will build
+        while len(items) + len(lookups) < limit and size < MAX_BATCH_BYTES and replies < MAX_BATCH_REPLY_BYTES:
             msg, self.carry = self.carry or self.door.receive(), None
             if msg is None:
                 break
@@ -236,6 +240,7 @@ class Leader:
             if item is not None:
                 items.append(item)
                 size += len(msg.frame)
+                replies += item.reply_bytes
                 early = early and item.route == p.LOCAL
         return items
 
