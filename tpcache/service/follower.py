@@ -37,6 +37,7 @@ log = logging.getLogger("tpcache.service")
 EXIT_LEADER_GONE = 3
 FOLLOWER_YIELD_S = 20e-6  # the shm round's yield phase on a follower (500 us by default)
 MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
+LAST_BATCH_WAIT_MS = 200  # once the leader has exited, how long its last frames may take to arrive
 TRIM_AFTER_BYTES = 4 << 20  # page bytes answered since memory was last handed back ...
 TRIM_QUIET_S = 0.5  # ... and none answered for this long: hand free memory back to the OS
 
@@ -119,7 +120,7 @@ class Follower:
             if self.answered_bytes >= TRIM_AFTER_BYTES and time.monotonic() - self.answered_at >= TRIM_QUIET_S:
                 self.answered_bytes = 0  # large answers, and none for a while: the burst is over
                 release_free_memory()
-            if leader is not None and leader in ready and not self._batch_waiting():
+            if leader is not None and leader in ready and not self._batch_waiting(LAST_BATCH_WAIT_MS):
                 return self._leader_gone("exited")
             if inbox in ready:
                 batch = self.ch.receive_batch()  # None: a foreign frame, dropped and counted
@@ -145,10 +146,11 @@ class Follower:
                 log.error("rank %d: %s; exiting", self.ch.rank, reason)
                 return EXIT_LEADER_GONE
 
-    def _batch_waiting(self) -> bool:
-        """Whether a frame waits in the inbox: the leader's last batches (its stop) are read first."""
+    def _batch_waiting(self, wait_ms: int) -> bool:
+        """Whether a frame waits in the inbox (or arrives within ``wait_ms``): the leader's last
+        batches, its stop batch above all, are read before its exit is taken for a death."""
         inbox = self.ch.inbox
-        return inbox is not None and bool(inbox.poll(0, zmq.POLLIN))
+        return inbox is not None and bool(inbox.poll(wait_ms, zmq.POLLIN))
 
     def _batch(self, batch: Batch) -> None:
         rank = self.ch.rank
