@@ -19,7 +19,8 @@ LAYOUT = "L1xH1xD8:fp32"
 
 def test_a_lock_on_a_stalled_store_answers_after_one_deadline(tmp_path: Path) -> None:
     with RedisServer(tmp_path / "redis") as server:
-        args = ("--page-size", "4", "--device-pages", "8", "--kv-layout", LAYOUT, "--heartbeat", "0.2")
+        args = ("--page-size", "4", "--device-pages", "8", "--host-pages", "16", "--kv-layout", LAYOUT)
+        args += ("--heartbeat", "0.2")
         args += ("--storage-url", server.url + "?deadline=1&retry_s=30")
         with running_service(tmp_path / "service", *args) as service, service.client(timeout_s=20.0) as c:
             looked = c.stats().values.get("storage_lookups", 0)
