@@ -159,3 +159,30 @@ def test_a_dead_leader_ends_the_group_and_a_restart_serves_what_was_durable(tmp_
         assert wait_for(lambda: c.match(tokens).device_pages == PAGES, timeout_s=60)
         assert c.get_pages(loaded).data == data
         c.release(lk.lease)
+
+
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_under_torchrun_rank_0_answers_what_is_in_flight_when_a_rank_dies(tmp_path: Path, restarts: str) -> None:
+    """Requests waiting for a rank that then dies are answered CACHE_CLOSED by rank 0 before it
+    exits on torchrun's SIGTERM, with or without restarts: none is left to time out."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    command += ["--nproc-per-node", "2", "--max-restarts", restarts, "--monitor-interval", "0.5"]
+    command += ["--master-port", str(free_port()), "-m", "launcher", "serve"]
+    args = ("--page-size", str(PAGE), "--device-pages", "32", "--round-timeout", "10", "--heartbeat", "0.2")
+    with running_service(tmp_path, *args, command=command) as service, service.client(timeout_s=30) as c:
+        follower = service.pids[1]
+        os.kill(follower, signal.SIGSTOP)  # what is sent now waits for it (a round, a gathered answer)
+        try:
+            waiting = [c.submit(p.StatsRequest()) for _ in range(4)]
+            waiting += [c.submit(p.LockRequest(tokens=fresh_tokens(2 * PAGE), prefetch="none")) for _ in range(4)]
+            time.sleep(0.5)
+        finally:
+            os.kill(follower, signal.SIGKILL)
+        outcomes = []
+        for rid in waiting:
+            try:
+                outcomes.append(type(c.wait(rid)).__name__)
+            except p.ProtocolError as exc:
+                outcomes.append(type(exc).__name__)
+        assert outcomes == ["CacheClosed"] * len(waiting), service.log()

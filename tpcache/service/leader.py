@@ -509,6 +509,11 @@ class Leader:
 
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
+        if self.broken is not None and item.route != p.LOCAL:
+            # Its round failed: nothing it did is agreed, and no round will ever agree it.
+            item.outcome = self._broken_error()
+            self._reply(item)
+            return
         if isinstance(outcome, Watch):
             self.watches.append((item, outcome, time.monotonic() + 2 * self.config.round_timeout_s + 5.0))
             return
