@@ -152,6 +152,21 @@ class ServiceConfig:
     heartbeat_s: float = _opt(1.0, "an idle leader runs a round at least this often (detects dead ranks)", min=0.001)
     max_batch: int = _opt(1024, "most client requests applied in one round", min=1)
     max_pending_per_client: int = _opt(4096, "requests one client may have in flight before OVERLOADED", min=1)
+    max_connections: int = _opt(
+        1024,
+        "client connections rank 0 serves at once; each request on a connection past it is answered "
+        "OVERLOADED (naming this setting) and the connection is closed",
+        min=1,
+        max=1 << 16,
+    )
+    max_unread_reply_bytes: int = _opt(
+        0,
+        "reply bytes rank 0 may hold for all client connections together (queued, or sent and not yet read); "
+        "past it a large reply is refused OVERLOADED and the connection with the most unread bytes is closed; "
+        "0: auto, 1/16 of the host's memory, at most 256 MiB (units allowed: 64MiB)",
+        min=0,
+        unit="bytes",
+    )
     # --- leases
     lease_ttl_s: float = _opt(
         600.0,
