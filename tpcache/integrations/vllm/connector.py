@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpcache.core import CacheConfig
+from tpcache.integrations.vllm.compat import check_vllm
 from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
 from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, page_namespace, rank_facts
@@ -69,8 +70,9 @@ class TPCacheConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config, role, kv_cache_config)
         speak_through_vllm()
+        check_vllm()  # once per process: refuses a vLLM without a hook used here, warns on an untested one
+        super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is not None:
             require_full_attention(kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
