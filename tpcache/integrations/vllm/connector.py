@@ -29,6 +29,7 @@ from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
 from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, page_namespace, rank_facts
 from tpcache.integrations.vllm.scheduler import SchedulerSide
+from tpcache.integrations.vllm.stats import Increments, TPCachePromMetrics, TPCacheStats
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class TPCacheConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self.metrics: Any = None
         self._result: StepResult | None = None
+        self._increments = Increments()  # vLLM's stats: what moved since the last collection
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.block_size)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -140,6 +142,30 @@ class TPCacheConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         assert self.scheduler is not None
         return self.scheduler.reset()
+
+    # ================================================================== vLLM's stats
+
+    def get_kv_connector_stats(self) -> TPCacheStats | None:
+        """The scheduler side's counts, or (TP rank 0 only: the others agree) the worker's."""
+        if self.scheduler is not None:
+            return self._increments.take(self.scheduler.counters)
+        if self.worker is None or self.worker.cache.rank != 0:
+            return None
+        return self._increments.take(self.worker.totals())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TPCacheStats | None:
+        return TPCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TPCachePromMetrics:
+        return TPCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================================================================== worker side
 

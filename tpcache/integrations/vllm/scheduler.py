@@ -12,6 +12,10 @@ in the same step's ops, copied by the workers after the forward pass). A finishe
 pages are saved and its lease released in the next step; vLLM keeps its blocks until every worker
 reports the release agreed (``request_finished`` returns True), except for a request whose load is
 still pending: vLLM itself then frees the blocks when that load is reported.
+
+A request vLLM preempted lost its blocks; its hit agreed before is stale (the pages it saved since
+are in tpcache). When vLLM asks for it again, it is looked up again over every token it has, so
+that what it saved is loaded back instead of computed again.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class _Request:
     loading: bool = False  # a load was sent and its outcome not reported yet
     load_blocks: tuple[int, ...] = ()  # the blocks of the last load
     saved_pages: int = 0  # pages named in a save already
+    preemptions: int = 0  # vLLM's preemption count of the request when last seen
+    computed: int = 0  # tokens computed by the end of the last step it was scheduled in
+    before_preemption: int = 0  # tokens it had computed when vLLM last preempted it
 
 
 class SchedulerSide:
@@ -49,15 +56,32 @@ class SchedulerSide:
         self.step = 0
         self._waiting: list[str] = []  # requests waiting at the last stall check
         self.workers_busy = False  # the last report said some worker has copies or releases to agree
+        # running totals for vLLM's stats (tpcache.integrations.vllm.stats)
+        self.counters = {
+            "hit_tokens_host": 0,
+            "hit_tokens_storage": 0,
+            "lookups": 0,
+            "preemptions": 0,
+            "preempted_loaded_tokens": 0,
+            "preempted_recomputed_tokens": 0,
+        }
 
     # ------------------------------------------------------------------ vLLM hooks
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self.requests.get(request.request_id)
         if state is None:
-            tokens = list(request.all_token_ids)
-            self.requests[request.request_id] = _Request(request, sent_tokens=len(tokens))
-            self.ops.append((LOOKUP, request.request_id, tokens))
+            state = self.requests[request.request_id] = _Request(request, sent_tokens=0)
+            self._lookup(state)
+            return None, False
+        preemptions = getattr(request, "num_preemptions", 0)
+        if preemptions > state.preemptions:
+            # vLLM preempted the request and freed its blocks: the hit agreed before is stale (its
+            # own saves since then are in tpcache). Look it up again before vLLM allocates for it.
+            state.preemptions = preemptions
+            state.before_preemption = state.computed
+            self.counters["preemptions"] += 1
+            self._lookup(state)
             return None, False
         if state.hit is None or state.loading:
             return None, False
@@ -77,6 +101,11 @@ class SchedulerSide:
         self.ops.append((LOAD, request.request_id, first, blocks))
         state.loading = True
         state.load_blocks = tuple(blocks)
+        host, storage = self.hit_sources(request, num_external_tokens)
+        self.counters["hit_tokens_host"] += host
+        self.counters["hit_tokens_storage"] += storage
+        if state.preemptions:
+            self.counters["preempted_loaded_tokens"] += num_external_tokens
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(host, storage) split of a load's tokens: storage pages are the hit's tail."""
@@ -88,8 +117,15 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id, n in scheduled.items():
             state = self.requests.get(req_id)
-            if state is not None and not state.loading:
-                self._save(state, state.request.num_computed_tokens + n)
+            if state is None:
+                continue
+            computed = state.request.num_computed_tokens
+            if state.before_preemption > computed:
+                redo = min(computed + n, state.before_preemption) - computed
+                self.counters["preempted_recomputed_tokens"] += redo
+            state.computed = max(state.computed, computed + n)
+            if not state.loading:
+                self._save(state, computed + n)
         if self.step % STALL_LOG_STEPS == 0:
             waiting = [r for r, s in self.requests.items() if s.hit is None or s.loading]
             if waiting and waiting == self._waiting:
@@ -136,6 +172,14 @@ class SchedulerSide:
         return True
 
     # ------------------------------------------------------------------ internals
+
+    def _lookup(self, state: _Request) -> None:
+        """Ask the workers for the request's hit over every token it has now."""
+        tokens = list(state.request.all_token_ids)
+        state.sent_tokens = len(tokens)
+        state.hit, state.storage_hit = None, 0
+        self.counters["lookups"] += 1
+        self.ops.append((LOOKUP, state.request.request_id, tokens))
 
     def _save(self, state: _Request, computed: int, block_ids: list[int] | None = None) -> None:
         """Name the blocks of the full pages whose KV is computed and whose tokens are known."""
