@@ -83,6 +83,7 @@ class WorkerSide:
         self._flush_asked = False
         self._busy_steps = 0  # consecutive steps that ended with something still to report
         self._closed_reason = ""  # the reason of the last close this rank announced
+        self._was_closed = False  # the cache was closed after the last step
 
     # ------------------------------------------------------------------ one engine step
 
@@ -121,9 +122,11 @@ class WorkerSide:
         """A close is a warning that names its cause and what it means for vLLM, once per cause (the
         round logs every close as an error; a close that recurs after each reopen says no more)."""
         reason = self.cache.core.closed_reason or "unknown"
+        if closed and not self._was_closed:
+            self.counters["closes"] += 1  # every time it closes, whatever the cause
+        self._was_closed = closed
         if closed and reason != self._closed_reason:
             self._closed_reason = reason
-            self.counters["closes"] += 1
             then = "until the ranks reopen it by an agreed flush" if self.reopen else "from now on (reopen is off)"
             log.warning(
                 "tpcache rank %d: the cache closed (%s): it serves no hits %s; vLLM computes those prefixes",
