@@ -67,3 +67,51 @@ def test_vllm_stats_sum_increments_and_build_from_vllms_dict() -> None:
     assert merged.data == {"loaded_pages": 5, "hit_tokens_host": 64}
     assert merged.reduce() == {"tpcache_hit_tokens_host": 64, "tpcache_loaded_pages": 5}
     assert TPCacheStats(data={}).is_empty() and not merged.is_empty()
+
+
+class HashedReq(Req):
+    """A request with vLLM's block hashes (each page's hash covers every token before its end)."""
+
+    @property
+    def block_hashes(self) -> list[tuple[int, ...]]:
+        n = len(self.all_token_ids) // B
+        return [tuple(self.all_token_ids[: (i + 1) * B]) for i in range(n)]
+
+
+def test_a_waiting_request_whose_hit_a_later_save_extended_is_looked_up_again() -> None:
+    shared = list(range(100, 108))
+    a = HashedReq("a", [*shared, 1, 2], blocks=[1, 2, 3])
+    b = HashedReq("b", [*shared, 7, 8, 9], blocks=[4, 5, 6])
+    side = SchedulerSide(B, Manager(a, b))
+    side.num_new_matched_tokens(a, 0)
+    side.num_new_matched_tokens(b, 0)
+    assert [op[0] for op in side.build_meta(output()).ops] == [LOOKUP, LOOKUP]
+    side.update_from_output(WorkerReport(hits={"a": (0, 0), "b": (0, 0)}), None)  # both miss
+    assert side.num_new_matched_tokens(a, 0) == (0, False)  # a runs; b waits for blocks
+    assert side.build_meta(output(a=10)).ops == [(SAVE, "a", [], 2, [1, 2])]
+    # b's hit of 0 is stale: a saved the two pages b starts with after b's lookup
+    assert side.num_new_matched_tokens(b, 0) == (None, False)
+    assert side.build_meta(output()).ops == [(LOOKUP, "b", b.all_token_ids)]
+    side.update_from_output(WorkerReport(hits={"b": (8, 0)}), None)
+    assert side.num_new_matched_tokens(b, 0) == (8, True)
+    assert side.counters["stale_lookups_refreshed"] == 1 and side.counters["lookups"] == 3
+
+
+def test_a_request_whose_load_failed_is_not_looked_up_again() -> None:
+    shared = list(range(100, 108))
+    a = HashedReq("a", [*shared, 1, 2], blocks=[1, 2, 3])
+    b = HashedReq("b", [*shared, 7, 8, 9], blocks=[4, 5, 6])
+    side = SchedulerSide(B, Manager(a, b))
+    side.num_new_matched_tokens(b, 0)
+    side.update_from_output(WorkerReport(hits={"b": (8, 0)}), None)
+    side.build_meta(output())
+    assert side.num_new_matched_tokens(b, 0) == (8, True)
+    side.update_state_after_alloc(b, b.blocks, 8)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(), {"b"}, {5})  # its load failed on some rank
+    side.num_new_matched_tokens(a, 0)
+    side.update_from_output(WorkerReport(hits={"a": (0, 0)}), None)
+    side.num_new_matched_tokens(a, 0)
+    side.build_meta(output(a=10))  # a saves the pages b would hit
+    assert side.num_new_matched_tokens(b, 0) == (0, False)  # recomputed, not retried
+    assert side.counters["stale_lookups_refreshed"] == 0

@@ -23,6 +23,7 @@ COUNTERS: dict[str, str] = {
     "hit_tokens_host": "Prompt tokens vLLM loaded from tpcache's host tier",
     "hit_tokens_storage": "Prompt tokens vLLM loaded from tpcache's storage tier",
     "lookups": "Prompts looked up in tpcache",
+    "stale_lookups_refreshed": "Waiting requests looked up again because a later save extended their hit",
     "preemptions": "Requests vLLM preempted while tpcache served them",
     "preempted_loaded_tokens": "Tokens of preempted requests loaded back from tpcache instead of recomputed",
     "preempted_recomputed_tokens": "Tokens of preempted requests that vLLM computed again",
