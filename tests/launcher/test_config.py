@@ -206,6 +206,18 @@ def test_busy_ports_and_unwritable_directories_are_named(tmp_path: Path) -> None
         endpoint = resolve(cli={"endpoint": f"tcp://127.0.0.1:{port}"}, env={})
         with pytest.raises(ConfigError, match=rf"--endpoint tcp://127.0.0.1:{port}: cannot bind port {port}"):
             preflight(endpoint, range(2), 2)
+        events = resolve(cli={"events_endpoint": f"tcp://127.0.0.1:{port}"}, env={})
+        with pytest.raises(ConfigError, match=rf"--events-endpoint tcp://127.0.0.1:{port}: cannot bind port {port}"):
+            preflight(events, range(1), 1)
+        preflight(events, range(1, 2), 2)  # rank 0 binds it, not rank 1
+        replay = resolve(cli={"events_endpoint": f"tcp://127.0.0.1:{port - 1}"}, env={})  # replay on the port + 1
+        with pytest.raises(
+            ConfigError, match=rf"--events-endpoint tcp://127.0.0.1:{port - 1}: cannot bind port {port} "
+        ):
+            preflight(replay, range(1), 1)
+        cli = {"events_endpoint": "0", "events_replay_endpoint": str(port)}
+        with pytest.raises(ConfigError, match=rf"--events-replay-endpoint {port}: cannot bind port {port}"):
+            preflight(resolve(cli=cli, env={}), range(1), 1)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     storage = resolve(cli={"storage_dir": str(blocker / "kv"), "kv_layout": "L2xH2xD4:bf16", "host_pages": "8"}, env={})
