@@ -3,6 +3,7 @@ group of one shape and read by groups of others, whole sets only."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -297,3 +298,31 @@ def test_pipeline_stages_write_their_layers_and_a_tp4_group_reads_every_head(tmp
     for shape in (ParallelGroup(tp_size=4), ParallelGroup(tp_size=1)):
         got = on_group(shape, url, lambda tp: read(tp, tokens(7, 8)))
         assert [(r["status"], r["exact"]) for r in got] == [(("done", 2), True)] * shape.world_size
+
+
+def shared_pair(tmp_path: Path) -> tuple[SharedFileStore, SharedFileStore, list[StorageKey], list[torch.Tensor]]:
+    """Owner "a" with two records of its own (k1, k2, in its active segment), and reader "b"."""
+    a = SharedFileStore(tmp_path, "a", capacity_bytes=1 << 24)
+    b = SharedFileStore(tmp_path, "b", capacity_bytes=1 << 24)
+    keys = [StorageKey("ns", 1, 0, 1, h) for h in (21, 22)]
+    pages = [torch.full((64,), h, dtype=torch.uint8) for h in (21, 22)]
+    assert a.put(keys[:1], pages[:1]) == [True]
+    return a, b, keys, pages
+
+
+def test_a_peer_record_seen_half_written_is_found_once_whole(tmp_path: Path) -> None:
+    a, b, keys, pages = shared_pair(tmp_path)
+    try:
+        (seg,) = (tmp_path / "a").glob("*.seg")
+        one = seg.stat().st_size
+        assert a.put(keys[1:], pages[1:]) == [True]
+        whole = seg.read_bytes()
+        os.truncate(seg, one + (len(whole) - one) // 2)  # k2 as a reader may see it while it is written
+        out = [torch.zeros(64, dtype=torch.uint8) for _ in keys]
+        assert b.get(keys, out) == [True, False] and torch.equal(out[0], pages[0])
+        with open(seg, "ab") as f:  # the rest of k2 lands
+            f.write(whole[seg.stat().st_size :])
+        assert b.get(keys, out) == [True, True] and torch.equal(out[1], pages[1])
+    finally:
+        a.close()
+        b.close()
