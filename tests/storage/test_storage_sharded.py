@@ -326,3 +326,22 @@ def test_a_peer_record_seen_half_written_is_found_once_whole(tmp_path: Path) -> 
     finally:
         a.close()
         b.close()
+
+
+def test_a_peer_record_that_failed_to_read_once_is_read_again(tmp_path: Path) -> None:
+    a, b, keys, pages = shared_pair(tmp_path)
+    try:
+        out = [torch.zeros(64, dtype=torch.uint8)]
+        assert b.get(keys[:1], out) == [True] and torch.equal(out[0], pages[0])
+        (seg,) = (tmp_path / "a").glob("*.seg")
+        aside = seg.with_suffix(".aside")
+        seg.rename(aside)
+        seg.mkdir()  # opens, but reading it fails: an I/O error, not a missing record
+        assert b.get(keys[:1], out) == [False] and not out[0].any()
+        assert b.stats()["misses_io_error"] == 1
+        seg.rmdir()
+        aside.rename(seg)
+        assert b.get(keys[:1], out) == [True] and torch.equal(out[0], pages[0])
+    finally:
+        a.close()
+        b.close()

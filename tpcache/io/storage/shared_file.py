@@ -224,6 +224,8 @@ class SharedFileStore(StorageBackend):
             if reason is None:
                 return None
             view[:] = bytes(len(view))
+            if reason in (MISS_IO_ERROR, MISS_SHORT):
+                continue  # perhaps passing: the record stays known, the next get tries it again
             held = self._where[enc]
             del held[owner]
             if not held:
