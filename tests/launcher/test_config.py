@@ -15,6 +15,7 @@ from launcher.options import config_from_args
 from tpcache.service.config import (
     FIELDS,
     ConfigError,
+    Resolved,
     ServiceConfig,
     describe_sources,
     env_name,
@@ -229,6 +230,27 @@ def test_busy_ports_and_unwritable_directories_are_named(tmp_path: Path) -> None
     ready = resolve(cli={"ready_file": str(tmp_path / "absent" / "ready.json")}, env={})
     with pytest.raises(ConfigError, match="its directory .* does not exist or is not writable"):
         preflight(ready, range(1), 1)
+
+
+def test_the_model_layout_checks_its_own_directory(tmp_path: Path) -> None:
+    from tpcache.io.storage.file import FileBackend
+
+    def model_layout(storage_dir: Path) -> Resolved:
+        cli = {"storage_dir": str(storage_dir), "model_id": "m", "model_layout": "L2xH4xD4:bf16", "host_pages": "8"}
+        return resolve(cli=cli, env={})
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model").write_text("")  # where the model layout writes
+    with pytest.raises(ConfigError, match="cannot write the storage tier there .*it is not a directory"):
+        preflight(model_layout(tmp_path / "bad"), range(2), 2)
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "rank0").write_text("")  # the per-rank layout's place: not the model layout's
+    # Another group of the same shape writes there: this one takes the next of each shard's directories.
+    running = FileBackend(tmp_path / "kv" / "model", capacity_bytes=1 << 20, owner="r0of2")
+    try:
+        preflight(model_layout(tmp_path / "kv"), range(2), 2)
+    finally:
+        running.close()
 
 
 def test_the_launcher_refuses_bad_settings_before_starting_any_rank(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ from tpcache.dist.parallel import ParallelGroup, Shard
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import StorageKey, StorageKeyError
-from tpcache.io.storage.sharded import ModelShape, ShardedStorage, ShardLayoutError
+from tpcache.io.storage.sharded import ModelShape, ShardedStorage, ShardLayoutError, open_shared_storage
 from tpcache.io.storage.shared_file import SharedFileStore
 
 PAGE = 4
@@ -345,3 +345,26 @@ def test_a_peer_record_that_failed_to_read_once_is_read_again(tmp_path: Path) ->
     finally:
         a.close()
         b.close()
+
+
+def test_two_groups_of_one_shape_share_a_directory_and_a_restart_takes_its_own_again(tmp_path: Path) -> None:
+    url, shape = f"file://{tmp_path}", ParallelGroup(tp_size=2)
+    lay, m = rank_layout(shape), ModelShape.of_rank(MODEL_ID, rank_layout(shape), Shard(0, 2))
+
+    def rank0() -> ShardedStorage:
+        return open_shared_storage(url, model=m, shard=Shard(0, 2), layout=lay, capacity_bytes=1 << 24)
+
+    first, second = rank0(), rank0()  # rank 0 of two data-parallel replicas
+    key = StorageKey("ns", 1, 0, 2, 31)
+    out = torch.zeros(lay.page_bytes, dtype=torch.uint8)
+    try:
+        assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["r0of2", "r0of2.i1"]
+        assert second.put([key], [rank_slice(31, shape, 0)]) == [True]
+        assert first.get([key], [out]) == [True] and torch.equal(out, rank_slice(31, shape, 0))
+        second.close()
+        second = rank0()  # the second replica restarts: its own directory again, with its records
+        assert second.stats()["records"] >= 1
+        assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["r0of2", "r0of2.i1"]
+    finally:
+        first.close()
+        second.close()

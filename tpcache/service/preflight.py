@@ -221,7 +221,11 @@ def check_paths(resolved: Resolved, ranks: range, world: int | None = None) -> N
         name = "storage_dir" if config.storage_dir else "storage_url"
         where = spelling(name, getattr(config, name), sources[name])
         group = config.group(world)
-        for rank in ranks:
+        if config.model_id:  # the model layout: every rank writes the first free of its shard's directories
+            why = check_writable_dir(Path(spec.location) / "model")
+            if why:
+                raise ConfigError(f"{where}: cannot write the storage tier there ({why}); give a writable directory")
+        for rank in () if config.model_id else ranks:
             rank_dir = Path(spec.location) / f"rank{rank}"
             why = check_writable_dir(rank_dir)
             if why:
