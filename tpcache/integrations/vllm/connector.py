@@ -27,7 +27,13 @@ from tpcache.core import CacheConfig
 from tpcache.integrations.vllm.compat import check_vllm
 from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
-from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, page_namespace, rank_facts
+from tpcache.integrations.vllm.options import (
+    STORAGE_KEY_ENV,
+    ConnectorOptions,
+    agree_host_tier,
+    page_namespace,
+    rank_facts,
+)
 from tpcache.integrations.vllm.scheduler import SchedulerSide
 from tpcache.integrations.vllm.stats import Increments, TPCachePromMetrics, TPCacheStats
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
@@ -200,7 +206,7 @@ class TPCacheConnector(KVConnectorBase_V1):
             storage = FileBackend(
                 Path(opts.storage_dir) / f"rank{rank}", capacity_bytes=opts.storage_bytes, shard=(rank, world)
             )
-            secret = os.environ.get("TPCACHE_STORAGE_KEY", "")  # the service's storage key, never an option
+            secret = os.environ.get(STORAGE_KEY_ENV, "")  # checked equal on every rank by agree_host_tier
             if secret:
                 from tpcache.io.storage import RecordMac
 
