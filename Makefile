@@ -44,7 +44,8 @@ $(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c $(
 # SGLang (tpcache.integrations.sglang and its test ring) in a venv of its own: SGLang 0.5.23's pins
 # (torch 2.14.1, compressed-tensors, numba, openai, outlines, xgrammar) clash with vLLM's CPU build.
 # The CPU torch first, then SGLang's dependencies that run without CUDA with torch held at that
-# version, then sglang itself without its dependencies, then tpcache editable into this venv.
+# version, then sglang itself without its dependencies, then tpcache editable into this venv with
+# its store clients (Redis, Mooncake).
 # `make test SGLANG_RING=0` leaves the SGLang ring (and this venv) out.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_SPEC ?= sglang==0.5.23
@@ -61,7 +62,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml tests/sglang/requirements.txt
 	if [ -n "$(TORCH_SPEC)" ]; then $(SGLANG_BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
 	$(SGLANG_BIN)/python -m pip install -q $(SGLANG_HOLD) -r tests/sglang/requirements.txt
 	$(SGLANG_BIN)/python -m pip install -q --no-deps "$(SGLANG_SPEC)"
-	$(SGLANG_BIN)/python -m pip install -q $(SGLANG_HOLD) -e ".[test]"
+	$(SGLANG_BIN)/python -m pip install -q $(SGLANG_HOLD) -e ".[test,redis,mooncake]"
 	touch $@
 
 demo: setup

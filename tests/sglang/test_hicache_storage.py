@@ -1,11 +1,16 @@
-"""tpcache's storage as SGLang HiCache's L3 tier, with a real SGLang 0.5.23 engine on CPU at TP=2.
+"""tpcache's storage as SGLang HiCache's L3 tier, with real SGLang 0.5.23 engines on CPU.
 
-One engine serves three prompts and writes their pages through to a tpcache file store (one
-shard per TP rank). A page's record on rank 1 is then damaged. A fresh engine on the same store
-serves the same prompts: the untouched prompts come whole from storage, the damaged one only up to
-the damaged page (rank 1's miss is the group's miss), and every prompt's tokens are the ones the
-first engine computed without any cache. Runs in SGLang's own venv (``make setup-sglang``); the
-main venv has no SGLang and skips this module.
+TP=2, file store: one engine serves three prompts and writes their pages through to a tpcache
+file store (one shard per TP rank). A page's record on rank 1 is then damaged. A fresh engine on
+the same store serves the same prompts: the untouched prompts come whole from storage, the
+damaged one only up to the damaged page (rank 1's miss is the group's miss), and every prompt's
+tokens are the ones the first engine computed without any cache.
+
+TP=1, Redis store: one engine serves the prompts, empties its device and host tiers, and serves
+them again from the store, with the same tokens.
+
+Runs in SGLang's own venv (``make setup-sglang``); the main venv has no SGLang and skips this
+module.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import xxhash
 
 from tpcache.io.storage.keys import StorageKey
 from tpcache.io.storage.record import HEADER_SIZE, decode_header, read_key_echo
+from tpcache.testing.servers import RedisServer
 from tpcache.testing.tiny_model import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,25 +103,34 @@ def damage_record(store: Path, rank: int, sglang_key: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    workdir = Path(tmp_path_factory.mktemp("sglang_hicache"))
-    model = make_tiny_llama(workdir / "model")
-    store = workdir / "store"
-    spec = {
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(Path(tmp_path_factory.mktemp("sglang_model")))
+
+
+def _spec(model: Path, tp: int, storage_url: str, **more) -> dict:
+    return {
         "model": str(model),
-        "tp": TP,
+        "tp": tp,
         "page_size": PAGE,
-        "store": str(store),
+        "storage_url": storage_url,
         "prompts": _prompts(),
         "max_new_tokens": 8,
+        **more,
     }
-    first = run_engine(workdir, "write", spec)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory: pytest.TempPathFactory, model: Path) -> dict:
+    workdir = Path(tmp_path_factory.mktemp("sglang_hicache"))
+    store = workdir / "store"
+    spec = _spec(model, TP, f"file://{store}")
+    (first,) = run_engine(workdir, "write", spec)["passes"]
 
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     page_keys = get_storage_hash_str(_prompts()[DAMAGED_PROMPT], None, page_size=PAGE)
     pieces = damage_record(store, DAMAGED_RANK, page_keys[DAMAGED_PAGE])
-    second = run_engine(workdir, "read", spec)
+    (second,) = run_engine(workdir, "read", spec)["passes"]
     return {"first": first, "second": second, "pieces": pieces}
 
 
@@ -135,3 +150,17 @@ def test_a_damaged_record_on_one_rank_is_a_miss_for_the_group(ring: dict) -> Non
     second = ring["second"]
     assert second["cached"][DAMAGED_PROMPT]["storage"] == DAMAGED_PAGE * PAGE
     assert second["outputs"][DAMAGED_PROMPT] == ring["first"]["outputs"][DAMAGED_PROMPT]
+
+
+@pytest.fixture(scope="module")
+def redis_ring(tmp_path_factory: pytest.TempPathFactory, model: Path) -> dict:
+    workdir = Path(tmp_path_factory.mktemp("sglang_redis"))
+    with RedisServer(workdir / "redis") as server:
+        return run_engine(workdir, "redis", _spec(model, 1, server.url, second_pass=True))
+
+
+def test_redis_store_serves_the_prompts_after_sglang_empties_its_tiers(redis_ring: dict) -> None:
+    first, second = redis_ring["passes"]
+    assert [c["storage"] for c in first["cached"]] == [0, 0, 0]
+    assert [c["storage"] for c in second["cached"]] == [64, 64, 64]
+    assert second["outputs"] == first["outputs"]

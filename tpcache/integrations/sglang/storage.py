@@ -182,7 +182,10 @@ class TPCacheHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         # The store may be shared with other engines and ranks: records leave it by its own
         # eviction (a file store's capacity) or the store's tools, never by one engine's reset.
-        logger.info("tpcache HiCache storage: clear keeps the store's records (shared with other engines)")
+        logger.warning(
+            "tpcache HiCache storage: clearing the storage tier leaves the store's records in place "
+            "(other engines may share them); empty the store with its own tools"
+        )
 
     def close(self) -> None:
         self.backend.close()
