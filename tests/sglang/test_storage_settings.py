@@ -74,3 +74,16 @@ def test_each_rank_opens_its_own_shard_of_the_store(tmp_path) -> None:
     finally:
         for b in backends:
             b.close()
+
+
+def test_a_model_with_more_than_full_attention_kv_is_refused_at_start(tmp_path) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend = TPCacheHiCacheStorage(config(BASE | {"storage_url": f"file://{tmp_path}"}), {})
+    try:
+        backend.register_mem_host_pool_v2(object(), PoolName.KV)  # the full-attention pool is served
+        for name in (PoolName.SWA, PoolName.MAMBA, PoolName.DRAFT):
+            with pytest.raises(ValueError, match=f"keeps '{name.value}' pages in HiCache"):
+                backend.register_mem_host_pool_v2(object(), name)
+    finally:
+        backend.close()

@@ -111,6 +111,17 @@ class TPCacheHiCacheStorage(HiCacheStorage):
         )
         self._layout_version = xxhash.xxh3_64_intdigest(repr(geometry).encode()) & 0x7FFFFFFF
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        # The full-attention KV pool is the one register_mem_pool_host laid out; any other pool
+        # (sliding-window KV, Mamba state, a draft model's KV) would need the v2 batch calls.
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv":
+            raise ValueError(
+                f"tpcache's HiCache storage serves full-attention KV pages only; this model also keeps "
+                f"{name!r} pages in HiCache: use one of SGLang's own storage backends for it"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def _keys(self, key: str) -> list[StorageKey]:
         out = []
         for piece in range(self._pieces):
