@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 # redis-server. Installed as root when missing; without root, setup says what to install (README).
 SYSTEM_PACKAGES ?= libibverbs1 redis-server
 
-.PHONY: setup system-packages demo test lint bench clean
+.PHONY: setup system-packages demo test lint bench clean setup-sglang test-sglang
 
 setup: system-packages $(VENV)/.installed
 
@@ -44,12 +44,41 @@ $(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c $(
 	touch $@
 	@echo "setup: done ($(VENV)/bin/python)"
 
+# SGLang (tpcache.integrations.sglang and its test ring) in a venv of its own: SGLang 0.5.23's pins
+# (torch 2.14.1, compressed-tensors, numba, openai, outlines, xgrammar) clash with vLLM's CPU build.
+# The CPU torch first, then SGLang's dependencies that run without CUDA with torch held at that
+# version, then sglang itself without its dependencies, then tpcache editable into this venv with
+# its store clients (Redis, Mooncake).
+# `make test SGLANG_RING=0` leaves the SGLang ring (and this venv) out.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_RING ?= 1
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_HOLD := $(if $(TORCH_SPEC),-c $(SGLANG_VENV)/torch-constraint.txt)
+
+setup-sglang: system-packages $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: pyproject.toml tests/sglang/requirements.txt
+	test -x $(SGLANG_BIN)/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	echo "$(TORCH_SPEC)" > $(SGLANG_VENV)/torch-constraint.txt
+	if [ -n "$(TORCH_SPEC)" ]; then $(SGLANG_BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(SGLANG_BIN)/python -m pip install -q $(SGLANG_HOLD) -r tests/sglang/requirements.txt
+	$(SGLANG_BIN)/python -m pip install -q --no-deps "$(SGLANG_SPEC)"
+	$(SGLANG_BIN)/python -m pip install -q $(SGLANG_HOLD) -e ".[test,redis,mooncake]"
+	touch $@
+
 demo: setup
 	$(BIN)/python -m launcher demo
 
 test: setup
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --timeout 900
+	if [ "$(SGLANG_RING)" = 1 ]; then $(MAKE) --no-print-directory test-sglang; fi
+
+# The SGLang ring (tests/sglang) with SGLang's venv; the main venv skips those tests.
+test-sglang: setup-sglang
+	$(SGLANG_BIN)/python -m pytest -q --timeout 900 tests/sglang
 
 lint: setup
 	$(BIN)/python -m ruff check .
@@ -59,4 +88,4 @@ bench: setup
 	$(BIN)/python scripts/replay.py --trace ../shared/data/mooncake/conversation_trace.jsonl --device-tokens 3000000 --json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info

@@ -1,0 +1,242 @@
+"""Benchmark: SGLang HiCache's storage tier (L3) read by a fresh engine, tpcache's file store against
+SGLang's own ``file`` backend, and against no storage tier at all (the floor: every prompt computed).
+
+For each storage side and each repeat: one engine serves the prompts and writes their pages
+through to an empty store, then a fresh engine on that store serves the same prompts again, one
+at a time, one output token each; the second engine's numbers are kept. ``none`` runs the second
+engine alone, without a storage tier. Every engine runs in a process of its own (a SGLang
+scheduler that fails kills its parent).
+
+Per side, the median of the repeats with the spread (min, max) of:
+- ``prefill_tokens``: prompt tokens the second engine computed (the rest came from storage);
+- ``ttft_p50_s``, ``ttft_p90_s``: time to the first token of each prompt (one output token: the
+  request's wall time);
+and ``same_tokens``: whether every side's output equals the no-storage engine's.
+
+Usage (needs SGLang's venv, ``make setup-sglang``; on a CPU-only machine it runs SGLang as the test
+ring does, a test setup whose times say little about GPUs):
+
+    .venv-sglang/bin/python scripts/bench_sglang.py --json [--tp 1] [--prompts 8] [--prompt-tokens 512] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = ROOT / "tests" / "sglang" / "shims"
+PAGE = 16
+SIDES = ("none", "sglang-file", "tpcache-file")
+
+
+def _engine_args(spec: dict) -> dict:
+    args = {
+        "model_path": spec["model"],
+        "tp_size": spec["tp"],
+        "dtype": "bfloat16",
+        "skip_tokenizer_init": True,
+        "page_size": PAGE,
+        "random_seed": 0,
+        "log_level": "warning",
+        "max_total_tokens": spec["max_total_tokens"],
+    }
+    if spec["cpu"]:
+        args.update(device="cpu", attention_backend="torch_native", mem_fraction_static=0.05, disable_cuda_graph=True)
+    if spec["side"] == "none":
+        return args
+    args.update(
+        enable_hierarchical_cache=True,
+        hicache_ratio=2,
+        hicache_write_policy="write_through",
+        hicache_storage_prefetch_policy="wait_complete",
+    )
+    if spec["cpu"]:
+        args.update(hicache_io_backend="direct", hicache_mem_layout="layer_first")
+    extra: dict = {"prefetch_threshold": PAGE}
+    if spec["side"] == "sglang-file":
+        args["hicache_storage_backend"] = "file"
+        extra["file_storage_path"] = spec["store"]
+    else:
+        args["hicache_storage_backend"] = "dynamic"
+        extra.update(
+            backend_name="tpcache",
+            module_path="tpcache.integrations.sglang.storage",
+            class_name="TPCacheHiCacheStorage",
+            interface_v1=1,
+            storage_url="file://" + spec["store"],
+            capacity="4GiB",
+        )
+    args["hicache_storage_backend_extra_config"] = json.dumps(extra)
+    return args
+
+
+def _store_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) if store.exists() else 0
+
+
+def _settle(store: Path, quiet_s: float = 2.0, limit_s: float = 300.0) -> None:
+    """Wait until the store stops growing: every write the engine started has landed."""
+    deadline, last, since = time.monotonic() + limit_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = _store_bytes(store)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now > 0 and time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.25)
+    raise SystemExit(f"the store in {store} kept changing (or stayed empty) for {limit_s:.0f} s")
+
+
+def run_engine(spec_file: str, out_file: str) -> None:
+    """One engine (this process is its parent): serve the prompts, report each one's numbers."""
+    spec = json.loads(Path(spec_file).read_text())
+    if spec["cpu"]:
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        if spec["tp"] > 1:
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(r % (os.cpu_count() or 1)) for r in range(spec["tp"])
+            )
+    import sglang
+
+    engine = sglang.Engine(**_engine_args(spec))
+    rows = []
+    try:
+        for prompt in spec["prompts"]:
+            t0 = time.perf_counter()
+            (out,) = engine.generate(
+                input_ids=[prompt], sampling_params={"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+            )
+            rows.append(
+                {
+                    "ttft_s": time.perf_counter() - t0,
+                    "cached": int(out["meta_info"].get("cached_tokens") or 0),
+                    "tokens": out["output_ids"],
+                }
+            )
+        if spec["side"] != "none" and spec["write"]:
+            _settle(Path(spec["store"]))
+    finally:
+        engine.shutdown()
+    Path(out_file).write_text(json.dumps(rows))
+
+
+def _child(workdir: Path, name: str, spec: dict, timeout_s: float) -> list[dict]:
+    spec_file, out_file, log_file = workdir / f"{name}.json", workdir / f"{name}.out", workdir / f"{name}.log"
+    spec_file.write_text(json.dumps(spec))
+    paths = ([str(SHIMS)] if spec["cpu"] else []) + [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--engine", str(spec_file), str(out_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            code: int | str = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = f"timeout after {timeout_s:.0f} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if code != 0 or not out_file.exists():
+        tail = log_file.read_bytes()[-4000:].decode(errors="replace")
+        raise SystemExit(f"engine {name} failed ({code}); the end of its log:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="model directory (default: a random tiny Llama made here)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument("--gpu", action="store_true", help="run SGLang on its GPU defaults instead of the CPU test setup")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.engine:
+        run_engine(*args.engine)
+        return
+    sides = [s for s in args.sides.split(",") if s]
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        raise SystemExit(f"--sides: unknown side {unknown[0]!r}; known: {', '.join(SIDES)}")
+    with tempfile.TemporaryDirectory(prefix="bench_sglang_") as tmp:
+        workdir = Path(tmp)
+        model = args.model
+        if model is None:
+            from tpcache.testing.tiny_model import make_tiny_llama
+
+            model = str(make_tiny_llama(workdir / "model", max_position_embeddings=max(4096, args.prompt_tokens * 2)))
+        prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(args.prompt_tokens)] for i in range(1, args.prompts + 1)]
+        base = {
+            "model": model,
+            "tp": args.tp,
+            "cpu": not args.gpu,
+            "prompts": prompts,
+            "max_total_tokens": max(4096, 2 * args.prompt_tokens),
+        }
+        runs: dict[str, list[list[dict]]] = {s: [] for s in sides}
+        for r in range(args.repeats):
+            for side in sides:
+                store = workdir / f"{side}-{r}"
+                spec = {**base, "side": side, "store": str(store)}
+                if side != "none":
+                    _child(workdir, f"{side}-{r}-write", {**spec, "write": True}, args.timeout_s)
+                runs[side].append(_child(workdir, f"{side}-{r}-read", {**spec, "write": False}, args.timeout_s))
+                shutil.rmtree(store, ignore_errors=True)
+    reference = runs["none"][0] if "none" in runs else None
+    result: dict = {"tp": args.tp, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "sides": {}}
+    for side, reps in runs.items():
+        prefill = [sum(args.prompt_tokens - row["cached"] for row in rows) for rows in reps]
+        p50 = [_quantile([row["ttft_s"] for row in rows], 0.5) for rows in reps]
+        p90 = [_quantile([row["ttft_s"] for row in rows], 0.9) for rows in reps]
+        same = None
+        if reference is not None:
+            same = all([row["tokens"] for row in rows] == [row["tokens"] for row in reference] for rows in reps)
+        result["sides"][side] = {
+            "prefill_tokens": _summary(prefill),
+            "ttft_p50_s": _summary(p50),
+            "ttft_p90_s": _summary(p90),
+            "same_tokens": same,
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    for side, s in result["sides"].items():
+        print(
+            f"{side:>13}: prefill tokens {s['prefill_tokens']['median']:.0f}, "
+            f"TTFT p50 {s['ttft_p50_s']['median']:.3f} s "
+            f"[{s['ttft_p50_s']['min']:.3f}, {s['ttft_p50_s']['max']:.3f}], p90 {s['ttft_p90_s']['median']:.3f} s, "
+            f"same tokens: {s['same_tokens']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
