@@ -218,7 +218,8 @@ def test_table_cells_are_short() -> None:
 def test_make_demo_runs_the_launcher_demo(tmp_path: Path) -> None:
     """`make demo` sets up the venv, then runs the demo (tests/mp/test_launcher.py runs a smaller one).
     A dry run: the setup it would do is printed, not done."""
-    env = {**os.environ, "MAKEFLAGS": "--dry-run"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}  # not a sub-make
+    env["MAKEFLAGS"] = "--dry-run"
     dry = subprocess.run("make demo", shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.splitlines()[-1] == ".venv/bin/python -m launcher demo", dry.stdout
+    assert ".venv/bin/python -m launcher demo" in dry.stdout.splitlines(), dry.stdout
