@@ -131,8 +131,9 @@ def classify(tag: str, body: str) -> str:
     return "other:" + tag
 
 
-def blocks_of(page: Path) -> list[Block]:
-    lines = (REPO / page).read_text().splitlines()
+def blocks_of(page: Path, text: str | None = None) -> list[Block]:
+    """The page's fenced blocks (``text``: the page's content, read from the file if None)."""
+    lines = ((REPO / page).read_text() if text is None else text).splitlines()
     out, i = [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.docs.blocks import BIGGER, REPO, Block, all_blocks, doc_pages, rendered
+from tests.docs.blocks import BIGGER, REPO, Block, all_blocks, blocks_of, doc_pages, rendered
 
 README_LIMIT = 12 * 1024
 CELL_LIMIT = 300
@@ -223,3 +223,45 @@ def test_make_demo_runs_the_launcher_demo(tmp_path: Path) -> None:
     dry = subprocess.run("make demo", shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert ".venv/bin/python -m launcher demo" in dry.stdout.splitlines(), dry.stdout
+
+
+SAMPLE = """# a page
+
+```
+tpcache: configuration error: something
+```
+
+```
+.venv/bin/python -m launcher serve --help
+```
+
+<!-- doc: expect "a b" expect 'say "c"' -->
+```console
+$ echo 'a # b' \\
+    c   # a comment
+a # b c
+```
+
+<!-- doc: tested-by tests/x.py::test_y -->
+```bash
+make demo   # the demo
+```
+"""
+
+
+def test_the_parser_reads_tags_markers_and_commands() -> None:
+    output, command, console, tested = blocks_of(Path("page.md"), SAMPLE)
+    assert (output.lang, command.lang) == ("untagged", "shell")  # output must be tagged; a command is shell
+    assert command.kind == "run" and command.commands() == [".venv/bin/python -m launcher serve --help"]
+    assert console.kind == "run" and console.expect == ["a b", 'say "c"']
+    assert console.commands() == ["echo 'a # b' c"]  # no prompt, no output, continuation joined
+    assert tested.kind == "tested-by" and tested.targets == ["tests/x.py::test_y"] and tested.line == 19
+    assert tested.commands() == ["make demo"]
+
+
+def test_a_failing_block_fails(tmp_path: Path) -> None:
+    """A block runs under bash -e: a failure in its middle is its exit status."""
+    block = Block(Path("page.md"), 1, "shell", "false\necho after\n")
+    assert run_block(block, tmp_path).returncode != 0
+    block = Block(Path("page.md"), 1, "python", "raise SystemExit(3)\n")
+    assert run_block(block, tmp_path).returncode == 3
