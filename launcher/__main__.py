@@ -8,6 +8,9 @@
 Every option can also come from the environment (TPCACHE_<NAME>) or a --config TOML, JSON or
 YAML file, under one name: --round-timeout-s, TPCACHE_ROUND_TIMEOUT_S, round_timeout_s.
 Settings are checked before any rank starts; a bad one exits with code 2 and one line naming it.
+A problem found once the ranks run (a storage directory in use, a store that cannot be reached)
+stops every rank alike: one line naming the setting and the cause, exit code 2 (the traceback
+only with --log-level DEBUG).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import signal
 import sys
 
 from launcher.demo import DEMO_DEFAULTS, Interrupted, print_result, run_demo
-from launcher.local import run_local
+from launcher.local import RankExited, run_local
 from launcher.options import add_service_options, config_from_args
 from tpcache.service.config import ConfigError
 from tpcache.service.preflight import preflight
@@ -86,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_demo(
             resolved, args.nproc, args.trace, args.conversations, args.requests, args.seed, args.in_flight
         )
+    except ConfigError as exc:
+        print(f"tpcache: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except RankExited as exc:
+        if exc.code != 2:  # 2: rank 0 has printed the line that says why the group did not start
+            print(f"tpcache demo: {exc}", file=sys.stderr)
+        return exc.code if exc.code > 0 else 1
     except Interrupted as stopped:
         print(stopped.line(), file=sys.stderr, flush=True)
         return {signal.SIGINT: 130, signal.SIGTERM: 0}.get(stopped.signum, 1)

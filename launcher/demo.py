@@ -37,10 +37,10 @@ import protocol as p
 from launcher.local import spawn_ranks, stop_ranks, wait_ready
 from tpcache.client import Client
 from tpcache.replay import ReplayResult
-from tpcache.service.config import Resolved
+from tpcache.service.config import ConfigError, Resolved
 from tpcache.service.replay import replay_pipelined, replay_through_service
 from tpcache.workload import SyntheticWorkload, load_trace
-from tpcache.workload.trace import Request, request_tokens
+from tpcache.workload.trace import Request, TraceError, request_tokens
 
 # Demo defaults (below the environment and --config): a device tier of 32k tokens, a host tier of
 # 128k: the workload's conversations outgrow the device tier, so later turns hit on host too.
@@ -71,8 +71,16 @@ class Interrupted(Exception):
 
 
 def demo_requests(trace: str | None, conversations: int, limit: int | None, seed: int) -> list[Any]:
-    source = load_trace(trace) if trace else SyntheticWorkload(seed=seed, conversations=conversations).requests()
-    return list(islice(source, limit))
+    """The requests to replay; a trace that cannot be read raises ConfigError naming --trace."""
+    if not trace:
+        return list(islice(SyntheticWorkload(seed=seed, conversations=conversations).requests(), limit))
+    try:
+        return list(islice(load_trace(trace), limit))
+    except FileNotFoundError:
+        raise ConfigError(f"--trace {trace}: no such file (a Mooncake-format trace, one JSON object a line)") from None
+    except (OSError, UnicodeDecodeError, TraceError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"--trace {trace}: cannot read it as a Mooncake-format trace: {why}") from None
 
 
 def reuse(requests: Iterable[Request], page_size: int) -> tuple[int, int, int]:
@@ -130,8 +138,9 @@ def run_demo(
     seed: int = 0,
     in_flight: int = 1,
 ) -> dict[str, Any]:
-    """Run the demo; returns the summary. Raises Interrupted (after stopping every rank).
-    ``in_flight`` above 1 replays in pipelined waves of that many requests."""
+    """Run the demo; returns the summary. Raises Interrupted (after stopping every rank),
+    ConfigError for a trace it cannot read (before any rank starts), RankExited when the group
+    refused to start. ``in_flight`` above 1 replays in pipelined waves of that many requests."""
     if in_flight < 1:
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
     config = resolved.config

@@ -83,6 +83,9 @@ def spawn_ranks(
         base = {**os.environ, **resolved_env(as_resolved(config)), **(extra_env or {})}
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
         base.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores
+        # torch's C++ warnings (c10d's "hostname of the client socket cannot be retrieved" on a host
+        # without a resolvable name) would bury the one line a failed start prints; errors still show.
+        base.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         procs = []
         for rank in range(nproc):
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
@@ -118,8 +121,18 @@ def stop_ranks(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> 
     return [int(proc.returncode) for proc in procs]
 
 
+class RankExited(RuntimeError):
+    """A rank exited before the service was ready. ``code`` is its exit code: 2 when the group
+    refused to start, after rank 0 printed the one line that says why."""
+
+    def __init__(self, rank: int, code: int) -> None:
+        super().__init__(f"rank {rank} exited with code {code} before the service was ready")
+        self.rank, self.code = rank, code
+
+
 def wait_ready(path: str | Path, procs: list[subprocess.Popen], timeout_s: float = 120.0) -> dict[str, Any]:
-    """The ready file rank 0 writes once serving; raises if a rank exits first or time runs out."""
+    """The ready file rank 0 writes once serving; raises RankExited if a rank exits first,
+    TimeoutError when time runs out."""
     deadline = time.monotonic() + timeout_s
     target = Path(path)
     while time.monotonic() < deadline:
@@ -127,7 +140,7 @@ def wait_ready(path: str | Path, procs: list[subprocess.Popen], timeout_s: float
             return json.loads(target.read_text())
         for rank, proc in enumerate(procs):
             if proc.poll() is not None:
-                raise RuntimeError(f"rank {rank} exited with code {proc.returncode} before the service was ready")
+                raise RankExited(rank, int(proc.returncode))
         time.sleep(0.05)
     raise TimeoutError(f"the service was not ready within {timeout_s:g} s")
 

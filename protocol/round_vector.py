@@ -6,7 +6,7 @@ field is *agreed* exactly when ``min == max``. The layout is fixed per configura
 list on every rank, checked through ``LAYOUT_VERSION`` and the layout digest field), so the
 collective always has one shape. Values must lie in ``[-(2**63 - 1), 2**63 - 1]``.
 
-Field order (version 2)::
+Field order (version 3)::
 
     header:   layout, round, seq, state_digest, health, drained, idle, flush, leases
               (drained: no copy physically in flight on the rank; idle: drained and no op in flight
@@ -19,6 +19,9 @@ Field order (version 2)::
               q.head_acked     leading pages acked by the head op (partial success)
     ids:      next_op, next_lease   (a flush continues both from their maximum over ranks)
     quantities: host_deficit
+    storage:  storage_down   1 when the rank's storage tier can no longer be used (its directory was
+              removed or made read-only): the maximum turns storage off on every rank, agreed,
+              without closing the cache
     plan:     plan_count, plan_tokens, plan_digest   (the plan prepared last round)
     per component of a hybrid model, in component order (absent otherwise):
               host_deficit.<name>   that component's pages waiting for a host slot
@@ -31,17 +34,20 @@ from dataclasses import dataclass
 from operator import neg
 from typing import NamedTuple
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 INT64_MAX = (1 << 63) - 1
 QUEUES = ("backup", "load", "storage_write", "storage_read", "storage_query")
 HEADER = ("layout", "round", "seq", "state_digest", "health", "drained", "idle", "flush", "leases")
 QUEUE_FIELDS = ("queue_digest", "done", "clean", "head_acked")
-TAIL = ("next_op", "next_lease", "host_deficit", "plan_count", "plan_tokens", "plan_digest")
+TAIL = ("next_op", "next_lease", "host_deficit", "storage_down", "plan_count", "plan_tokens", "plan_digest")
 
-# Health bits a rank sets about itself; any bit on any rank closes the cache.
+# Health bits a rank sets about itself; any bit but HEALTH_STORAGE_DOWN on any rank closes the cache.
 HEALTH_IO_ERROR = 1 << 0  # its I/O layer was handed a copy it refuses: its state cannot be trusted
 HEALTH_PREPARE_FAILED = 1 << 1  # it could not prepare its vector (sent in its place)
 HEALTH_COMMIT_FAILED = 1 << 2  # its last commit raised midway
+# Not a closing bit: the round sends it as its own field (``storage_down``), so one rank's unusable
+# storage turns storage off on every rank while the cache stays open.
+HEALTH_STORAGE_DOWN = 1 << 3  # its storage tier can no longer be used
 
 
 class RoundVectorError(ValueError):

@@ -3,16 +3,21 @@
 ``Client`` is synchronous and not thread-safe (one per thread). Every method returns the op's
 typed result (``protocol.messages``) or raises the protocol's typed error (``NoSpace``,
 ``CacheClosed``, ``NotFound``, ...); no reply within ``timeout_s`` raises ``RequestTimeout`` and
-the late reply, if it ever comes, is dropped. Requests can be pipelined with ``submit`` and
-``wait``. ``AsyncClient`` is the asyncio variant. Needs only pyzmq, msgpack and ``protocol``.
+the late reply, if it ever comes, is dropped. A connection's first call that times out says what
+listens at the endpoint (nothing, or something that does not answer) and how to start a service.
+Requests can be pipelined with ``submit`` and ``wait``. ``AsyncClient`` is the asyncio variant.
+Needs only pyzmq, msgpack and ``protocol``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 import zmq
 import zmq.asyncio
@@ -26,6 +31,51 @@ def _open_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock.setsockopt(zmq.MAXMSGSIZE, p.DEFAULT_LIMITS.max_message_bytes + 1024)
     sock.connect(endpoint)
     return sock
+
+
+START_HINT = "start one with `python -m launcher local --nproc 2 --endpoint {endpoint}`"
+
+
+def endpoint_hint(endpoint: str, timeout_s: float = 1.0) -> str:
+    """What listens at ``endpoint``, in words, and how to start a service there: the hint a
+    first call that timed out carries (a TCP connect, or the ipc socket's path, is tried)."""
+    start = START_HINT.format(endpoint=endpoint)
+    if endpoint.startswith("ipc://"):
+        path = endpoint.removeprefix("ipc://")
+        if not os.path.exists(path):
+            return f"nothing listens there (no socket at {path}): {start}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(path)
+            except OSError as exc:
+                why = (exc.strerror or str(exc)).lower()
+                return f"nothing listens on the socket {path} ({why}; a stopped service leaves it behind): {start}"
+        return f"something listens on {path} but sent no reply: a service still starting, or a busy one"
+    parsed = urlparse(endpoint)
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        host, port = None, None
+    if parsed.scheme != "tcp" or not host or not port:
+        return f"endpoints look like tcp://HOST:PORT or ipc://PATH; {start}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except TimeoutError:
+        return f"{host}:{port} did not accept a TCP connection within {timeout_s:g} s (a firewall, or no such host)"
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).lower()
+        return f"nothing listens on {host}:{port} ({why}): {start}"
+    return (
+        f"something listens on {host}:{port} but sent no reply: a service still starting, a busy or stopped one, "
+        "or another program on that port"
+    )
+
+
+def _first_timeout(endpoint: str, exc: p.RequestTimeout) -> p.RequestTimeout:
+    """``exc`` with the endpoint hint appended (the first call of a connection that timed out)."""
+    return p.RequestTimeout(f"{exc.message}; {endpoint_hint(endpoint)}", request_id=exc.request_id)
 
 
 class _Ops:
@@ -125,6 +175,7 @@ class Client(_Ops):
         self._conn = p.ClientConnection()
         self._done: dict[int, p.Response] = {}
         self._token, self._name = token, name
+        self._answered = False  # a first call that times out says what listens at the endpoint
         self.info: p.HelloResult | None = None
         if hello:
             try:
@@ -161,6 +212,7 @@ class Client(_Ops):
                 self._conn.forget(request_id)
                 raise p.RequestTimeout(f"no reply from {self.endpoint} within {timeout:g} s", request_id=request_id)
             self._read_available()
+        self._answered = True
         return self._done.pop(request_id).unwrap()
 
     def _read_available(self) -> None:
@@ -178,7 +230,11 @@ class Client(_Ops):
 
     def call(self, body: p.Body, timeout_s: float | None = None) -> Any:
         try:
-            return self.wait(self.submit(body), timeout_s)
+            result = self.wait(self.submit(body), timeout_s)
+        except p.RequestTimeout as exc:
+            if self._answered:
+                raise
+            raise _first_timeout(self.endpoint, exc) from None
         except p.Unauthorized:
             # A server restarted behind the endpoint (ZMQ reconnects by itself) knows this client as
             # a new connection, which must say hello again: once, then the refused request again.
@@ -186,6 +242,8 @@ class Client(_Ops):
                 raise
             self.info = self.hello(token=self._token, client=self._name)
             return self.wait(self.submit(body), timeout_s)
+        self._answered = True
+        return result
 
     # ------------------------------------------------------------------ lifetime
 
@@ -211,6 +269,7 @@ class AsyncClient(_Ops):
         self._conn = p.ClientConnection()
         self._futures: dict[int, asyncio.Future[p.Response]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._answered = False
         self.info: p.HelloResult | None = None
 
     @classmethod
@@ -251,9 +310,11 @@ class AsyncClient(_Ops):
         except asyncio.TimeoutError:
             self._futures.pop(request_id, None)
             self._conn.forget(request_id)
-            raise p.RequestTimeout(
-                f"no reply from {self.endpoint} within {timeout:g} s", request_id=request_id
-            ) from None
+            late = p.RequestTimeout(f"no reply from {self.endpoint} within {timeout:g} s", request_id=request_id)
+            if not self._answered:
+                late = await asyncio.get_running_loop().run_in_executor(None, _first_timeout, self.endpoint, late)
+            raise late from None
+        self._answered = True
         return response.unwrap()
 
     def close(self) -> None:

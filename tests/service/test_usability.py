@@ -97,6 +97,7 @@ def test_start_up_block_metrics_health_and_ready(tmp_path: Path) -> None:
             assert "host tier 32 pages = 16 KiB" in lines
             assert re.search(r"round transport: shm; .*internal channel tcp://127\.0\.0\.1:\d+", lines)
             assert f"storage: {storage / f'rank{rank}'} (file backend), capacity 4 MiB" in lines
+            assert "records checksummed, not authenticated (set storage_key to authenticate them)" in lines
             assert f"metrics: http://127.0.0.1:{port + rank}/metrics (/health, /ready)" in lines
         assert f"clients {service.endpoint}; internal channel" in log
         for rank in (0, 1):

@@ -129,6 +129,7 @@ def test_deferral_is_bounded_when_host_is_full():
     status, ready = sim.ranks[0].core.prefetch_status(lease)
     assert status == "done" and ready == 0
     assert sim.ranks[0].core.lease(lease).prefetch.deferrals == 2
+    assert sim.ranks[0].core.stats.prefetch_rejected_host_full == 4  # counted (and logged)
     assert sim.ranks[0].core.admissible(lease, "wait_complete")
 
 

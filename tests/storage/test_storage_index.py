@@ -15,6 +15,7 @@ import pytest
 
 from tests.storage.storage_helpers import flip_byte, make_keys, make_page, segment_files
 from tpcache.io.storage.file import FileBackend
+from tpcache.io.storage.record import HEADER_SIZE
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 4096
@@ -279,7 +280,7 @@ def test_crash_after_a_compaction_that_sealed_its_destination(tmp_path: Path) ->
     index before the victim is deleted, or a crash then loses them."""
     keys = make_keys(30)
     b = FileBackend(tmp_path, capacity_bytes=CAP, fsync="never")
-    per_segment = (CAP // 16) // (44 + len(keys[0].encode()) + PAGE)
+    per_segment = (CAP // 16) // (HEADER_SIZE + len(keys[0].encode()) + PAGE)
     assert b.put(keys[:per_segment], [make_page(i, PAGE) for i in range(per_segment)]) == [True] * per_segment
     rest = keys[per_segment : per_segment + per_segment - 3]
     assert b.put(rest, [make_page(per_segment + i, PAGE) for i in range(len(rest))]) == [True] * len(rest)

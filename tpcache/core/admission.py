@@ -143,7 +143,7 @@ class Admitter:
     def admit(self, lease: Lease, locked_pages: int, prefetch: bool) -> None:
         """Give a freshly locked lease its admission (and, with storage, start its prefetch)."""
         lease.admission = Admission(locked_pages)
-        if prefetch and self.config.storage and not self.closed():
+        if prefetch and self.config.storage and not self.closed() and not self.prefetcher.storage_down:
             self.prefetcher.start(lease)
         self.leases.refresh(lease)
 

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 _VALID = int(DeviceState.VALID)
 _HVALID = int(HostState.VALID)
+_DURABLE = int(StorageState.DURABLE)
 
 
 def _wants_backup(node: Node, p: Part) -> bool:
@@ -61,6 +62,7 @@ class Backup:
         self.storage = config.storage
         self.buffer = config.host_mode == "buffer"  # host only stages: a page durable in storage needs no copy
         self.enabled = True  # a closed cache starts no copies (it does not trust its own state)
+        self.storage_down = False  # agreed: a rank's storage can no longer be used (``storage_lost``)
 
     # ------------------------------------------------------------------ write policies
 
@@ -223,6 +225,34 @@ class Backup:
         op_parts = {c: [at[i] for i in index] for c, index in parts.items()}
         self.outbox.issue(OpKind.STORAGE_WRITE, [order[i] for i in used], -1, full_index=full_index, parts=op_parts)
         led.stats.storage_write_issued_pages += len(todo)
+
+    def storage_lost(self) -> int:
+        """Agreed (the round's ``storage_down``): a rank's storage tier can no longer be used, so a
+        page stored there can no longer be read on every rank. Storage is off from here on, alike
+        on every rank: no write-out, and no page counts as durable (a host mirror of one is no
+        longer redundant; a page only in storage is gone); writes in flight land as failures, and
+        the prefetcher looks nothing up. Returns the pages forgotten. A flush starts over with
+        storage on; a rank whose storage is still unusable says so again in the next round."""
+        if self.storage_down:
+            return 0
+        self.storage_down = True
+        self.storage = False
+        led = self.ledger
+        forgotten = 0
+        nodes = led.tree.nodes
+        for node_id in sorted(nodes):  # id order: the same changes in the same order on every rank
+            node = nodes.get(node_id)
+            if node is None:
+                continue
+            rec = node.comp
+            for p in led.parts.values():
+                if rec is not None and rec[p.base + STORE] == _DURABLE:
+                    led.update(node, part=p.index, storage=StorageState.NONE)
+            if node.storage_state == StorageState.DURABLE:
+                led.update(node, storage=StorageState.NONE)
+                forgotten += 1
+                led.remove_if_empty(node)
+        return forgotten
 
     # ------------------------------------------------------------------ mirror release
 

@@ -121,7 +121,7 @@ class CacheCore:
 
     @property
     def host_deficit(self) -> int:
-        return len(self.ledger.backup_backlog)
+        return len(self.ledger.backup_backlog) + self.prefetcher.host_deficit()
 
     @property
     def evictable_device_tokens(self) -> int:
@@ -316,7 +316,7 @@ class CacheCore:
         Returns False when there is nothing to fetch (no storage tier, or nothing missing)."""
         lease = self._live(lease_id)
         self.ledger.tick()
-        if not self.config.storage:
+        if not self.config.storage or self.backup.storage_down:
             return False
         started = self.prefetcher.start(lease, read)
         self.book.refresh(lease)

@@ -45,6 +45,8 @@ class Completions:
         """Apply the agreed completion of the head op of ``kind`` (None: every page landed)."""
         pages = len(self.outbox.inflight[kind][0].page_hashes)  # the head op's num_pages
         ok = pages if acked_pages is None else max(0, min(acked_pages, pages))
+        if kind == OpKind.STORAGE_WRITE and self.backup.storage_down:
+            ok = 0  # storage was agreed unusable meanwhile: nothing written there counts as durable
         op = self.outbox.retire_head(kind, ok)
         led = self.ledger
         if ok < pages:

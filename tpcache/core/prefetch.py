@@ -17,6 +17,7 @@ it fails lands fewer pages, agreed like any other short read, so a hit is never 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from tpcache.core.tree import Node
 
 if TYPE_CHECKING:
     from tpcache.core.hybrid import Hybrid
+
+log = logging.getLogger("tpcache.prefetch")
 
 STOP_POLICIES = ("best_effort", "wait_complete", "timeout")
 
@@ -97,6 +100,8 @@ class Prefetcher:
         self.closed = closed
         self.hybrid = hybrid
         self.started: dict[int, Lease] = {}  # lease id -> lease, for every fetch started and not seen done
+        self.storage_down = False  # agreed: storage is off (``CacheCore.storage_lost``)
+        self.gave_up = 0  # fetches that found no host slot in time (paces the warning; not cache state)
 
     # ------------------------------------------------------------------ sequenced
 
@@ -105,6 +110,8 @@ class Prefetcher:
         False when there is nothing to fetch."""
         if lease.prefetch is not None and lease.prefetch.status != "done":
             return True
+        if self.storage_down:
+            return False
         lease.prefetch = PrefetchState(lease.tokens, status="done", read=read)
         _to(lease.prefetch, "start")
         self.started[lease.lease_id] = lease
@@ -228,6 +235,29 @@ class Prefetcher:
         elif state.status == "retry_wait" and state.rounds >= state.retry_at:
             self._query(lease, retry=True)
 
+    def host_deficit(self) -> int:
+        """Host slots the deferred reads lack, together (the same on every rank: sequenced state)."""
+        started = self.started
+        if not started:  # most rounds: nothing to look at
+            return 0
+        return sum(
+            lease.prefetch.short
+            for lease in started.values()
+            if lease.prefetch is not None and lease.prefetch.status == "deferred"
+        )
+
+    def _gave_up(self, pages: int) -> None:
+        self.ledger.stats.prefetch_rejected_host_full += pages
+        self.gave_up += 1  # for the log alone: the 1st, 2nd, 4th, 8th ... time
+        if self.gave_up & (self.gave_up - 1) == 0:
+            log.warning(
+                "a storage prefetch read %d pages it found in storage into no host slot: none came free in %d "
+                "rounds (host pages pinned by requests, or mirror release off); %d such prefetches so far",
+                pages,
+                self.config.prefetch_max_deferrals,
+                self.gave_up,
+            )
+
     # ------------------------------------------------------------------ internals
 
     def _continuation(self, state: PrefetchState) -> tuple[Node, int, list[int], list[bytes], list[Node]] | None:
@@ -287,8 +317,18 @@ class Prefetcher:
         if slots is None:
             self.leases.unpin_anchor(lease, anchor)
             # proceed with what the device holds once the deferrals are used up
-            _to(state, "give_up" if state.deferrals >= self.config.prefetch_max_deferrals else "no_slots")
+            if state.deferrals >= self.config.prefetch_max_deferrals:
+                state.short = 0
+                _to(state, "give_up")
+                self._gave_up(end - k)
+                return
+            # What the read lacks joins the host deficit: the round agrees on it and mirror release
+            # frees that many durable host mirrors of device pages, which a host pool made only of
+            # mirrors (host pages <= device pages) has plenty of, so a later tick finds its slots.
+            state.short = max(1, end - k - self.ledger.host.available)
+            _to(state, "no_slots")
             return
+        state.short = 0
         nodes: list[Node] = []
         for i, slot in zip(range(k, end), slots, strict=True):
             parent = self.ledger.add(parent, pages[i], hashes[i], host=(HostState.WRITING, slot))

@@ -109,12 +109,13 @@ class PrefetchState:
     nodes: list[Node] = field(default_factory=list)
     anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
     read: bool = True  # False: a lookup only (agree on the hit, read nothing to host)
+    short: int = 0  # deferred: host slots its read lacks (part of the host deficit the round agrees on)
 
     def fields(self) -> list[int]:
         """What the state digest covers of it."""
         code = PREFETCH_STATES.index(self.status)
         counts = (self.attempts, self.hit_pages, self.ready_pages, self.rounds, self.deferrals, self.retry_at)
-        return [code, self.op_id, *counts, self.start, int(self.read)]
+        return [code, self.op_id, *counts, self.start, int(self.read), self.short]
 
 
 ADMISSION_STATES = ("queued", "parked", "ready", "committed")
@@ -238,6 +239,7 @@ class Stats:
     prefetch_read_pages: int = 0
     prefetch_stale_completions: int = 0
     prefetch_reissued: int = 0  # lookups issued again at once because the prefix they hang from moved
+    prefetch_rejected_host_full: int = 0  # pages a prefetch found in storage and read not: no host slot in time
     storage_hit_tokens: int = 0  # tokens a committed admission loaded from pages read from storage
     admissions_committed: int = 0
     admission_retries: int = 0  # "try again" answers of materialize

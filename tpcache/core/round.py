@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import NamedTuple
 
-from protocol.round_vector import LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from protocol.round_vector import HEALTH_STORAGE_DOWN, LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
 from tpcache.core.backup import MirrorRelease
 from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
@@ -131,6 +131,7 @@ class Round:
         at = self.layout.index
         self._at_health, self._at_idle = at("health"), at("idle")
         self._at_flush, self._at_drained = at("flush"), at("drained")
+        self._at_storage_down = at("storage_down")
         self._at_queues = [(kind, at(f"{q}.queue_digest")) for kind, q in QUEUE_OF.items()]
 
     def rebind(self, core: CacheCore) -> None:
@@ -164,14 +165,19 @@ class Round:
             self.number,
             seq,
             self.state_digest(),
-            health,
+            health & ~HEALTH_STORAGE_DOWN,
             int(drained),
             int(idle),
             int(core.flush_requested),
             core.book.kept_digest,
         ]
         values += queue_fields(_QUEUES_IN_ORDER(inflight), landed)
-        values += (core.outbox.next_op, core.book.next_lease, core.host_deficit)
+        values += (
+            core.outbox.next_op,
+            core.book.next_lease,
+            core.host_deficit,
+            int(bool(health & HEALTH_STORAGE_DOWN)),
+        )
         plan = self.pending_plan
         values += (plan.count, plan.tokens, plan.digest) if plan else (0, 0, 0)
         if core.ledger.parts:
@@ -218,6 +224,16 @@ class Round:
         lo = agreement.lo.values
         report = RoundReport(number, idle=lo[self._at_idle] == 1)
         core = self.core
+        if agreement.hi.values[self._at_storage_down] and not core.backup.storage_down:
+            # A rank's storage can no longer be used: every rank stops using storage, in this round.
+            core.prefetcher.storage_down = True
+            forgotten = core.backup.storage_lost()
+            log.warning(
+                "round %d: a rank's storage tier can no longer be used: storage is off on every rank "
+                "(%d durable pages forgotten); the cache stays open; restart with usable storage",
+                number,
+                forgotten,
+            )
 
         if not clear:
             self._check_header(agreement, report)

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from protocol.round_vector import HEALTH_IO_ERROR
+from protocol.round_vector import HEALTH_IO_ERROR, HEALTH_STORAGE_DOWN
 from tpcache.core.records import OpKind, Transfer
 from tpcache.dist.parallel import Shard
 from tpcache.io.kv_pool import HostPool
@@ -99,6 +99,8 @@ class Shell:
             self.part_handles.pop(op.op_id, None)
 
     def health(self) -> int:
+        if self.storage is not None and self.storage.unusable() is not None:
+            return self.health_bits | HEALTH_STORAGE_DOWN  # not a closing bit: storage goes off everywhere
         return self.health_bits
 
     def drained(self) -> bool:

@@ -266,6 +266,7 @@ class TPCache(Operations):
             "transport": self.collective.name,
             "disabled_features": sorted(self.round.disabled),
             "broken": self.driver.broken or "",
+            "storage_down": self.core.backup.storage_down,  # agreed: storage is off on every rank
         }
 
     def stats(self) -> dict[str, Any]:

@@ -155,6 +155,18 @@ class ServiceConfig:
     max_leases_per_client: int = _opt(4096, "leases one connection may hold before lock answers OVERLOADED", min=1)
     max_leases: int = _opt(65536, "leases all clients together may hold before lock answers OVERLOADED", min=1)
     # --- storage reads
+    storage_key: str = _opt(
+        "",
+        "deployment secret (16 characters or more) every instance sharing the storage holds: each stored "
+        "record carries a keyed MAC under it and one whose MAC does not verify is a miss; empty: records are "
+        "checksummed, not authenticated (prefer TPCACHE_STORAGE_KEY or --storage-key-file: a command line is "
+        "visible to other users)",
+        secret=True,
+        rank_local=True,
+    )
+    storage_key_file: str = _opt(
+        "", "file whose first line is the storage key (instead of --storage-key)", rank_local=True, metavar="PATH"
+    )
     storage_prefetch: bool = _opt(
         True,
         "with a storage tier: lock also looks the rest of its prefix up in storage and reads what "
@@ -200,6 +212,7 @@ class ServiceConfig:
                 parse_storage_url(self.storage_url)
             except StorageURLError as exc:
                 raise SettingError("storage_url", self.storage_url, str(exc)) from None
+        self.storage_secret()
         check_endpoint(self.endpoint, self.allow_remote, self.secret)
         if not is_loopback_host(self.internal_host) and not self.allow_remote:
             raise SettingError(
@@ -220,6 +233,31 @@ class ServiceConfig:
                 raise SettingError(
                     "host_mode", self.host_mode, "stages writes as pages are written: use write_through(_selective)"
                 )
+
+    def storage_secret(self) -> bytes | None:
+        """The storage key's bytes (None: records are checksummed, not authenticated). A
+        SettingError names the setting, never the key."""
+        if self.storage_key and self.storage_key_file:
+            raise SettingError(
+                "storage_key_file", self.storage_key_file, "give storage_key or storage_key_file, not both"
+            )
+        if self.storage_key_file:
+            try:
+                text = Path(self.storage_key_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SettingError(
+                    "storage_key_file",
+                    self.storage_key_file,
+                    f"cannot be read: {getattr(exc, 'strerror', None) or exc}",
+                ) from None
+            key, name, shown = (text.splitlines() or [""])[0].strip(), "storage_key_file", self.storage_key_file
+        elif self.storage_key:
+            key, name, shown = self.storage_key, "storage_key", "***"
+        else:
+            return None
+        if len(key.encode()) < 16:
+            raise SettingError(name, shown, "the storage key must be at least 16 bytes (a deployment secret)")
+        return key.encode()
 
     def group(self, world_size: int) -> ParallelGroup:
         """The group's shape for ``world_size`` ranks; a SettingError names the size that does not fit."""
@@ -305,6 +343,8 @@ class SettingError(ConfigError):
 def spelling(name: str, value: Any, source: str) -> str:
     """How ``source`` writes this setting: ``--device-pages 0``, ``TPCACHE_DEVICE_PAGES=0``, ..."""
     shown = "***" if FIELDS.get(name) is not None and FIELDS[name].metadata.get("secret") else value
+    if name == "storage_url" and isinstance(value, str):
+        shown = _mask_password(value)
     if source == COMMAND_LINE:
         return f"{flag_name(name)} {shown}"
     if source == ENVIRONMENT:
@@ -312,6 +352,16 @@ def spelling(name: str, value: Any, source: str) -> str:
     if source.startswith("file "):
         return f"{name} = {shown!r} in {source.removeprefix('file ')}"
     return f"{name} = {shown!r} ({source})"
+
+
+def _mask_password(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part shown as ``***``."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    user, at, host = netloc.rpartition("@")
+    if not sep or not at or ":" not in user:
+        return url
+    return f"{scheme}://{user.split(':', 1)[0]}:***@{host}{slash}{tail}"
 
 
 def _check_range(f: dataclasses.Field, value: Any) -> None:

@@ -70,7 +70,11 @@ COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "rejected_pages",
         "Pages a copy or write could not take, by reason",
         "reason",
-        {"host_full": "backup_rejected_host_full", "copy_failed": "failed_copy_pages"},
+        {
+            "host_full": "backup_rejected_host_full",
+            "copy_failed": "failed_copy_pages",
+            "prefetch_host_full": "prefetch_rejected_host_full",
+        },
     ),
     (
         "mirrors_released_pages",
@@ -116,14 +120,17 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         "storage_read_misses",
         "Pages this rank's storage backend did not return, by reason",
         "reason",
-        {r: f"misses_{r}" for r in ("missing", "short", "corrupt", "foreign", "io_error")},
+        {
+            r: f"misses_{r}"
+            for r in ("missing", "short", "corrupt", "foreign", "io_error", "unauthenticated", "unusable")
+        },
     ),
     ("storage_writes", "Pages this rank's storage backend wrote", "", {"": "put_ok"}),
     (
         "storage_write_failures",
         "Pages this rank's storage backend could not write, by reason",
         "reason",
-        {r: f"put_failures_{r}" for r in ("no_space", "too_large", "io_error")},
+        {r: f"put_failures_{r}" for r in ("no_space", "too_large", "io_error", "unusable")},
     ),
     ("storage_evictions", "Records the storage backend evicted to stay within its capacity", "", {"": "evictions"}),
     (

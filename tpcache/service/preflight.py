@@ -7,14 +7,16 @@ as its source spells it, the value and what would work.
 
 What is checked: the group's shape fits the number of ranks (``pp_size x tp_size``, and the model's
 layers and KV heads split evenly over them), the client endpoint's and the metrics ports are free,
-the storage directory can be created and written, the ready file's directory exists, and the
+the storage directory can be created and written (nothing is created: a failed start leaves the
+disk as it found it) and no running group holds it, a shared store's servers accept connections,
+the ready file's directory exists, and the
 memory the KV pools need (computed from each rank's layout and the pool sizes) is available on
 this host.
 """
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import os
 import socket
 import tempfile
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from tpcache.dist.parallel import Shard
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.io.storage.url import parse_storage_url
 from tpcache.service.config import DEFAULT, ConfigError, Resolved, ServiceConfig, SettingError, spelling
@@ -130,36 +133,108 @@ def check_ports(resolved: Resolved, ranks: range, world: int | None = None) -> N
 
 
 def check_writable_dir(path: Path) -> str | None:
-    """Create ``path`` if needed and write a probe file there; why not, or None."""
+    """Why ``path`` could not be created (if missing) and written, or None. Creates nothing: a
+    start that fails its checks leaves the disk as it found it. The deepest part of the path that
+    exists must be a directory this process can write in (a probe file, removed at once)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return "it is not a directory" if existing == path else f"{existing} is not a directory"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".tpcache-probe-")
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".tpcache-probe-")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        if exc.errno == errno.EEXIST or (path.exists() and not path.is_dir()):
-            reason = "it is not a directory"
-        return reason
+        where = "" if existing == path else f" in {existing}"
+        return f"cannot create files{where}: {exc.strerror or exc}"
     return None
 
 
-def check_paths(resolved: Resolved, ranks: range) -> None:
+def lock_held(path: Path) -> bool:
+    """Whether another process holds the file tier's ``flock`` on ``path`` (a running rank)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: nobody uses that directory
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock, if it took one
+    return False
+
+
+def check_paths(resolved: Resolved, ranks: range, world: int | None = None) -> None:
     config, sources = resolved.config, resolved.sources
+    world = ranks.stop if world is None else world
     location = config.storage_location()
     spec = parse_storage_url(location) if location else None
     if spec is not None and spec.backend == "file":
         name = "storage_dir" if config.storage_dir else "storage_url"
+        where = spelling(name, getattr(config, name), sources[name])
+        group = config.group(world)
         for rank in ranks:
-            why = check_writable_dir(Path(spec.location) / f"rank{rank}")
+            rank_dir = Path(spec.location) / f"rank{rank}"
+            why = check_writable_dir(rank_dir)
             if why:
-                where = spelling(name, getattr(config, name), sources[name])
                 raise ConfigError(f"{where}: cannot write the storage tier there ({why}); give a writable directory")
+            shard_dir = rank_dir / Shard(*group.place(rank)).label
+            if lock_held(shard_dir / "LOCK"):
+                raise ConfigError(
+                    f"{where}: in use by a running group ({shard_dir} is locked by another process); stop that "
+                    "group or give another directory"
+                )
     if config.ready_file and 0 in ranks:
         parent = Path(config.ready_file).resolve().parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             where = spelling("ready_file", config.ready_file, sources["ready_file"])
             raise ConfigError(f"{where}: its directory {parent} does not exist or is not writable")
+
+
+STORE_CONNECT_TIMEOUT_S = 3.0
+
+
+def store_addresses(location: str) -> list[tuple[str, str, int]]:
+    """(what, host, port) of each server a shared store's URL names: the Redis server; the
+    Mooncake master and its HTTP metadata service. Empty for the file tier."""
+    spec = parse_storage_url(location)
+    if spec.backend == "redis":
+        parts = urlparse(spec.location)
+        return [("the Redis server", parts.hostname or "127.0.0.1", parts.port or 6379)]
+    if spec.backend != "mooncake":
+        return []
+    host, _, port = spec.location.rpartition(":")
+    out = [("the Mooncake master", host.strip("[]"), int(port))]
+    metadata = urlparse(str(spec.settings.get("metadata", "")))
+    if metadata.scheme == "http" and metadata.hostname:
+        out.append(("the Mooncake metadata service", metadata.hostname, metadata.port or 80))
+    return out
+
+
+def connect_problem(host: str, port: int, timeout_s: float = STORE_CONNECT_TIMEOUT_S) -> str | None:
+    """Why a TCP connection to ``host:port`` fails (nothing listens, no route, no answer), or None."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+
+
+def check_store(resolved: Resolved) -> None:
+    """A shared store's servers accept connections (the ranks would otherwise find out one by one,
+    after start-up); what they answer is the backend's business once the ranks open it."""
+    config, sources = resolved.config, resolved.sources
+    if not config.storage_url:
+        return
+    for what, host, port in store_addresses(config.storage_url):
+        why = connect_problem(host, port)
+        if why:
+            where = spelling("storage_url", config.storage_url, sources["storage_url"])
+            raise ConfigError(f"{where}: cannot reach {what} at {host}:{port} ({why}); start it or correct the URL")
 
 
 def preflight(
@@ -170,7 +245,8 @@ def preflight(
     world = ranks.stop if world is None else world
     check_group(resolved, world)
     check_ports(resolved, ranks, world)
-    check_paths(resolved, ranks)
+    check_paths(resolved, ranks, world)
+    check_store(resolved)
     check_memory(resolved, ranks_on_host, device_on_host=device_on_host, world=world)
 
 

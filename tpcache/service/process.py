@@ -4,10 +4,13 @@ Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, 
 MASTER_PORT). Uses NCCL and the device ``cuda:LOCAL_RANK`` when CUDA is available, gloo on CPU
 otherwise.
 
-Start-up, in order: this rank's machine checks (ports, storage directory, memory for its pools);
-the group forms; every rank's settings and check results are gathered (``agree``) and any
-problem, or any setting that must be equal and is not, stops every rank with exit code 2 before a
-pool is allocated; then the cache, the channels, and one INFO block that says what runs.
+Start-up, in order: this rank's machine checks (ports, storage directory, a shared store's
+servers, memory for its pools; they create nothing); the group forms; every rank's settings and
+check results are gathered (``agree``) and any problem, or any setting that must be equal and is
+not, stops every rank with exit code 2 before a pool is allocated; then each rank opens its storage
+tier (creating the file tier's directory, joining a shared store), and one that cannot stops every
+rank alike; then the cache, the channels, and one INFO block that says what runs. A group that
+does not start prints one line (rank 0), with the traceback, if any, at DEBUG.
 
 SIGINT and SIGTERM on any rank stop every rank: a follower asks the leader, the leader answers
 what is in flight with "the service is stopping", fans a stop batch out, and each rank closes its
@@ -26,6 +29,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -34,12 +38,14 @@ import zmq
 
 from tpcache.service.channels import Channels
 from tpcache.service.config import (
+    DEFAULT,
     ConfigError,
     Resolved,
     ServiceConfig,
     describe_sources,
     format_bytes,
     format_kv_layout,
+    spelling,
 )
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
@@ -170,7 +176,6 @@ def setup_logging(level: str, rank: int) -> None:
 
 def serve(resolved: Resolved) -> int:
     """Run this rank until stopped; returns the exit code."""
-    import torch.distributed as dist
     from prometheus_client import disable_created_metrics
 
     config = resolved.config
@@ -197,15 +202,79 @@ def serve(resolved: Resolved) -> int:
             problem = str(exc)
     problem = agree(config, problem)
     if problem is not None:
-        if rank == 0:
-            print(f"tpcache: configuration error: {problem}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-        return EXIT_CONFIG
-    return _run(resolved, rank, world, device, stop)
+        return refuse(rank, "configuration error", problem)
+    # Every rank passed its checks: only now is anything created (the file tier's directories) or
+    # joined (a shared store). A store that cannot be opened on any rank stops the group alike.
+    storage, problem = open_rank_storage(resolved, rank, world)
+    problem = agree(config, problem)
+    if problem is not None:
+        if storage is not None:
+            with contextlib.suppress(Exception):
+                storage.close()
+        return refuse(rank, "cannot start", problem)
+    return _run(resolved, rank, world, device, stop, storage)
 
 
-def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag) -> int:
+def open_rank_storage(resolved: Resolved, rank: int, world: int) -> tuple[Any, str | None]:
+    """This rank's storage tier (None when off) and, if it cannot be opened, why, as one line that
+    names the setting (the traceback goes to the DEBUG log)."""
+    config = resolved.config
+    location = config.storage_location()
+    if not location:
+        return None, None
+    from tpcache.io.storage import open_storage, parse_storage_url
+
+    try:
+        spec = parse_storage_url(location)
+        shard = config.group(world).place(rank)
+        storage = open_storage(
+            spec, shard=shard, capacity_bytes=config.storage_bytes, storage_key=config.storage_secret()
+        )
+        return storage, None
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises, the group stops with one line
+        log.debug("opening the storage tier failed", exc_info=True)
+        name = "storage_dir" if config.storage_dir else "storage_url"
+        where = spelling(name, getattr(config, name), resolved.sources.get(name, DEFAULT))
+        return None, f"{where}: cannot open the storage tier: {one_line(exc)}"
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of text (its type when it has no message)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def refuse(rank: int, kind: str, problem: str) -> int:
+    """Stop this rank of a group that may not start. Rank 0 prints the one line (and, under
+    torchrun, writes it to the error file torchrun's summary shows); the exit code is 2, except
+    for the other ranks under torchrun, which exit 0 so that its summary names one failure."""
+    import torch.distributed as dist
+
+    line = f"tpcache: {kind}: {problem}"
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+        _write_torchrun_error(line)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return 0 if rank != 0 and os.environ.get(TORCHRUN_ENV) else EXIT_CONFIG
+
+
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun for each worker
+TORCHRUN_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def _write_torchrun_error(line: str) -> None:
+    """torchrun prints a failed worker's error file in its summary (else "To enable traceback see
+    ..."): the one line goes there, in the form torch's ``record`` writes."""
+    path = os.environ.get(TORCHRUN_ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(data))
+
+
+def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag, storage: Any) -> int:
     import torch.distributed as dist
 
     from tpcache.dist import make_collective
@@ -213,15 +282,10 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag)
     from tpcache.service.leader import Leader
 
     config = resolved.config
-    storage = None
-    if config.storage_location():
-        from tpcache.io.storage import open_storage, parse_storage_url
+    if storage is not None and rank == 0:
+        from tpcache.io.storage import parse_storage_url
 
-        spec = parse_storage_url(config.storage_location())
-        shard = config.group(world).place(rank)
-        storage = open_storage(spec, shard=shard, capacity_bytes=config.storage_bytes)
-        if rank == 0:
-            log.info("storage tier: %s", spec.describe())
+        log.info("storage tier: %s; %s", parse_storage_url(config.storage_location()).describe(), storage.trust)
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))
@@ -304,11 +368,11 @@ def startup_block(
 
         spec = parse_storage_url(config.storage_location())
         if spec.backend == "file":
-            capacity = format_bytes(config.storage_bytes)
+            capacity = format_bytes(int(stats.get("capacity_bytes", config.storage_bytes)))  # as the disk allows
             place = f"{Path(spec.location) / f'rank{rank}'} (file backend), capacity {capacity}"
         else:
             place = f"{spec.describe()} (sized by the store)"
-        store = f"{place}, {format_bytes(int(stats.get('bytes_used', 0)))} in use"
+        store = f"{place}, {format_bytes(int(stats.get('bytes_used', 0)))} in use; {storage.trust}"
     else:
         store = "off"
     metrics = (

@@ -9,6 +9,7 @@ children (rank processes, servers) inherit it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -33,6 +34,12 @@ def _loopback_up() -> None:
         ifreq = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, ifreq))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+def loopback_up() -> None:
+    """Bring loopback up in this namespace (one ``unshare --net`` made starts with it down); best effort."""
+    with contextlib.suppress(OSError):
+        _loopback_up()
 
 
 def isolate() -> str | None:

@@ -6,6 +6,13 @@ Every server dies with the thread that started it (``PR_SET_PDEATHSIG``), so a c
 leaves nothing running. The segment holder is a separate Mooncake client, so the cache's reads
 and writes cross a real TCP connection rather than a memcpy into the caller's own segment.
 
+``python -m tpcache.testing.servers mooncake -- COMMAND...`` is a local Mooncake Store in one
+command: it enters a private network namespace, starts the metadata server, the master and a
+segment holder there, runs COMMAND beside them with ``TPCACHE_STORAGE_URL`` set to the store's URL
+(so ``python -m launcher local ...`` uses it as is), and stops the store when COMMAND exits, with
+COMMAND's exit code. Without root it says how to run under ``unshare --net --map-root-user``;
+``--shared-network`` runs without a namespace and warns which ports are open on every interface.
+
 ``python -m tpcache.testing.servers holder --metadata URL --master HOST:PORT --bytes N`` is the
 holder process itself: it joins the store, mounts N bytes, prints ``ready`` and stays until its
 standard input closes or it is killed.
@@ -24,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -163,13 +171,17 @@ class MooncakeStore:
     """A Mooncake Store on loopback: metadata server, master, segment holder (``holder_bytes``).
 
     ``stop_master``/``start_master`` and ``kill_holder``/``start_holder`` restart the pieces on
-    the same ports, for outage tests. Must run in a private network namespace (see ``netns``).
+    the same ports, for outage tests. Must run in a private network namespace (see ``netns``)
+    unless ``shared_network`` (then its transfer engine is reachable on every interface).
     """
 
-    def __init__(self, workdir: str | os.PathLike[str], holder_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, workdir: str | os.PathLike[str], holder_bytes: int = 256 << 20, *, shared_network: bool = False
+    ) -> None:
         from tpcache.testing.netns import require_isolated
 
-        require_isolated("a local Mooncake Store")
+        if not shared_network:
+            require_isolated("a local Mooncake Store")
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         master_bin = _mooncake_dir() / "mooncake_master"
@@ -212,6 +224,11 @@ class MooncakeStore:
     @property
     def holder_pid(self) -> int:
         return self._holder.pid
+
+    @property
+    def pids(self) -> list[int]:
+        """The store's running processes (metadata server, master, holder)."""
+        return [server.pid for server in (self._metadata, self._master, self._holder) if server.proc is not None]
 
     def start(self) -> MooncakeStore:
         try:
@@ -270,6 +287,101 @@ def _holder_main(metadata: str, master: str, nbytes: int) -> int:
     return 0
 
 
+def _listening_sockets(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds open."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    out.add(int(target[8:-1]))
+    return out
+
+
+def ports_on_all_interfaces(pids: list[int]) -> list[int]:
+    """TCP ports that ``pids`` listen on at the wildcard address (0.0.0.0 or ::), from /proc."""
+    inodes = set().union(*(_listening_sockets(pid) for pid in pids)) if pids else set()
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for row in fh.readlines()[1:]:
+                fields = row.split()
+                address, port = fields[1].rsplit(":", 1)
+                if fields[3] == "0A" and int(fields[9]) in inodes and set(address) == {"0"}:
+                    ports.add(int(port, 16))
+    return sorted(ports)
+
+
+NO_NAMESPACE = (
+    "tpcache: a local Mooncake Store runs in a private network namespace (Mooncake's transfer engine listens "
+    "on every interface) and entering one needs root: run `unshare --net --map-root-user python -m "
+    "tpcache.testing.servers mooncake -- COMMAND...`, or pass --shared-network to run without one"
+)
+
+
+def _mooncake_main(args: argparse.Namespace) -> int:
+    """A Mooncake Store and ``args.command`` in one private network namespace; the command's exit code."""
+    from tpcache.testing import netns
+
+    command = [c for c in args.command if c != "--"] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print(
+            "tpcache: give the command to run beside the store after --, e.g. -- python -m launcher local",
+            file=sys.stderr,
+        )
+        return 2
+    if netns.isolated():
+        netns.loopback_up()  # a namespace made by `unshare --net` starts with loopback down
+    elif not args.shared_network and netns.isolate() is not None:
+        print(NO_NAMESPACE, file=sys.stderr)
+        return 2
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tpcache-mooncake-"))
+    try:
+        store = MooncakeStore(workdir, holder_bytes=args.bytes, shared_network=args.shared_network)
+        store.start()
+    except (ServerError, RuntimeError) as exc:
+        print(f"tpcache: cannot start a local Mooncake Store: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if args.shared_network:
+            ports = ", ".join(map(str, ports_on_all_interfaces(store.pids))) or "none yet"
+            print(
+                f"tpcache: warning: --shared-network: the Mooncake Store listens on every interface on port(s) "
+                f"{ports} (its transfer engine), as does every Mooncake client the command starts: other hosts on "
+                "this network can reach them",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(f"tpcache: Mooncake Store ready: TPCACHE_STORAGE_URL={store.url}", file=sys.stderr, flush=True)
+        env = {**store.env, "TPCACHE_STORAGE_URL": store.url}
+        try:
+            child = subprocess.Popen(command, env=env)
+        except OSError as exc:
+            print(f"tpcache: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return 127
+
+        def forward(signum: int, frame: object) -> None:
+            child.send_signal(signum)
+
+        signal.signal(signal.SIGINT, forward)
+        signal.signal(signal.SIGTERM, forward)
+        return child.wait()
+    finally:
+        store.stop()
+        if not args.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _size(text: str) -> int:
+    from tpcache.service.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 256MiB, 1GiB)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tpcache.testing.servers")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -277,7 +389,25 @@ def main(argv: list[str] | None = None) -> int:
     holder.add_argument("--metadata", required=True)
     holder.add_argument("--master", required=True)
     holder.add_argument("--bytes", type=int, required=True)
+    mooncake = sub.add_parser(
+        "mooncake",
+        help="a local Mooncake Store and a command, together in a private network namespace",
+        description="Start a Mooncake Store (metadata server, master, segment holder) on 127.0.0.1 and run COMMAND "
+        "beside it with TPCACHE_STORAGE_URL set to its URL; the store stops when COMMAND exits.",
+    )
+    mooncake.add_argument(
+        "--bytes", type=_size, default=1 << 30, help="memory the segment holder mounts, e.g. 256MiB [default 1GiB]"
+    )
+    mooncake.add_argument("--dir", help="directory for the servers' logs [default: a temporary one]")
+    mooncake.add_argument(
+        "--shared-network",
+        action="store_true",
+        help="run in this network namespace (no root needed; Mooncake's ports are then open on every interface)",
+    )
+    mooncake.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     args = ap.parse_args(argv)
+    if args.cmd == "mooncake":
+        return _mooncake_main(args)
     return _holder_main(args.metadata, args.master, args.bytes)
 
 

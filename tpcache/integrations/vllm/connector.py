@@ -9,6 +9,7 @@ device blocks; tpcache holds the host tier and the storage tier under them.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,11 @@ class TPCacheConnector(KVConnectorBase_V1):
             storage = FileBackend(
                 Path(opts.storage_dir) / f"rank{rank}", capacity_bytes=opts.storage_bytes, shard=(rank, world)
             )
+            secret = os.environ.get("TPCACHE_STORAGE_KEY", "")  # the service's storage key, never an option
+            if secret:
+                from tpcache.io.storage import RecordMac
+
+                storage.authenticate(RecordMac(secret.encode()))
         config = CacheConfig(
             page_size=self.block_size,
             device_pages=0,
@@ -189,7 +195,7 @@ class TPCacheConnector(KVConnectorBase_V1):
             world,
             host_pages,
             layout.page_bytes,
-            opts.storage_dir or "off",
+            f"{opts.storage_dir} ({storage.trust})" if storage is not None else "off",
             collective.name,
         )
 

@@ -16,6 +16,7 @@ from tpcache.io.storage.file import FileBackend
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 from tpcache.io.storage.memory import MemoryBackend
 from tpcache.io.storage.mooncake_store import MooncakeBackend
+from tpcache.io.storage.record import RecordMac
 from tpcache.io.storage.redis_store import RedisBackend
 from tpcache.io.storage.url import StorageURL, StorageURLError, file_url, open_storage, parse_storage_url
 from tpcache.io.storage.worker import StorageCompletion, StorageWorker
@@ -26,6 +27,7 @@ __all__ = [
     "FileBackend",
     "MemoryBackend",
     "MooncakeBackend",
+    "RecordMac",
     "RedisBackend",
     "StorageBackend",
     "StorageBufferError",

@@ -20,6 +20,7 @@ from typing import Any
 
 from tpcache.dist.parallel import Shard
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
+from tpcache.io.storage.record import RecordMac
 
 # Why a get missed.
 MISS_MISSING = "missing"  # no record for the key
@@ -27,13 +28,24 @@ MISS_SHORT = "short"  # the record ends before its declared length (truncated fi
 MISS_CORRUPT = "corrupt"  # bad magic, header or payload checksum
 MISS_FOREIGN = "foreign"  # a valid record, but for another key/layout/rank, or another page size
 MISS_IO_ERROR = "io_error"  # the OS refused the read
-MISS_REASONS = (MISS_MISSING, MISS_SHORT, MISS_CORRUPT, MISS_FOREIGN, MISS_IO_ERROR)
+MISS_UNAUTHENTICATED = "unauthenticated"  # a storage key is set and the record's MAC is missing or wrong
+MISS_UNUSABLE = "unusable"  # the storage can no longer be used (its directory was removed or made read-only)
+MISS_REASONS = (
+    MISS_MISSING,
+    MISS_SHORT,
+    MISS_CORRUPT,
+    MISS_FOREIGN,
+    MISS_IO_ERROR,
+    MISS_UNAUTHENTICATED,
+    MISS_UNUSABLE,
+)
 
 # Why a put failed.
 PUT_NO_SPACE = "no_space"  # capacity or disk full (ENOSPC/EDQUOT) and nothing evictable
 PUT_TOO_LARGE = "too_large"  # one page larger than the capacity allows
 PUT_IO_ERROR = "io_error"  # any other OS error while writing or syncing
-PUT_REASONS = (PUT_NO_SPACE, PUT_TOO_LARGE, PUT_IO_ERROR)
+PUT_UNUSABLE = "unusable"  # the storage can no longer be used (see ``StorageBackend.unusable``)
+PUT_REASONS = (PUT_NO_SPACE, PUT_TOO_LARGE, PUT_IO_ERROR, PUT_UNUSABLE)
 
 
 class StorageError(RuntimeError):
@@ -134,6 +146,28 @@ def encode_for_shard(keys: Sequence[StorageKey], shard: Shard | None) -> list[by
 
 class StorageBackend(ABC):
     """Batched page storage keyed by :class:`StorageKey`. Implementations are thread-safe."""
+
+    record_mac: RecordMac | None = None  # the deployment's storage key, when it has one
+
+    def authenticate(self, mac: RecordMac | None) -> None:
+        """Sign every record written from now on with ``mac`` and serve only records whose MAC
+        verifies under it (anything else is a ``unauthenticated`` miss); None: checksums only.
+        Backends that store no records (``MemoryBackend``) keep pages in this process only."""
+        self.record_mac = mac
+
+    def unusable(self) -> str | None:
+        """Why this backend can no longer store anything (its directory was removed, replaced or made
+        read-only), or None. Once it says so it stays so: its reads miss and its writes fail, and the
+        rank tells the others in the round (every rank stops using storage). Cheap: the rank asks
+        every round."""
+        return None
+
+    @property
+    def trust(self) -> str:
+        """In words, for the start-up line: what a served record has been checked for."""
+        if self.record_mac is None:
+            return "records checksummed, not authenticated (set storage_key to authenticate them)"
+        return "records authenticated with the storage key (keyed BLAKE2b)"
 
     @abstractmethod
     def exists(self, keys: Sequence[StorageKey]) -> list[bool]:

@@ -36,24 +36,31 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import re
+import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tpcache.io.memory import format_bytes
 from tpcache.io.storage.base import (
     MISS_CORRUPT,
     MISS_FOREIGN,
     MISS_IO_ERROR,
     MISS_MISSING,
     MISS_SHORT,
+    MISS_UNAUTHENTICATED,
+    MISS_UNUSABLE,
     PUT_IO_ERROR,
     PUT_NO_SPACE,
     PUT_TOO_LARGE,
+    PUT_UNUSABLE,
     StorageBackend,
     StorageClosedError,
     StorageCounters,
@@ -83,6 +90,8 @@ from tpcache.io.storage.segment_index import (
     encode_index,
 )
 
+log = logging.getLogger("tpcache.storage")
+
 FsyncMode = Literal["always", "batch", "never"]
 FSYNC_MODES: tuple[str, ...] = ("always", "batch", "never")
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -92,6 +101,9 @@ _TMP_SUFFIX = ".tmp"
 _RUN_BUFS = 512  # buffers per pwritev (two per record), under the kernel's IOV_MAX of 1024
 _SCAN_READ = HEADER_SIZE + 256  # one pread covers the header and a typical key echo
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How often ``unusable`` looks at the directory again (a stat, an fstat and an access: ~10 us).
+_CHECK_S = 0.05
+_CHECK_CALLS = 4
 _EXTRA_COUNTERS = (
     "live_bytes",
     "records",
@@ -217,8 +229,13 @@ class FileBackend(StorageBackend):
         owner = "all" if self._shard is None else self._shard.label
         self._fsync = fsync
         self._capacity = capacity_bytes
-        self._segment_bytes = max(1, min(segment_bytes, capacity_bytes // 16))
-        self._reserve = self._segment_bytes  # compaction headroom, see _make_room
+        self._segment_cap = segment_bytes
+        self._set_capacity(capacity_bytes)
+        self._full_noted = False  # the filesystem filled up below capacity once (logged once)
+        self._unusable: str | None = None  # why the directory can no longer be used, once it cannot
+        self._checked_at = 0.0
+        self._asked = 0
+        self._check_lock = threading.Lock()
         self._lock = threading.RLock()
         self._closed = False
         self._counters = StorageCounters(capacity_bytes)
@@ -243,6 +260,9 @@ class FileBackend(StorageBackend):
             raise StorageError(
                 f"storage directory {self._dir} is in use by another instance of the same shard"
             ) from None
+        st = os.stat(self._dir)
+        self._dir_id = (st.st_dev, st.st_ino)  # a directory removed and made again is another one
+        self._clamp_to_filesystem()
         try:
             self._rebuild(verify_on_open)
             with self._lock:
@@ -251,6 +271,117 @@ class FileBackend(StorageBackend):
             self._release()
             raise
         self._publish()
+
+    def unusable(self) -> str | None:
+        """Why the directory can no longer be used, or None. Looks again every ``_CHECK_CALLS``-th
+        call (a rank asks once a round) or once ``_CHECK_S`` passed, whichever comes first."""
+        if self._unusable is None and not self._closed:
+            self._asked += 1
+            if self._asked % _CHECK_CALLS == 0 or time.monotonic() - self._checked_at >= _CHECK_S:
+                self._check_dir()
+        return self._unusable
+
+    def _check_dir(self) -> bool:
+        """Look at the directory now: whether it is unusable (removed, replaced, not writable).
+        Writes into files whose directory is gone would be acknowledged and lost at the next start;
+        the first look that finds it so logs one warning, and from then on nothing is written."""
+        with self._check_lock:
+            if self._unusable is not None:
+                return True
+            self._checked_at = time.monotonic()
+            why = None
+            try:
+                st = os.stat(self._dir)
+                links = os.fstat(self._lock_fd).st_nlink
+            except FileNotFoundError:
+                why = "was removed"
+            except OSError as exc:
+                why = f"cannot be read ({exc.strerror})"
+            else:
+                if (st.st_dev, st.st_ino) != self._dir_id or links == 0:
+                    why = "was removed or replaced"
+                elif not st.st_mode & stat.S_IWUSR or not os.access(self._dir, os.W_OK, effective_ids=True):
+                    why = "is not writable"
+            if why is None:
+                return False
+            self._unusable = why
+            self._counters.set("capacity_bytes", 0)
+        log.warning(
+            "storage directory %s %s: this rank's storage turns to misses and refused writes, and every rank "
+            "stops using storage; restart with a usable directory",
+            self._dir,
+            why,
+        )
+        return True
+
+    def _set_capacity(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._segment_bytes = max(1, min(self._segment_cap, capacity // 16))
+        self._reserve = self._segment_bytes  # compaction headroom, see _make_room
+        if hasattr(self, "_counters"):
+            self._counters.set("capacity_bytes", capacity)
+
+    def _clamp_to_filesystem(self) -> None:
+        """A capacity above what the filesystem can hold (its free space plus this store's own
+        segments already on it) is lowered to that, with a warning: otherwise the disk fills
+        before eviction starts. 5% of it is left for index files and the filesystem's own use."""
+        try:
+            st = os.statvfs(self._dir)
+            own = sum(e.stat().st_size for e in os.scandir(self._dir) if _SEGMENT_NAME.fullmatch(e.name))
+        except OSError:
+            return  # the start-up scan reports an unusable directory
+        room = (st.f_bavail * st.f_frsize + own) * 95 // 100
+        if self._capacity <= room:
+            return
+        log.warning(
+            "storage capacity %s is more than %s can hold (%s free + %s of its own segments): using %s",
+            format_bytes(self._capacity),
+            self._dir,
+            format_bytes(st.f_bavail * st.f_frsize),
+            format_bytes(own),
+            format_bytes(room),
+        )
+        self._set_capacity(max(room, 1))
+
+    def _filesystem_full(self, pinned: set[bytes], keep: _Segment | None) -> bool:
+        """The disk is full below capacity (ENOSPC: other files took the space, or it shrank):
+        evict this store's oldest segment (neither the one being written, ``keep``, nor one holding
+        a record of this call) so that writing goes on, and lower the capacity to what the store
+        held when the disk filled (until a restart sizes it again), so that later puts make room
+        by eviction first. Whether any space was freed."""
+        victim = next(
+            (
+                seg
+                for seg in sorted(self._segments.values(), key=lambda x: x.segno)
+                if seg is not keep and not any(enc in pinned for enc in seg.members)
+            ),
+            None,
+        )
+        if victim is None:
+            return False
+        if self._disk < self._capacity:
+            if not self._full_noted:
+                self._full_noted = True
+                log.warning(
+                    "storage directory %s is full at %s of this store's own (capacity %s): capacity lowered to "
+                    "that, oldest records evicted to keep writing",
+                    self._dir,
+                    format_bytes(self._disk),
+                    format_bytes(self._capacity),
+                )
+            self._set_capacity(max(self._disk, 1))
+        self._drop_oldest(victim)
+        return True
+
+    def _drop_oldest(self, seg: _Segment) -> None:
+        """Evict every record of ``seg`` and delete it (it frees its whole file at once)."""
+        for enc in list(seg.members):
+            self._forget(enc, self._index.pop(enc), mark_dead=False)
+            self._counters.add("evictions")
+        if seg.segno in self._segments:  # the active segment: seal it, then delete it
+            if seg is self._active:
+                self._active = None
+            self._drop_segment(seg)
 
     # ---- startup -----------------------------------------------------------------------------
     def _rebuild(self, verify: bool) -> None:
@@ -531,6 +662,8 @@ class FileBackend(StorageBackend):
             try:
                 self._compact(victim)
             except OSError as exc:
+                if exc.errno in _NO_SPACE_ERRNOS and self._filesystem_full(pinned, None):
+                    continue
                 return PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR
         return None
 
@@ -631,6 +764,8 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._check_open()
             self._counters.add("exists_calls")
+            if self.unusable() is not None:
+                return [False] * len(encs)
             return [e in self._index for e in encs]
 
     def get(self, keys: Sequence[StorageKey], out: Sequence[Any]) -> list[bool]:
@@ -638,6 +773,11 @@ class FileBackend(StorageBackend):
         views = [byte_view(b, writable=True) for b in out]
         with self._lock:
             self._check_open()
+            if self.unusable() is not None:
+                self._counters.add("gets", len(encs))
+                for _ in encs:
+                    self._counters.miss(MISS_UNUSABLE)
+                return [False] * len(encs)
             results = [self._get_one(enc, view) for enc, view in zip(encs, views, strict=True)]
             self._publish()
         return results
@@ -670,6 +810,8 @@ class FileBackend(StorageBackend):
                     reason = MISS_FOREIGN
                 elif payload_checksum(view) != header.payload_xxh:
                     reason = MISS_CORRUPT
+                elif self.record_mac is not None and not self.record_mac.verify(header, enc, view):
+                    reason = MISS_UNAUTHENTICATED
             except RecordError as exc:
                 reason = MISS_CORRUPT if exc.reason == "corrupt" else MISS_FOREIGN
         if reason is not None:
@@ -688,6 +830,10 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._check_open()
             self._counters.add("puts", len(encs))
+            if self._check_dir():
+                for _ in encs:
+                    self._counters.put_failure(PUT_UNUSABLE)
+                return results
             pinned: set[bytes] = set()
             touched: set[int] = set()
             run = _Run()
@@ -698,17 +844,22 @@ class FileBackend(StorageBackend):
                     self._counters.put_failure(exc.reason)
             self._flush_run(run, pinned, results, touched)
             written = [i for i, ok in enumerate(results) if ok]
+            withdraw = None
             if self._fsync == "batch" and written:
                 try:
                     self._sync(touched)
                 except OSError:
-                    # Not durable: withdraw this call's records, report each key as failed.
-                    for i in written:
-                        loc = self._index.pop(encs[i], None)
-                        if loc is not None:
-                            self._forget(encs[i], loc, mark_dead=True)
-                        results[i] = False
-                        self._counters.put_failure(PUT_IO_ERROR)
+                    withdraw = PUT_IO_ERROR  # not durable
+            if written and withdraw is None and self._check_dir():
+                withdraw = PUT_UNUSABLE  # written into files a restart cannot find
+            if withdraw is not None:
+                # Withdraw this call's records, report each key as failed.
+                for i in written:
+                    loc = self._index.pop(encs[i], None)
+                    if loc is not None:
+                        self._forget(encs[i], loc, mark_dead=True)
+                    results[i] = False
+                    self._counters.put_failure(withdraw)
             self._counters.add("put_ok", sum(results))
             self._publish()
         return results
@@ -724,7 +875,8 @@ class FileBackend(StorageBackend):
         touched: set[int],
     ) -> None:
         """Queue one record on ``run`` (written by ``_flush_run``), making room first if needed."""
-        head = encode_header(enc, self._seq, len(view), payload_checksum(view))
+        mac = self.record_mac.sign(enc, view) if self.record_mac is not None else b""
+        head = encode_header(enc, self._seq, len(view), payload_checksum(view), mac=mac)
         length = len(head) + len(view)
         if length + 2 * self._reserve > self._capacity:
             raise _PutFailed(PUT_TOO_LARGE)
@@ -737,10 +889,14 @@ class FileBackend(StorageBackend):
         seg = self._active
         if seg is None or (seg.size > 0 and seg.size + length > self._segment_bytes):
             self._flush_run(run, pinned, results, touched)
-            try:
-                seg = self._new_segment()
-            except OSError as exc:
-                raise _PutFailed(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR) from None
+            while True:
+                try:
+                    seg = self._new_segment()
+                except OSError as exc:
+                    if exc.errno in _NO_SPACE_ERRNOS and self._filesystem_full(pinned, self._active):
+                        continue
+                    raise _PutFailed(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR) from None
+                break
         if run.seg is None:
             run.seg, run.start, run.tail = seg, seg.size, seg.tail
         # Reserved now (the capacity bound counts it), indexed once its bytes are written.
@@ -773,13 +929,21 @@ class FileBackend(StorageBackend):
             seg.size, seg.tail = run.start, run.tail
             for n, (i, enc, loc) in enumerate(records):
                 loc.offset = seg.size
-                try:
-                    _pwritev_all(seg.fd, bufs[2 * n : 2 * n + 2], loc.offset)
-                    if self._fsync == "always":
-                        os.fdatasync(seg.fd)
-                except OSError as exc:
-                    self._truncate(seg, loc.offset)
-                    self._counters.put_failure(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR)
+                while True:
+                    try:
+                        _pwritev_all(seg.fd, bufs[2 * n : 2 * n + 2], loc.offset)
+                        if self._fsync == "always":
+                            os.fdatasync(seg.fd)
+                    except OSError as exc:
+                        self._truncate(seg, loc.offset)
+                        if exc.errno in _NO_SPACE_ERRNOS and self._filesystem_full(pinned, seg):
+                            continue  # a segment was freed: try this record again
+                        self._counters.put_failure(PUT_NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else PUT_IO_ERROR)
+                        failed = True
+                    else:
+                        failed = False
+                    break
+                if failed:
                     continue
                 seg.tail = loc.offset
                 seg.size += loc.record_len

@@ -5,20 +5,32 @@ Layout (little-endian)::
     magic        4s  b"TPC1" live, b"TPCX" dead (evicted/deleted, flipped in place)
     version      u16 RECORD_VERSION
     key_len      u16 bytes of the encoded key that follow the header
-    flags        u32 reserved, 0
+    flags        u32 FLAG_MAC when ``mac`` holds a MAC; other bits reserved, 0
     seq          u64 per-directory-owner write sequence (newest record of a key wins); 0 in
                      key-value stores, which keep one value per key
     payload_len  u64
     payload_xxh  u64 xxh3_64 of the payload
-    header_xxh   u64 xxh3_64 of header[4:36] + key bytes
+    header_xxh   u64 xxh3_64 of header[4:36] + mac + key bytes
+    mac          16s keyed BLAKE2b (``RecordMac``) over payload_len, the key echo and the payload,
+                     under the deployment's storage key; zeros when written without a key
 
 Invariants: the header checksum covers every field but the magic, so a dead mark is a single
 aligned 4-byte write that leaves the record skippable; a record is trusted only when magic,
-version, header checksum, key echo and payload checksum all match.
+version, header checksum, key echo and payload checksum all match, and, when the reader holds a
+storage key, its MAC verifies under that key.
+
+Trust: the checksums catch accidents (a torn write, a flipped bit, another key's value), never a
+writer who means it: anyone who can write the store can write a record whose checksums match. The
+MAC is what a writer without the storage key cannot forge; the key echo it covers names the
+namespace, layout version, shard and page hash, so a genuine record copied under another key fails
+it too. A reader with a key serves only records with a valid MAC (a record written without one is a
+miss); a reader without a key ignores the MAC and checks the checksums alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -26,10 +38,15 @@ import xxhash
 
 MAGIC_LIVE = b"TPC1"
 MAGIC_DEAD = b"TPCX"
-RECORD_VERSION = 1
-HEADER = struct.Struct("<4sHHIQQQQ")
-HEADER_SIZE = HEADER.size  # 44
-_CHECKED = slice(4, HEADER_SIZE - 8)
+RECORD_VERSION = 2  # 1: no mac field (a version-1 record is a miss, reason foreign)
+MAC_SIZE = 16
+FLAG_MAC = 1
+HEADER = struct.Struct(f"<4sHHIQQQQ{MAC_SIZE}s")
+HEADER_SIZE = HEADER.size  # 60
+_CHECKED = slice(4, 36)  # version .. payload_xxh
+_MAC = slice(44, HEADER_SIZE)
+_NO_MAC = bytes(MAC_SIZE)
+MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 1024
 COPY_BLOCK = 64 << 10  # fits a core's L2 cache with room to spare
 
@@ -49,6 +66,7 @@ class RecordHeader:
     seq: int
     payload_len: int
     payload_xxh: int
+    mac: bytes = b""  # empty: written without a storage key
 
     @property
     def record_len(self) -> int:
@@ -77,13 +95,47 @@ def copy_checksum(dst: memoryview, src: memoryview | bytes) -> int:
     return h.intdigest()
 
 
-def encode_header(key: bytes, seq: int, payload_len: int, payload_xxh: int) -> bytes:
-    """Header bytes followed by the key echo."""
+class RecordMac:
+    """The deployment's storage key: signs records and checks their MAC (keyed BLAKE2b, 128 bits).
+
+    Every instance that shares a store must hold the same key. The key itself never appears in a
+    log, an error or a ``repr``."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: bytes) -> None:
+        if not isinstance(secret, bytes) or len(secret) < MIN_KEY_BYTES:
+            raise ValueError(f"a storage key must be at least {MIN_KEY_BYTES} bytes")
+        # Any length of secret becomes one BLAKE2b key (at most 64 bytes) of its own purpose.
+        self._key = hashlib.blake2b(secret, digest_size=32, person=b"tpcache-storekey").digest()
+
+    def __repr__(self) -> str:
+        return "RecordMac(***)"
+
+    def sign(self, key: bytes, payload: memoryview | bytes) -> bytes:
+        """The MAC of ``payload`` stored under the key echo ``key``."""
+        h = hashlib.blake2b(key=self._key, digest_size=MAC_SIZE, person=b"tpcache-record2")
+        h.update(struct.pack("<QH", len(payload), len(key)))
+        h.update(key)
+        h.update(payload)
+        return h.digest()
+
+    def verify(self, header: RecordHeader, key: bytes, payload: memoryview | bytes) -> bool:
+        """Whether ``header`` carries a MAC and it is this key's MAC of ``payload`` under ``key``."""
+        return bool(header.mac) and hmac.compare_digest(header.mac, self.sign(key, payload))
+
+
+def encode_header(key: bytes, seq: int, payload_len: int, payload_xxh: int, *, mac: bytes = b"") -> bytes:
+    """Header bytes followed by the key echo; ``mac`` (``RecordMac.sign``) or none."""
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"encoded key is {len(key)} bytes, the limit is {MAX_KEY_BYTES}")
-    head = HEADER.pack(MAGIC_LIVE, RECORD_VERSION, len(key), 0, seq, payload_len, payload_xxh, 0)
-    hxh = xxhash.xxh3_64_intdigest(head[_CHECKED] + key)
-    return head[: HEADER_SIZE - 8] + struct.pack("<Q", hxh) + key
+    if mac and len(mac) != MAC_SIZE:
+        raise ValueError(f"a record MAC is {MAC_SIZE} bytes, got {len(mac)}")
+    flags = FLAG_MAC if mac else 0
+    field = mac or _NO_MAC
+    head = HEADER.pack(MAGIC_LIVE, RECORD_VERSION, len(key), flags, seq, payload_len, payload_xxh, 0, field)
+    hxh = xxhash.xxh3_64_intdigest(head[_CHECKED] + field + key)
+    return head[: _CHECKED.stop] + struct.pack("<Q", hxh) + field + key
 
 
 def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:
@@ -96,21 +148,23 @@ def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:
     raw = bytes(raw)
     if len(raw) < HEADER_SIZE:
         raise RecordError("short", "record header is truncated")
-    magic, version, key_len, _flags, seq, payload_len, payload_xxh, header_xxh = HEADER.unpack_from(raw)
+    magic = raw[:4]
     if magic not in (MAGIC_LIVE, MAGIC_DEAD):
         raise RecordError("corrupt", f"bad record magic {magic!r}")
+    version = int.from_bytes(raw[4:6], "little")
     if version != RECORD_VERSION:
         raise RecordError("foreign", f"record format version {version}, expected {RECORD_VERSION}")
+    _, _, key_len, flags, seq, payload_len, payload_xxh, header_xxh, mac = HEADER.unpack_from(raw)
     if key_len > MAX_KEY_BYTES:
         raise RecordError("corrupt", f"record key length {key_len} exceeds {MAX_KEY_BYTES}")
     if len(raw) < HEADER_SIZE + key_len:
         raise RecordError("short", "record key echo is truncated")
     echo = raw[HEADER_SIZE : HEADER_SIZE + key_len]
-    if xxhash.xxh3_64_intdigest(raw[_CHECKED] + echo) != header_xxh:
+    if xxhash.xxh3_64_intdigest(raw[_CHECKED] + raw[_MAC] + echo) != header_xxh:
         raise RecordError("corrupt", "record header checksum mismatch")
     if key is not None and echo != key:
         raise RecordError("foreign", "record belongs to another key")
-    return RecordHeader(magic == MAGIC_LIVE, key_len, seq, payload_len, payload_xxh)
+    return RecordHeader(magic == MAGIC_LIVE, key_len, seq, payload_len, payload_xxh, mac if flags & FLAG_MAC else b"")
 
 
 def read_key_echo(raw: bytes | memoryview, header: RecordHeader) -> bytes:

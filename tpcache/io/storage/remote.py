@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from tpcache.io.storage.base import (
     MISS_CORRUPT,
     MISS_IO_ERROR,
+    MISS_UNAUTHENTICATED,
     PUT_IO_ERROR,
     StorageBackend,
     StorageClosedError,
@@ -152,7 +153,11 @@ class RemoteBackend(StorageBackend):
     def put(self, keys: Sequence[StorageKey], pages: Sequence[Any]) -> list[bool]:
         echoes = self._echoes(check_pairs(keys, pages, "pages"))
         views = [byte_view(p) for p in pages]
-        heads = [encode_header(e, 0, len(v), payload_checksum(v)) for e, v in zip(echoes, views, strict=True)]
+        mac = self.record_mac
+        heads = [
+            encode_header(e, 0, len(v), payload_checksum(v), mac=mac.sign(e, v) if mac is not None else b"")
+            for e, v in zip(echoes, views, strict=True)
+        ]
         with self._lock:
             self._check_open()
             self._counters.add("puts", len(views))
@@ -190,6 +195,8 @@ class RemoteBackend(StorageBackend):
                         xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echoes[i]) :])
                     if xxh != head.payload_xxh:
                         reason = MISS_CORRUPT
+                    elif self.record_mac is not None and not self.record_mac.verify(head, echoes[i], view):
+                        reason = MISS_UNAUTHENTICATED
                 except RecordError as exc:
                     reason = exc.reason
                 if reason is not None:

@@ -11,7 +11,7 @@ or after a delete when records in it died since. Layout (little-endian)::
     seg_size     u64 the segment's length in bytes when the index was written
     count        u64 entries that follow
     tail_offset  u64 offset of the segment's last record (live or dead)
-    tail_head    40s that record's header past its magic (the header checksum covers it)
+    tail_head    56s that record's header past its magic (the header checksum covers it)
     owner        owner_len bytes
     entries      count x (offset u64, seq u64, payload_len u64, key_len u16), in offset order
     keys         the entries' keys, concatenated in entry order
@@ -41,7 +41,7 @@ import xxhash
 from tpcache.io.storage.record import HEADER_SIZE, MAX_KEY_BYTES
 
 MAGIC = b"TPI1"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 1: before the record header had its mac field
 _HEAD = struct.Struct(f"<4sHHQQQQ{HEADER_SIZE - 4}s")
 _ENTRY = struct.Struct("<QQQH")
 _SUM = struct.Struct("<Q")

@@ -134,13 +134,29 @@ def file_url(path: str | Path) -> str:
     return "file://" + quote(str(Path(path).resolve()))
 
 
-def open_storage(url: str | StorageURL, *, shard: tuple[int, ...], capacity_bytes: int = 1 << 30) -> StorageBackend:
+def open_storage(
+    url: str | StorageURL,
+    *,
+    shard: tuple[int, ...],
+    capacity_bytes: int = 1 << 30,
+    storage_key: bytes | None = None,
+) -> StorageBackend:
     """The backend ``url`` names, serving TP shard ``(rank, size)`` or a ``Shard`` of a PP x TP group.
 
     ``capacity_bytes`` bounds a file backend (``?capacity=`` overrides it); shared stores size
     themselves. A file URL keeps each rank in ``PATH/rank<r>`` (r the global rank), as
-    ``--storage-dir`` always has.
+    ``--storage-dir`` always has. ``storage_key``: the deployment's secret (every instance sharing
+    the store holds the same): records are signed and served only when their MAC verifies.
     """
+    backend = _open(url, shard, capacity_bytes)
+    if storage_key:
+        from tpcache.io.storage.record import RecordMac
+
+        backend.authenticate(RecordMac(storage_key))
+    return backend
+
+
+def _open(url: str | StorageURL, shard: tuple[int, ...], capacity_bytes: int) -> StorageBackend:
     spec = url if isinstance(url, StorageURL) else parse_storage_url(url)
     s = dict(spec.settings)
     if spec.backend == "file":

@@ -115,6 +115,10 @@ class StorageWorker:
         self._queue.put(op)
 
     # ---- completion (main thread) ------------------------------------------------------------
+    def unusable(self) -> str | None:
+        """The backend's ``unusable``: why it can no longer store anything, or None."""
+        return self._backend.unusable()
+
     def poll(self) -> list[StorageCompletion]:
         """Finished ops at the head of issue order, removed from the worker."""
         out: list[StorageCompletion] = []
