@@ -3,8 +3,10 @@
     .venv/bin/python examples/vllm_tpcache.py --tp 2 --storage-dir /tmp/tpcache-kv
 
 Runs a batch of prompts that share a prefix, empties vLLM's own prefix cache, runs them again
-(the prefix now comes from tpcache's host tier), and prints the cached tokens vLLM reports. Run it
-a second time with the same --storage-dir: the first batch then hits tpcache's storage tier.
+(the prefix now comes from tpcache's host tier), and prints, per batch, the cached tokens of each
+prompt and vLLM's own count of cached tokens by where they came from: vLLM's prefix cache, tpcache's
+host tier, tpcache's storage tier (``vllm:prompt_tokens_cached_by_source``). Run it a second time
+with the same --storage-dir: the first batch then hits tpcache's storage tier.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,6 +24,18 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of vLLM's own KV blocks
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+SOURCES = {"device": "vLLM prefix cache", "host": "tpcache host", "disk": "tpcache storage"}
+
+
+def cached_by_source(llm: Any) -> dict[str, int]:
+    """vLLM's counter of cached prompt tokens by the tier that supplied them, so far."""
+    counts = dict.fromkeys(SOURCES.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:prompt_tokens_cached_by_source" and metric.labels.get("source") in SOURCES:
+            counts[SOURCES[metric.labels["source"]]] += int(metric.value)
+    return counts
 
 
 def main() -> None:
@@ -51,6 +66,7 @@ def main() -> None:
         block_size=32,
         max_model_len=1024,
         tensor_parallel_size=args.tp,
+        disable_log_stats=False,  # vLLM's metrics, read back below
         kv_transfer_config={
             "kv_connector": "TPCacheConnector",
             "kv_connector_module_path": "tpcache.integrations.vllm",
@@ -62,12 +78,20 @@ def main() -> None:
     prefix = [rng.randrange(3, 500) for _ in range(256)]
     prompts = [{"prompt_token_ids": prefix + [rng.randrange(3, 500) for _ in range(40)]} for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
-    first = llm.generate(prompts, params, use_tqdm=False)
+
+    def run(name: str) -> list[list[int]]:
+        before = cached_by_source(llm)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        after = cached_by_source(llm)
+        per_prompt = [out.num_cached_tokens for out in outputs]
+        sources = ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+        print(f"{name}: cached tokens per prompt {per_prompt}; by source: {sources}", flush=True)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+    first = run("first batch")
     llm.reset_prefix_cache()  # vLLM forgets its blocks; tpcache keeps its pages
-    again = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(first, again, strict=True):
-        same = list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-        print(f"cached tokens: first run {a.num_cached_tokens:4d}, after reset {b.num_cached_tokens:4d}, same: {same}")
+    again = run("after reset_prefix_cache")
+    print(f"same tokens both times: {first == again}", flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard keeps it from running this again

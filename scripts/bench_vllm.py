@@ -12,7 +12,9 @@ Both engines run the same requests in the same waves (``--wave`` requests at a t
 order), one engine after the other, on the same random checkpoint. Reported per engine: prefill
 tokens computed, time to first token p50/p90 (the engine's own first-token latency), requests/s
 over the whole workload (median of ``--runs`` passes with their spread), hit tokens by tier; then
-the with/without ratios. The floor is vLLM without tpcache, measured in the same run.
+the with/without ratios, and per request the cached/computed split of its prompt on each engine and
+whether the two engines generated the same tokens (bf16 numerics may differ where the split does).
+The floor is vLLM without tpcache, measured in the same run.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
             ttft: list[float] = []
             computed = cached = 0
             outputs: list[list[int]] = []
+            split: list[int] = []  # cached prompt tokens per request, in trace order
             start = time.perf_counter()
             for i in range(0, len(prompts), args.wave):
                 wave = prompts[i : i + args.wave]
@@ -128,6 +131,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
                     hit = out.num_cached_tokens or 0
                     cached += hit
                     computed += len(p) - hit
+                    split.append(hit)
                     outputs.append(list(out.outputs[0].token_ids))
                     stats = getattr(out, "metrics", None)
                     if stats is not None and getattr(stats, "first_token_latency", 0):
@@ -144,6 +148,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
                     "ttft_p50_s": percentile(ttft, 0.5),
                     "ttft_p90_s": percentile(ttft, 0.9),
                     "outputs": outputs,
+                    "cached_per_request": split,
                     "tiers": tiers,
                 }
             )
@@ -160,6 +165,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
         "ttft_p90_s": statistics.median(p["ttft_p90_s"] for p in passes),
         "hit_tokens": {"vllm_prefix_cache": best["cached_tokens"] - sum(best["tiers"].values()), **best["tiers"]},
         "outputs": best["outputs"],
+        "cached_per_request": best["cached_per_request"],
     }
 
 
@@ -208,6 +214,16 @@ def main() -> int:
         without = run_engine(args, model, prompts, tpcache=False)
         with_tp = run_engine(args, model, prompts, tpcache=True)
     plain, cached = without.pop("outputs"), with_tp.pop("outputs")
+    split_plain, split_cached = without.pop("cached_per_request"), with_tp.pop("cached_per_request")
+    per_request = [
+        {
+            "prompt_tokens": len(p),
+            "without_tpcache": {"cached": a, "computed": len(p) - a},
+            "with_tpcache": {"cached": b, "computed": len(p) - b},
+            "tokens_match": x == y,
+        }
+        for p, a, b, x, y in zip(prompts, split_plain, split_cached, plain, cached, strict=True)
+    ]
     differing = sum(a != b for a, b in zip(plain, cached, strict=True))
     identical = differing == 0
     result = {
@@ -221,6 +237,7 @@ def main() -> int:
         "with_tpcache": with_tp,
         "tokens_identical": identical,
         "requests_with_different_tokens": differing,
+        "per_request": per_request,
         "ratios": {
             "prefill_tokens_computed": with_tp["prefill_tokens_computed"] / max(1, without["prefill_tokens_computed"]),
             "ttft_p50": with_tp["ttft_p50_s"] / without["ttft_p50_s"] if without["ttft_p50_s"] else None,
@@ -231,6 +248,13 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        for i, req in enumerate(per_request):
+            a, b = req["without_tpcache"], req["with_tpcache"]
+            print(
+                f"request {i}: {req['prompt_tokens']} prompt tokens; without tpcache {a['cached']} cached, "
+                f"{a['computed']} computed; with tpcache {b['cached']} cached, {b['computed']} computed; "
+                f"tokens match: {req['tokens_match']}"
+            )
         r = result["ratios"]
         print(
             f"{len(prompts)} requests, TP={args.tp}: prefill computed x{r['prefill_tokens_computed']:.2f}, "

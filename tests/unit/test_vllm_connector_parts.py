@@ -105,8 +105,7 @@ def test_worker_reports_merge_to_the_minimum() -> None:
 
 def test_options_take_the_service_names_and_checks() -> None:
     opts = ConnectorOptions.from_extra_config({})
-    assert opts.host_pages_for(1 << 20, 2) >= 1 and not opts.storage_dir
-    assert ConnectorOptions.from_extra_config({"host_bytes": 10 << 20}).host_pages_for(1 << 20, 2) == 10
+    assert opts.host_pages == opts.host_bytes == 0 and not opts.storage_dir  # sized from free memory
     assert ConnectorOptions.from_extra_config({"round_timeout_s": 5}).round_timeout_s == 5.0
     for bad, match in [
         ({"host_pagez": 1}, "unknown option"),

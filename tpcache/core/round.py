@@ -296,7 +296,8 @@ class Round:
         for name in ("layout", "round", "seq", "state_digest", "flush"):
             if not a.agreed(name):
                 self._mismatch(name, report)
-                self._close(f"{name} differs across ranks (min {a.lo[name]}, max {a.hi[name]})", report)
+                why = " (the ranks were built with different settings or KV layouts)" if name == "layout" else ""
+                self._close(f"{name} differs across ranks (min {a.lo[name]}, max {a.hi[name]}){why}", report)
 
     def _close(self, reason: str, report: RoundReport) -> None:
         if not self.core.closed:

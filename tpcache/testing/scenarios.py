@@ -160,3 +160,37 @@ def storage_restart(
         return {"ready": ready, "digest": tp.core.digest.value}
     finally:
         tp.close()
+
+
+@scenario
+def connector_settings(
+    rank: int,
+    world: int,
+    collective: Collective,
+    readings: list[int | None],
+    extra: dict[str, Any] | None = None,
+    rank_extra: dict[str, dict[str, Any]] | None = None,
+    agree: bool = True,
+) -> dict[str, Any]:
+    """The vLLM connector's start-up agreement over a real group: each rank reads ``readings[rank]``
+    bytes of free memory and holds ``extra`` updated by ``rank_extra[str(rank)]``. With ``agree``
+    the ranks size the host tier together (what the connector does); without it each sizes it from
+    its own reading. Then the cache is built and runs one round: does it stay open?"""
+    from tpcache.dist.exchange import all_gather_json
+    from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, rank_facts
+    from tpcache.service.config import ConfigError
+
+    options = ConnectorOptions.from_extra_config({**(extra or {}), **(rank_extra or {}).get(str(rank), {})})
+    facts = rank_facts(options, "L2xH1xD8:fp32")
+    facts["available"] = readings[rank]
+    try:
+        gathered = all_gather_json(facts) if agree else [facts] * world
+        host = agree_host_tier(options, gathered, LAYOUT.page_bytes)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    tp = TPCache(CacheConfig(page_size=PAGE, device_pages=8, host_pages=host.pages), collective, kv_layout=LAYOUT)
+    try:
+        tp.step()
+        return {"pages": host.pages, "closed": tp.core.closed_reason or "", "line": host.describe()}
+    finally:
+        tp.close()

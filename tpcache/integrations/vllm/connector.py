@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpcache.core import CacheConfig
+from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
-from tpcache.integrations.vllm.options import ConnectorOptions, page_namespace
+from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, page_namespace, rank_facts
 from tpcache.integrations.vllm.scheduler import SchedulerSide
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
 
@@ -37,7 +39,14 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("tpcache.vllm")
+log = logging.getLogger(LOGGER)
+
+
+def package_version() -> str:
+    try:
+        return version("tpcache")
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 def require_full_attention(kv_cache_config: KVCacheConfig) -> None:
@@ -61,6 +70,7 @@ class TPCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        speak_through_vllm()
         if kv_cache_config is not None:
             require_full_attention(kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -135,16 +145,26 @@ class TPCacheConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tp_group
 
         from tpcache.dist import make_collective
+        from tpcache.dist.exchange import all_gather_json
         from tpcache.engine.external import EngineCache
         from tpcache.integrations.vllm.faults import FaultPlan
         from tpcache.integrations.vllm.layout import engine_kv_from_vllm
+        from tpcache.io.memory import format_bytes
+        from tpcache.service.config import ConfigError, format_kv_layout
 
         tp = get_tp_group()
         rank, world = tp.rank_in_group, tp.world_size
         num_blocks = self.num_blocks or int(next(iter(kv_caches.values())).shape[0])
         engine_kv, layout, engine_format = engine_kv_from_vllm(kv_caches, num_blocks, self.block_size)
         opts = self.options
-        host_pages = opts.host_pages_for(layout.page_bytes, world)
+        # Before anything is built: every rank's settings and machine readings, one exchange on the
+        # TP group's CPU group, so that every rank builds the same cache (or none does).
+        facts = rank_facts(opts, f"{format_kv_layout(layout)} {engine_format}")
+        try:
+            host = agree_host_tier(opts, all_gather_json(facts, group=tp.cpu_group), layout.page_bytes)
+        except ConfigError as exc:
+            log.error("tpcache rank %d: %s", rank, exc)
+            raise
         storage = None
         if opts.storage_dir:
             from tpcache.io.storage import FileBackend
@@ -160,7 +180,7 @@ class TPCacheConnector(KVConnectorBase_V1):
         config = CacheConfig(
             page_size=self.block_size,
             device_pages=0,
-            host_pages=host_pages,
+            host_pages=host.pages,
             eviction_policy=opts.eviction_policy,
             namespace=page_namespace(opts.namespace, self.model_name),
             storage=storage is not None,
@@ -189,13 +209,16 @@ class TPCacheConnector(KVConnectorBase_V1):
 
             self.metrics = RankMetrics(rank)
             self.metrics.serve(opts.metrics_port + rank)
+        stored = "off"
+        if storage is not None:
+            stored = f"{Path(opts.storage_dir) / f'rank{rank}'} ({format_bytes(opts.storage_bytes)}; {storage.trust})"
         log.info(
-            "tpcache rank %d of %d: %d host pages of %d bytes, storage %s, round transport %s",
+            "tpcache %s rank %d of %d: %s; storage %s; round transport %s",
+            package_version(),
             rank,
             world,
-            host_pages,
-            layout.page_bytes,
-            f"{opts.storage_dir} ({storage.trust})" if storage is not None else "off",
+            host.describe(),
+            stored,
             collective.name,
         )
 

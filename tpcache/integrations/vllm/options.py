@@ -4,20 +4,26 @@ Names and checks are the service's (``tpcache.service.config.ServiceConfig``) wh
 is the same: ``host_pages``, ``storage_dir``, ``storage_bytes``, ``transport``,
 ``round_timeout_s``, ``metrics_port``, ``namespace``, ``eviction_policy``. What only an engine
 needs is added here. An empty dict works: the host tier is sized from free memory, no storage.
+
+Every TP rank starts from the same options, but what a rank reads from its own machine (the memory
+it has available) differs from rank to rank and moment to moment. The ranks agree on it before the
+cache is built (``agree_host_tier``: the least reading of any rank), and compare the settings that
+must be equal, so every rank builds the same cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.core.eviction import make_policy
-from tpcache.io.memory import available_memory
+from tpcache.io.memory import available_memory, format_bytes
 from tpcache.service.config import ConfigError, ServiceConfig
 
-DEFAULT_HOST_FRACTION = 0.1  # of the memory available at start, over all TP ranks of the host
+DEFAULT_HOST_FRACTION = 0.1  # of the least memory any TP rank has available at start, shared by the ranks
 DEFAULT_HOST_CAP_BYTES = 8 << 30  # per rank
 
 
@@ -29,7 +35,9 @@ def _opt(default: Any, help: str) -> Any:
 class ConnectorOptions:
     host_pages: int = _opt(0, "pages in the host tier (L2) per rank; 0: from host_bytes")
     host_bytes: int = _opt(
-        0, "bytes of the host tier per rank; 0 with host_pages 0: a tenth of available memory over the ranks"
+        0,
+        "bytes of the host tier per rank; 0 with host_pages 0: a tenth of the least memory any TP rank has "
+        "available at start, shared by the ranks, at most 8 GiB a rank",
     )
     storage_dir: str = _opt("", "directory of the storage tier (L3), shared by restarts; empty: off")
     storage_bytes: int = _opt(1 << 30, "capacity of the storage tier per rank, in bytes")
@@ -96,17 +104,78 @@ class ConnectorOptions:
             metrics_port=self.metrics_port,
         )
 
-    def host_pages_for(self, page_bytes: int, world_size: int) -> int:
-        """Host slots per rank: ``host_pages``, else ``host_bytes``, else from available memory."""
-        if self.host_pages:
-            return self.host_pages
-        budget = self.host_bytes
-        if not budget:
-            budget = min(
-                int((available_memory() or DEFAULT_HOST_CAP_BYTES) * DEFAULT_HOST_FRACTION) // max(world_size, 1),
-                DEFAULT_HOST_CAP_BYTES,
-            )
-        return max(1, budget // page_bytes)
+    def group_settings(self) -> dict[str, Any]:
+        """The settings every TP rank must hold equal, as the service compares them: the storage
+        directory may be another path on another host, but storage is on for all or none."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RANK_LOCAL}
+        shared["storage"] = bool(self.storage_dir)
+        return shared
+
+
+# May differ between ranks: a path or a port of the rank's own host, and test faults aimed at one rank.
+RANK_LOCAL = ("storage_dir", "metrics_port", "fault_injection")
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The host tier every rank of the group builds, and where its size came from."""
+
+    pages: int
+    page_bytes: int
+    source: str  # "host_pages", "host_bytes" or "free memory"
+    readings: tuple[int | None, ...] = ()  # each rank's available memory (free memory only)
+    agreed_available: int | None = None  # the least of the readings
+
+    def describe(self) -> str:
+        """The host tier for the start-up line."""
+        size = f"host tier {self.pages} pages of {format_bytes(self.page_bytes)}"
+        total = format_bytes(self.pages * self.page_bytes)
+        if self.source != "free memory":
+            return f"{size} ({total}, from {self.source})"
+        least = "unknown" if self.agreed_available is None else format_bytes(self.agreed_available)
+        each = ", ".join(f"rank {r} {'unknown' if v is None else format_bytes(v)}" for r, v in enumerate(self.readings))
+        return (
+            f"{size} ({total}: a tenth of the least memory available on any rank, {least}, shared by "
+            f"{len(self.readings)} ranks, at most {format_bytes(DEFAULT_HOST_CAP_BYTES)} a rank; available: {each})"
+        )
+
+
+def rank_facts(options: ConnectorOptions, kv_layout: str) -> dict[str, Any]:
+    """What one rank contributes to the agreement before the cache is built (JSON)."""
+    return {"settings": options.group_settings(), "available": available_memory(), "kv_layout": kv_layout}
+
+
+def agree_host_tier(options: ConnectorOptions, gathered: Sequence[Mapping[str, Any]], page_bytes: int) -> HostTier:
+    """The host tier of a group from every rank's ``rank_facts`` (rank order), the same on every
+    rank: an explicit ``host_pages`` or ``host_bytes``, else a tenth of the least memory any rank
+    has available, shared by the ranks and capped per rank. Raises ConfigError (one line, each
+    rank's value) when settings that must be equal differ, or the KV page layouts do."""
+    world = len(gathered)
+    differ = []
+    names = gathered[0]["settings"]
+    for name in names:
+        values = [item["settings"].get(name) for item in gathered]
+        if any(v != values[0] for v in values):
+            differ.append(f"{name} ({', '.join(f'rank {r} {json.dumps(v)}' for r, v in enumerate(values))})")
+    if differ:
+        raise ConfigError(
+            "kv_connector_extra_config: settings that must be equal on every TP rank differ: " + "; ".join(differ)
+        )
+    layouts = [item["kv_layout"] for item in gathered]
+    if any(v != layouts[0] for v in layouts):
+        each = ", ".join(f"rank {r} {v}" for r, v in enumerate(layouts))
+        raise ConfigError(f"the KV page layout differs across TP ranks ({each}): tpcache needs the same on every rank")
+    if options.host_pages:
+        return HostTier(options.host_pages, page_bytes, "host_pages")
+    if options.host_bytes:
+        return HostTier(max(1, options.host_bytes // page_bytes), page_bytes, "host_bytes")
+    readings = tuple(item["available"] for item in gathered)
+    known = [v for v in readings if v is not None]
+    least = min(known) if known else None
+    budget = min(
+        int((least or DEFAULT_HOST_CAP_BYTES) * DEFAULT_HOST_FRACTION) // max(world, 1), DEFAULT_HOST_CAP_BYTES
+    )
+    return HostTier(max(1, budget // page_bytes), page_bytes, "free memory", readings, least)
 
 
 def page_namespace(namespace: str, model: str) -> str:

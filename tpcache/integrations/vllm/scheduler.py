@@ -20,9 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from tpcache.integrations.vllm.logs import LOGGER
 from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
-log = logging.getLogger("tpcache.vllm")
+log = logging.getLogger(LOGGER)
 
 STALL_LOG_STEPS = 5000  # requests still waiting on the same lookups or loads after this many steps are logged
 

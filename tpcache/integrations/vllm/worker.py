@@ -27,9 +27,10 @@ from protocol.round_vector import HEALTH_IO_ERROR
 from tpcache.core import CacheClosed, Transfer
 from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.faults import FaultPlan
+from tpcache.integrations.vllm.logs import LOGGER
 from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
-log = logging.getLogger("tpcache.vllm")
+log = logging.getLogger(LOGGER)
 
 # A lookup whose prefix another request is bringing in starts over under a new lease at most this
 # often (each time from a longer prefix), so a lookup always ends.
@@ -81,6 +82,7 @@ class WorkerSide:
         self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0}
         self._flush_asked = False
         self._busy_steps = 0  # consecutive steps that ended with something still to report
+        self._closed_reason = ""  # the reason of the last close this rank announced
 
     # ------------------------------------------------------------------ one engine step
 
@@ -107,12 +109,27 @@ class WorkerSide:
         if report.flushed:
             self._flush_asked = False
         closed = self.cache.core.closed
+        self._announce(closed)
         if closed:
             self._drop_leases()
             if self.reopen and not self._flush_asked:
                 self._flush_asked = True
                 self.cache.request_flush()
         return self._collect(closed)
+
+    def _announce(self, closed: bool) -> None:
+        """A close is a warning that names its cause and what it means for vLLM, once per cause (the
+        round logs every close as an error; a close that recurs after each reopen says no more)."""
+        reason = self.cache.core.closed_reason or "unknown"
+        if closed and reason != self._closed_reason:
+            self._closed_reason = reason
+            then = "until the ranks reopen it by an agreed flush" if self.reopen else "from now on (reopen is off)"
+            log.warning(
+                "tpcache rank %d: the cache closed (%s): it serves no hits %s; vLLM computes those prefixes",
+                self.cache.rank,
+                reason,
+                then,
+            )
 
     def _drop_leases(self) -> None:
         """A closed cache serves nothing, so requests let go of what they hold. Its ranks may have
