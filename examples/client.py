@@ -16,14 +16,12 @@ prompt = list(range(1000))  # one request's token ids
 with Client(endpoint, timeout_s=5) as c:  # typed results; protocol errors raise typed exceptions
     full_pages = len(prompt) // c.info.page_size  # a partial last page is never cached
     for turn in range(2):
-        lock = c.lock(prompt)  # match + pin the cached prefix under a lease
-        pages = list(lock.device_page_ids)
-        if lock.host_pages:
-            pages = list(c.load(lock.lease).device_page_ids)  # host hits back to device
+        lock = c.lock(prompt)  # match + pin the cached prefix under a lease; with storage, look the rest up
+        pages = c.hit_pages(lock)  # the hit on device (host and storage hits loaded back), readable now
         missing = full_pages - len(pages)
         fresh = list(c.alloc(lock.lease, missing).device_page_ids) if missing else []
         # ... the engine computes the new tokens' KV into `fresh` ...
         c.insert(prompt, pages + fresh, lock.lease)
         c.release(lock.lease)
-        print(f"turn {turn}: {lock.hit_tokens} of {len(prompt)} tokens hit")
+        print(f"turn {turn}: {len(pages) * c.info.page_size} of {len(prompt)} tokens hit")
     print(c.health(), "equal digests:", c.stats().values["digests_equal"])

@@ -370,14 +370,32 @@ class MatchRequest(Body):
         return SEQUENCED if self.storage else LOCAL
 
 
+# Why a lock's ``storage_pages`` are not all in ``ready_pages`` ("" when they are, or none were found).
+STORAGE_REASONS = (
+    "",
+    "reading",  # still being read when the reply left (best_effort, or the timeout came): prefetch waits
+    "no_host_space",  # the host tier had no free slots for them
+    "read_failed",  # a rank's read came back short (missing, damaged, I/O error) after the capped retries
+    "closed",  # the cache closed
+)
+
+
 @dataclass(frozen=True, slots=True)
 class LockResult(Body):
+    """``hit_tokens`` counts the device and host hits and the storage pages already read to host
+    (``ready_pages``); ``load`` brings the host and storage ones to device. ``ready_pages`` and
+    ``storage_reason`` are None when the lock looked nothing up in storage."""
+
     lease: int = _field(U64)
     hit_tokens: int = _field(COUNT)
     device_pages: int = _field(COUNT)
     host_pages: int = _field(COUNT)
-    storage_pages: int = _field(COUNT)
+    storage_pages: int = _field(COUNT)  # the continuation every rank found in storage (agreed)
     device_page_ids: array = _field(Ids())
+    # With a storage lookup (else None, left off the wire): of storage_pages, those read to host
+    # (pinned for the lease), and why the rest is not.
+    ready_pages: int | None = _field(Maybe(COUNT), None)
+    storage_reason: str | None = _field(Maybe(Text(16, choices=STORAGE_REASONS)), None)
 
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")  # when a storage read lets a reply go
@@ -473,13 +491,16 @@ class AllocRequest(Body):
 
 @dataclass(frozen=True, slots=True)
 class LoadResult(Body):
-    device_page_ids: array = _field(Ids())  # where the lease's host pages are being loaded
+    device_page_ids: array = _field(Ids())  # the lease's hit on device, in order: every page readable
 
 
 @register("load", LoadResult)
 @dataclass(frozen=True, slots=True)
 class LoadRequest(Body):
-    """Start loading the lease's host-resident pages back to the device."""
+    """Load the lease's host-resident pages (host hits, and storage pages a prefetch read to host)
+    back to the device. The reply comes once every rank agreed the copies landed: each page it
+    lists holds its KV (``get_pages`` reads it); a page whose copy failed is left out, with the
+    pages after it."""
 
     lease: int = _field(U64)
 
@@ -489,6 +510,7 @@ class PrefetchResult(Body):
     status: str = _field(Text(16, choices=("none", "running", "done")))  # "none": nothing to fetch
     storage_pages: int = _field(COUNT)  # the continuation every rank found in storage (agreed)
     ready_pages: int = _field(COUNT)  # of those, pages landed in host (``load`` brings them to device)
+    storage_reason: str | None = _field(Maybe(Text(16, choices=STORAGE_REASONS)), None)  # why not all (as lock's)
 
 
 @register("prefetch", PrefetchResult)

@@ -245,6 +245,19 @@ class Client(_Ops):
         self._answered = True
         return result
 
+    # ------------------------------------------------------------------ served hits
+
+    def hit_pages(self, lock: p.LockResult) -> list[int]:
+        """The device pages that hold ``lock``'s hit, in order, every one readable on return: the
+        device hit as it is; host hits and storage hits loaded back to the device (first waiting
+        for the storage reads the lock left running). The hit served is ``len(pages) * page_size``
+        tokens; a storage hit that could not be read is left out (``lock.storage_reason`` says why)."""
+        if lock.storage_reason == "reading":
+            self.prefetch(lock.lease, policy="wait_complete")
+        if lock.host_pages or lock.storage_pages:
+            return list(self.load(lock.lease).device_page_ids)
+        return list(lock.device_page_ids)
+
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
@@ -316,6 +329,14 @@ class AsyncClient(_Ops):
             raise late from None
         self._answered = True
         return response.unwrap()
+
+    async def hit_pages(self, lock: p.LockResult) -> list[int]:
+        """``Client.hit_pages``: the device pages that hold ``lock``'s hit, each readable on return."""
+        if lock.storage_reason == "reading":
+            await self.prefetch(lock.lease, policy="wait_complete")
+        if lock.host_pages or lock.storage_pages:
+            return list((await self.load(lock.lease)).device_page_ids)
+        return list(lock.device_page_ids)
 
     def close(self) -> None:
         if self._reader is not None:

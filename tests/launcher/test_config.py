@@ -251,6 +251,14 @@ def test_a_pp_x_tp_group_is_checked_before_any_rank_starts(capsys: pytest.Captur
             ["--kv-layout", "L2xH2xD4:bf16", "--model-layout", "L4xH4xD4:bf16"],
             "--model-layout L4xH4xD4:bf16: give kv_layout",
         ),
+        (
+            ["--kv-layout", "L2xH2xD4:bf16", "--model-id", "llama"],
+            "--model-id llama: needs model_layout",
+        ),
+        (
+            ["--pp-size", "3", "--tp-size", "1", "--model-layout", "L12xH8xD128:bf16", "--model-id", "m"],
+            "--model-layout L12xH8xD128:bf16: PP3xTP1 gives each rank 4 layer(s) x 8 KV head(s), which splits",
+        ),
     ]
     for argv, message in cases:
         assert main(["local", *argv]) == 2

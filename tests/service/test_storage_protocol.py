@@ -49,13 +49,16 @@ def write(c: Client, tokens: list[int]) -> bytes:
 
 
 def read_back(service: Service, c: Client, tokens: list[int]) -> tuple[int, int, bytes]:
-    """lock with a storage prefetch, load, wait for the pages on device; returns (storage pages,
-    pages that reached the device, their bytes)."""
+    """lock with a storage prefetch, then load (its reply comes once the pages are on device);
+    returns (storage pages, pages that reached the device, their bytes)."""
     lk = c.lock(tokens, prefetch="wait_complete")
-    assert lk.hit_tokens == 0  # nothing of it was cached before
+    assert lk.device_pages == lk.host_pages == 0  # nothing of it was cached before
+    assert lk.hit_tokens == lk.ready_pages * PAGE  # what was read to host is served
+    # Every page found is read, or the reply says why not.
+    assert lk.ready_pages == lk.storage_pages or lk.storage_reason == "read_failed", lk
     loaded = list(c.load(lk.lease).device_page_ids)
-    assert wait_for(lambda: c.match(tokens).device_pages == len(loaded), timeout_s=60)
-    data = c.get_pages(loaded).data if loaded else b""
+    assert len(loaded) == lk.ready_pages
+    data = c.get_pages(loaded, lease=lk.lease).data if loaded else b""
     c.release(lk.lease)
     return lk.storage_pages, len(loaded), data
 
@@ -95,7 +98,7 @@ def test_a_restarted_group_serves_what_was_durable(tmp_path: Path) -> None:
         assert c.set_config(storage_prefetch=True).settings["storage_prefetch"] is True
         stats = c.stats().values
         assert stats["storage_prefetch_hit_tokens"] >= 2 * PAGES * PAGE and stats["storage_lookups"] >= 3
-        assert stats["storage_hit_tokens"] == 0  # no admission committed a storage hit: none is counted
+        assert stats["storage_hit_tokens"] == PAGES * PAGE  # what a load served, not what was only read
         assert stats["digests_equal"] is True
 
 

@@ -234,6 +234,7 @@ class CacheCore:
             stats.device_hit_tokens += result.device_pages * ps
             stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes, result.walk)
+        lease.locked_pages = result.device_pages + result.host_pages
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
         nodes = result.nodes
         on_device = nodes if dev == len(nodes) else nodes[:dev]  # most hits are all on device: no copy

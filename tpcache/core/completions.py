@@ -121,6 +121,11 @@ class Completions:
             led.device.free([node.device_page])
             led.update(node, device=(DeviceState.NONE, -1), host_pins=-1)
         led.stats.loads_done_pages += len(landed)
+        if op.storage_hits:  # a lock's storage hit, served now that every rank holds it on device
+            from_storage = {n.node_id for n in op.storage_hits}
+            served = led.page_size * sum(1 for n in landed if n.node_id in from_storage)
+            led.stats.storage_hit_tokens += served
+            led.stats.lock_storage_hit_tokens += served
         if self.staging.enabled:  # a staged page that reached device needs no host slot: its leases let go
             arrived = {n.node_id for n in op.nodes[:ok]}  # with nodes that moved only component data
             for lease in waiters:

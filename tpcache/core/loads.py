@@ -79,14 +79,17 @@ class Loader:
             led.update(node, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
             lease.device_nodes.append(node)
             lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
+        op = None
         if plan is not None and (todo or plan.loads):
             op_nodes, full_index, parts = self.hybrid.start_loads(lease, plan, todo, slots)  # type: ignore[union-attr]
             op = self.outbox.issue(OpKind.LOAD, op_nodes, lease.lease_id, full_index=full_index, parts=parts)
-            self.book.wait_for(lease, op.op_id)
-            led.stats.loads_issued_pages += len(todo)
         elif todo:
             op = self.outbox.issue(OpKind.LOAD, todo, lease.lease_id)
+        if op is not None:
             self.book.wait_for(lease, op.op_id)
             led.stats.loads_issued_pages += len(todo)
+            if lease.admission is None:  # (an admission counts its own hit when it commits)
+                # Pages past the lock's hit were read from storage since: counted once they land.
+                op.storage_hits = todo[max(0, lease.locked_pages - len(prefix)) :]
         self.book.refresh(lease)
         return [n.device_page for n in prefix + todo]

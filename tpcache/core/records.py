@@ -59,6 +59,9 @@ class Transfer:
     parts: list[PartCopy] = field(default_factory=list)
     query: QueryPlan | None = None  # a hybrid storage lookup: how the I/O layer computes its hit
     engine_pages: bool = False  # the device side names the engine's own blocks (core/external.py)
+    # A load under a lease opened by lock: the nodes it brings that were not the lock's hit (storage
+    # reads landed since); each counts as a storage hit once the round agrees it landed.
+    storage_hits: list[Node] = field(default_factory=list)
 
     @property
     def num_pages(self) -> int:
@@ -165,6 +168,7 @@ class Lease:
     kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
     parts: dict[int, LeasePart] = field(default_factory=dict)  # by component (hybrid configurations)
     hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
+    locked_pages: int = 0  # the hit (device + host) its lock found: what a later load brings past it came from storage
     admission: Admission | None = None  # a request admitted in phases (``admission.py``)
     # The end of the sequence its last insert or append adopted, while ``append`` may continue it:
     # the lease pins every device node from the root to it and none below it.
@@ -241,6 +245,9 @@ class Stats:
     prefetch_reissued: int = 0  # lookups issued again at once because the prefix they hang from moved
     prefetch_rejected_host_full: int = 0  # pages a prefetch found in storage and read not: no host slot in time
     storage_hit_tokens: int = 0  # tokens a committed admission loaded from pages read from storage
+    # ... and, counted in storage_hit_tokens too, tokens a load under a lock brought to device from
+    # pages read from storage (counted once the load is agreed landed)
+    lock_storage_hit_tokens: int = 0
     admissions_committed: int = 0
     admission_retries: int = 0  # "try again" answers of materialize
     admission_reselects: int = 0  # fewer pages arrived than planned: selected again without staged hits

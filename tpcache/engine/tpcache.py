@@ -86,6 +86,7 @@ class TPCache(Operations):
         transfer_delay: Any = None,
         part_layouts: Mapping[str, KVLayout] | None = None,
         group: ParallelGroup | None = None,
+        model_id: str | None = None,
     ) -> None:
         """``storage``: a backend, or a storage URL (file://, mooncake://, redis://) opened for this
         rank's shard. ``transfer_delay``: test hook passed to the TransferEngine (seconds, or op id
@@ -95,7 +96,11 @@ class TPCache(Operations):
         layers'. ``group``: the shape of the group (``ParallelGroup(pp_size=2, tp_size=2)``; default
         plain TP over the collective's ranks): this rank's place in it (``self.shard``) follows from
         its global rank, ``kv_layout`` is its slice of a page (its stage's layers, its heads, with
-        context ranks its share of a page's tokens) and its storage keys carry that place."""
+        context ranks its share of a page's tokens) and its storage keys carry that place.
+        ``model_id``: store pages in the shared layout (``io.storage.sharded``): as shards of the
+        model's global KV heads and layers under the model's id, which groups of any TP or PP shape
+        of the same model read (``storage``: a URL, or a backend that serves every shard); None keeps
+        the per-shape layout, whose keys name this rank's place."""
         group = ParallelGroup(tp_size=collective.world_size) if group is None else group
         if group.world_size != collective.world_size:
             raise GroupShapeError(
@@ -103,7 +108,9 @@ class TPCache(Operations):
             )
         self.group = group
         self.shard = group.place(collective.rank)
-        if isinstance(storage, str):
+        if model_id is not None and storage is not None:
+            storage = self._shared_storage(model_id, storage, kv_layout, part_layouts)
+        elif isinstance(storage, str):
             storage = open_storage(storage, shard=self.shard)
         if storage is not None and not config.storage:
             config = CacheConfig(**{**config.to_dict(), "storage": True})
@@ -146,6 +153,28 @@ class TPCache(Operations):
             core, self.shell, collective, rank=self.rank, round_timeout_s=round_timeout_s, kv_layout=described
         )
         self.round = self.driver.round
+
+    def _shared_storage(
+        self,
+        model_id: str,
+        storage: StorageBackend | str,
+        layout: KVLayout | None,
+        parts: Mapping[str, KVLayout] | None,
+    ) -> StorageBackend:
+        """The shard-layout view of ``storage`` for this rank (see ``io.storage.sharded``)."""
+        from tpcache.io.storage.sharded import ModelShape, ShardedStorage, open_shared_storage
+
+        if layout is None:
+            raise ValueError("the storage tier needs a KV layout (pages have bytes to store)")
+        if parts:
+            raise ValueError(
+                "model_id (the shared storage layout) stores full-attention pages only; a hybrid model's "
+                f"components ({', '.join(sorted(parts))}) need the per-shape layout (no model_id)"
+            )
+        model = ModelShape.of_rank(model_id, layout, self.shard)
+        if isinstance(storage, str):
+            return open_shared_storage(storage, model=model, shard=self.shard, layout=layout)
+        return ShardedStorage(storage, model, self.shard, layout)
 
     def _part_io(
         self,

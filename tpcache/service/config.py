@@ -109,6 +109,13 @@ class ServiceConfig:
         "L32xH8xD128:bf16: each rank holds its stage's layers and its tensor rank's heads (instead of --kv-layout)",
         metavar="LAYOUT",
     )
+    model_id: str = _opt(
+        "",
+        "the model's name in a shared store (checkpoint and revision, e.g. llama-3-8b@main); with --model-layout "
+        "and a storage tier, pages are stored as shards of the model's KV heads and layers, which groups of any "
+        "TP or PP size of the same model read. Empty: storage keys name each rank's place (its group's shape)",
+        metavar="NAME",
+    )
     # --- the group: pipeline stages x tensor ranks
     pp_size: int = _opt(
         1,
@@ -200,6 +207,8 @@ class ServiceConfig:
             raise SettingError(
                 "model_layout", self.model_layout, "give kv_layout (one rank's) or model_layout (the model's), not both"
             )
+        if self.model_id:
+            self._check_model_id()
         if self.storage_location() and not (self.kv_layout or self.model_layout):
             name = "storage_dir" if self.storage_dir else "storage_url"
             raise SettingError(
@@ -233,6 +242,18 @@ class ServiceConfig:
                 raise SettingError(
                     "host_mode", self.host_mode, "stages writes as pages are written: use write_through(_selective)"
                 )
+
+    def _check_model_id(self) -> None:
+        if not self.model_layout:
+            raise SettingError(
+                "model_id", self.model_id, "needs model_layout (the whole model's layout; kv_layout is one rank's)"
+            )
+        from tpcache.io.storage.keys import StorageKey, StorageKeyError
+
+        try:
+            StorageKey(self.model_id, 0, 0, 1, 0)
+        except StorageKeyError as exc:
+            raise SettingError("model_id", self.model_id, str(exc)) from None
 
     def storage_secret(self) -> bytes | None:
         """The storage key's bytes (None: records are checksummed, not authenticated). A
@@ -279,7 +300,7 @@ class ServiceConfig:
         model = parse_kv_layout(self.model_layout, self.page_size, "model_layout")
         group = self.group(world_size)
         try:
-            return type(model).from_model(
+            layout = type(model).from_model(
                 model.num_layers,
                 model.heads_per_rank,
                 model.head_dim,
@@ -290,6 +311,15 @@ class ServiceConfig:
             )
         except KVLayoutError as exc:
             raise SettingError("model_layout", self.model_layout, f"{exc} ({group.name})") from None
+        if self.model_id:  # the shared storage layout: every rank must hold whole shards
+            from tpcache.io.storage.sharded import ModelShape, ShardLayoutError
+
+            shard = group.place(0)
+            try:
+                ModelShape.of_rank(self.model_id, layout, shard).ranges(layout, shard)
+            except ShardLayoutError as exc:
+                raise SettingError("model_layout", self.model_layout, f"{exc} ({group.name})") from None
+        return layout
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(

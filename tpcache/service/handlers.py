@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import protocol as p
-from tpcache.core import UnknownLease
+from tpcache.core import OpKind, UnknownLease
 from tpcache.core.tiers import DeviceState
 from tpcache.engine import TPCache
 from tpcache.service.buffers import StagedBuffer
@@ -187,14 +187,49 @@ class RankHandler:
         lease = watch.lease
         if lease not in self.book:
             raise not_found(lease)  # released or expired while it waited
+        if watch.load is not None:
+            if not now and self.loading(lease):
+                return None
+            return watch.reply(self.landed(lease, watch.load))
         status, ready = self.tp.prefetch_status(lease)
         if status == "none":
-            return watch.reply("none", 0, 0)
+            return watch.reply("none", 0, 0, "")
         waiting = status == "querying" and watch.policy != "timeout"  # the hit is not agreed yet
         if not now and (waiting or not self.tp.admissible(lease, watch.policy, watch.timeout_rounds)):
             return None
-        hit = getattr(self.tp.core.lease(lease).prefetch, "hit_pages", 0)  # the agreed storage hit
-        return watch.reply("done" if status == "done" else "running", hit, ready)
+        state = self.tp.core.lease(lease).prefetch
+        assert state is not None
+        # The agreed storage hit, from where the first lookup started (a retry asks from where the
+        # pages that landed end), and why the pages read to host fall short of it.
+        hit = max(ready, state.start + state.hit_pages - watch.base) if state.hit_pages else ready
+        return watch.reply("done" if status == "done" else "running", hit, ready, self.shortfall(state, hit, ready))
+
+    def shortfall(self, state: Any, hit: int, ready: int) -> str:
+        """Why ``ready`` of a prefetch's ``hit`` storage pages landed in host, not all (``STORAGE_REASONS``)."""
+        if ready >= hit:
+            return ""
+        if self.tp.core.closed:
+            return "closed"
+        if state.status != "done":
+            return "reading"
+        buffer = self.tp.config.host_mode == "buffer"  # staging reads the part the free slots take
+        if buffer or state.deferrals >= self.tp.config.prefetch_max_deferrals:
+            return "no_host_space"
+        return "read_failed"
+
+    def loading(self, lease: int) -> bool:
+        """Whether a load the lease waits for (its own, or one it shares) is still in flight."""
+        core = self.tp.core
+        loads = {op.op_id for op in core.inflight[OpKind.LOAD]}
+        return any(op in loads for op in core.lease(lease).ops)
+
+    def landed(self, lease: int, pages: list[int]) -> list[int]:
+        """The leading ``pages`` (a load's, in the lease's page order) that are device-valid now."""
+        nodes = self.tp.core.tree.walk(self.tp.core.lease(lease).tokens).nodes
+        n = 0
+        while n < len(pages) and n < len(nodes) and nodes[n].device_valid and nodes[n].device_page == pages[n]:
+            n += 1
+        return pages[:n]
 
     def start_prefetch(self, lease: int, read: bool = True) -> bool:
         started = self.tp.prefetch(lease, read)

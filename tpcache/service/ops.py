@@ -68,13 +68,18 @@ class Deferred:
 @dataclass
 class Watch:
     """A reply that waits on the leader, round after round, until the lease's storage prefetch
-    lets it go (``RankHandler.watched``). Followers apply the request and drop the watch."""
+    lets it go, or (``load``) until the lease's loads landed (``RankHandler.watched``). Followers
+    apply the request and drop the watch."""
 
     lease: int
     policy: str
     timeout_rounds: int
-    reply: Callable[[str, int, int], p.Body]  # (status, storage pages, pages landed) -> the result
+    # (status, storage pages, pages landed in host, why not all of them) -> the result; a load's
+    # reply takes the pages that landed
+    reply: Callable[..., p.Body]
     transient: bool = False  # a lease taken for this lookup alone: the leader expires it after the reply
+    base: int = 0  # the page the prefetch's first lookup started at: its storage pages count from there
+    load: list[int] | None = None  # a load's device pages: the reply lists those that landed
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,11 +210,18 @@ def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
         lease,
         "wait_complete",
         0,
-        lambda status, pages, ready: p.MatchResult.unchecked(
+        lambda status, pages, ready, why: p.MatchResult.unchecked(
             result.hit_tokens, result.device_pages, result.host_pages, pages, result.device_page_ids
         ),
         transient=True,
+        base=prefetch_base(h, lease),
     )
+
+
+def prefetch_base(h: RankHandler, lease: int) -> int:
+    """Where the lease's prefetch, just started, looks storage up from (its first missing page)."""
+    state = h.tp.core.lease(lease).prefetch
+    return 0 if state is None else state.start
 
 
 def _lock_precheck(h: RankHandler, body: p.LockRequest) -> None:
@@ -226,12 +238,17 @@ def _lock(h: RankHandler, body: p.LockRequest, ctx: Ctx) -> p.Body | Watch:
     ids = m.device_page_array
     policy = body.prefetch or ("best_effort" if h.storage_prefetch else "none")
     if policy == "none" or h.tp.core.closed or not h.start_prefetch(lease):
-        return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids)
+        return p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, 0, ids, None, None)
+    page_size = h.tp.config.page_size
     return Watch(
         lease,
         policy,
         8 if body.timeout_rounds is None else body.timeout_rounds,
-        lambda status, pages, ready: p.LockResult.unchecked(lease, hit, m.device_pages, m.host_pages, pages, ids),
+        # The storage pages already read to host are hits as the host's are: ``load`` serves them.
+        lambda status, pages, ready, why: p.LockResult.unchecked(
+            lease, hit + ready * page_size, m.device_pages, m.host_pages, pages, ids, ready, why
+        ),
+        base=prefetch_base(h, lease),
     )
 
 
@@ -241,7 +258,13 @@ def _prefetch(h: RankHandler, body: p.PrefetchRequest, ctx: Ctx) -> p.Body | Wat
     if h.tp.core.closed:
         raise p.CacheClosed(f"the cache is closed ({h.tp.core.closed_reason}): nothing is read from storage")
     h.start_prefetch(body.lease)
-    return Watch(body.lease, body.policy, body.timeout_rounds, p.PrefetchResult)
+    return Watch(
+        body.lease,
+        body.policy,
+        body.timeout_rounds,
+        lambda status, pages, ready, why: p.PrefetchResult(status, pages, ready, why),
+        base=prefetch_base(h, body.lease),
+    )
 
 
 @handles(p.AllocRequest)
@@ -271,9 +294,12 @@ def _append(h: RankHandler, body: p.AppendRequest, ctx: Ctx) -> p.Body:
 
 
 @handles(p.LoadRequest)
-def _load(h: RankHandler, body: p.LoadRequest, ctx: Ctx) -> p.Body:
+def _load(h: RankHandler, body: p.LoadRequest, ctx: Ctx) -> p.Body | Watch:
+    """The reply waits (a Watch) until every rank agreed the copies landed: then each page it
+    lists is device-valid, readable by ``get_pages``, and its storage hits are counted."""
     h.leased(body.lease, ctx)
-    return p.LoadResult(h.tp.load(body.lease).device_pages)
+    pages = list(h.tp.load(body.lease).device_pages)
+    return Watch(body.lease, "load", 0, p.LoadResult, load=pages)
 
 
 @handles(p.ReleaseRequest)

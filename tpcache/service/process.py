@@ -156,6 +156,22 @@ def build_cache(config: ServiceConfig, collective: Any, device: Any, pool: Any =
     )
 
 
+def open_model_storage(config: ServiceConfig, shard: Any, world: int) -> Any:
+    """The shared storage layout for this rank (``--model-id`` with ``--model-layout``)."""
+    from tpcache.io.storage.sharded import ModelShape, open_shared_storage
+
+    layout = config.rank_layout(world)  # a shape that splits the model's shards is refused there
+    model = ModelShape.of_rank(config.model_id, layout, shard)
+    return open_shared_storage(
+        config.storage_location(),
+        model=model,
+        shard=shard,
+        layout=layout,
+        capacity_bytes=config.storage_bytes,
+        storage_key=config.storage_secret(),
+    )
+
+
 def write_ready_file(path: str, info: dict[str, Any]) -> None:
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".ready-", suffix=".json")
@@ -227,6 +243,8 @@ def open_rank_storage(resolved: Resolved, rank: int, world: int) -> tuple[Any, s
     try:
         spec = parse_storage_url(location)
         shard = config.group(world).place(rank)
+        if config.model_id:
+            return open_model_storage(config, shard, world), None
         storage = open_storage(
             spec, shard=shard, capacity_bytes=config.storage_bytes, storage_key=config.storage_secret()
         )
@@ -286,6 +304,8 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag,
         from tpcache.io.storage import parse_storage_url
 
         log.info("storage tier: %s; %s", parse_storage_url(config.storage_location()).describe(), storage.trust)
+        if config.model_id:
+            log.info("storage layout: shared by every group shape of %s", storage.model.describe())
     collective = make_collective(config.transport, device=device)
     tp = build_cache(config, collective, device, storage=storage)
     handler = RankHandler(tp, config, lambda pool: build_cache(config, collective, device, pool, storage))

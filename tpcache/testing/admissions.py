@@ -79,8 +79,9 @@ def buffer_violations(core: CacheCore, committed_storage_tokens: int, after_comm
     stats = core.stats
     if stats.host_hit_tokens:
         out.append(f"{stats.host_hit_tokens} host-hit tokens counted: host is only staging")
-    if stats.storage_hit_tokens != committed_storage_tokens:
-        out.append(f"{stats.storage_hit_tokens} storage-hit tokens counted, {committed_storage_tokens} committed")
+    admitted = stats.storage_hit_tokens - stats.lock_storage_hit_tokens  # (a lock's loads count their own)
+    if admitted != committed_storage_tokens:
+        out.append(f"{admitted} storage-hit tokens counted for admissions, {committed_storage_tokens} committed")
     if after_commit and not core.closed:
         kept = [n.node_id for n in core.tree.nodes.values() if staging_done(n)]
         if kept:

@@ -97,6 +97,7 @@ FSYNC_MODES: tuple[str, ...] = ("always", "batch", "never")
 DEFAULT_SEGMENT_BYTES = 64 << 20
 _SEGMENT_NAME = re.compile(r"([0-9]{10})\.seg")
 _INDEX_NAME = re.compile(r"([0-9]{10})\.idx")
+_OWNER_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 _TMP_SUFFIX = ".tmp"
 _RUN_BUFS = 512  # buffers per pwritev (two per record), under the kernel's IOV_MAX of 1024
 _SCAN_READ = HEADER_SIZE + 256  # one pread covers the header and a typical key echo
@@ -207,6 +208,8 @@ class FileBackend(StorageBackend):
         segment_bytes: target segment size; capped at ``capacity_bytes // 16`` so compaction
             headroom stays small relative to capacity.
         verify_on_open: also check every payload checksum at start (reads all data).
+        owner: the owner directory's name (``[A-Za-z0-9._-]``) instead of the shard's label; a
+            store shared by groups of different shapes names each writer (see ``sharded``).
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class FileBackend(StorageBackend):
         shard: tuple[int, ...] | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         verify_on_open: bool = False,
+        owner: str | None = None,
     ) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {fsync!r}")
@@ -226,7 +230,9 @@ class FileBackend(StorageBackend):
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         self._shard = check_shard(shard)  # validated with the same rules as keys
-        owner = "all" if self._shard is None else self._shard.label
+        if owner is not None and (not _OWNER_NAME.fullmatch(owner) or owner in (".", "..")):
+            raise ValueError(f"owner must be a directory name of [A-Za-z0-9._-], got {owner!r}")
+        owner = owner or ("all" if self._shard is None else self._shard.label)
         self._fsync = fsync
         self._capacity = capacity_bytes
         self._segment_cap = segment_bytes

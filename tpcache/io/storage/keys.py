@@ -10,6 +10,10 @@ Invariants:
   each other's shards and a layout change never reads old bytes as new ones. A plain TP key
   (one stage, one context rank) has no stage or context component: ``v1/n_llama/3/0of4/00ab...``;
   with stages, ``v1/n_llama/3/p1of2/0of2/00ab...`` (and ``c0of2`` after the stage with context ranks).
+- A model shard key (``layers`` and ``heads`` set) names a range of the model's global layers and KV
+  heads instead of a writer's place, under format ``v2``: ``v2/n_llama/77/l0-7.h2-2/00ab...`` (layers
+  0-7, KV head 2; ``layout_version`` is then the model's layout id, see ``sharded.ModelShape``). It
+  is the same for every group shape that stores or reads that range, and it never equals a ``v1`` key.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from dataclasses import dataclass
 from tpcache.dist.parallel import Shard
 
 KEY_FORMAT = "v1"
+SHARD_KEY_FORMAT = "v2"
+MAX_LAYERS = 1 << 20
+MAX_HEADS = 1 << 20
 MAX_NAMESPACE_BYTES = 100  # hex-encoded that is 202 chars, still under NAME_MAX (255)
 MAX_LAYOUT_VERSION = (1 << 31) - 1
 MAX_TP_SIZE = 1 << 16
@@ -33,6 +40,11 @@ _ENCODED = re.compile(
     r"(?:/p(?P<stage>0|[1-9][0-9]*)of(?P<stages>[1-9][0-9]*))?"
     r"(?:/c(?P<cp>0|[1-9][0-9]*)of(?P<cps>[1-9][0-9]*))?"
     r"/(?P<rank>0|[1-9][0-9]*)of(?P<size>[1-9][0-9]*)/(?P<hash>[0-9a-f]{16})"
+)
+_NUM = r"(?:0|[1-9][0-9]*)"
+_ENCODED_SHARD = re.compile(
+    r"v2/(?:n_(?P<plain>[A-Za-z0-9_-][A-Za-z0-9._-]*)|x_(?P<hex>(?:[0-9a-f]{2})*))"
+    rf"/(?P<layout>{_NUM})/l(?P<l0>{_NUM})-(?P<l1>{_NUM})\.h(?P<h0>{_NUM})-(?P<h1>{_NUM})/(?P<hash>[0-9a-f]{{16}})"
 )
 
 
@@ -69,6 +81,8 @@ class StorageKey:
     pp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    layers: tuple[int, int] | None = None  # a model shard key: first and last global layer it holds
+    heads: tuple[int, int] | None = None  # ... and first and last global KV head
 
     @classmethod
     def of(cls, namespace: str, layout_version: int, shard: Shard, page_hash: int) -> StorageKey:
@@ -96,9 +110,24 @@ class StorageKey:
         _check_int("cp_size", self.cp_size, 1, MAX_TP_SIZE)
         _check_int("cp_rank", self.cp_rank, 0, self.cp_size - 1)
         _check_int("page_hash", self.page_hash, 0, MAX_PAGE_HASH)
+        if (self.layers is None) != (self.heads is None):
+            raise StorageKeyError("a model shard key names both its layers and its heads")
+        if self.layers is not None:
+            if self.shard != (0, 1, 0, 1, 0, 1):
+                raise StorageKeyError("a model shard key names model ranges, not a rank's place")
+            for name, rng, top in (("layers", self.layers, MAX_LAYERS), ("heads", self.heads, MAX_HEADS)):
+                if not isinstance(rng, tuple) or len(rng) != 2:
+                    raise StorageKeyError(f"{name} must be a (first, last) tuple, got {rng!r}")
+                _check_int(f"first of {name}", rng[0], 0, top)
+                _check_int(f"last of {name}", rng[1], rng[0], top)
 
     def encode(self) -> str:
         """The versioned, filesystem-safe form, e.g. ``v1/n_llama/3/0of4/00ab...``."""
+        if self.layers is not None and self.heads is not None:
+            return (
+                f"{SHARD_KEY_FORMAT}/{_encode_namespace(self.namespace)}/{self.layout_version}"
+                f"/l{self.layers[0]}-{self.layers[1]}.h{self.heads[0]}-{self.heads[1]}/{self.page_hash:016x}"
+            )
         stage = f"/p{self.pp_rank}of{self.pp_size}" if self.pp_size > 1 else ""
         context = f"/c{self.cp_rank}of{self.cp_size}" if self.cp_size > 1 else ""
         return (
@@ -116,7 +145,7 @@ class StorageKey:
         """Parse an ``encode()`` string; raises :class:`StorageKeyError` for anything else."""
         if not isinstance(encoded, str):
             raise StorageKeyError(f"encoded key must be a str, got {type(encoded).__name__}")
-        m = _ENCODED.fullmatch(encoded)
+        m = _ENCODED.fullmatch(encoded) or _ENCODED_SHARD.fullmatch(encoded)
         if m is None:
             raise StorageKeyError(f"not a valid encoded storage key: {encoded[:80]!r}")
         if m["plain"] is not None:
@@ -126,9 +155,13 @@ class StorageKey:
                 namespace = bytes.fromhex(m["hex"]).decode("utf-8")
             except UnicodeDecodeError:
                 raise StorageKeyError(f"namespace in {encoded[:80]!r} is not UTF-8") from None
-        stage = (int(m["stage"]), int(m["stages"])) if m["stages"] is not None else (0, 1)
-        context = (int(m["cp"]), int(m["cps"])) if m["cps"] is not None else (0, 1)
-        key = cls(namespace, int(m["layout"]), int(m["rank"]), int(m["size"]), int(m["hash"], 16), *stage, *context)
+        if m.re is _ENCODED_SHARD:
+            ranges = {"layers": (int(m["l0"]), int(m["l1"])), "heads": (int(m["h0"]), int(m["h1"]))}
+            key = cls(namespace, int(m["layout"]), 0, 1, int(m["hash"], 16), **ranges)
+        else:
+            stage = (int(m["stage"]), int(m["stages"])) if m["stages"] is not None else (0, 1)
+            context = (int(m["cp"]), int(m["cps"])) if m["cps"] is not None else (0, 1)
+            key = cls(namespace, int(m["layout"]), int(m["rank"]), int(m["size"]), int(m["hash"], 16), *stage, *context)
         # Only the canonical spelling is accepted, so one key has exactly one encoded form.
         if key.encode() != encoded:
             raise StorageKeyError(f"non-canonical encoded storage key: {encoded[:80]!r}")
