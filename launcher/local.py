@@ -2,8 +2,11 @@
 
 The ranks are children in this launcher's process group. SIGINT/SIGTERM here are forwarded to
 every rank (each then stops the group cleanly); the launcher exits when every rank has, with the
-first non-zero exit code. A rank that dies does not take the others down: they fail closed and
-keep answering (health says why) until stopped, as the design asks. Ranks die with the launcher:
+first non-zero exit code. A follower that dies does not take the others down: they fail closed and
+keep answering (health says why) until stopped, as the design asks. Rank 0 dying (a signal, not a
+stop) ends the group: nobody can answer clients any more. The followers notice it themselves and
+exit; the launcher stops any that remain and exits with ``EXIT_LEADER_GONE`` (3), after one line
+that names rank 0's signal. Ranks die with the launcher:
 each asks the kernel for SIGTERM when its parent exits (Linux ``PR_SET_PDEATHSIG``), so a
 launcher killed with SIGKILL leaves no orphan serving. The ranks write nothing to stdout (their
 logs go to stderr), so a command's stdout holds only what the command itself prints.
@@ -27,6 +30,7 @@ from tpcache.dist.store import LISTEN_FD_ENV
 from tpcache.service.config import FIELDS, Resolved, ServiceConfig
 
 STOP_GRACE_S = 15.0
+EXIT_LEADER_GONE = 3  # rank 0 died: the group is gone (the followers exit with the same code)
 
 
 def free_port() -> int:
@@ -159,7 +163,18 @@ def run_local(config: ServiceConfig | Resolved, nproc: int) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     stop_deadline: float | None = None
+    leader_died: int | None = None
     while any(proc.poll() is None for proc in procs):
+        code = procs[0].poll()
+        if not forwarded and leader_died is None and code is not None and code < 0:
+            leader_died = -code
+            print(
+                f"tpcache: rank 0 (pid {procs[0].pid}) was killed by {signal.Signals(-code).name}; "
+                f"stopping the other ranks (exit code {EXIT_LEADER_GONE})",
+                file=sys.stderr,
+                flush=True,
+            )
+            forward(signal.SIGTERM, None)
         if forwarded and stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_GRACE_S
         if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -168,5 +183,7 @@ def run_local(config: ServiceConfig | Resolved, nproc: int) -> int:
                     proc.kill()
         time.sleep(0.1)
     codes = [int(proc.returncode) for proc in procs]
+    if leader_died is not None:
+        return EXIT_LEADER_GONE
     bad = [c for c in codes if c not in (0, -signal.SIGTERM)]
     return bad[0] if bad else 0

@@ -174,6 +174,8 @@ def test_settings_that_may_differ_between_ranks_are_exactly_the_local_ones() -> 
         "storage_key_file",
         "metrics_port",
         "ready_file",
+        "events_endpoint",
+        "events_replay_endpoint",
     }
     assert set(FIELDS) - set(shared) == local | {"log_level"}
     assert "secret" not in shared and shared["storage"] is False
@@ -206,10 +208,10 @@ def test_busy_ports_and_unwritable_directories_are_named(tmp_path: Path) -> None
             preflight(endpoint, range(2), 2)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    storage = resolve(cli={"storage_dir": str(blocker / "kv"), "kv_layout": "L2xH2xD4:bf16"}, env={})
+    storage = resolve(cli={"storage_dir": str(blocker / "kv"), "kv_layout": "L2xH2xD4:bf16", "host_pages": "8"}, env={})
     with pytest.raises(ConfigError, match=rf"--storage-dir {blocker / 'kv'}: cannot write the storage tier there"):
         preflight(storage, range(2), 2)
-    ok = resolve(cli={"storage_dir": str(tmp_path / "kv"), "kv_layout": "L2xH2xD4:bf16"}, env={})
+    ok = resolve(cli={"storage_dir": str(tmp_path / "kv"), "kv_layout": "L2xH2xD4:bf16", "host_pages": "8"}, env={})
     preflight(ok, range(2), 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # checked, not created: the ranks create it
     ready = resolve(cli={"ready_file": str(tmp_path / "absent" / "ready.json")}, env={})

@@ -24,8 +24,9 @@ from tests.service.harness import REPO, repo_env
 from tpcache.client import AsyncClient, Client
 from tpcache.io.storage.file import FileBackend
 
-LAYOUT = ["--kv-layout", "L2xH2xD4:fp32"]
-TOO_BIG = ["--kv-layout", "L32xH8xD128:bf16", "--device-pages", "1000000"]  # 4 MiB a page: 3.8 TiB a rank
+STORE_ARGS = ["--kv-layout", "L2xH2xD4:fp32", "--host-pages", "16"]  # a storage tier needs a host tier
+# 4 MiB a page: 3.8 TiB of device pages a rank
+TOO_BIG = ["--kv-layout", "L32xH8xD128:bf16", "--device-pages", "1000000", "--host-pages", "16"]
 
 
 def one_line(err: str) -> str:
@@ -44,7 +45,7 @@ def test_a_storage_directory_in_use_by_a_running_group(tmp_path: Path, capsys: p
     running = FileBackend(kv / "rank1", capacity_bytes=1 << 20, shard=(1, 2))  # rank 1 of a running 2-rank group
     try:
         before = tree(tmp_path)
-        assert main(["local", "--nproc", "2", "--storage-dir", str(kv), *LAYOUT]) == 2
+        assert main(["local", "--nproc", "2", "--storage-dir", str(kv), *STORE_ARGS]) == 2
         line = one_line(capsys.readouterr().err)
         assert line.startswith(f"tpcache: configuration error: --storage-dir {kv}: in use by a running group ("), line
         assert tree(tmp_path) == before
@@ -56,7 +57,7 @@ def test_an_unwritable_storage_directory_and_a_failed_check_create_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "a-file").write_text("")
-    assert main(["local", "--storage-dir", str(tmp_path / "a-file" / "kv"), *LAYOUT]) == 2
+    assert main(["local", "--storage-dir", str(tmp_path / "a-file" / "kv"), *STORE_ARGS]) == 2
     line = one_line(capsys.readouterr().err)
     assert f"--storage-dir {tmp_path / 'a-file' / 'kv'}: cannot write the storage tier there" in line
     # Every check but the memory check passes: still nothing on disk.
@@ -67,12 +68,12 @@ def test_an_unwritable_storage_directory_and_a_failed_check_create_nothing(
 
 def test_a_remote_store_that_nothing_serves(capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
-    assert main(["local", "--storage-url", f"redis://:hunter2@127.0.0.1:{port}/0", *LAYOUT]) == 2
+    assert main(["local", "--storage-url", f"redis://:hunter2@127.0.0.1:{port}/0", *STORE_ARGS]) == 2
     line = one_line(capsys.readouterr().err)
     assert f"--storage-url redis://:***@127.0.0.1:{port}/0: cannot reach the Redis server at 127.0.0.1:{port} (" in line
     assert "hunter2" not in line
     url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{port}/metadata"
-    assert main(["local", "--storage-url", url, *LAYOUT]) == 2
+    assert main(["local", "--storage-url", url, *STORE_ARGS]) == 2
     assert f"cannot reach the Mooncake master at 127.0.0.1:{port}" in one_line(capsys.readouterr().err)
 
 
@@ -116,7 +117,7 @@ def test_a_store_the_ranks_cannot_open_stops_the_group_with_one_line(not_a_store
     """The launcher's checks pass (the port accepts); every rank then fails to open the store: the
     group stops with rank 0's one line, and the demo adds nothing to it."""
     url = f"redis://127.0.0.1:{not_a_store}/0"
-    argv = [sys.executable, "-m", "launcher", "demo", "--nproc", "2", "--storage-url", url, *LAYOUT]
+    argv = [sys.executable, "-m", "launcher", "demo", "--nproc", "2", "--storage-url", url, *STORE_ARGS]
     done = subprocess.run(argv, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 2, done.stderr
     line = one_line(done.stderr)
@@ -124,7 +125,7 @@ def test_a_store_the_ranks_cannot_open_stops_the_group_with_one_line(not_a_store
     assert done.stdout == ""
     # At DEBUG the traceback comes too (one rank, as torchrun would start it).
     env = repo_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    argv = [sys.executable, "-m", "launcher", "serve", "--storage-url", url, *LAYOUT, "--log-level", "DEBUG"]
+    argv = [sys.executable, "-m", "launcher", "serve", "--storage-url", url, *STORE_ARGS, "--log-level", "DEBUG"]
     debug = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert debug.returncode == 2, debug.stderr
     assert "Traceback (most recent call last)" in debug.stderr

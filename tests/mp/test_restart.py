@@ -3,11 +3,14 @@ same endpoint and what was durable in storage hits again, with the bytes that we
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +88,101 @@ def test_torchrun_restarts_a_group_that_lost_a_rank(tmp_path: Path) -> None:
         # Rank 0 says so if its round timed out first; else torchrun, which stops it, names the kill.
         said = ("must be restarted", "Signals.SIGKILL", "exitcode: -9")
         assert any(line in log for line in said), service.log()
+
+
+def _write_durable(c: Client, tokens: list[int]) -> bytes:
+    """PAGES pages of ``tokens`` with random bytes, written through to storage on both ranks."""
+    lk = c.lock(tokens, prefetch="none")
+    pages = list(c.alloc(lk.lease, PAGES).device_page_ids)
+    data = os.urandom(len(c.get_pages(pages, lease=lk.lease).data))
+    c.put_pages(pages, data, lease=lk.lease)
+    c.insert(tokens, pages, lease=lk.lease)
+    c.release(lk.lease)
+    written = wait_for(
+        lambda: (
+            (v := c.stats().values)["rank0.storage_written_pages"] >= PAGES
+            and v["rank1.storage_written_pages"] >= PAGES
+        ),
+        timeout_s=60,
+    )
+    assert written, c.stats().values
+    return data
+
+
+def _traffic(endpoint: str, stop: threading.Event) -> None:
+    """Lookups and locks, back to back, until ``stop`` (errors and timeouts are expected)."""
+    with contextlib.suppress(Exception), Client(endpoint, timeout_s=2.0) as c:
+        while not stop.is_set():
+            with contextlib.suppress(p.ProtocolError):
+                c.release(c.lock(fresh_tokens(2 * PAGE), prefetch="none").lease)
+
+
+@pytest.mark.parametrize("load", ["idle", "busy"])
+def test_a_dead_leader_ends_the_group_and_a_restart_serves_what_was_durable(tmp_path: Path, load: str) -> None:
+    """Rank 0 SIGKILLed: the follower exits on its own (it watches rank 0's process), the launcher
+    stops and exits 3 saying why, and a group started on the same storage directory a second later
+    starts (nothing holds the storage) and serves every durable page with its bytes. Rank 0 stopped
+    (SIGSTOP) for less than the round timeout is a stall, not a death: the group serves on."""
+    args = ("--page-size", str(PAGE), "--device-pages", "32", "--host-pages", "64", "--kv-layout", LAYOUT)
+    args += ("--storage-dir", str(tmp_path / "kv"), "--round-timeout", "3", "--heartbeat", "0.2")
+    tokens = fresh_tokens(PAGES * PAGE)
+    with running_service(tmp_path / "first", *args) as service:
+        leader, follower = service.pids
+        with service.client() as c:
+            data = _write_durable(c, tokens)
+            os.kill(leader, signal.SIGSTOP)  # a stall shorter than the round timeout
+            time.sleep(1.0)
+            os.kill(leader, signal.SIGCONT)
+            assert c.health().state == "open"
+            assert pid_alive(follower)
+        stop = threading.Event()
+        traffic = threading.Thread(target=_traffic, args=(service.endpoint, stop), daemon=True)
+        if load == "busy":
+            traffic.start()
+            time.sleep(0.5)
+        try:
+            os.kill(leader, signal.SIGKILL)
+            code = service.proc.wait(30)
+        finally:
+            stop.set()
+        assert code == 3, service.log()
+        assert not pid_alive(follower)
+        log = service.log_path.read_text(errors="replace")
+        assert f"rank 0 (pid {leader}) was killed by SIGKILL" in log
+        assert f"the leader (rank 0, pid {leader})" in log or "will not arrive" in log, log[-3000:]
+    time.sleep(1.0)
+    with running_service(tmp_path / "second", *args) as service, service.client() as c:
+        lk = c.lock(tokens, prefetch="wait_complete")
+        assert lk.storage_pages == PAGES
+        loaded = list(c.load(lk.lease).device_page_ids)
+        assert len(loaded) == PAGES
+        assert wait_for(lambda: c.match(tokens).device_pages == PAGES, timeout_s=60)
+        assert c.get_pages(loaded).data == data
+        c.release(lk.lease)
+
+
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_under_torchrun_rank_0_answers_what_is_in_flight_when_a_rank_dies(tmp_path: Path, restarts: str) -> None:
+    """Requests waiting for a rank that then dies are answered CACHE_CLOSED by rank 0 before it
+    exits on torchrun's SIGTERM, with or without restarts: none is left to time out."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    command += ["--nproc-per-node", "2", "--max-restarts", restarts, "--monitor-interval", "0.5"]
+    command += ["--master-port", str(free_port()), "-m", "launcher", "serve"]
+    args = ("--page-size", str(PAGE), "--device-pages", "32", "--round-timeout", "10", "--heartbeat", "0.2")
+    with running_service(tmp_path, *args, command=command) as service, service.client(timeout_s=30) as c:
+        follower = service.pids[1]
+        os.kill(follower, signal.SIGSTOP)  # what is sent now waits for it (a round, a gathered answer)
+        try:
+            waiting = [c.submit(p.StatsRequest()) for _ in range(4)]
+            waiting += [c.submit(p.LockRequest(tokens=fresh_tokens(2 * PAGE), prefetch="none")) for _ in range(4)]
+            time.sleep(0.5)
+        finally:
+            os.kill(follower, signal.SIGKILL)
+        outcomes = []
+        for rid in waiting:
+            try:
+                outcomes.append(type(c.wait(rid)).__name__)
+            except p.ProtocolError as exc:
+                outcomes.append(type(exc).__name__)
+        assert outcomes == ["CacheClosed"] * len(waiting), service.log()

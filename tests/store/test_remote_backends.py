@@ -3,6 +3,7 @@ reads, values that are not this key's page are counted misses, never served."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -182,9 +183,12 @@ def test_a_full_server_is_no_space(tmp_path) -> None:
         b.close()
 
 
-def _mooncake(request: pytest.FixtureRequest, direct_put: str, direct_get: str = "0", url: str = "") -> StorageBackend:
+def _mooncake(
+    request: pytest.FixtureRequest, direct_put: str, direct_get: str = "0", url: str = "", deadline: str = "0"
+) -> StorageBackend:
+    """A Mooncake backend; without a deadline by default (reads into the caller's pages need none)."""
     url = url or request.getfixturevalue("mooncake_store").url
-    settings = f"&direct_put={direct_put}&direct_get={direct_get}&prefix={request.node.name}/"
+    settings = f"&direct_put={direct_put}&direct_get={direct_get}&deadline={deadline}&prefix={request.node.name}/"
     return open_storage(url + settings, shard=(0, 1))
 
 
@@ -347,3 +351,80 @@ def test_a_killed_segment_holder_fails_direct_reads_then_reads_work_again(
         again = [bytearray(big)]
         assert b.get(keys[1:], again) == [True]
         assert bytes(again[0]) == page
+
+
+# ---- stalled (stopped, not dead) stores: one deadline, then calls fail fast
+
+
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _fails_fast_then_recovers(b: StorageBackend, keys: list[StorageKey], pages: list[bytes], pid: int) -> None:
+    """With the store stopped, the first call is abandoned at its deadline and every later one fails
+    without waiting (one deadline in all); once it runs again, calls work again."""
+    untouched = bytearray(b"\xee" * len(pages[0]))
+    out = [bytearray(untouched) for _ in keys]
+    before = b.stats()["deadline_exceeded"]
+    with _stopped(pid):
+        assert b.get(keys, out) == [False] * len(keys)
+        assert b.exists(keys) == [False] * len(keys)
+        assert b.put(keys, pages) == [False] * len(keys)
+        assert b.get(keys, out) == [False] * len(keys)
+        s = b.stats()
+        assert s["deadline_exceeded"] == before + 1, s  # the calls after the first did not wait
+        assert s["unavailable"] >= 4, s
+    assert out == [untouched] * len(keys)  # nothing of the store's
+    for _ in range(200):  # the abandoned call returns, the retry interval passes
+        if b.exists(keys[:1]) == [True]:
+            break
+        time.sleep(0.05)
+    again = [bytearray(len(pages[0])) for _ in keys]
+    assert b.get(keys, again) == [True] * len(keys)
+    assert [bytes(a) for a in again] == pages
+    assert out == [untouched] * len(keys)  # the abandoned read never landed
+
+
+def test_a_stalled_redis_costs_one_deadline_then_calls_fail_fast(tmp_path) -> None:
+    with RedisServer(tmp_path) as server:
+        b = open_storage(server.url + "?deadline=0.5&retry_s=0.3", shard=(0, 1))
+        try:
+            keys = make_keys(2)
+            pages = [make_page(i, PAGE) for i in range(2)]
+            assert b.put(keys, pages) == [True, True]
+            _fails_fast_then_recovers(b, keys, pages, server.pid)
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def as_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a local Mooncake Store runs in a private network namespace (CI runs as root)")
+
+
+@pytest.mark.needs_root
+@pytest.mark.parametrize("piece", ["master", "holder"])
+def test_a_stalled_mooncake_costs_one_deadline_then_calls_fail_fast(
+    as_root: None, request: pytest.FixtureRequest, own_store: MooncakeStore, piece: str
+) -> None:
+    """A stopped master, or a stopped segment holder in the middle of a read: the call is abandoned
+    at its deadline, later calls fail fast, and the abandoned read (into the staging buffer, as
+    every read with a deadline) never writes into the caller's pages, also once the holder runs."""
+    big = 4 * PAGE
+    with _mooncake(request, "0", direct_get="0", url=own_store.url, deadline="0.5") as b:
+        keys = make_keys(2)
+        pages = [make_page(i, big) for i in range(2)]
+        for _ in range(200):  # after a test that killed the holder, until the master forgets its segment
+            if b.put(keys, pages) == [True, True]:
+                break
+            time.sleep(0.05)
+        assert b.put(keys, pages) == [True, True]
+        pid = own_store.master_pid if piece == "master" else own_store.holder_pid
+        _fails_fast_then_recovers(b, keys, pages, pid)
+        assert b.stats()["gets_direct"] == 0  # with a deadline, reads never land in the caller's pages

@@ -53,9 +53,10 @@ def test_file_urls_keep_the_storage_dir_layout(tmp_path: Path) -> None:
 
 
 def test_service_config_takes_a_url_and_storage_dir_as_file_url(tmp_path: Path) -> None:
-    c = build_config(env={}, cli={"storage_dir": str(tmp_path), "kv_layout": LAYOUT})
+    c = build_config(env={}, cli={"storage_dir": str(tmp_path), "kv_layout": LAYOUT, "host_pages": 8})
     assert c.storage_location() == f"file://{tmp_path}" and c.cache_config().storage
-    c = build_config(env={"TPCACHE_STORAGE_URL": "redis://127.0.0.1:6379/0", "TPCACHE_KV_LAYOUT": LAYOUT})
+    env = {"TPCACHE_STORAGE_URL": "redis://127.0.0.1:6379/0", "TPCACHE_KV_LAYOUT": LAYOUT, "TPCACHE_HOST_PAGES": "8"}
+    c = build_config(env=env)
     assert c.storage_location() == "redis://127.0.0.1:6379/0" and c.cache_config().storage
     with pytest.raises(ConfigError, match="not both"):
         build_config(env={}, cli={"storage_dir": "/x", "storage_url": "file:///y", "kv_layout": LAYOUT})
@@ -63,6 +64,8 @@ def test_service_config_takes_a_url_and_storage_dir_as_file_url(tmp_path: Path) 
         build_config(env={}, cli={"storage_url": "redis://h:1/0?nope=1", "kv_layout": LAYOUT})
     with pytest.raises(ConfigError, match="needs kv_layout"):
         build_config(env={}, cli={"storage_url": "redis://h:1/0"})
+    with pytest.raises(ConfigError, match=r"^host_pages = 0 \(default\): must be > 0 with a storage tier"):
+        build_config(env={}, cli={"storage_dir": str(tmp_path), "kv_layout": LAYOUT})
 
 
 @pytest.mark.multiprocess

@@ -67,6 +67,7 @@ static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_Ne
 /* The state drop_leaves works on, read once per call and written back on every way out. */
 typedef struct {
     PyObject *owned, *free, *digest, *backlog;
+    PyObject *dropped; /* a list each dropped leaf is appended to (the ledger's change feed), or NULL */
     Heaps heaps;
     uint64_t value;
     long long evictable;
@@ -107,7 +108,7 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     PyObject *freed = PyLong_FromLongLong(page);
     int bad = freed == NULL || PyList_Append(s->free, freed) < 0 || drop_pages(n) < 0;
     Py_XDECREF(freed);
-    if (bad)
+    if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
     set_field(&n->device_state, device_none);
     n->device_page = -1;
@@ -147,12 +148,15 @@ static PyObject *attr(PyObject *o, PyObject *name) {
     return o == NULL || PyErr_Occurred() ? NULL : PyObject_GetAttr(o, name);
 }
 
-/* drop_leaves(candidates, ledger, want) -> (pages freed, node or None): pop device candidates and
- * drop the plain leaves among them until ``want`` are freed (then None), the heap is empty (None),
- * or a candidate is not a plain leaf (returned, off its heap, for the caller's loop). */
+/* drop_leaves(candidates, ledger, want[, dropped]) -> (pages freed, node or None): pop device
+ * candidates and drop the plain leaves among them until ``want`` are freed (then None), the heap is
+ * empty (None), or a candidate is not a plain leaf (returned, off its heap, for the caller's loop).
+ * ``dropped``, a list: each leaf dropped is appended to it. */
 static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "drop_leaves takes 3 arguments, not %zd", nargs);
+    if (nargs != 3 && nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "drop_leaves takes 3 or 4 arguments, not %zd", nargs);
+    if (nargs == 4 && args[3] != Py_None && !PyList_Check(args[3]))
+        return PyErr_Format(PyExc_TypeError, "drop_leaves: dropped must be a list or None");
     PyObject *cands = args[0], *ledger = args[1];
     Py_ssize_t want = PyLong_AsSsize_t(args[2]);
     if (want == -1 && PyErr_Occurred())
@@ -162,6 +166,7 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
     if (load_names() < 0)
         return NULL;
     Pool s = {0};
+    s.dropped = nargs == 4 && args[3] != Py_None ? args[3] : NULL; /* borrowed: the caller holds it */
     PyObject *device = attr(ledger, s_device), *count = NULL, *value = NULL, *out = NULL, *node = NULL;
     PyObject *next = NULL; /* a parent that drop handed back: a plain leaf, the next pop */
     s.owned = attr(device, s_owned);

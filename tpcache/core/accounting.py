@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Callable, Iterable
 
 import xxhash
 
@@ -115,3 +116,29 @@ def reference_flags_of(node: Node) -> int:
 
 
 flags_of = _native.flags_of if _native is not None else reference_flags_of  # the same bits, in C
+
+
+def touch_nodes(
+    nodes: Iterable[Node], device_pins: int, stamp: bool, hit: bool, clock: int, value: int, offer: Callable[..., None]
+) -> tuple[int, int, int]:
+    """The reference loop of ``Ledger.touch`` (``_account.c``'s ``touch`` in C): each node's pins
+    moved by ``device_pins``, stamped with ``clock`` and hit as asked, re-recorded and offered.
+    Returns the digest's new value (``value`` moved, unmasked), the evictable and protected deltas."""
+    evictable = protected = 0
+    for node in nodes:
+        pins = node.device_pins
+        new = node.device_pins = pins + device_pins
+        state = node.device_state
+        if state == _VALID:
+            evictable += (new == 0) - (pins == 0)
+        if state != _NONE:
+            protected += (new > 0) - (pins > 0)
+        if stamp:
+            node.last_access = clock
+        if hit:
+            node.hits += 1
+        value -= node.record
+        node.record = record_of(node)
+        value += node.record
+        offer(node)
+    return value, evictable, protected

@@ -233,8 +233,7 @@ class CacheCore:
             stats.lookup_tokens += result.num_pages * ps
             stats.device_hit_tokens += result.device_pages * ps
             stats.host_hit_tokens += result.host_pages * ps
-        lease = self.book.new(token_bytes, result.walk)
-        lease.locked_pages = result.device_pages + result.host_pages
+        lease = self.book.new(token_bytes, result.walk, result.device_pages + result.host_pages)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
         nodes = result.nodes
         on_device = nodes if dev == len(nodes) else nodes[:dev]  # most hits are all on device: no copy
@@ -406,9 +405,10 @@ class CacheCore:
         What outlives it: lease and op ids keep counting from the given (agreed) values, the
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release."""
-        cap, kept = self.evictor.retention_cap_tokens, self.book.kept()
+        cap, kept, feed = self.evictor.retention_cap_tokens, self.book.kept(), self.ledger.feed
         self.tree.dispose()  # the old tree goes now, not at the collection that finds the old core
         self.__init__(self.config)  # type: ignore[misc]
+        self.ledger.feed = feed.clear() if feed is not None else None  # its next drain says: cleared
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
         self.book.take_back(kept)
 

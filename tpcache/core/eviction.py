@@ -168,7 +168,12 @@ class Evictor:
         leaves = _native.drop_leaves if _native is not None and not self.write_back and free_clean else None
         while (want := n - freed - (len(backups) if count_backups else 0)) > 0:
             if leaves is not None and self.candidates.key_kind >= 0:
-                dropped, node = leaves(self.candidates, led, want)
+                if led.feed is None:
+                    dropped, node = leaves(self.candidates, led, want)
+                else:  # the feed learns which leaves went
+                    gone: list[Node] = []
+                    dropped, node = leaves(self.candidates, led, want, gone)
+                    led.feed.dropped_device_leaves(gone)
                 freed += dropped
                 if node is None:
                     if dropped < want:

@@ -100,6 +100,8 @@ class Inserter:
         if not parts:  # most appends: ``_append_new``, in C where built (_chain.c; None where it does not apply)
             chain = _native.append_chain(self.ledger, lease, cursor, data, pages) if _native is not None else None
             if chain is not None:
+                if self.ledger.feed is not None:
+                    self.ledger.feed.fresh(chain)
                 return self._added(lease, chain)
             if (made := self._append_new(lease, cursor, data, pages)) is not None:
                 return made

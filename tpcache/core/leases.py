@@ -37,9 +37,10 @@ class Leases:
         # Leases changed since their records were last folded into the digests (see ``refresh``).
         self.stale: dict[int, Lease] = {}
 
-    def new(self, tokens: bytes, walk: Walk | None = None) -> Lease:
-        """A new lease of ``tokens``; ``walk``: its lock's walk of them (see ``Lease.walk``)."""
-        lease = Lease(self.next_lease, tokens=tokens, walk=walk)
+    def new(self, tokens: bytes, walk: Walk | None = None, locked_pages: int = 0) -> Lease:
+        """A new lease of ``tokens``; ``walk``: its lock's walk of them (see ``Lease.walk``);
+        ``locked_pages``: the hit (device + host) its lock found (see ``Lease.locked_pages``)."""
+        lease = Lease(self.next_lease, tokens=tokens, walk=walk, locked_pages=locked_pages)
         self.next_lease += 1
         self.table[lease.lease_id] = lease
         return lease

@@ -14,7 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from tpcache.core.accounting import EVICTABLE, LEASE_TAG, MIRROR, NO_IDS, PROTECTED, flags_of, record_of, unresident
+from tpcache.core.accounting import (
+    EVICTABLE,
+    LEASE_TAG,
+    MIRROR,
+    NO_IDS,
+    PROTECTED,
+    flags_of,
+    record_of,
+    touch_nodes,
+    unresident,
+)
 from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.components import (
     DEV,
@@ -32,6 +42,7 @@ from tpcache.core.components import (
 )
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest
+from tpcache.core.feed import ChangeFeed
 from tpcache.core.hashing import page_hash
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, StorageState, check_transition
@@ -74,6 +85,8 @@ class Ledger:
         self.backup_backlog: dict[int, Node] = {}
         # A hybrid model's other components, by index (1, 2, ...): pools and summaries of each.
         self.parts: dict[int, Part] = {spec.index: Part(spec, tree) for spec in config.components()}
+        # Told about every node before its tiers change (``feed.py``); None: nobody reads the changes.
+        self.feed: ChangeFeed | None = None
 
     @property
     def evictable_device_tokens(self) -> int:
@@ -108,6 +121,8 @@ class Ledger:
         if part:
             self._update_part(node, self.parts[part], device, host, storage, device_pins, host_pins, stamp)
             return
+        if self.feed is not None and (device is not None or host is not None or storage is not None):
+            self.feed.before(node)
         was = flags_of(node)
         if device is not None:
             state, page = device
@@ -146,6 +161,8 @@ class Ledger:
         """``update(node, device=(device, its page), host=(host, its slot), storage=storage,
         host_pins=host_pins)`` for each node in order (None: that tier unchanged): one agreed copy's
         change to its pages, in one loop with the same records, counters, mirrors and offers."""
+        if self.feed is not None:
+            self.feed.before_all(nodes)
         if _native is not None:  # the same loop in C (_settle.c), up to a node it leaves to update
             value, evictable, protected, stopped = _native.settle(
                 nodes, device, host, storage, host_pins, self.digest.value, self.candidates, self.mirrors, TRANSITIONS
@@ -171,34 +188,12 @@ class Ledger:
             )  # each node offered as ``self.candidates.offer`` does, the heaps read once
             self.digest.value = value
         else:
-            value, evictable, protected = self._touch(nodes, device_pins, stamp, hit)
+            value, evictable, protected = touch_nodes(
+                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
+            )
             self.digest.value = value & DIGEST_MASK
         self.evictable_device_pages += evictable
         self.protected_device_pages += protected
-
-    def _touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool, hit: bool) -> tuple[int, int, int]:
-        """The reference loop of ``touch``: the digest's new value (unmasked), the evictable and
-        protected deltas."""
-        clock, offer, record = self.clock, self.candidates.offer, record_of
-        value = self.digest.value
-        evictable = protected = 0
-        for node in nodes:
-            pins = node.device_pins
-            new = node.device_pins = pins + device_pins
-            state = node.device_state
-            if state == _VALID:
-                evictable += (new == 0) - (pins == 0)
-            if state != _NONE:
-                protected += (new > 0) - (pins > 0)
-            if stamp:
-                node.last_access = clock
-            if hit:
-                node.hits += 1
-            value -= node.record
-            node.record = record(node)
-            value += node.record
-            offer(node)
-        return value, evictable, protected
 
     def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int]) -> Node:
         """A new host-only node under ``parent`` (stamped now) with its host slot being written: one
@@ -210,6 +205,8 @@ class Ledger:
         check_transition(HostState, node.host_state, host[0])
         node.host_state, node.host_slot = host
         self._refresh(node, 0, False)
+        if self.feed is not None:
+            self.feed.fresh((node,))
         return node
 
     def add_pinned_chain(self, parent: Node, token_bytes: bytes, offset: int, pages: list[int]) -> list[Node]:
@@ -222,6 +219,8 @@ class Ledger:
                 nodes, records = made
                 self.digest.value = (self.digest.value + records) & DIGEST_MASK
                 self.protected_device_pages += len(nodes)
+                if self.feed is not None:
+                    self.feed.fresh(nodes)
                 return nodes
         step, seed, h = self.page_size * 4, self.tree.seed, parent.hash
         tokens, hashes = [], []
@@ -240,6 +239,8 @@ class Ledger:
             value += node.record
         self.digest.value = value & DIGEST_MASK
         self.protected_device_pages += len(nodes)
+        if self.feed is not None:
+            self.feed.fresh(nodes)
         return nodes
 
     def remove_empty(self, nodes: list[Node]) -> None:
@@ -257,6 +258,8 @@ class Ledger:
             and node.host_pins == 0
         ):
             parent = node.parent
+            if self.feed is not None:
+                self.feed.before(node)
             self.digest.remove(node.record)
             node.record = 0
             self.backup_backlog.pop(node.node_id, None)
@@ -389,6 +392,8 @@ class Ledger:
             or (parent.parent is not None and parent.device_state != _VALID)
         ):
             return False
+        if self.feed is not None:
+            self.feed.before(node)
         self.device.free([node.device_page])
         drop_pages(node)
         node.device_state, node.device_page = _NONE, -1

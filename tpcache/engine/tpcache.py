@@ -123,6 +123,7 @@ class TPCache(Operations):
         self.round_timeout_s = round_timeout_s
         core = CacheCore(config)
         self.round_seconds: deque[float] = deque(maxlen=4096)  # recent round wall times (metrics only)
+        self.events: Any = None  # rank 0's KV-event stream (``publish_events``)
         self.kv_layout = kv_layout
         self.device_pool = device_pool
         self.host_pool: HostPool | None = None
@@ -262,7 +263,34 @@ class TPCache(Operations):
         start = time.perf_counter()
         report = self.driver.step()
         self.round_seconds.append(time.perf_counter() - start)  # metrics only
+        if self.events is not None:
+            self.events.after_round(self.core)
         return report
+
+    def publish_events(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        replay_endpoint: str = "tcp://127.0.0.1:0",
+        model: str = "",
+        **kw: int,
+    ) -> dict[str, Any] | None:
+        """On rank 0: publish what each round changes (``tpcache.events``; ``kw``: EventPublisher's
+        options) and return where (endpoints, topics, the group's identity). Other ranks: None."""
+        if self.rank != 0:
+            return None
+        import secrets
+
+        import zmq
+
+        from tpcache.events.publisher import EventPublisher, RoundStream
+
+        identity = {"model": model, "namespace": self.config.namespace, "incarnation": secrets.randbits(63)}
+        identity.update(tp_size=self.group.tp_size, pp_size=self.group.pp_size, page_size=self.config.page_size)
+        publisher = EventPublisher(
+            zmq.Context.instance(), endpoint, replay_endpoint, identity, page_size=self.config.page_size, **kw
+        )
+        self.events = RoundStream(publisher, self.core)
+        return publisher.info()
 
     def drain(self, max_rounds: int = 10_000, pause_s: float = 0.0005) -> int:
         """Run rounds until no rank has anything in flight (a collective call: all ranks). Every rank
@@ -320,6 +348,9 @@ class TPCache(Operations):
         return out
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         self.shell.close()
         if self.storage is not None:
             self.storage.close()

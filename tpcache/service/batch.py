@@ -64,18 +64,18 @@ def apply_batch(handler: RankHandler, metrics: RankMetrics, entries: Sequence[En
                     # The leader decoded this frame, so this rank's copy is not what it sent. Skipping
                     # it leaves this rank's sequence behind and the round closes the group.
                     log.error("rank %d: request %d could not be decoded (%s); skipped", rank, entry.token, exc)
-                    entry.outcome = exc
+                    entry.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
                     continue
             try:
                 entry.outcome = handler.apply(body, Ctx(entry.token, entry.conn))
             except p.ProtocolError as exc:
-                entry.outcome = exc
+                entry.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
         elif entry.kind == ACTIVATE:
             try:
                 entry.outcome = handler.activate(entry.token, bool(entry.data))
             except p.ProtocolError as exc:
                 log.warning("rank %d: registration %d: %s", rank, entry.token, exc.message)
-                entry.outcome = exc
+                entry.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
         else:
             handler.expire(entry.data)
     start = time.perf_counter()

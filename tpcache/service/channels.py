@@ -181,6 +181,7 @@ class Channels:
         self.inbox: zmq.Socket | None = None  # follower: batches; leader: answers
         self.outs: list[zmq.Socket] = []  # leader: one PUSH per follower; follower: one to the leader
         self.pids: list[int] = []
+        self.leader_local = False  # rank 0's pid names a process of this host (and pid namespace)
 
     @property
     def rejected(self) -> int:
@@ -197,12 +198,14 @@ class Channels:
         port = inbox.bind_to_random_port(f"tcp://{host}")
         # The key travels over the group's own connections (the collective), not its store.
         mine = {"endpoint": f"tcp://{host}:{port}", "pid": os.getpid(), "key": secrets.token_hex(KEY_BYTES)}
+        mine["where"] = _where()
         if rank:
             mine["key"] = ""
         peers = all_gather_json(mine, group)
         ch = cls(ctx, rank, world, bytes.fromhex(peers[0]["key"]))
         ch.inbox = inbox
         ch.pids = [int(p["pid"]) for p in peers]
+        ch.leader_local = bool(mine["where"]) and peers[0].get("where") == mine["where"]
         targets = [p["endpoint"] for p in peers[1:]] if rank == 0 else [peers[0]["endpoint"]]
         for target in targets:
             out = ctx.socket(zmq.PUSH)
@@ -255,3 +258,14 @@ class Channels:
                 sock.close()
         self.outs = []
         self.inbox = None
+
+
+def _where() -> str:
+    """This host's boot and this process's pid namespace: two ranks with the same one can watch
+    each other's pids ('' when unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""

@@ -152,6 +152,21 @@ class ServiceConfig:
     heartbeat_s: float = _opt(1.0, "an idle leader runs a round at least this often (detects dead ranks)", min=0.001)
     max_batch: int = _opt(1024, "most client requests applied in one round", min=1)
     max_pending_per_client: int = _opt(4096, "requests one client may have in flight before OVERLOADED", min=1)
+    max_connections: int = _opt(
+        1024,
+        "client connections rank 0 serves at once; each request on a connection past it is answered "
+        "OVERLOADED (naming this setting) and the connection is closed",
+        min=1,
+        max=1 << 16,
+    )
+    max_unread_reply_bytes: int = _opt(
+        0,
+        "reply bytes rank 0 may hold for all client connections together (queued, or sent and not yet read); "
+        "past it a large reply is refused OVERLOADED and the connection with the most unread bytes is closed; "
+        "0: auto, 1/16 of the host's memory, at most 256 MiB (units allowed: 64MiB)",
+        min=0,
+        unit="bytes",
+    )
     # --- leases
     lease_ttl_s: float = _opt(
         600.0,
@@ -194,6 +209,36 @@ class ServiceConfig:
     )
     ready_file: str = _opt("", "rank 0 writes {endpoint, pids, ...} as JSON here once serving", rank_local=True)
     log_level: str = _opt("INFO", "logging level (to stderr)", choices=LOG_LEVELS, any_case=True, rank_local=True)
+    # --- the KV-event stream (rank 0)
+    events_endpoint: str = _opt(
+        "",
+        "rank 0 publishes what each round changed (pages stored and removed per tier, clears) on this ZMQ PUB "
+        "endpoint in vLLM's KV-event encoding: a port (binds 127.0.0.1:PORT), tcp://HOST:PORT or ipc://PATH; "
+        "port 0 picks a free port; empty: off",
+        rank_local=True,
+    )
+    events_replay_endpoint: str = _opt(
+        "",
+        "the event stream's replay endpoint (ROUTER: replays, snapshots, the group's identity), same forms; "
+        "empty: the events port + 1 on the same host (a free port when the events port is 0)",
+        rank_local=True,
+    )
+    events_topic: str = _opt("kv-events", "ZMQ topic of the event batches (the digests go on topic tpcache-digest)")
+    events_model: str = _opt("", "model name the event stream reports in the group's identity")
+    events_replay_batches: int = _opt(10_000, "event batches the replay endpoint keeps", min=1)
+    events_replay_mib: int = _opt(64, "MiB of event batches the replay endpoint keeps at most", min=1)
+    events_batch_ms: float = _opt(
+        5.0,
+        "rounds that follow an event batch by less than this many milliseconds go into one batch, sent once it "
+        "is due (fewer messages under load); 0: a batch after every round that changed something",
+        min=0.0,
+    )
+    events_digest_every: int = _opt(64, "publish a digest of the stream's pages every this many batches", min=1)
+    events_snapshot_max_pages: int = _opt(
+        4_000_000,
+        "largest snapshot (pages over all tiers) the replay endpoint sends; larger: refused",
+        min=1,
+    )
 
     def validate(self) -> None:
         """Raise ConfigError (a SettingError naming the setting) for any value not allowed."""
@@ -223,6 +268,7 @@ class ServiceConfig:
                 raise SettingError("storage_url", self.storage_url, str(exc)) from None
         self.storage_secret()
         check_endpoint(self.endpoint, self.allow_remote, self.secret)
+        events_endpoints(self)
         if not is_loopback_host(self.internal_host) and not self.allow_remote:
             raise SettingError(
                 "internal_host",
@@ -242,6 +288,12 @@ class ServiceConfig:
                 raise SettingError(
                     "host_mode", self.host_mode, "stages writes as pages are written: use write_through(_selective)"
                 )
+        elif self.storage_location() and not self.host_pages:
+            raise SettingError(
+                "host_pages",
+                self.host_pages,
+                "must be > 0 with a storage tier: pages reach storage and come back from it through the host tier",
+            )
 
     def _check_model_id(self) -> None:
         if not self.model_layout:
@@ -673,3 +725,49 @@ def describe_sources(resolved: Resolved) -> list[str]:
         groups.setdefault(resolved.sources.get(name, DEFAULT), []).append(f"{name}={value}")
     order = sorted(groups, key=lambda s: (s == DEFAULT, s != COMMAND_LINE, s != ENVIRONMENT, s))
     return [f"({source}) {' '.join(groups[source])}" for source in order]
+
+
+# ---------------------------------------------------------------------- the KV-event stream
+
+
+def _events_endpoint(name: str, value: str) -> str:
+    if value.isdigit():
+        if int(value) > 65535:
+            raise SettingError(name, value, "a port is at most 65535")
+        return f"tcp://127.0.0.1:{value}"
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    parsed = urlparse(value)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "tcp" or not parsed.hostname or port is None:
+        raise SettingError(name, value, "must be a port, tcp://HOST:PORT or ipc://PATH")
+    return value
+
+
+def events_endpoints(config: ServiceConfig) -> tuple[str, str]:
+    """The event stream's (PUB, replay) endpoints, or ("", "") when it is off; a SettingError for a
+    value that is not a port, tcp://HOST:PORT or ipc://PATH, or for topics a subscriber cannot tell apart."""
+    if not config.events_endpoint:
+        if config.events_replay_endpoint:
+            raise SettingError("events_replay_endpoint", config.events_replay_endpoint, "needs events_endpoint")
+        return "", ""
+    digest = "tpcache-digest"
+    topic = config.events_topic
+    if not topic or topic.startswith(digest) or digest.startswith(topic):
+        raise SettingError(
+            "events_topic", topic, f"must be non-empty and neither a prefix of {digest!r} nor start with it"
+        )
+    pub = _events_endpoint("events_endpoint", config.events_endpoint)
+    if config.events_replay_endpoint:
+        replay = _events_endpoint("events_replay_endpoint", config.events_replay_endpoint)
+    elif pub.startswith("ipc://"):
+        replay = pub + "-replay"
+    else:
+        head, _, port = pub.rpartition(":")
+        replay = f"{head}:{int(port) + 1 if int(port) else 0}"
+    if replay == pub and not pub.endswith(":0"):
+        raise SettingError("events_replay_endpoint", config.events_replay_endpoint, "must differ from events_endpoint")
+    return pub, replay

@@ -4,8 +4,12 @@ A follower never decides anything: it applies what it received, in the order rec
 exactly one round per batch, so every rank runs the same number of rounds. What it cannot apply
 (a request it cannot decode, a batch it lost) it skips: its sequence number then differs from the
 other ranks' and the round's sequence check closes the cache everywhere, which health reports.
-A follower that hears nothing from the leader for longer than a round can take (the leader sends
-a heartbeat batch when idle) closes its cache and exits: the leader is gone. A follower whose
+A follower on the leader's host watches the leader's process (a pidfd): once it is gone the
+follower closes its cache and exits at once (``EXIT_LEADER_GONE``), idle or busy, releasing its
+storage, so that a restarted group finds nothing held. Elsewhere, a follower that hears nothing
+from the leader for longer than a round can take (the leader sends a heartbeat batch when idle)
+does the same. A leader that is alive but stopped or slow is no reason to exit: the round timeout
+decides about it. A follower whose
 round collective failed exits at once (``EXIT_GROUP_BROKEN``): the group can never agree again
 and must be restarted (torchrun ``--max-restarts`` does it).
 """
@@ -23,6 +27,7 @@ import protocol as p
 from tpcache.service.batch import EXIT_GROUP_BROKEN, REQUEST, apply_batch
 from tpcache.service.channels import MAX_ANSWER_BYTES, Batch, Channels
 from tpcache.service.config import ServiceConfig
+from tpcache.service.frontdoor import release_free_memory
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
 from tpcache.service.ops import gathered_payload
@@ -32,6 +37,9 @@ log = logging.getLogger("tpcache.service")
 EXIT_LEADER_GONE = 3
 FOLLOWER_YIELD_S = 20e-6  # the shm round's yield phase on a follower (500 us by default)
 MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
+LAST_BATCH_WAIT_MS = 200  # once the leader has exited, how long its last frames may take to arrive
+TRIM_AFTER_BYTES = 4 << 20  # page bytes answered since memory was last handed back ...
+TRIM_QUIET_S = 0.5  # ... and none answered for this long: hand free memory back to the OS
 
 
 def _fault_drop_batch() -> int:
@@ -51,6 +59,8 @@ class Follower:
         self.expected_batch = 0
         self.expected_seq = 1
         self.drop_batch = _fault_drop_batch()
+        self.answered_bytes = 0  # page bytes sent to the leader since free memory was handed back
+        self.answered_at = 0.0  # when the last of them was sent
         collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
         if hasattr(collective, "yield_s"):
             # A follower waits in a round for the leader, which first reads its clients: yielding
@@ -58,11 +68,43 @@ class Follower:
             # the round's futex spares (the leader wakes it the moment the round is complete).
             collective.yield_s = min(collective.yield_s, FOLLOWER_YIELD_S)
 
+    def _watch_leader(self) -> int | None:
+        """A pidfd of the leader's process when it runs on this host (None: it cannot be watched
+        here); -1 when it has exited already."""
+        if not self.ch.leader_local or not hasattr(os, "pidfd_open") or not self.ch.pids:
+            return None
+        try:
+            return os.pidfd_open(self.ch.pids[0])
+        except ProcessLookupError:
+            return -1
+        except OSError:  # (no pidfd on this kernel)
+            return None
+
+    def _leader_gone(self, why: str) -> int:
+        reason = f"the leader (rank 0, pid {self.ch.pids[0]}) {why}"
+        self.h.tp.core.close(reason)
+        log.error("rank %d: %s; exiting", self.ch.rank, reason)
+        return EXIT_LEADER_GONE
+
     def run(self, should_stop: Any) -> int:
         """Serve until the leader's stop batch; returns the process exit code."""
+        leader = self._watch_leader()
+        try:
+            return self._serve(should_stop, leader)
+        finally:
+            if leader is not None and leader >= 0:
+                os.close(leader)
+
+    def _serve(self, should_stop: Any, leader: int | None) -> int:
         cfg = self.config
         inbox = self.ch.inbox
         assert inbox is not None
+        if leader == -1:
+            return self._leader_gone("exited before this rank started serving")
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        if leader is not None:
+            poller.register(leader, zmq.POLLIN)  # readable once the process has exited
         orphan_s = 2 * cfg.round_timeout_s + cfg.heartbeat_s + 5.0
         last = time.monotonic()
         stop_sent: float | None = None
@@ -74,7 +116,13 @@ class Follower:
             if stop_sent is not None and now - stop_sent > cfg.round_timeout_s + 5.0:
                 log.error("rank %d: no stop from the leader after a signal; exiting", self.ch.rank)
                 return 1
-            if inbox.poll(100, zmq.POLLIN):
+            ready = dict(poller.poll(100))
+            if self.answered_bytes >= TRIM_AFTER_BYTES and time.monotonic() - self.answered_at >= TRIM_QUIET_S:
+                self.answered_bytes = 0  # large answers, and none for a while: the burst is over
+                release_free_memory()
+            if leader is not None and leader in ready and not self._batch_waiting(LAST_BATCH_WAIT_MS):
+                return self._leader_gone("exited")
+            if inbox in ready:
                 batch = self.ch.receive_batch()  # None: a foreign frame, dropped and counted
                 self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
                 if batch is None:
@@ -83,6 +131,8 @@ class Follower:
                 if batch.stop:
                     return 0
                 self._batch(batch)
+                if self.h.tp.collective.closed and leader is not None and _exited(leader):
+                    return self._leader_gone("exited during a round")
                 if self.h.tp.collective.closed:
                     log.error(
                         "rank %d: the group is broken and must be restarted: %s",
@@ -95,6 +145,12 @@ class Follower:
                 self.h.tp.core.close(reason)
                 log.error("rank %d: %s; exiting", self.ch.rank, reason)
                 return EXIT_LEADER_GONE
+
+    def _batch_waiting(self, wait_ms: int) -> bool:
+        """Whether a frame waits in the inbox (or arrives within ``wait_ms``): the leader's last
+        batches, its stop batch above all, are read before its exit is taken for a death."""
+        inbox = self.ch.inbox
+        return inbox is not None and bool(inbox.poll(wait_ms, zmq.POLLIN))
 
     def _batch(self, batch: Batch) -> None:
         rank = self.ch.rank
@@ -132,5 +188,15 @@ class Follower:
                 chunk, size = [], 0
             chunk.append(answer)
             size += data
+            if data:
+                self.answered_bytes += data
+                self.answered_at = time.monotonic()
         if chunk:
             self.ch.send_up({"b": b, "r": self.ch.rank, "a": chunk})
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (its pidfd is readable)."""
+    import select
+
+    return bool(select.select([pidfd], [], [], 0)[0])

@@ -22,15 +22,34 @@ past ``SMALL_REPLY`` bytes at most ``MAX_SOCKET_REPLY_BYTES`` until the connecti
 queue is seen drained) and then here (at most ``MAX_QUEUED_REPLY_BYTES``); past that they are
 dropped and counted. A client that does not read its replies loses them, never the server's
 memory.
+
+Memory over all connections is bounded too: the reply bytes rank 0 holds for every connection
+together (queued here, put in a socket and not yet seen read, or reserved for a large reply being
+built) stay within ``max_unread_bytes``. A large reply that would pass it is refused OVERLOADED
+before any rank builds it, and the connection holding the most unread bytes is dropped (its socket
+shut down, which makes libzmq free what it queued for it); a small reply past it is dropped. Once a
+dropped connection's buffers are freed, the allocator is asked to return them to the OS
+(``malloc_trim``), so that repeated episodes do not ratchet the process's resident memory up.
+
+Connections past ``max_connections`` are refused: each request on one is answered OVERLOADED naming
+the setting, and its socket is shut down shortly after; past twice the cap a connection is refused
+at its handshake (the ZAP answer), so that it holds no descriptor at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
+import gc
 import logging
+import os
+import resource
+import socket
 import struct
 import termios
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +70,13 @@ MAX_QUEUED_REPLY_BYTES = 8 << 20  # per connection, counting each reply's bookke
 MAX_REPLY_BYTES_IN_FLIGHT = 16 << 20  # per connection: large replies (inline pages) not yet sent
 _QUEUED_OVERHEAD = 128
 MAX_CONNECTIONS = 65_536  # connections remembered at once; the oldest idle ones are forgotten
+REFUSED_CLOSE_S = 0.5  # a refused connection's socket is shut down this long after its refusal ...
+REFUSED_CLOSE_MAX_S = 2.0  # ... once its kernel queue is empty, or after this long at the latest
+AUTO_UNREAD_FRACTION = 16  # max_unread_bytes 0: this fraction of the host's memory ...
+AUTO_UNREAD_CAP = 256 << 20  # ... at most this much
+TRIM_AFTER_S = 0.5  # the allocator is trimmed this long after a large holder left (libzmq frees late)
+RECOUNT_S = 0.25  # how often replies put in the sockets are looked at again (read by now?)
+WARN_EVERY_S = 10.0  # a repeated warning (refused or dropped connections) at most this often
 MAX_DEPARTED = 4096  # gone connections remembered for the frames they sent before leaving
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
@@ -72,6 +98,13 @@ class Conn:
     queued_bytes: int = 0
     socket_bytes: int = 0  # large replies put in the socket since its kernel queue was last seen drained
     reply_bytes: int = 0  # what the replies to its requests in flight will carry (large ones only)
+    sent_bytes: int = 0  # reply bytes put in the socket since its kernel queue was last seen drained
+    refused: str = ""  # why every request on it is refused (over max_connections)
+
+    @property
+    def unread(self) -> int:
+        """Reply bytes rank 0 holds for it: queued here, or in its socket and not seen read."""
+        return self.queued_bytes + self.sent_bytes
 
 
 class Message:
@@ -98,8 +131,19 @@ class Message:
 class FrontDoor:
     """The ROUTER socket and everything known about the connections behind it."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, max_pending: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        max_pending: int,
+        max_unread_bytes: int = AUTO_UNREAD_CAP,
+        max_connections: int = 1024,
+    ) -> None:
         self.max_pending = max_pending
+        self.max_unread_bytes = max_unread_bytes
+        self.max_connections = max_connections
+        _raise_descriptor_limit(max_connections)
+        _map_large_buffers()
         # The ZAP handler must be bound before the first connection arrives.
         self.zap = ctx.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
@@ -124,7 +168,23 @@ class FrontDoor:
         self.departed: OrderedDict[int, Conn] = OrderedDict()  # recently gone, for frames read after
         self.gone: list[Conn] = []  # connections found gone since the leader last looked
         self.next_conn = 1
-        self.counters = {"requests_received": 0, "refused_envelopes": 0, "dropped_replies": 0, "connections": 0}
+        self.held = 0  # reply bytes held for every connection: sum of unread + reply_bytes
+        self.holders: dict[int, Conn] = {}  # connections holding reply bytes, by id
+        self.over_cap: dict[int, str] = {}  # connection numbers given past max_connections -> why
+        self.closing: dict[int, tuple[Conn, float]] = {}  # refused or dropped: shut down at this time
+        self.trim_at = 0.0  # when to return freed memory to the OS (0: not due)
+        self.peak = 0  # the most ``held`` since memory was last returned
+        self.recount_at = 0.0  # when to look which connections read what was sent to them
+        self._warned: dict[str, float] = {}
+        self.counters = {
+            "requests_received": 0,
+            "refused_envelopes": 0,
+            "dropped_replies": 0,
+            "connections": 0,
+            "refused_connections": 0,
+            "dropped_connections": 0,
+            "refused_replies": 0,
+        }
 
     def _bind(self, endpoint: str) -> str:
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
@@ -150,6 +210,20 @@ class FrontDoor:
             request_id = request[1] if len(request) > 1 else b""
             conn_id = self.next_conn
             self.next_conn += 1
+            open_now = len(self.open_fds)
+            if open_now > self.max_connections:
+                why = (
+                    f"the server already has {open_now - 1} client connections, its limit: max_connections = "
+                    f"{self.max_connections}; close idle connections (or raise the limit), then reconnect"
+                )
+                self.counters["refused_connections"] += 1
+                self._warn("refused", f"refusing client connections: {why}")
+                if open_now > 2 * self.max_connections:  # refused at the handshake: no descriptor kept
+                    self.zap.send_multipart([b"1.0", request_id, b"400", why[:250].encode(), b"", b""])
+                    continue
+                self.over_cap[conn_id] = why
+                while len(self.over_cap) > MAX_DEPARTED:
+                    del self.over_cap[next(iter(self.over_cap))]
             self.zap.send_multipart([b"1.0", request_id, b"200", b"OK", str(conn_id).encode(), b""])
 
     def read_monitor(self) -> None:
@@ -183,8 +257,10 @@ class FrontDoor:
         if self.by_fd.get(conn.fd) is conn:
             del self.by_fd[conn.fd]
         self.counters["dropped_replies"] += len(conn.queue)
+        if conn.unread >= 1 << 20:  # libzmq frees what it held for the connection soon: trim then
+            self.trim_at = time.monotonic() + TRIM_AFTER_S
         conn.queue.clear()
-        conn.queued_bytes = 0
+        self._set_unread(conn, 0, 0)
         self.backlogged.pop(conn.id, None)
 
     def take_gone(self) -> list[Conn]:
@@ -253,6 +329,7 @@ class FrontDoor:
         if previous is not None:  # libzmq lets one connection hold a routing id at a time
             self._lose(previous)
         conn = Conn(conn_id, identity, p.ServerConnection(max_pending=self.max_pending))
+        conn.refused = self.over_cap.pop(conn_id, "")
         if _SRCFD is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.read_monitor()  # events up to this connection's accept are in by now
@@ -294,21 +371,22 @@ class FrontDoor:
         if conn.gone:
             return False
         cost = len(frame) + _QUEUED_OVERHEAD
-        if conn.queued_bytes + cost > MAX_QUEUED_REPLY_BYTES:
+        if conn.queued_bytes + cost > MAX_QUEUED_REPLY_BYTES or not self._room(cost, conn):
             self.counters["dropped_replies"] += 1
             return False
         conn.queue.append((envelope, frame))
-        conn.queued_bytes += cost
+        self._set_unread(conn, conn.queued_bytes + cost, conn.sent_bytes)
         self.backlogged[conn.id] = conn
         return True
 
     def _try_send(self, conn: Conn, envelope: list[bytes], frame: bytes) -> bool:
         """One reply into the socket; False when the connection's socket queue is full (in replies,
         or, for a large reply, in bytes the kernel has not yet handed to the client)."""
-        if len(frame) >= SMALL_REPLY:
-            if conn.socket_bytes + len(frame) > MAX_SOCKET_REPLY_BYTES and not self._drained(conn):
+        size = len(frame)
+        if size >= SMALL_REPLY:
+            if conn.socket_bytes + size > MAX_SOCKET_REPLY_BYTES and not self._drained(conn):
                 return False
-            conn.socket_bytes += len(frame)
+            conn.socket_bytes += size
         send = self._send
         try:
             for part in envelope:
@@ -319,10 +397,13 @@ class FrontDoor:
         except zmq.ZMQError:  # EHOSTUNREACH: the peer left
             self._lose(conn)
             return False
+        conn.sent_bytes += size
+        self.held += size
+        if conn.sent_bytes == size:
+            self.holders[conn.id] = conn
         return True
 
-    @staticmethod
-    def _drained(conn: Conn) -> bool:
+    def _drained(self, conn: Conn) -> bool:
         """Whether the connection's kernel send queue is nearly empty: the client reads, so what
         rank 0 put in the socket before has left it. Resets the count of large reply bytes."""
         try:
@@ -332,6 +413,8 @@ class FrontDoor:
         if unsent >= SMALL_REPLY * 16:
             return False
         conn.socket_bytes = 0
+        if conn.sent_bytes:
+            self._set_unread(conn, conn.queued_bytes, 0)
         return True
 
     def flush(self) -> None:
@@ -342,9 +425,121 @@ class FrontDoor:
                 if not self._try_send(conn, envelope, frame):
                     break
                 conn.queue.popleft()
-                conn.queued_bytes -= len(frame) + _QUEUED_OVERHEAD
+                self._set_unread(conn, conn.queued_bytes - len(frame) - _QUEUED_OVERHEAD, conn.sent_bytes)
             if not conn.queue:
                 self.backlogged.pop(conn.id, None)
+        if self.closing or self.trim_at or (self.holders or self.peak) and time.monotonic() >= self.recount_at:
+            self._housekeeping()
+
+    # ------------------------------------------------------------------ memory over all connections
+
+    def _set_unread(self, conn: Conn, queued: int, sent: int) -> None:
+        """Change what ``conn`` holds (queued here, sent and not seen read), keeping ``held`` the sum."""
+        self.held += queued + sent - conn.queued_bytes - conn.sent_bytes
+        conn.queued_bytes, conn.sent_bytes = queued, sent
+        if conn.unread or conn.reply_bytes:
+            self.holders[conn.id] = conn
+        else:
+            self.holders.pop(conn.id, None)
+
+    def reserve(self, conn: Conn, size: int) -> None:
+        """Count a large reply (``size`` bytes) against its connection and against every
+        connection's together before it is built; raises Overloaded past either bound."""
+        if conn.reply_bytes + size > MAX_REPLY_BYTES_IN_FLIGHT:
+            raise p.Overloaded(
+                f"this connection's replies in flight would carry {conn.reply_bytes + size} bytes, more than "
+                f"{MAX_REPLY_BYTES_IN_FLIGHT}; read them, then retry"
+            )
+        if not self._room(size, conn):
+            self.counters["refused_replies"] += 1
+            raise p.Overloaded(
+                f"the server holds {self.held} bytes of replies that clients have not read, and this reply "
+                f"({size} bytes) would pass max_unread_reply_bytes = {self.max_unread_bytes}; read replies, then retry"
+            )
+        conn.reply_bytes += size
+        self.held += size
+        self.holders[conn.id] = conn
+
+    def unreserve(self, conn: Conn, size: int) -> None:
+        """A reserved reply is built (about to be sent) or abandoned."""
+        if size:
+            conn.reply_bytes -= size
+            self.held -= size
+            if not conn.unread and not conn.reply_bytes:
+                self.holders.pop(conn.id, None)
+
+    def _room(self, size: int, conn: Conn) -> bool:
+        """Whether ``size`` more bytes fit under ``max_unread_bytes``. Past it, what clients read
+        since is counted first; then the connection holding the most unread bytes is dropped (once
+        per call; False still: the memory it frees is freed when libzmq closes it)."""
+        if self.held + size <= self.max_unread_bytes:
+            return True
+        for holder in list(self.holders.values()):
+            if holder.sent_bytes:
+                self._drained(holder)
+        if self.held + size <= self.max_unread_bytes:
+            return True
+        worst = max(self.holders.values(), key=lambda c: (c.unread, -c.id), default=None)
+        if worst is not None and worst.unread:
+            self._drop(worst)
+        return False
+
+    def _drop(self, conn: Conn) -> None:
+        """Close a connection that leaves its replies unread (every connection's memory is at stake)."""
+        self.counters["dropped_connections"] += 1
+        self._warn(
+            "dropped",
+            f"dropped client connection {conn.id}: it left {conn.unread} bytes of replies unread while all "
+            f"connections together held {self.held}, more than max_unread_reply_bytes = {self.max_unread_bytes}",
+        )
+        self._shutdown(conn)
+        self._lose(conn)
+
+    def _shutdown(self, conn: Conn) -> None:
+        """Shut the connection's socket down: libzmq sees it closed, frees its queue and closes it
+        (the descriptor stays libzmq's, so it cannot be reused under it)."""
+        if conn.fd < 0 or conn.fd not in self.open_fds:
+            return
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(conn.fd))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+
+    def refuse(self, conn: Conn) -> None:
+        """``conn`` is past max_connections: it was answered why; shut it down soon."""
+        if conn.id not in self.closing:
+            self.closing[conn.id] = (conn, time.monotonic())
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now >= self.recount_at:  # what clients read since is no longer held for them
+            self.recount_at = now + RECOUNT_S
+            for holder in list(self.holders.values()):
+                if holder.sent_bytes:
+                    self._drained(holder)
+        for conn_id, (conn, since) in list(self.closing.items()):
+            late = now - since
+            if late >= REFUSED_CLOSE_MAX_S or late >= REFUSED_CLOSE_S and not conn.queue and self._drained(conn):
+                del self.closing[conn_id]
+                self._shutdown(conn)
+                self._lose(conn)
+        if self.held > self.peak:
+            self.peak = self.held
+        elif self.peak >= 4 << 20 and self.held <= self.peak // 4 and not self.trim_at:
+            self.trim_at = now + TRIM_AFTER_S  # an episode of unread replies is over
+        if self.trim_at and now >= self.trim_at:
+            self.trim_at = 0.0
+            self.peak = self.held
+            gc.collect()  # (garbage cycles holding replies go first)
+            release_free_memory()
+
+    def _warn(self, kind: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[kind] = now
+            log.warning("%s", text)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -356,4 +551,58 @@ class FrontDoor:
         return len(self.conns)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "open_connections": len(self.conns)}
+        return {**self.counters, "open_connections": len(self.conns), "unread_reply_bytes": self.held}
+
+
+def default_unread_bytes() -> int:
+    """``max_unread_reply_bytes`` 0: a share of this host's memory (or of the cgroup's limit)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError), open("/sys/fs/cgroup/memory.max") as fh:
+        total = min(total, int(fh.read().strip()))
+    return max(16 << 20, min(AUTO_UNREAD_CAP, total // AUTO_UNREAD_FRACTION))
+
+
+def _raise_descriptor_limit(connections: int) -> None:
+    """One descriptor per connection: raise the soft limit (never past the hard one) to hold them."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = connections * 2 + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+_LIBC: Any = None
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# Buffers from this size on (large replies) are mapped, so freeing one unmaps it. Each costs its
+# page faults once more, where a heap buffer is reused warm; page-sized buffers stay on the heap.
+MMAP_THRESHOLD = 256 << 10
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC
+
+
+def _map_large_buffers() -> None:
+    """Large buffers (replies, the followers' pages) each in their own mapping: freed, they leave
+    the process at once, instead of a heap that the next ones fragment. (glibc raises this
+    threshold by itself after the first large free; a fixed one keeps it.)"""
+    libc = _libc()
+    if libc:
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+def release_free_memory() -> None:
+    """Hand memory the allocator keeps free back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing): after a burst of large buffers, so that the next burst does not ratchet RSS up."""
+    libc = _libc()
+    if libc:
+        libc.malloc_trim(0)

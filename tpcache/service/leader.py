@@ -48,8 +48,9 @@ import protocol as p
 from tpcache.service.batch import ACTIVATE, EXIT_GROUP_BROKEN, EXPIRE, REQUEST, Entry, apply_batch
 from tpcache.service.channels import MAX_BATCH_BYTES, Answers, Channels, Stop
 from tpcache.service.config import ServiceConfig
+from tpcache.service.events import EventStream
 from tpcache.service.expiry import LeaseExpiry
-from tpcache.service.frontdoor import MAX_REPLY_BYTES_IN_FLIGHT, Conn, FrontDoor, Message
+from tpcache.service.frontdoor import Conn, FrontDoor, Message, default_unread_bytes
 from tpcache.service.handlers import RankHandler
 from tpcache.service.metrics import RankMetrics
 from tpcache.service.ops import Ctx, Watch, match_body, merge_gathered, to_protocol_error
@@ -57,6 +58,9 @@ from tpcache.service.ops import Ctx, Watch, match_body, merge_gathered, to_proto
 log = logging.getLogger("tpcache.service")
 
 MAX_TOTAL_PENDING = 262_144
+# A batch takes no more requests once the large replies it will build (inline pages) pass this: its
+# round stays short, so a request read after it (a new client's hello) waits little.
+MAX_BATCH_REPLY_BYTES = 16 << 20
 _LOOKUPS_PER_POLL = 4  # read per call while a round waits: the round looks at its peers in between
 WATCH_ROUND_S = 0.002  # while a reply waits for a storage prefetch, rounds run at least this often
 STOPPING = "the service is stopping (a rank got SIGINT or SIGTERM); retry once it is back"
@@ -114,7 +118,13 @@ class Leader:
         self.config = config
         self.metrics = metrics
         self.request_counts: dict[tuple[str, str], int] = {}
-        self.door = FrontDoor(ctx, config.endpoint, config.max_pending_per_client)
+        self.door = FrontDoor(
+            ctx,
+            config.endpoint,
+            config.max_pending_per_client,
+            config.max_unread_reply_bytes or default_unread_bytes(),
+            config.max_connections,
+        )
         self.endpoint = self.door.endpoint
         self.poller = zmq.Poller()
         for sock in self.door.sockets():
@@ -142,6 +152,8 @@ class Leader:
         self.broken_since = 0.0
         self.last_round = time.monotonic()
         self.last_progress = True
+        # The KV-event stream (``events_endpoint``): what each round changed, published after its commit.
+        self.events = EventStream(config, ctx, handler.tp.core, channels.world) if config.events_endpoint else None
 
     # ------------------------------------------------------------------ main loop
 
@@ -155,6 +167,8 @@ class Leader:
                 self.stop()
                 return EXIT_GROUP_BROKEN
             timeout_ms = self._poll_timeout_ms()
+            if self.events is not None:  # rounds waiting for their event batch: sent when it is due
+                timeout_ms = self.events.publisher.tick(timeout_ms)
             ready = dict(self.poller.poll(timeout_ms))
             if door.zap in ready:
                 door.answer_zap()
@@ -215,7 +229,8 @@ class Leader:
         # and their frames are let go at once instead of waiting, cold, for the batch to end.
         early = self.broken is None and not self.internal
         limit = self.config.max_batch
-        while len(items) + len(lookups) < limit and size < MAX_BATCH_BYTES:
+        replies = 0  # bytes of the large replies this batch's requests will build
+        while len(items) + len(lookups) < limit and size < MAX_BATCH_BYTES and replies < MAX_BATCH_REPLY_BYTES:
             msg, self.carry = self.carry or self.door.receive(), None
             if msg is None:
                 break
@@ -230,6 +245,7 @@ class Leader:
             if item is not None:
                 items.append(item)
                 size += len(msg.frame)
+                replies += item.reply_bytes
                 early = early and item.route == p.LOCAL
         return items
 
@@ -277,7 +293,7 @@ class Leader:
             return False
         rid, tokens, storage = found
         conn = msg.conn
-        if storage or (self.secret and not conn.authed) or self.in_flight >= MAX_TOTAL_PENDING:
+        if storage or (self.secret and not conn.authed) or conn.refused or self.in_flight >= MAX_TOTAL_PENDING:
             return False  # sequenced, or refused: the general path answers it
         if not conn.server.admit(rid):
             return False  # a duplicate id, or too many in flight: the general path says so
@@ -286,7 +302,7 @@ class Leader:
         try:
             outcome: Any = self.h.lookup(tokens)
         except p.ProtocolError as exc:
-            outcome = exc
+            outcome = exc.with_traceback(None)  # (its frames would hold the batch)
         self.lookups.append((msg, rid, outcome))
         return True
 
@@ -301,6 +317,9 @@ class Leader:
         entry = Entry(REQUEST, 0, conn.id, msg.frame, request.body)
         item = Item(msg, request, entry, 0, request.body.route())
         try:
+            if conn.refused:
+                self.door.refuse(conn)
+                raise p.Overloaded(conn.refused)
             self._authorize(conn, request)
             if self.in_flight > MAX_TOTAL_PENDING:
                 raise p.Overloaded("the server has too many requests in flight; retry later")
@@ -311,7 +330,7 @@ class Leader:
             self.h.precheck(request.body)
             self._reserve_reply(item)
         except p.ProtocolError as exc:
-            item.outcome = exc
+            item.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
             self._reply(item)
             return None
         return item
@@ -322,13 +341,7 @@ class Leader:
         size = self.h.reply_bytes(item.request.body)
         if not size:
             return
-        conn = item.msg.conn
-        if conn.reply_bytes + size > MAX_REPLY_BYTES_IN_FLIGHT:
-            raise p.Overloaded(
-                f"this connection's replies in flight would carry {conn.reply_bytes + size} bytes, more than "
-                f"{MAX_REPLY_BYTES_IN_FLIGHT}; read them, then retry"
-            )
-        conn.reply_bytes += size
+        self.door.reserve(item.msg.conn, size)  # (and every connection's together: max_unread_reply_bytes)
         item.reply_bytes = size
 
     def _authorize(self, conn: Conn, request: p.Request) -> None:
@@ -382,11 +395,15 @@ class Leader:
         # lock in the same batch sees the lock.
         internal = [e for e in entries if e.kind != REQUEST]
         self.h.service_counters.update(self.door.counters)
+        self.h.service_counters["unread_reply_bytes"] = self.door.held
         self.in_round = True
         try:
             report = apply_batch(self.h, self.metrics, internal + [item.entry for item in items], len(lookups))
         finally:
             self.in_round = False
+        if self.events is not None:
+            self.events.after_round(self.h.tp.core)
+            self.h.service_counters.update(self.events.counters())
         lookups += self.lookups  # read while the round waited (``_while_round``)
         self.lookups = []
         now = time.monotonic()
@@ -449,7 +466,7 @@ class Leader:
                 try:
                     item.outcome = self.h.apply(body, Ctx(0, item.msg.conn.id))
                 except p.ProtocolError as exc:
-                    item.outcome = exc
+                    item.outcome = exc.with_traceback(None)  # (its frames would hold the batch)
             else:
                 item.outcome = self._broken_error()
             self._reply(item)
@@ -500,6 +517,11 @@ class Leader:
 
     def _finish(self, item: Item, report: Any, closed: bool) -> None:
         outcome = item.outcome
+        if self.broken is not None and item.route != p.LOCAL:
+            # Its round failed: nothing it did is agreed, and no round will ever agree it.
+            item.outcome = self._broken_error()
+            self._reply(item)
+            return
         if isinstance(outcome, Watch):
             self.watches.append((item, outcome, time.monotonic() + 2 * self.config.round_timeout_s + 5.0))
             return
@@ -589,7 +611,7 @@ class Leader:
     # ------------------------------------------------------------------ replies
 
     def _reply(self, item: Item) -> None:
-        item.msg.conn.reply_bytes -= item.reply_bytes
+        self.door.unreserve(item.msg.conn, item.reply_bytes)
         item.reply_bytes = 0
         self._reply_to(item.msg, item.request.id, item.request.op, item.outcome)
 
@@ -652,4 +674,7 @@ class Leader:
         self._flush_request_counts()
         if self.ch.outs:
             self.ch.broadcast({"b": self.batch_no, "s": self.next_seq, "n": 0, "e": [], "x": True})
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         self.door.close()

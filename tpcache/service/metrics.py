@@ -110,6 +110,24 @@ COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
         {"": "admission_gave_up"},
     ),
     ("rounds", "Rounds committed (one all-reduce each)", "", {"": "rounds"}),
+    (
+        "client_connections_refused",
+        "Client connections refused because max_connections were open (rank 0)",
+        "",
+        {"": "refused_connections"},
+    ),
+    (
+        "client_connections_dropped",
+        "Client connections closed because they left replies unread past max_unread_reply_bytes (rank 0)",
+        "",
+        {"": "dropped_connections"},
+    ),
+    (
+        "unread_replies_refused",
+        "Large replies refused OVERLOADED because max_unread_reply_bytes were held unread (rank 0)",
+        "",
+        {"": "refused_replies"},
+    ),
 )
 
 # Counters from the storage backend's own stats (this rank's reads and writes, before agreement).
@@ -320,6 +338,11 @@ class _SnapshotCollector:
             "tpcache_staging_pages_capacity",
             "Host slots for staging (buffer host mode; 0 in cache mode)",
             float(self.m.capacity.get("staging", 0)),
+        )
+        yield _gauge(
+            "tpcache_unread_reply_bytes",
+            "Reply bytes rank 0 holds for clients that have not read them (bounded by max_unread_reply_bytes)",
+            float(stats.get("unread_reply_bytes", 0) or 0),
         )
         yield _gauge(
             "tpcache_leases", "Leases open (requests holding pins, pages or copies)", float(stats.get("leases", 0) or 0)

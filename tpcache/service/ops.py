@@ -122,7 +122,7 @@ def handles(body_type: type[p.Body], **hooks: Any) -> Callable[[Callable[..., An
 
 def to_protocol_error(exc: BaseException) -> p.ProtocolError:
     if isinstance(exc, p.ProtocolError):
-        return exc
+        return exc.with_traceback(None)  # kept as an outcome: its frames would keep the whole batch
     if isinstance(exc, OutOfPages):
         return p.NoSpace(f"no free device pages: {exc}")
     if isinstance(exc, CoreClosed):

@@ -335,6 +335,7 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag,
                 "world_size": world,
                 "transport": tp.collective.name,
                 "metrics_ports": [config.metrics_port + r for r in range(world)] if config.metrics_port else [],
+                "events": leader.events.info() if leader.events is not None else None,
             }
             if config.ready_file:
                 write_ready_file(config.ready_file, info)

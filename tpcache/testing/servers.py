@@ -218,6 +218,10 @@ class MooncakeStore:
         return f"127.0.0.1:{self.master_port}"
 
     @property
+    def master_pid(self) -> int:
+        return self._master.pid
+
+    @property
     def url(self) -> str:
         return f"mooncake://{self.master}?metadata={self.metadata}"
 

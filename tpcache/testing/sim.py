@@ -52,6 +52,7 @@ from tpcache.core import (
     check,
 )
 from tpcache.core.components import DEV, DSLOT, HOST, HSLOT, STORE
+from tpcache.core.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
@@ -212,6 +213,9 @@ class SimRank(Operations):
         self.io = io
         io.window_parts = {spec.index: spec.is_window for spec in config.components()}
         self.driver = Driver(CacheCore(config), io, rank=rank)
+        # The change feed, drained after every round into a mirror that must equal the tree's tiers.
+        self.driver.core.ledger.feed = ChangeFeed()
+        self.mirror: tuple[set[int], set[int], set[int]] = (set(), set(), set())
         self.leases: list[tuple[int, list[int]]] = []
         self.waiting: dict[int, list[int]] = {}  # admissions in phases: lease id -> tokens
         self._committed = (self.core.stats, 0)  # (the core's counters, storage tokens committed into them)
@@ -410,6 +414,12 @@ class SimCluster:
         now = self.now
         for rank in live:
             check(rank.core)
+            feed = rank.core.ledger.feed  # (None: a test swapped the rank's core for one of its own)
+            if feed is not None:
+                apply_changes(rank.mirror, feed.drain())
+            # A state divergence is injected into the victim's nodes behind the ledger's back.
+            if feed is not None and rank is not self.victim and rank.mirror != on_tiers(rank.core.tree.nodes.values()):
+                raise SimFailure(f"round {now}: rank {rank.rank}'s change feed disagrees with its tree")
         closed = [r.core.closed for r in live]
         if any(closed) and not all(closed) and now != self.faults.commit_fail_at:
             raise SimFailure(f"round {now}: some ranks closed, some open: {closed}")

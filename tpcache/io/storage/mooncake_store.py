@@ -34,8 +34,11 @@ whether it is registered or not (RDMA only registered memory, so direct reads an
 only; a remote peer's writes into this process are refused outside registered buffers); a missing
 key reads -704; a key whose segment holder died still "exists" for the master's client TTL while
 every read fails (-800); the store evicts per key, so one rank's shard of a page can vanish while
-another's stays. All of those are misses here. A master that does not answer costs its RPC
-timeout (seconds) once, then calls fail fast (see ``remote``).
+another's stays. All of those are misses here. A master or segment holder that does not answer
+(stopped) costs one deadline, then calls fail fast (see ``remote``). With a deadline, reads go
+through the staging buffer only: a read abandoned at its deadline can still be writing, and the
+staging buffer is not reused until it returns, where the caller's pages would be reused once the
+round agreed the miss. Reads into the caller's pages (below) are for ``deadline=0``.
 
 This rank contributes ``segment_bytes`` of its own memory to the store (0 by default): pages
 kept in a rank's own segment vanish when the rank exits, so durable data belongs on segment
@@ -61,7 +64,14 @@ from tpcache.io.storage.base import (
     StorageError,
 )
 from tpcache.io.storage.buffers import address_of
-from tpcache.io.storage.remote import DEFAULT_PREFIX, DEFAULT_RETRY_S, RemoteBackend, Sink, StoreUnavailable
+from tpcache.io.storage.remote import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_PREFIX,
+    DEFAULT_RETRY_S,
+    RemoteBackend,
+    Sink,
+    StoreUnavailable,
+)
 
 # Mooncake's ErrorCode values (mooncake-store types.h); Python sees plain ints.
 NO_AVAILABLE_HANDLE = -200  # no segment has room
@@ -146,7 +156,9 @@ class MooncakeBackend(RemoteBackend):
         direct_put_bytes: pages at least this large are put straight from the caller's memory
             (TCP only; see the module docstring).
         direct_get_bytes: pages at least this large are read straight into the caller's memory
-            (TCP only; a failed read renews the client, see the module docstring).
+            (TCP only, and only without a deadline; a failed read renews the client, see the
+            module docstring).
+        deadline_s: every call answers within this or is abandoned (``remote``); 0: none.
     """
 
     scheme = "mooncake"
@@ -167,8 +179,10 @@ class MooncakeBackend(RemoteBackend):
         direct_get_bytes: int = DEFAULT_DIRECT_GET_BYTES,
         prefix: str = DEFAULT_PREFIX,
         retry_s: float = DEFAULT_RETRY_S,
+        deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
-        super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=f"{master} (metadata {metadata})")
+        where = f"{master} (metadata {metadata})"
+        super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=where, deadline_s=deadline_s)
         direct = min(direct_put_bytes, direct_get_bytes)
         if staging_bytes < 4096 or segment_bytes < 0 or local_buffer_bytes <= 0 or direct < 0:
             raise ValueError(
@@ -176,7 +190,9 @@ class MooncakeBackend(RemoteBackend):
                 "direct_put_bytes and direct_get_bytes >= 0"
             )
         self._direct_min = direct_put_bytes if protocol == "tcp" else None
-        self._placed_min = direct_get_bytes if protocol == "tcp" else None
+        # A read that can be abandoned at its deadline lands in the staging buffer (not reused
+        # until it returns), never in the caller's pages: reads into them need no deadline.
+        self._placed_min = direct_get_bytes if protocol == "tcp" and not deadline_s else None
         for name in ("puts_direct", "gets_direct", "client_renewals"):
             self._counters.set(name, 0)
         host = master.rpartition(":")[0] or master

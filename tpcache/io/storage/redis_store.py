@@ -13,9 +13,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tpcache.io.storage.base import MISS_FOREIGN, MISS_MISSING, PUT_IO_ERROR, PUT_NO_SPACE, StorageError
-from tpcache.io.storage.remote import DEFAULT_PREFIX, DEFAULT_RETRY_S, RemoteBackend, Sink, StoreUnavailable
+from tpcache.io.storage.remote import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_PREFIX,
+    DEFAULT_RETRY_S,
+    RemoteBackend,
+    Sink,
+    StoreUnavailable,
+)
 
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = DEFAULT_DEADLINE_S
 DEFAULT_BATCH_BYTES = 64 << 20
 
 
@@ -36,6 +43,8 @@ class RedisBackend(RemoteBackend):
         shard: ``(tp_rank, tp_size)`` this instance serves; keys of other shards are rejected.
         timeout_s: socket connect and read timeout; a server that does not answer within it
             makes the call fail (and the next ``retry_s`` of calls fail at once).
+        deadline_s: a whole call (all its round trips) answers within this or is abandoned
+            (``remote``); 0: none.
         batch_bytes: most value bytes in one pipelined round trip.
     """
 
@@ -50,10 +59,11 @@ class RedisBackend(RemoteBackend):
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         prefix: str = DEFAULT_PREFIX,
         retry_s: float = DEFAULT_RETRY_S,
+        deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
         parts = urlsplit(url)
         where = f"{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
-        super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=where)
+        super().__init__(shard=shard, prefix=prefix, retry_s=retry_s, where=where, deadline_s=deadline_s)
         if timeout_s <= 0 or batch_bytes <= 0:
             raise ValueError("timeout_s and batch_bytes must be positive")
         redis = _redis()
@@ -63,11 +73,16 @@ class RedisBackend(RemoteBackend):
         self._errors = redis.exceptions
         self._batch_bytes = batch_bytes
         # One quick retry: a pooled connection the server dropped (restart) fails once, then works.
+        # Never after a timeout: a stalled server would cost the timeout twice.
+        if deadline_s:
+            timeout_s = min(timeout_s, deadline_s)
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.008, cap=0.128), 1),
+            retry=Retry(
+                ExponentialWithJitterBackoff(base=0.008, cap=0.128), 1, supported_errors=(redis.ConnectionError,)
+            ),
         )
         try:
             self._client.ping()

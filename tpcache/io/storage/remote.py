@@ -16,11 +16,23 @@ Invariants (beyond the base contract):
   for ``retry_s`` without waiting on the store (counted ``unavailable``), then one call tries it
   again, so a dead server costs one timeout rather than one per queued op. This is rank-local
   I/O timing, never cache state: what failed is agreed as failed in the round like any miss;
+- every call on the store has a deadline (``deadline_s``): it runs on the instance's own store
+  thread, and a call that has not answered by then is abandoned: the caller gets misses and put
+  failures at once (counted ``deadline_exceeded``), and later calls fail fast, touching neither
+  the store nor the transfer buffers, until the abandoned call has returned and ``retry_s`` has
+  passed. So a stalled (stopped, not dead) store costs one deadline, not one per call. An abandoned
+  call can never write into the caller's memory: what a primitive hands to ``sink`` is copied
+  into the caller's buffer only while the call is still awaited (one lock decides), and a
+  primitive that reads into the caller's memory itself is not used with a deadline (see
+  ``mooncake_store``); the transfer buffers it may still use are not reused until it returns.
+  A put abandoned at its deadline is reported failed; the store may still complete it later,
+  leaving a valid record that a later read verifies like any other;
 - calls on one instance are serialised: its transfer buffers are per instance.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import abstractmethod
@@ -53,6 +65,7 @@ from tpcache.io.storage.record import (
 
 DEFAULT_PREFIX = "tpcache/"
 DEFAULT_RETRY_S = 1.0
+DEFAULT_DEADLINE_S = 2.0  # every store call answers within this, or is abandoned (0: no deadline)
 
 
 class Sink(Protocol):
@@ -71,27 +84,115 @@ class StoreUnavailable(Exception):
     """The store did not answer (connection refused or reset, timeout): a whole call failed."""
 
 
+class _Guard:
+    """Whether the caller still waits for a call. ``awaited`` is cleared, under ``lock``, when it
+    stops waiting: from then on nothing of the call reaches the caller's memory."""
+
+    __slots__ = ("lock", "awaited")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.awaited = True
+
+
+class _Call:
+    """One primitive call on the store thread."""
+
+    __slots__ = ("fn", "args", "done", "result", "error")
+
+    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _StoreThread:
+    """A daemon thread that runs one instance's store calls, one at a time (a stuck call never
+    keeps the process from exiting)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            try:
+                call.result = call.fn(*call.args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                call.error = exc
+            finally:
+                call.done.set()
+
+    def submit(self, call: _Call) -> None:
+        self._calls.put(call)
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+
 class RemoteBackend(StorageBackend):
     """The shared half of a key-value store backend; subclasses implement five primitives."""
 
     scheme = ""
 
-    def __init__(self, *, shard: tuple[int, ...] | None, prefix: str, retry_s: float, where: str) -> None:
+    def __init__(
+        self,
+        *,
+        shard: tuple[int, ...] | None,
+        prefix: str,
+        retry_s: float,
+        where: str,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+    ) -> None:
         shard = check_shard(shard)  # validated with the keys' rules
         if not isinstance(prefix, str) or any(c.isspace() for c in prefix):
             raise ValueError(f"key prefix must be a string without whitespace, got {prefix!r}")
         if retry_s < 0:
             raise ValueError(f"retry_s must be >= 0, got {retry_s}")
+        if deadline_s < 0:
+            raise ValueError(f"deadline must be >= 0 (0: none), got {deadline_s}")
         self._shard = shard
         self._prefix = prefix
         self._retry_s = retry_s
         self._retry_at = 0.0
+        self._deadline_s = deadline_s
+        self._store_thread: _StoreThread | None = None
+        self._stuck: _Call | None = None  # a call abandoned at its deadline that has not returned
         self.where = where  # for logs: where the store is, never a password
         self._lock = threading.Lock()
         self._closed = False
         self._counters = StorageCounters(0)
-        for extra in ("unavailable", "bytes_written", "bytes_read"):
+        for extra in ("unavailable", "bytes_written", "bytes_read", "deadline_exceeded"):
             self._counters.set(extra, 0)
+
+    # ---- the deadline
+    def _call(self, fn: Any, *args: Any, guard: _Guard | None = None) -> Any:
+        """``fn(*args)`` (a primitive) within the deadline; StoreUnavailable when it is passed or
+        while an abandoned call has not returned (see the module docstring). ``guard``: cleared
+        when the call is abandoned. Lock held."""
+        if not self._deadline_s:
+            return fn(*args)
+        if self._stuck is not None:
+            if not self._stuck.done.is_set():
+                raise StoreUnavailable("a store call abandoned at its deadline has not returned yet")
+            self._stuck = None
+        if self._store_thread is None:
+            self._store_thread = _StoreThread(f"tpcache-{self.scheme}-store")
+        call = _Call(fn, args)
+        self._store_thread.submit(call)
+        if not call.done.wait(self._deadline_s):
+            if guard is not None:
+                with guard.lock:  # waits for a copy into the caller's buffer in progress, if any
+                    guard.awaited = False
+            if not call.done.is_set():
+                self._stuck = call
+                self._counters.add("deadline_exceeded")
+                raise StoreUnavailable(f"no answer within the {self._deadline_s:g} s deadline")
+        if call.error is not None:
+            raise call.error
+        return call.result
 
     # ---- primitives (called with the lock held; raise StoreUnavailable when the store is gone)
     @abstractmethod
@@ -145,7 +246,7 @@ class RemoteBackend(StorageBackend):
             if not names or not self._reachable():
                 return [False] * len(names)
             try:
-                return [bool(x) for x in self._exists(names)]
+                return [bool(x) for x in self._call(self._exists, names)]
             except StoreUnavailable:
                 self._unreachable()
                 return [False] * len(names)
@@ -164,7 +265,7 @@ class RemoteBackend(StorageBackend):
             reasons: list[str | None] = [PUT_IO_ERROR] * len(views)
             if views and self._reachable():
                 try:
-                    reasons = self._put(self._names(echoes), heads, views)
+                    reasons = self._call(self._put, self._names(echoes), heads, views)
                 except StoreUnavailable:
                     self._unreachable()
             for reason, view in zip(reasons, views, strict=True):
@@ -180,7 +281,14 @@ class RemoteBackend(StorageBackend):
         views = [byte_view(b, writable=True) for b in out]
         results: list[bool | None] = [None] * len(views)
 
+        guard = _Guard()
+
         def sink(i: int, value: Any, reason: str | None, *, placed: int | None = None) -> None:
+            with guard.lock:
+                if guard.awaited:  # else abandoned at its deadline: the caller's buffers are not ours
+                    answer(i, value, reason, placed)
+
+        def answer(i: int, value: Any, reason: str | None, placed: int | None) -> None:
             if results[i] is not None:
                 return  # one answer per key
             view = views[i]
@@ -211,12 +319,12 @@ class RemoteBackend(StorageBackend):
             if views and self._reachable():
                 sizes = [HEADER_SIZE + len(e) + len(v) for e, v in zip(echoes, views, strict=True)]
                 try:
-                    self._get(self._names(echoes), sizes, sink, views)
+                    self._call(self._get, self._names(echoes), sizes, sink, views, guard=guard)
                 except StoreUnavailable:
                     self._unreachable()
             for i, r in enumerate(results):
                 if r is None:
-                    sink(i, None, MISS_IO_ERROR)
+                    answer(i, None, MISS_IO_ERROR, None)
             hits = [i for i, r in enumerate(results) if r]
             self._counters.add("hits", len(hits))
             self._counters.add("bytes_read", sum(len(views[i]) for i in hits))
@@ -229,7 +337,7 @@ class RemoteBackend(StorageBackend):
             if not names or not self._reachable():
                 return [False] * len(names)
             try:
-                removed = [bool(x) for x in self._delete(names)]
+                removed = [bool(x) for x in self._call(self._delete, names)]
             except StoreUnavailable:
                 self._unreachable()
                 return [False] * len(names)
@@ -244,4 +352,11 @@ class RemoteBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
+            stuck = self._stuck
+            if stuck is not None and not stuck.done.wait(self._deadline_s):
+                # Still inside the store: closing the client (or freeing its buffers) under it is
+                # not safe. Both are left to the process's exit.
+                return
+            if self._store_thread is not None:
+                self._store_thread.stop()
             self._close()

@@ -2,7 +2,10 @@
 
     file:///PATH[?fsync=batch&capacity=1GiB]
     mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata[&protocol=tcp&device=...]
-    redis://[[user]:password@]HOST:PORT/DB[?timeout=5&prefix=tpcache/]   (also rediss://, valkey://)
+    redis://[[user]:password@]HOST:PORT/DB[?timeout=2&prefix=tpcache/]   (also rediss://, valkey://)
+
+Both remote stores take ``deadline`` (seconds, default 2; 0: none): every call answers within it
+or is abandoned, and calls fail fast for ``retry_s`` (default 1) after (see ``remote``).
 
 ``parse_storage_url`` checks a URL without importing any store client (config validation runs it
 on every rank before anything starts); ``open_storage`` builds the backend for one TP shard.
@@ -25,7 +28,7 @@ _SIZE = re.compile(r"([0-9]+)\s*(|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNO
 _SCALE = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
 # setting -> kind, per scheme
-_COMMON = {"prefix": "str", "retry_s": "float"}
+_COMMON = {"prefix": "str", "retry_s": "float", "deadline": "float"}
 _SETTINGS: dict[str, dict[str, str]] = {
     "file": {"fsync": "str", "capacity": "size", "segment": "size"},
     "mooncake": {
@@ -91,6 +94,8 @@ def _typed(backend: str, query: str) -> dict[str, Any]:
             out[name] = parse_size(value) if kind == "size" else float(value) if kind == "float" else value
         except ValueError:
             raise StorageURLError(f"storage URL setting {name}={value!r} is not a {kind}") from None
+        if name in ("deadline", "retry_s") and not out[name] >= 0:
+            raise StorageURLError(f"storage URL setting {name}={value!r}: must be >= 0 seconds (deadline 0: none)")
     return out
 
 
@@ -170,6 +175,8 @@ def _open(url: str | StorageURL, shard: tuple[int, ...], capacity_bytes: int) ->
             segment_bytes=s.get("segment", DEFAULT_SEGMENT_BYTES),
         )
     common = {k: s.pop(k) for k in ("prefix", "retry_s") if k in s}
+    if "deadline" in s:
+        common["deadline_s"] = s.pop("deadline")
     if spec.backend == "mooncake":
         from tpcache.io.storage.mooncake_store import MooncakeBackend
 
