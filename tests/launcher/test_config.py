@@ -15,6 +15,7 @@ from launcher.options import config_from_args
 from tpcache.service.config import (
     FIELDS,
     ConfigError,
+    Resolved,
     ServiceConfig,
     describe_sources,
     env_name,
@@ -206,6 +207,18 @@ def test_busy_ports_and_unwritable_directories_are_named(tmp_path: Path) -> None
         endpoint = resolve(cli={"endpoint": f"tcp://127.0.0.1:{port}"}, env={})
         with pytest.raises(ConfigError, match=rf"--endpoint tcp://127.0.0.1:{port}: cannot bind port {port}"):
             preflight(endpoint, range(2), 2)
+        events = resolve(cli={"events_endpoint": f"tcp://127.0.0.1:{port}"}, env={})
+        with pytest.raises(ConfigError, match=rf"--events-endpoint tcp://127.0.0.1:{port}: cannot bind port {port}"):
+            preflight(events, range(1), 1)
+        preflight(events, range(1, 2), 2)  # rank 0 binds it, not rank 1
+        replay = resolve(cli={"events_endpoint": f"tcp://127.0.0.1:{port - 1}"}, env={})  # replay on the port + 1
+        with pytest.raises(
+            ConfigError, match=rf"--events-endpoint tcp://127.0.0.1:{port - 1}: cannot bind port {port} "
+        ):
+            preflight(replay, range(1), 1)
+        cli = {"events_endpoint": "0", "events_replay_endpoint": str(port)}
+        with pytest.raises(ConfigError, match=rf"--events-replay-endpoint {port}: cannot bind port {port}"):
+            preflight(resolve(cli=cli, env={}), range(1), 1)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     storage = resolve(cli={"storage_dir": str(blocker / "kv"), "kv_layout": "L2xH2xD4:bf16", "host_pages": "8"}, env={})
@@ -217,6 +230,27 @@ def test_busy_ports_and_unwritable_directories_are_named(tmp_path: Path) -> None
     ready = resolve(cli={"ready_file": str(tmp_path / "absent" / "ready.json")}, env={})
     with pytest.raises(ConfigError, match="its directory .* does not exist or is not writable"):
         preflight(ready, range(1), 1)
+
+
+def test_the_model_layout_checks_its_own_directory(tmp_path: Path) -> None:
+    from tpcache.io.storage.file import FileBackend
+
+    def model_layout(storage_dir: Path) -> Resolved:
+        cli = {"storage_dir": str(storage_dir), "model_id": "m", "model_layout": "L2xH4xD4:bf16", "host_pages": "8"}
+        return resolve(cli=cli, env={})
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model").write_text("")  # where the model layout writes
+    with pytest.raises(ConfigError, match="cannot write the storage tier there .*it is not a directory"):
+        preflight(model_layout(tmp_path / "bad"), range(2), 2)
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "rank0").write_text("")  # the per-rank layout's place: not the model layout's
+    # Another group of the same shape writes there: this one takes the next of each shard's directories.
+    running = FileBackend(tmp_path / "kv" / "model", capacity_bytes=1 << 20, owner="r0of2")
+    try:
+        preflight(model_layout(tmp_path / "kv"), range(2), 2)
+    finally:
+        running.close()
 
 
 def test_the_launcher_refuses_bad_settings_before_starting_any_rank(capsys: pytest.CaptureFixture[str]) -> None:

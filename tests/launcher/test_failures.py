@@ -132,6 +132,42 @@ def test_a_store_the_ranks_cannot_open_stops_the_group_with_one_line(not_a_store
     assert debug.stderr.rstrip().splitlines()[-1].startswith(f"tpcache: cannot start: --storage-url {url}: ")
 
 
+def test_an_event_stream_port_in_use_is_named_before_start(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["local", "--events-endpoint", f"tcp://127.0.0.1:{port}"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(
+        f"tpcache: configuration error: --events-endpoint tcp://127.0.0.1:{port}: cannot bind port"
+    ), line
+
+
+@pytest.mark.multiprocess
+def test_an_event_stream_that_cannot_bind_stops_rank_0_with_its_setting_named(tmp_path: Path) -> None:
+    """The checks pass (they probe TCP ports only); rank 0 then cannot bind the stream's IPC path:
+    it names the setting and exits, its client endpoint closed again."""
+    where = f"ipc://{tmp_path}/absent/events"
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "local",
+        "--nproc",
+        "1",
+        "--events-endpoint",
+        where,
+        "--log-level",
+        "WARNING",
+    ]
+    done = subprocess.run(argv, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert one_line(done.stderr).startswith(f"tpcache: cannot bind --events-endpoint {where}: event stream "), (
+        done.stderr
+    )
+
+
 @pytest.mark.multiprocess
 def test_a_failed_check_under_torchrun_is_one_line_from_rank_0_and_creates_nothing(tmp_path: Path) -> None:
     """The README's torchrun command on a machine too small for its pools, on two ranks."""

@@ -34,3 +34,22 @@ def test_explicit_settings_that_differ_stop_every_rank_with_one_line() -> None:
         "round_timeout_s (rank 0 30.0, rank 1 5.0)"
     )
     assert results == [{"error": line}, {"error": line}]
+
+
+def test_ranks_holding_different_storage_keys_stop_together_with_one_line(tmp_path) -> None:
+    keys = ["a deployment secret of 32 bytes!", "another secret, also long enough"]
+    args = {"readings": READINGS, "extra": {"storage_dir": str(tmp_path)}, "keys": keys}
+    results = run_group(2, "connector_settings", args)
+    line = (
+        "TPCACHE_STORAGE_KEY: the storage key must be the same on every TP rank; "
+        "it differs (rank 0 key A, rank 1 key B)"
+    )
+    assert results == [{"error": line}, {"error": line}]
+
+
+def test_a_storage_key_too_short_on_one_rank_stops_every_rank_instead_of_a_timeout(tmp_path) -> None:
+    keys = ["a deployment secret of 32 bytes!", "short"]
+    args = {"readings": READINGS, "extra": {"storage_dir": str(tmp_path)}, "keys": keys}
+    results = run_group(2, "connector_settings", args)
+    ends = [r.get("error", "").endswith("the same on every TP rank; shorter on rank 1") for r in results]
+    assert ends == [True, True], results

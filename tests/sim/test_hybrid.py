@@ -6,7 +6,8 @@ import logging
 import pytest
 
 from tpcache.core import CacheConfig, OpKind
-from tpcache.core.components import DSLOT
+from tpcache.core.components import DSLOT, STORE
+from tpcache.core.tiers import StorageState
 from tpcache.testing.ops import tokens_for
 from tpcache.testing.sim import HYBRIDS, PART_DIVERGENCES, Faults, SimCluster, SimFailure, run_schedule
 
@@ -136,3 +137,21 @@ def test_the_checker_verifies_the_bytes_behind_a_component_of_a_hit():
     sim.ranks[1].io.part_device[1][node.comp[DSLOT]] = -1  # that SWA page's bytes are wrong on rank 1
     with pytest.raises(SimFailure, match="component 1"):
         sim.check([tokens_for(PATH, PAGE, 0)])
+
+
+def test_storage_going_down_as_a_read_lands_leaves_no_component_durable():
+    sim = cluster()
+    store_then_forget(sim)
+    sim.apply_ops([("lock", PATH, 0), ("prefetch", 0)])
+    rounds(sim, 1)  # the lookup agreed; the read is in flight
+    core = sim.ranks[0].core
+    assert core.inflight[OpKind.STORAGE_READ]
+    sim.faults.storage_down_at = sim.now + 1  # the read lands on every rank, then the storage goes
+    rounds(sim, 3)
+    for rank in sim.ranks:
+        assert rank.core.backup.storage_down and not rank.core.inflight[OpKind.STORAGE_READ]
+        assert rank.match(tokens_for(PATH, PAGE, 0)).host_pages == 4  # what landed stays readable
+        for node in rank.core.tree.nodes.values():
+            assert node.storage_state != StorageState.DURABLE
+            stored = [node.comp[p.base + STORE] for p in rank.core.ledger.parts.values() if node.comp is not None]
+            assert StorageState.DURABLE not in stored

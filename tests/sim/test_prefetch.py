@@ -4,6 +4,7 @@ import pytest
 
 from tpcache.core import CacheConfig, InvariantViolation, OpKind, check
 from tpcache.core.hashing import as_token_bytes
+from tpcache.core.tiers import StorageState
 from tpcache.testing.ops import tokens_for
 from tpcache.testing.sim import Faults, SimCluster
 
@@ -143,3 +144,49 @@ def test_stop_policies():
     assert not core.admissible(lease, "timeout", timeout_rounds=1)
     sim.round()
     assert core.admissible(lease, "timeout", timeout_rounds=1) or core.prefetch_status(lease)[0] == "done"
+
+
+STORAGE_OPS = (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ, OpKind.STORAGE_WRITE)
+
+
+def storage_goes_down(sim: SimCluster, lease: int, n: int) -> None:
+    """The victim's storage goes away now; for ``n`` rounds after that, check that it is off on
+    every rank, nothing counts as durable and no storage op is in flight (none issued since)."""
+    sim.faults.storage_down_at = sim.now + 1
+    for _ in range(n):
+        rounds(sim, 1)
+        for rank in sim.ranks:
+            core = rank.core
+            assert core.backup.storage_down and not core.closed
+            assert not [n.node_id for n in core.tree.nodes.values() if n.storage_state == StorageState.DURABLE]
+            assert not [k.name for k in STORAGE_OPS if core.inflight[k]]
+    for rank in sim.ranks:
+        assert rank.core.prefetch_status(lease)[0] == "done"  # admission waits for nothing
+        assert rank.core.admissible(lease, "wait_complete")
+
+
+@pytest.mark.parametrize("when", ["read_lands", "query_lands", "retry_wait", "deferred"])
+def test_storage_going_down_with_a_fetch_under_way_leaves_nothing_durable_and_reads_nothing(when):
+    sim = cluster(prefetch_max_deferrals=50)
+    store_then_forget(sim)
+    if when == "deferred":  # the host pool is full of pinned pages: the read waits for slots
+        sim.apply_ops([("lock", (3, 3, 3, 3), 0), ("insert", 0), ("lock", (2, 2, 2, 2), 0), ("insert", 1)])
+        rounds(sim, 3)
+    lease = lock_and_prefetch(sim)
+    core = sim.ranks[0].core
+    hashes = core.inflight[OpKind.STORAGE_QUERY][0].page_hashes
+    if when == "read_lands":  # its read landed on every rank in the round that agrees storage is off
+        rounds(sim, 1)
+        assert core.prefetch_status(lease)[0] == "reading"
+    elif when == "retry_wait":  # a short read: the fetch waits to ask again
+        rounds(sim, 1)
+        for rank in sim.ranks:
+            rank.io.storage.pop(hashes[1], None)
+        rounds(sim, 1)
+        assert core.prefetch_status(lease) == ("retry_wait", 1)
+    elif when == "deferred":
+        rounds(sim, 2)
+        assert core.prefetch_status(lease)[0] == "deferred"
+    storage_goes_down(sim, lease, 6)
+    m = core.match(tokens_for(PATH, PAGE, 0))
+    assert m.host_pages == {"read_lands": 4, "retry_wait": 1}.get(when, 0)  # what landed stays readable

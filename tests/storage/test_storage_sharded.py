@@ -3,6 +3,7 @@ group of one shape and read by groups of others, whole sets only."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from tpcache.dist.parallel import ParallelGroup, Shard
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import StorageKey, StorageKeyError
-from tpcache.io.storage.sharded import ModelShape, ShardedStorage, ShardLayoutError
+from tpcache.io.storage.sharded import ModelShape, ShardedStorage, ShardLayoutError, open_shared_storage
 from tpcache.io.storage.shared_file import SharedFileStore
 
 PAGE = 4
@@ -297,3 +298,73 @@ def test_pipeline_stages_write_their_layers_and_a_tp4_group_reads_every_head(tmp
     for shape in (ParallelGroup(tp_size=4), ParallelGroup(tp_size=1)):
         got = on_group(shape, url, lambda tp: read(tp, tokens(7, 8)))
         assert [(r["status"], r["exact"]) for r in got] == [(("done", 2), True)] * shape.world_size
+
+
+def shared_pair(tmp_path: Path) -> tuple[SharedFileStore, SharedFileStore, list[StorageKey], list[torch.Tensor]]:
+    """Owner "a" with two records of its own (k1, k2, in its active segment), and reader "b"."""
+    a = SharedFileStore(tmp_path, "a", capacity_bytes=1 << 24)
+    b = SharedFileStore(tmp_path, "b", capacity_bytes=1 << 24)
+    keys = [StorageKey("ns", 1, 0, 1, h) for h in (21, 22)]
+    pages = [torch.full((64,), h, dtype=torch.uint8) for h in (21, 22)]
+    assert a.put(keys[:1], pages[:1]) == [True]
+    return a, b, keys, pages
+
+
+def test_a_peer_record_seen_half_written_is_found_once_whole(tmp_path: Path) -> None:
+    a, b, keys, pages = shared_pair(tmp_path)
+    try:
+        (seg,) = (tmp_path / "a").glob("*.seg")
+        one = seg.stat().st_size
+        assert a.put(keys[1:], pages[1:]) == [True]
+        whole = seg.read_bytes()
+        os.truncate(seg, one + (len(whole) - one) // 2)  # k2 as a reader may see it while it is written
+        out = [torch.zeros(64, dtype=torch.uint8) for _ in keys]
+        assert b.get(keys, out) == [True, False] and torch.equal(out[0], pages[0])
+        with open(seg, "ab") as f:  # the rest of k2 lands
+            f.write(whole[seg.stat().st_size :])
+        assert b.get(keys, out) == [True, True] and torch.equal(out[1], pages[1])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_record_that_failed_to_read_once_is_read_again(tmp_path: Path) -> None:
+    a, b, keys, pages = shared_pair(tmp_path)
+    try:
+        out = [torch.zeros(64, dtype=torch.uint8)]
+        assert b.get(keys[:1], out) == [True] and torch.equal(out[0], pages[0])
+        (seg,) = (tmp_path / "a").glob("*.seg")
+        aside = seg.with_suffix(".aside")
+        seg.rename(aside)
+        seg.mkdir()  # opens, but reading it fails: an I/O error, not a missing record
+        assert b.get(keys[:1], out) == [False] and not out[0].any()
+        assert b.stats()["misses_io_error"] == 1
+        seg.rmdir()
+        aside.rename(seg)
+        assert b.get(keys[:1], out) == [True] and torch.equal(out[0], pages[0])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_groups_of_one_shape_share_a_directory_and_a_restart_takes_its_own_again(tmp_path: Path) -> None:
+    url, shape = f"file://{tmp_path}", ParallelGroup(tp_size=2)
+    lay, m = rank_layout(shape), ModelShape.of_rank(MODEL_ID, rank_layout(shape), Shard(0, 2))
+
+    def rank0() -> ShardedStorage:
+        return open_shared_storage(url, model=m, shard=Shard(0, 2), layout=lay, capacity_bytes=1 << 24)
+
+    first, second = rank0(), rank0()  # rank 0 of two data-parallel replicas
+    key = StorageKey("ns", 1, 0, 2, 31)
+    out = torch.zeros(lay.page_bytes, dtype=torch.uint8)
+    try:
+        assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["r0of2", "r0of2.i1"]
+        assert second.put([key], [rank_slice(31, shape, 0)]) == [True]
+        assert first.get([key], [out]) == [True] and torch.equal(out, rank_slice(31, shape, 0))
+        second.close()
+        second = rank0()  # the second replica restarts: its own directory again, with its records
+        assert second.stats()["records"] >= 1
+        assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["r0of2", "r0of2.i1"]
+    finally:
+        first.close()
+        second.close()

@@ -262,3 +262,34 @@ def test_rounds_close_together_share_a_batch_in_their_order(streams):
     sync(sub, g, s)
     assert g.tiers == s.tiers()
     sub.close()
+
+
+class FragilePublisher(EventPublisher):
+    """A publisher one request of which fails inside its answer (as a bug in one answer would)."""
+
+    def _answer(self, frames: list[bytes]) -> None:
+        if frames[-1] == b"fails":
+            raise ValueError("this request fails")
+        super()._answer(frames)
+
+
+def test_a_request_that_fails_does_not_stop_later_replays():
+    identity = {"model": "m", "namespace": "", "incarnation": 1, "tp_size": 1, "pp_size": 1, "page_size": P}
+    ctx = zmq.Context.instance()
+    pub = FragilePublisher(ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", identity, page_size=P)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        # Malformed requests (wrong frame counts, unknown requests) and one whose answer fails.
+        for frames in ([b"x"], [b"", b"a", b"b"], [b"", b"1234567"], [b"", b"fails"], [b"", b""]):
+            dealer.send_multipart(frames)
+        dealer.send_multipart((b"", wire.seq_bytes(0)))  # a replay from batch 0
+        assert dealer.poll(10_000), "the replay thread stopped answering"
+        _, topic, seq, _ = dealer.recv_multipart()
+        assert topic == pub.topic and seq == wire.seq_bytes(0)
+        assert dealer.poll(10_000) and dealer.recv_multipart() == [b"", b"", wire.END_SEQ, b""]
+    finally:
+        dealer.close(0)
+        pub.close()
+    assert pub.router.closed and not pub._thread.is_alive()

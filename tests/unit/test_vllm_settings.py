@@ -121,18 +121,66 @@ def test_a_worker_whose_cache_closes_warns_with_the_cause_once(caplog: pytest.Lo
     from tpcache.integrations.vllm.messages import LOOKUP, StepOps
     from tpcache.integrations.vllm.worker import WorkerSide
 
-    def body(rank: int, collective: Any) -> list[bool]:
+    def body(rank: int, collective: Any) -> tuple[list[bool], int]:
         side = WorkerSide(make(engine_kv(rank), collective), reopen=False)
         closed = []
         for step in range(3):
             ops = [(LOOKUP, "extra", toks(1, 2))] if rank == 1 and step == 0 else []
             closed.append(side.run_step(StepOps(step=step, ops=ops)).report.closed)
-        return closed
+        return closed, side.totals()["closes"]  # vLLM's stats count the close once
 
     caplog.set_level(logging.WARNING, logger="vllm.tpcache")
-    assert run_ranks(body) == [[True, True, True], [True, True, True]]
+    assert run_ranks(body) == [([True, True, True], 1), ([True, True, True], 1)]
     warnings = sorted(r.getMessage() for r in caplog.records if r.name == "vllm.tpcache")
     assert len(warnings) == 2, warnings
     for rank, line in enumerate(warnings):
         assert line.startswith(f"tpcache rank {rank}: the cache closed (seq differs across ranks"), line
         assert line.endswith("it serves no hits from now on (reopen is off); vLLM computes those prefixes"), line
+
+
+KEY = "a deployment secret of 32 bytes!"
+
+
+def test_storage_keys_that_differ_stop_the_group_in_one_line_that_shows_no_key() -> None:
+    options = ConnectorOptions.from_extra_config({"storage_dir": "/tmp/x"})
+    other = "another secret, also long enough"
+    gathered = [rank_facts(options, LAYOUT, KEY), rank_facts(options, LAYOUT, other), rank_facts(options, LAYOUT, "")]
+    with pytest.raises(ConfigError) as err:
+        agree_host_tier(options, gathered, PAGE_BYTES)
+    assert str(err.value) == (
+        "TPCACHE_STORAGE_KEY: the storage key must be the same on every TP rank; it differs "
+        "(rank 0 key A, rank 1 key B, rank 2 unset)"
+    )
+    shown = str(err.value) + repr(gathered)
+    assert KEY not in shown and other not in shown  # the facts exchanged carry a fingerprint only
+
+
+def test_a_storage_key_too_short_on_one_rank_stops_every_rank_before_the_cache_is_built() -> None:
+    options = ConnectorOptions.from_extra_config({"storage_dir": "/tmp/x"})
+    gathered = [rank_facts(options, LAYOUT, KEY), rank_facts(options, LAYOUT, "short key")]
+    with pytest.raises(ConfigError) as err:
+        agree_host_tier(options, gathered, PAGE_BYTES)
+    assert str(err.value) == (
+        "TPCACHE_STORAGE_KEY: the storage key must be at least 16 bytes (a deployment secret), "
+        "the same on every TP rank; shorter on rank 1"
+    )
+    assert "short key" not in str(err.value)
+
+
+def test_the_same_storage_key_on_every_rank_or_none_agrees() -> None:
+    options = ConnectorOptions.from_extra_config({"storage_dir": "/tmp/x", "host_pages": 8})
+    assert agree_host_tier(options, [rank_facts(options, LAYOUT, KEY)] * 2, PAGE_BYTES).pages == 8
+    assert agree_host_tier(options, [rank_facts(options, LAYOUT, "")] * 2, PAGE_BYTES).pages == 8
+    off = ConnectorOptions.from_extra_config({"host_pages": 8})  # storage off: the key is not used
+    gathered = [rank_facts(off, LAYOUT, KEY), rank_facts(off, LAYOUT, "short")]
+    assert agree_host_tier(off, gathered, PAGE_BYTES).pages == 8
+
+
+def test_a_rank_reads_its_storage_key_from_the_environment_as_the_connector_does(monkeypatch) -> None:
+    options = ConnectorOptions.from_extra_config({"storage_dir": "/tmp/x"})
+    monkeypatch.setenv("TPCACHE_STORAGE_KEY", "short")
+    gathered = [rank_facts(options, LAYOUT, KEY), rank_facts(options, LAYOUT)]
+    with pytest.raises(ConfigError, match="at least 16 bytes .* shorter on rank 1$"):
+        agree_host_tier(options, gathered, PAGE_BYTES)
+    monkeypatch.setenv("TPCACHE_STORAGE_KEY", KEY)
+    assert rank_facts(options, LAYOUT)["storage_key"] == rank_facts(options, LAYOUT, KEY)["storage_key"] != ""

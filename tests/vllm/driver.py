@@ -15,9 +15,14 @@ their ``__main__``): one ``import vllm`` serves them all. Steps:
                                             add the prompts, run S engine steps, abort them all
     {"op": "settle"}                        wait until every worker holds no lease and nothing is pending
     {"op": "stats", "name": N}              every worker's tpcache statistics
+    {"op": "metrics", "name": N}            vLLM's Prometheus samples of tpcache and preemptions
+                                            (in this process's registry; needs "log_stats")
 
 An engine's ``corrupt_before`` ({"dir", "prompts", "page"}) damages stored pages before it starts;
-``in_process`` runs its engine core in this process (see ``_layout``). Results: {run: {engine:
+``in_process`` runs its engine core in this process (see ``_layout``); ``log_stats`` turns vLLM's
+stats loggers on; ``shutdown_timeout_s`` gives vLLM's shutdown that long (its engine core, and its
+workers through ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``) instead of its 5 s default, and records
+``shutdown_s``. Results: {run: {engine:
 {step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}}. Each engine also gets
 ``log``, the byte range of the log (this process's stdout, which vLLM's processes share) written
 while it ran, and, where it raised (at start-up or in a step), ``error``: the engines after it
@@ -85,6 +90,23 @@ def _settle(llm: Any, limit_s: float = 120.0) -> list[dict[str, Any]]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers still hold leases or copies after {limit_s} s: {stats}")
         time.sleep(0.05)
+
+
+def _metrics() -> dict[str, float]:
+    """vLLM's Prometheus samples (its stat logger in this process) of tpcache's counters and of
+    preemptions, as {name[/tier]: value}."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:tpcache_") or sample.name == "vllm:num_preemptions_total":
+                if sample.name.endswith("_created"):
+                    continue
+                tier = sample.labels.get("tier")
+                key = f"{sample.name}/{tier}" if tier else sample.name
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def _abort(llm: Any, prompts: list[list[int]], max_tokens: int, steps: int) -> dict[str, Any]:
@@ -177,6 +199,13 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
     }
     if engine.get("max_num_seqs"):
         kwargs["max_num_seqs"] = engine["max_num_seqs"]
+    if engine.get("log_stats"):
+        kwargs["disable_log_stats"] = False
+    shutdown_timeout = engine.get("shutdown_timeout_s")
+    if shutdown_timeout:
+        os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(int(shutdown_timeout))
+    else:
+        os.environ.pop("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", None)
     if engine.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = engine["num_gpu_blocks_override"]
     if engine.get("connector") is not None:
@@ -208,10 +237,14 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
                 out[name] = _settle(llm)
             elif op == "stats":
                 out[name] = _stats(llm)
+            elif op == "metrics":
+                out[name] = _metrics()
             else:
                 raise ValueError(f"unknown driver op {op!r}")
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        started = time.monotonic()
+        llm.llm_engine.engine_core.shutdown(timeout=shutdown_timeout)
+        out["shutdown_s"] = time.monotonic() - started
         del llm
 
 

@@ -7,9 +7,10 @@ The Llama plan (one per TP size): three engines run one after another on a rando
    interpreters an engine start spawns: the same worker and model runner compute its tokens. The
    engines with tpcache keep vLLM's default layout, where the engine core's loop keeps stepping
    while the connector has work (``settle`` relies on it);
-2. ``conn``: vLLM with tpcache (host tier and a storage directory) and fewer KV blocks than the
-   multi-turn workload needs: the batch, the batch again after ``reset_prefix_cache``, the
-   conversations, then faults armed on one rank at run time;
+2. ``conn``: vLLM with tpcache (host tier and a storage directory), its stats loggers on, and fewer
+   KV blocks than the multi-turn workload needs: the batch, the batch again after
+   ``reset_prefix_cache``, the conversations, long decodes that vLLM preempts, then faults armed on
+   one rank at run time; at TP=2 it is given the time to shut down cleanly;
 3. ``fresh``: a new vLLM on the same storage directory, after the last rank's stored copy of one
    page of two prompts was damaged: hits come from storage and stop where a rank has no good copy.
 
@@ -41,6 +42,7 @@ DRIVER = Path(__file__).with_name("driver.py")
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 VOCAB = 512
+PREEMPT_TOKENS = 96  # generated per long prompt: four of them outgrow the 20-block pool
 WINDOW = 2 * BLOCK  # the sliding-window models' window: shorter than the shared prefix
 REFUSAL = "TPCacheConnector serves full-attention models only"
 
@@ -55,7 +57,8 @@ def prompts(seed: int = 1) -> dict[str, Any]:
     batch = [prefix + _ids(rng, 20 + 7 * i) for i in range(4)]
     other = [_ids(rng, 2 * BLOCK) + _ids(rng, 10 + i) for i in range(2)]  # fresh prefixes (divergence)
     users = [[_ids(rng, 40 + 9 * t + 3 * c) for t in range(3)] for c in range(4)]
-    return {"batch": batch, "other": other, "users": users}
+    long = [_ids(rng, 3 * BLOCK + 17) for _ in range(4)]  # with PREEMPT_TOKENS each: more than 20 blocks
+    return {"batch": batch, "other": other, "users": users, "long": long}
 
 
 def plan(tp: int, workdir: Path) -> dict[str, Any]:
@@ -73,6 +76,11 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
         {"op": "stats", "name": "stats_batch"},
         conversation,
         {"op": "settle", "name": "settled_conversation"},
+        # four requests that outgrow vLLM's blocks while decoding: vLLM preempts some of them
+        {"op": "metrics", "name": "metrics_before_preemption"},
+        {"op": "generate", "name": "preempted", "prompts": p["long"], "max_tokens": PREEMPT_TOKENS},
+        {"op": "metrics", "name": "metrics_preempted"},
+        {"op": "settle", "name": "settled_preempted"},
         # a load that fails on the last rank only
         {"op": "arm", "spec": {"fail_loads": {"rank": last, "count": 1}}},
         reset,
@@ -100,10 +108,11 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
             reset,
             {**gen, "name": "batch_after_divergence"},
         ]
-    conn_steps.append({"op": "settle", "name": "settled"})
+    conn_steps += [{"op": "settle", "name": "settled"}, {"op": "metrics", "name": "metrics_end"}]
     ref_steps = [
         {**gen, "name": "batch"},
         conversation,
+        {"op": "generate", "name": "long", "prompts": p["long"], "max_tokens": PREEMPT_TOKENS},
         {"op": "generate", "name": "other", "prompts": p["other"], "max_tokens": 8},
     ]
     return {
@@ -115,13 +124,27 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
         "engines": [
             {"name": "ref", "prefix_caching": False, "in_process": True, "steps": ref_steps},
             # 20 blocks of 32 tokens: less than the four conversations need together
-            {"name": "conn", "connector": connector, "num_gpu_blocks_override": 20, "steps": conn_steps},
+            {
+                "name": "conn",
+                "connector": connector,
+                "num_gpu_blocks_override": 20,
+                "log_stats": True,
+                # vLLM's 5 s grace periods are shorter than its workers take to exit on two busy cores
+                "shutdown_timeout_s": 60 if tp > 1 else None,
+                "steps": conn_steps,
+            },
             {
                 "name": "fresh",
                 "connector": connector,
+                "log_stats": True,
                 # page 3 of the two prompts that have one: their hit stops a page short
                 "corrupt_before": {"dir": str(store / f"rank{last}"), "prompts": p["batch"][2:], "page": 3},
-                "steps": [{**gen, "name": "batch"}, {"op": "settle", "name": "settled"}],
+                "steps": [
+                    {**gen, "name": "batch"},
+                    {"op": "settle", "name": "settled"},
+                    {**gen, "name": "batch_again"},  # its output brings the settled steps' stats
+                    {"op": "metrics", "name": "metrics"},
+                ],
             },
         ],
     }

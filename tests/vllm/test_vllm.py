@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.vllm.conftest import TP1_GROUP, TP2_GROUP
-from tests.vllm.scenario import BLOCK, prompts, total
+from tests.vllm.scenario import BLOCK, PREEMPT_TOKENS, prompts, total
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -111,3 +111,45 @@ def test_nothing_stays_held(runs: dict[str, Any]) -> None:
         settled = runs[engine]["settled"]
         assert total(settled, "leases") == [0] * runs["tp"]
         assert total(settled, "pending") == [0] * runs["tp"]
+
+
+def test_a_preempted_request_loads_back_what_it_saved(runs: dict[str, Any]) -> None:
+    assert tokens(runs, "conn", "preempted") == tokens(runs, "ref", "long")
+    before, after = runs["conn"]["metrics_before_preemption"], runs["conn"]["metrics_preempted"]
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("vllm:num_preemptions_total") > 0, (before, after)
+    preemptions = moved("vllm:tpcache_preemptions_total")
+    assert preemptions > 0
+    assert moved("vllm:tpcache_preempted_loaded_tokens_total") >= BLOCK
+    # What a preempted request had saved comes back from tpcache: it computes again at most the
+    # tokens of its last, partial page (a plain recompute would redo its prompt and more).
+    assert moved("vllm:tpcache_preempted_recomputed_tokens_total") < preemptions * BLOCK
+    assert len(prompts()["long"][0]) + PREEMPT_TOKENS > 5 * BLOCK
+
+
+def test_tpcache_counts_reach_vllms_own_metrics(runs: dict[str, Any]) -> None:
+    end = runs["conn"]["metrics_end"]
+    assert end["vllm:tpcache_hit_tokens_total/host"] >= sum(runs["conn"]["batch_again"]["cached"])
+    assert end["vllm:tpcache_loaded_pages_total"] > 0
+    assert end["vllm:tpcache_saved_pages_total"] > 0
+    assert end["vllm:tpcache_storage_written_pages_total"] > 0
+    assert end["vllm:tpcache_lookups_total"] > 0
+    failed = total(runs["conn"]["settled_failed_load"], "load_failed_blocks")[0]
+    assert end["vllm:tpcache_failed_load_blocks_total"] >= failed > 0
+    if runs["tp"] > 1:
+        assert end["vllm:tpcache_closes_total"] >= 1  # the divergence
+    else:
+        assert end.get("vllm:tpcache_closes_total", 0) == 0
+    fresh = runs["fresh"]["metrics"]
+    assert fresh["vllm:tpcache_hit_tokens_total/storage"] > 0
+
+
+def test_vllm_with_the_connector_exits_within_its_grace_period(runs: dict[str, Any]) -> None:
+    if runs["tp"] == 1:
+        pytest.skip("checked at TP=2: the same shutdown path, and a clean exit costs seconds of garbage collection")
+    log = runs.log("conn")
+    assert "all workers exited gracefully" in log
+    assert "force killing" not in log and "sending SIGTERM" not in log

@@ -63,6 +63,7 @@ class Backup:
         self.buffer = config.host_mode == "buffer"  # host only stages: a page durable in storage needs no copy
         self.enabled = True  # a closed cache starts no copies (it does not trust its own state)
         self.storage_down = False  # agreed: a rank's storage can no longer be used (``storage_lost``)
+        self.down_from_op = 0  # the first op id issued with storage down (no storage op from it on)
 
     # ------------------------------------------------------------------ write policies
 
@@ -230,13 +231,16 @@ class Backup:
         """Agreed (the round's ``storage_down``): a rank's storage tier can no longer be used, so a
         page stored there can no longer be read on every rank. Storage is off from here on, alike
         on every rank: no write-out, and no page counts as durable (a host mirror of one is no
-        longer redundant; a page only in storage is gone); writes in flight land as failures, and
-        the prefetcher looks nothing up. Returns the pages forgotten. A flush starts over with
-        storage on; a rank whose storage is still unusable says so again in the next round."""
+        longer redundant; a page only in storage is gone); writes in flight land as failures, a read
+        in flight lands on host but not as durable, and the prefetcher looks nothing up and reads
+        nothing (a fetch under way stops at its next step). Returns the pages forgotten. A flush
+        starts over with storage on; a rank whose storage is still unusable says so again in the
+        next round."""
         if self.storage_down:
             return 0
         self.storage_down = True
         self.storage = False
+        self.down_from_op = self.outbox.next_op
         led = self.ledger
         forgotten = 0
         nodes = led.tree.nodes

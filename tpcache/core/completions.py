@@ -94,8 +94,8 @@ class Completions:
                     led.update(
                         node, part=c, storage=StorageState.DURABLE if i < ok else StorageState.NONE, host_pins=-1
                     )
-                elif i < ok:  # STORAGE_READ
-                    led.update(node, part=c, host=(HostState.VALID, rec[hslot]), storage=StorageState.DURABLE)
+                elif i < ok:  # STORAGE_READ (with storage agreed off meanwhile, the copy is no longer durable)
+                    led.update(node, part=c, host=(HostState.VALID, rec[hslot]), storage=self._read_storage())
                 elif rec[host]:
                     led.free_part_host(node, part)
             for lease in waiters if failed else ():
@@ -145,7 +145,7 @@ class Completions:
 
     def _storage_read(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         led = self.ledger
-        led.settle(op.nodes[:ok], host=HostState.VALID, storage=StorageState.DURABLE)
+        led.settle(op.nodes[:ok], host=HostState.VALID, storage=self._read_storage())
         for node in op.nodes[ok:]:
             led.free_host_copy(node)
         led.stats.prefetch_read_pages += ok
@@ -153,6 +153,11 @@ class Completions:
         if lease is not None and lease.prefetch is not None:  # the anchor it lets go of may be done staging
             self.staging.note(n for _, n in lease.prefetch.anchor)
         self.prefetch.on_read(op, ok)
+
+    def _read_storage(self) -> StorageState | None:
+        """The storage state a page read from storage lands with: durable, unless storage was agreed
+        unusable since the read was issued (nothing counts as durable then; None: left as it is)."""
+        return None if self.backup.storage_down else StorageState.DURABLE
 
     def _storage_query(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
         self.prefetch.on_query(op, ok)

@@ -149,12 +149,31 @@ def check(core: CacheCore) -> None:
         core.tree.nodes.get(i) is not n for i, n in core.ledger.mirrors.items()
     ):
         fail(f"mirror index {sorted(core.ledger.mirrors)} != {sorted(mirrors)}")
+    if core.backup.storage_down:
+        _check_storage_off(core, fail)
     _check_candidates(core, fail)
     _check_page_caches(core, fail)
     for part in core.ledger.parts.values():
         _check_part(core, part, fail)
     if digest.value != core.digest.value:
         fail("incremental digest differs from the digest recomputed from every node and lease")
+
+
+def _check_storage_off(core: CacheCore, fail: Callable[[str], None]) -> None:
+    """Storage agreed unusable: no page or component data counts as durable, and no storage op
+    was issued since."""
+    for kind in (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ, OpKind.STORAGE_WRITE):
+        for op in core.inflight[kind]:
+            if op.op_id >= core.backup.down_from_op:
+                fail(f"{kind.name} op {op.op_id} issued after storage was agreed unusable")
+    parts = list(core.ledger.parts.values())
+    for node in core.tree.nodes.values():
+        if node.storage_state == StorageState.DURABLE:
+            fail(f"node {node.node_id} is durable in storage, which was agreed unusable")
+        rec = node.comp
+        for p in parts if rec is not None else ():
+            if rec[p.base + STORE] == StorageState.DURABLE:  # type: ignore[index]
+                fail(f"node {node.node_id}'s {p.name} data is durable in storage, which was agreed unusable")
 
 
 def _host_only_below_droppable(node: Node) -> bool:

@@ -137,10 +137,10 @@ class Prefetcher:
 
     def reissue(self, lease: Lease) -> None:
         """Ask again at once from where the prefix ends now; the earlier lookup's ack becomes stale.
-        Past the attempt cap the fetch stops instead."""
+        Past the attempt cap, or with storage off, the fetch stops instead."""
         state = lease.prefetch
         assert state is not None
-        if state.attempts >= self.config.prefetch_max_attempts:
+        if state.attempts >= self.config.prefetch_max_attempts or self.storage_down:
             self.abandon(lease)
             return
         _to(state, "reissue")
@@ -169,6 +169,9 @@ class Prefetcher:
         if lease.releasing or self.closed():
             if not self.closed():
                 self.ledger.stats.prefetch_stale_completions += 1
+            _to(state, "cancel")
+            return
+        if self.storage_down:  # agreed since the lookup was issued: nothing is read from storage any more
             _to(state, "cancel")
             return
         state.hit_pages = hit
@@ -226,9 +229,9 @@ class Prefetcher:
         if state is None or state.status == "done":
             return
         state.rounds += 1
-        if lease.releasing:
+        if lease.releasing or self.storage_down:
             if state.status in ("deferred", "retry_wait"):
-                _to(state, "cancel")
+                _to(state, "cancel")  # storage off: neither a deferred read nor a retry goes to storage
         elif state.status == "deferred":
             state.deferrals += 1
             self._read(lease)

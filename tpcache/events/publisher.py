@@ -185,27 +185,31 @@ class EventPublisher:
         if self.pending:
             self.flush()
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        # The replay thread owns its socket (a ZMQ socket is not thread-safe) and closes it on its
+        # way out; it sees the stop within one poll, as a ROUTER's send never blocks.
+        self._thread.join()
         self.pub.close(0)
-        self.router.close(0)
 
     # ------------------------------------------------------------------ the replay thread
 
     def _serve(self) -> None:
         router = self.router
-        while not self._stop.is_set():
-            try:
-                if not router.poll(200):
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not router.poll(200):
+                        continue
+                    frames = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.ZMQError:
                     continue
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                continue
-            try:
-                self._answer(frames)
-            except zmq.ZMQError as exc:  # a peer gone mid-answer: nothing to do for it
-                log.debug("event replay: %s", exc)
+                try:
+                    self._answer(frames)
+                except zmq.ZMQError as exc:  # a peer gone mid-answer: nothing to do for it
+                    log.debug("event replay: %s", exc)
+                except Exception:  # one bad request: answer the next ones
+                    log.exception("event replay: a request could not be answered")
+        finally:
+            router.close(0)
 
     def _answer(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[1] != b"":

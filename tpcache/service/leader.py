@@ -93,6 +93,14 @@ class Item:
 Lookup = tuple[Message, int, Any]
 
 
+class BindError(Exception):
+    """Rank 0 could not bind the endpoint a setting names (``name``)."""
+
+    def __init__(self, name: str, exc: zmq.ZMQError) -> None:
+        super().__init__(str(exc))
+        self.name = name
+
+
 @dataclass
 class Waiter:
     """A reply waiting for every follower's own answer (gathered ops)."""
@@ -118,13 +126,27 @@ class Leader:
         self.config = config
         self.metrics = metrics
         self.request_counts: dict[tuple[str, str], int] = {}
-        self.door = FrontDoor(
-            ctx,
-            config.endpoint,
-            config.max_pending_per_client,
-            config.max_unread_reply_bytes or default_unread_bytes(),
-            config.max_connections,
-        )
+        # The KV-event stream (``events_endpoint``): what each round changed, published after its
+        # commit. Bound before the front door, which is closed again if it cannot bind.
+        self.events: EventStream | None = None
+        if config.events_endpoint:
+            try:
+                self.events = EventStream(config, ctx, handler.tp.core, channels.world)
+            except zmq.ZMQError as exc:
+                name = "events_replay_endpoint" if config.events_replay_endpoint else "events_endpoint"
+                raise BindError(name, exc) from None
+        try:
+            self.door = FrontDoor(
+                ctx,
+                config.endpoint,
+                config.max_pending_per_client,
+                config.max_unread_reply_bytes or default_unread_bytes(),
+                config.max_connections,
+            )
+        except zmq.ZMQError as exc:
+            if self.events is not None:
+                self.events.close()
+            raise BindError("endpoint", exc) from None
         self.endpoint = self.door.endpoint
         self.poller = zmq.Poller()
         for sock in self.door.sockets():
@@ -140,9 +162,6 @@ class Leader:
         self.carry: Message | None = None  # read while a round ran, not a lookup: first of the next batch
         self.in_round = False
         self.announced = False  # the batch being read was sent already (``_announce``)
-        collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
-        if hasattr(collective, "while_waiting"):
-            collective.while_waiting = self._while_round
         self.waiters: dict[int, Waiter] = {}
         self.activations: dict[int, Waiter] = {}
         self.watches: list[tuple[Item, Watch, float]] = []  # replies waiting on a storage prefetch
@@ -152,8 +171,9 @@ class Leader:
         self.broken_since = 0.0
         self.last_round = time.monotonic()
         self.last_progress = True
-        # The KV-event stream (``events_endpoint``): what each round changed, published after its commit.
-        self.events = EventStream(config, ctx, handler.tp.core, channels.world) if config.events_endpoint else None
+        collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
+        if hasattr(collective, "while_waiting"):  # last: a leader that failed to start is not kept alive
+            collective.while_waiting = self._while_round
 
     # ------------------------------------------------------------------ main loop
 

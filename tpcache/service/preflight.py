@@ -27,7 +27,15 @@ from urllib.parse import urlparse
 from tpcache.dist.parallel import Shard
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.io.storage.url import parse_storage_url
-from tpcache.service.config import DEFAULT, ConfigError, Resolved, ServiceConfig, SettingError, spelling
+from tpcache.service.config import (
+    DEFAULT,
+    ConfigError,
+    Resolved,
+    ServiceConfig,
+    SettingError,
+    events_endpoints,
+    spelling,
+)
 
 
 @dataclass(frozen=True)
@@ -105,9 +113,11 @@ def port_in_use(host: str, port: int) -> str | None:
 
 
 def check_ports(resolved: Resolved, ranks: range, world: int | None = None) -> None:
-    """The client endpoint (rank 0) and each of ``ranks``' metrics port must be free."""
+    """The client endpoint and the event stream's (rank 0) and each of ``ranks``' metrics port must be free."""
     config, sources = resolved.config, resolved.sources
     world = ranks.stop if world is None else world
+    if 0 in ranks:
+        check_events_ports(resolved)
     if 0 in ranks and config.endpoint.startswith("tcp://"):
         parsed = urlparse(config.endpoint)
         if parsed.port:
@@ -130,6 +140,42 @@ def check_ports(resolved: Resolved, ranks: range, world: int | None = None) -> N
                     f"{where}: port {port} (rank {rank}'s metrics: the port + its rank) cannot be bound on "
                     f"127.0.0.1 ({why}); choose a port P with P..P+{world - 1} free, or 0 (off)"
                 )
+
+
+def check_events_ports(resolved: Resolved) -> None:
+    """The event stream's PUB and replay ports (rank 0 binds them) must be free."""
+    config, sources = resolved.config, resolved.sources
+    try:
+        pub, replay = events_endpoints(config)
+    except SettingError as exc:
+        raise exc.where(sources.get(exc.name, DEFAULT)) from None
+    where = spelling("events_endpoint", config.events_endpoint, sources["events_endpoint"])
+    for endpoint, what in ((pub, "the event stream"), (replay, "its replay")):
+        if not endpoint.startswith("tcp://"):
+            continue
+        parsed = urlparse(endpoint)
+        if not parsed.port:
+            continue
+        host = parsed.hostname or "127.0.0.1"
+        why = port_in_use("0.0.0.0" if host == "*" else host, parsed.port)
+        if not why:
+            continue
+        if endpoint is pub:
+            raise ConfigError(
+                f"{where}: cannot bind port {parsed.port} for {what} ({why}); choose another port, or port 0 for a "
+                "free one"
+            )
+        if config.events_replay_endpoint:
+            replay_where = spelling(
+                "events_replay_endpoint", config.events_replay_endpoint, sources["events_replay_endpoint"]
+            )
+            raise ConfigError(
+                f"{replay_where}: cannot bind port {parsed.port} ({why}); choose another port, or port 0 for a free one"
+            )
+        raise ConfigError(
+            f"{where}: cannot bind port {parsed.port} for its replay (the port + 1) ({why}); choose a port P with "
+            "P and P+1 free, set events_replay_endpoint, or use port 0 for free ones"
+        )
 
 
 def check_writable_dir(path: Path) -> str | None:
@@ -175,7 +221,11 @@ def check_paths(resolved: Resolved, ranks: range, world: int | None = None) -> N
         name = "storage_dir" if config.storage_dir else "storage_url"
         where = spelling(name, getattr(config, name), sources[name])
         group = config.group(world)
-        for rank in ranks:
+        if config.model_id:  # the model layout: every rank writes the first free of its shard's directories
+            why = check_writable_dir(Path(spec.location) / "model")
+            if why:
+                raise ConfigError(f"{where}: cannot write the storage tier there ({why}); give a writable directory")
+        for rank in () if config.model_id else ranks:
             rank_dir = Path(spec.location) / f"rank{rank}"
             why = check_writable_dir(rank_dir)
             if why:

@@ -297,7 +297,7 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag,
 
     from tpcache.dist import make_collective
     from tpcache.service.follower import Follower
-    from tpcache.service.leader import Leader
+    from tpcache.service.leader import BindError, Leader
 
     config = resolved.config
     if storage is not None and rank == 0:
@@ -324,9 +324,10 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag,
         if rank == 0:
             try:
                 leader = Leader(handler, channels, config, metrics, ctx)
-            except zmq.ZMQError as exc:
+            except BindError as exc:
                 channels.broadcast({"b": 0, "s": 1, "n": 0, "e": [], "x": True})
-                print(f"tpcache: cannot bind --endpoint {config.endpoint}: {exc}", file=sys.stderr)
+                where = spelling(exc.name, getattr(config, exc.name), resolved.sources.get(exc.name, DEFAULT))
+                print(f"tpcache: cannot bind {where}: {exc}", file=sys.stderr)
                 return EXIT_CONFIG
             log.info("%s", startup_block(resolved, tp, rank, world, channels, leader.endpoint, storage))
             info = {

@@ -171,9 +171,11 @@ def connector_settings(
     extra: dict[str, Any] | None = None,
     rank_extra: dict[str, dict[str, Any]] | None = None,
     agree: bool = True,
+    keys: list[str] | None = None,
 ) -> dict[str, Any]:
     """The vLLM connector's start-up agreement over a real group: each rank reads ``readings[rank]``
-    bytes of free memory and holds ``extra`` updated by ``rank_extra[str(rank)]``. With ``agree``
+    bytes of free memory, holds ``extra`` updated by ``rank_extra[str(rank)]`` and the storage key
+    ``keys[rank]`` (None: ``TPCACHE_STORAGE_KEY`` of its environment). With ``agree``
     the ranks size the host tier together (what the connector does); without it each sizes it from
     its own reading. Then the cache is built and runs one round: does it stay open?"""
     from tpcache.dist.exchange import all_gather_json
@@ -181,7 +183,7 @@ def connector_settings(
     from tpcache.service.config import ConfigError
 
     options = ConnectorOptions.from_extra_config({**(extra or {}), **(rank_extra or {}).get(str(rank), {})})
-    facts = rank_facts(options, "L2xH1xD8:fp32")
+    facts = rank_facts(options, "L2xH1xD8:fp32", None if keys is None else keys[rank])
     facts["available"] = readings[rank]
     try:
         gathered = all_gather_json(facts) if agree else [facts] * world

@@ -39,7 +39,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from protocol.round_vector import HEALTH_IO_ERROR
+from protocol.round_vector import HEALTH_IO_ERROR, HEALTH_STORAGE_DOWN
 from tpcache.core import (
     Admitted,
     CacheClosed,
@@ -87,6 +87,7 @@ class Faults:
     shm: bool = False  # exchange vectors through a real shared-memory segment
     read_fail: float = 0.0  # probability one rank's storage lookup or read returns nothing
     lose_at: int | None = None  # round at which one rank's storage loses half its pages
+    storage_down_at: int | None = None  # round at which one rank's storage goes away (unusable)
     slow: int = 0  # extra rounds each copy takes on one rank
 
     def closes_at(self, now: int) -> bool:
@@ -114,6 +115,7 @@ class FakeIO:
         self.fail_landed = False
         self.window_parts: dict[int, bool] = {}  # component -> is it sliding-window data
         self.victim = False  # the rank the per-rank faults (read_fail, slow) hit
+        self.storage_gone = False  # the storage is unusable: it says so, holds nothing, stores nothing
 
     def start(self, ops: Sequence[Transfer]) -> None:
         for op in ops:
@@ -131,7 +133,7 @@ class FakeIO:
             self.results.pop(op.op_id, None)
 
     def health(self) -> int:
-        return HEALTH_IO_ERROR if self.unhealthy else 0
+        return (HEALTH_IO_ERROR if self.unhealthy else 0) | (HEALTH_STORAGE_DOWN if self.storage_gone else 0)
 
     def drained(self) -> bool:
         return not self.due
@@ -180,6 +182,8 @@ class FakeIO:
                 landed = min(landed, self._present(op))  # storage answers for what this rank holds
                 if self.victim and self.faults.read_fail and self.rng.random() < self.faults.read_fail:
                     landed = 0
+            if self.storage_gone and op.kind in (OpKind.STORAGE_QUERY, OpKind.STORAGE_READ, OpKind.STORAGE_WRITE):
+                landed = 0
             for k, (i, _) in enumerate(op.full_moves()):
                 self._copy(
                     op.kind, i < landed, self.device, self.host, op.device_pages[k], op.host_slots[k], op.page_hashes[i]
@@ -375,6 +379,10 @@ class SimCluster:
             for key in lost:
                 del victim.io.storage[key]
             self.lost.update(lost)
+        if f.storage_down_at == now:
+            self.log.append(f"round {now}: rank {victim.rank}'s storage goes away")
+            victim.io.storage.clear()
+            victim.io.storage_gone = True
         if f.kill_at == now:
             self.log.append(f"round {now}: rank {victim.rank} dies")
             victim.alive = False
@@ -668,6 +676,7 @@ def run_schedule(
             read_fail=extra.choice([0.0, 0.1, 0.3]),
             lose_at=extra.randint(3, rounds - 3) if extra.random() < 0.3 else None,
             slow=extra.choice([0, 0, 2, 5]),
+            storage_down_at=extra.randint(3, rounds - 3) if extra.random() < 0.2 else None,
         )
         alphabet = 3
     sim = SimCluster(seed, ranks, config, faults)

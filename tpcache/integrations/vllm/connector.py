@@ -24,10 +24,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpcache.core import CacheConfig
+from tpcache.integrations.vllm.compat import check_vllm
 from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
-from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, page_namespace, rank_facts
+from tpcache.integrations.vllm.options import (
+    STORAGE_KEY_ENV,
+    ConnectorOptions,
+    agree_host_tier,
+    page_namespace,
+    rank_facts,
+)
 from tpcache.integrations.vllm.scheduler import SchedulerSide
+from tpcache.integrations.vllm.stats import Increments, TPCachePromMetrics, TPCacheStats
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
 
 if TYPE_CHECKING:
@@ -69,8 +77,9 @@ class TPCacheConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
-        super().__init__(vllm_config, role, kv_cache_config)
         speak_through_vllm()
+        check_vllm()  # once per process: refuses a vLLM without a hook used here, warns on an untested one
+        super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is not None:
             require_full_attention(kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -81,6 +90,7 @@ class TPCacheConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self.metrics: Any = None
         self._result: StepResult | None = None
+        self._increments = Increments()  # vLLM's stats: what moved since the last collection
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.block_size)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -139,6 +149,30 @@ class TPCacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.reset()
 
+    # ================================================================== vLLM's stats
+
+    def get_kv_connector_stats(self) -> TPCacheStats | None:
+        """The scheduler side's counts, or (TP rank 0 only: the others agree) the worker's."""
+        if self.scheduler is not None:
+            return self._increments.take(self.scheduler.counters)
+        if self.worker is None or self.worker.cache.rank != 0:
+            return None
+        return self._increments.take(self.worker.totals())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TPCacheStats | None:
+        return TPCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TPCachePromMetrics:
+        return TPCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ================================================================== worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -172,7 +206,7 @@ class TPCacheConnector(KVConnectorBase_V1):
             storage = FileBackend(
                 Path(opts.storage_dir) / f"rank{rank}", capacity_bytes=opts.storage_bytes, shard=(rank, world)
             )
-            secret = os.environ.get("TPCACHE_STORAGE_KEY", "")  # the service's storage key, never an option
+            secret = os.environ.get(STORAGE_KEY_ENV, "")  # checked equal on every rank by agree_host_tier
             if secret:
                 from tpcache.io.storage import RecordMac
 

@@ -14,13 +14,16 @@ must be equal, so every rank builds the same cache.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.core.eviction import make_policy
 from tpcache.io.memory import available_memory, format_bytes
+from tpcache.io.storage.record import MIN_KEY_BYTES
 from tpcache.service.config import ConfigError, ServiceConfig
 
 DEFAULT_HOST_FRACTION = 0.1  # of the least memory any TP rank has available at start, shared by the ranks
@@ -140,16 +143,41 @@ class HostTier:
         )
 
 
-def rank_facts(options: ConnectorOptions, kv_layout: str) -> dict[str, Any]:
-    """What one rank contributes to the agreement before the cache is built (JSON)."""
-    return {"settings": options.group_settings(), "available": available_memory(), "kv_layout": kv_layout}
+STORAGE_KEY_ENV = "TPCACHE_STORAGE_KEY"  # the storage key, as the service reads it: never an option
+SHORT_KEY = "short"  # a rank's key fingerprint when its key is too short to use
+
+
+def storage_key_fingerprint(secret: str) -> str:
+    """What a rank tells the others of its storage key: a fingerprint that does not reveal it ("":
+    no key; ``SHORT_KEY``: one too short to use), so the ranks can tell whether they hold the same."""
+    if not secret:
+        return ""
+    raw = secret.encode()
+    if len(raw) < MIN_KEY_BYTES:
+        return SHORT_KEY
+    return hashlib.blake2b(raw, digest_size=8, person=b"tpcache-keyfp").hexdigest()
+
+
+def rank_facts(options: ConnectorOptions, kv_layout: str, storage_key: str | None = None) -> dict[str, Any]:
+    """What one rank contributes to the agreement before the cache is built (JSON). ``storage_key``:
+    the rank's storage key (None: ``TPCACHE_STORAGE_KEY`` from its environment), checked here and
+    given only as a fingerprint, with storage on."""
+    if storage_key is None:
+        storage_key = os.environ.get(STORAGE_KEY_ENV, "")
+    return {
+        "settings": options.group_settings(),
+        "available": available_memory(),
+        "kv_layout": kv_layout,
+        "storage_key": storage_key_fingerprint(storage_key) if options.storage_dir else "",
+    }
 
 
 def agree_host_tier(options: ConnectorOptions, gathered: Sequence[Mapping[str, Any]], page_bytes: int) -> HostTier:
     """The host tier of a group from every rank's ``rank_facts`` (rank order), the same on every
     rank: an explicit ``host_pages`` or ``host_bytes``, else a tenth of the least memory any rank
     has available, shared by the ranks and capped per rank. Raises ConfigError (one line, each
-    rank's value) when settings that must be equal differ, or the KV page layouts do."""
+    rank's value) when settings that must be equal differ, the KV page layouts or the storage keys
+    do, or a rank's storage key is too short."""
     world = len(gathered)
     differ = []
     names = gathered[0]["settings"]
@@ -161,6 +189,7 @@ def agree_host_tier(options: ConnectorOptions, gathered: Sequence[Mapping[str, A
         raise ConfigError(
             "kv_connector_extra_config: settings that must be equal on every TP rank differ: " + "; ".join(differ)
         )
+    _agree_storage_key([item.get("storage_key", "") for item in gathered])
     layouts = [item["kv_layout"] for item in gathered]
     if any(v != layouts[0] for v in layouts):
         each = ", ".join(f"rank {r} {v}" for r, v in enumerate(layouts))
@@ -176,6 +205,25 @@ def agree_host_tier(options: ConnectorOptions, gathered: Sequence[Mapping[str, A
         int((least or DEFAULT_HOST_CAP_BYTES) * DEFAULT_HOST_FRACTION) // max(world, 1), DEFAULT_HOST_CAP_BYTES
     )
     return HostTier(max(1, budget // page_bytes), page_bytes, "free memory", readings, least)
+
+
+def _agree_storage_key(prints: list[str]) -> None:
+    """Every rank holds a usable storage key and the same one, or none does (each rank's fingerprint
+    in rank order). The error names the ranks, never a key or its fingerprint."""
+    short = [r for r, v in enumerate(prints) if v == SHORT_KEY]
+    if short:
+        ranks = ", ".join(f"rank {r}" for r in short)
+        raise ConfigError(
+            f"{STORAGE_KEY_ENV}: the storage key must be at least {MIN_KEY_BYTES} bytes "
+            f"(a deployment secret), the same on every TP rank; shorter on {ranks}"
+        )
+    if any(v != prints[0] for v in prints):
+        names: dict[str, str] = {}  # fingerprint -> "key A", "key B", ... in the order ranks hold them
+        for v in prints:
+            if v and v not in names:
+                names[v] = f"key {chr(ord('A') + len(names) % 26)}"
+        each = ", ".join(f"rank {r} {names.get(v, 'unset')}" for r, v in enumerate(prints))
+        raise ConfigError(f"{STORAGE_KEY_ENV}: the storage key must be the same on every TP rank; it differs ({each})")
 
 
 def page_namespace(namespace: str, model: str) -> str:

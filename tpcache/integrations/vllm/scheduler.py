@@ -12,11 +12,18 @@ in the same step's ops, copied by the workers after the forward pass). A finishe
 pages are saved and its lease released in the next step; vLLM keeps its blocks until every worker
 reports the release agreed (``request_finished`` returns True), except for a request whose load is
 still pending: vLLM itself then frees the blocks when that load is reported.
+
+A request vLLM preempted lost its blocks; its hit agreed before is stale (the pages it saved since
+are in tpcache). When vLLM asks for it again, it is looked up again over every token it has, so
+that what it saved is loaded back instead of computed again. Likewise a request still waiting
+whose hit another request's save has since extended (the page after its hit, by vLLM's block hash)
+is looked up again, at most ``MAX_REFRESHES`` times, before vLLM allocates for it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +33,8 @@ from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAV
 log = logging.getLogger(LOGGER)
 
 STALL_LOG_STEPS = 5000  # requests still waiting on the same lookups or loads after this many steps are logged
+MAX_REFRESHES = 2  # a waiting request is looked up again at most this often because of later saves
+SAVED_PAGES_KEPT = 1 << 16  # vLLM block hashes of recently saved pages remembered (oldest dropped first)
 
 
 @dataclass
@@ -38,6 +47,12 @@ class _Request:
     loading: bool = False  # a load was sent and its outcome not reported yet
     load_blocks: tuple[int, ...] = ()  # the blocks of the last load
     saved_pages: int = 0  # pages named in a save already
+    preemptions: int = 0  # vLLM's preemption count of the request when last seen
+    computed: int = 0  # tokens computed by the end of the last step it was scheduled in
+    before_preemption: int = 0  # tokens it had computed when vLLM last preempted it
+    lookup_step: int = 0  # the step whose ops carried its last lookup
+    refreshes: int = 0  # lookups repeated because a later save made the hit stale
+    load_failed: bool = False  # a load of it failed on some rank: its hit is not offered again
 
 
 class SchedulerSide:
@@ -49,17 +64,46 @@ class SchedulerSide:
         self.step = 0
         self._waiting: list[str] = []  # requests waiting at the last stall check
         self.workers_busy = False  # the last report said some worker has copies or releases to agree
+        # running totals for vLLM's stats (tpcache.integrations.vllm.stats)
+        # vLLM block hash -> the step whose ops last named that page in a save (bounded: the oldest
+        # go first, counted in saved_pages_forgotten)
+        self.saved_at: OrderedDict[Any, int] = OrderedDict()
+        self.saved_pages_forgotten = 0
+        self.counters = {
+            "stale_lookups_refreshed": 0,
+            "hit_tokens_host": 0,
+            "hit_tokens_storage": 0,
+            "lookups": 0,
+            "preemptions": 0,
+            "preempted_loaded_tokens": 0,
+            "preempted_recomputed_tokens": 0,
+        }
 
     # ------------------------------------------------------------------ vLLM hooks
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self.requests.get(request.request_id)
         if state is None:
-            tokens = list(request.all_token_ids)
-            self.requests[request.request_id] = _Request(request, sent_tokens=len(tokens))
-            self.ops.append((LOOKUP, request.request_id, tokens))
+            state = self.requests[request.request_id] = _Request(request, sent_tokens=0)
+            self._lookup(state)
+            return None, False
+        preemptions = getattr(request, "num_preemptions", 0)
+        if preemptions > state.preemptions:
+            # vLLM preempted the request and freed its blocks: the hit agreed before is stale (its
+            # own saves since then are in tpcache). Look it up again before vLLM allocates for it.
+            state.preemptions = preemptions
+            state.before_preemption = state.computed
+            self.counters["preemptions"] += 1
+            self._lookup(state)
             return None, False
         if state.hit is None or state.loading:
+            return None, False
+        if self._stale(state):
+            # Another request saved the page after this one's hit since the lookup: ask again, so
+            # that vLLM allocates for what tpcache holds now.
+            state.refreshes += 1
+            self.counters["stale_lookups_refreshed"] += 1
+            self._lookup(state)
             return None, False
         state.local = num_computed_tokens
         # vLLM computes at least the last prompt token itself (it samples from its logits).
@@ -77,6 +121,11 @@ class SchedulerSide:
         self.ops.append((LOAD, request.request_id, first, blocks))
         state.loading = True
         state.load_blocks = tuple(blocks)
+        host, storage = self.hit_sources(request, num_external_tokens)
+        self.counters["hit_tokens_host"] += host
+        self.counters["hit_tokens_storage"] += storage
+        if state.preemptions:
+            self.counters["preempted_loaded_tokens"] += num_external_tokens
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """(host, storage) split of a load's tokens: storage pages are the hit's tail."""
@@ -88,8 +137,15 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id, n in scheduled.items():
             state = self.requests.get(req_id)
-            if state is not None and not state.loading:
-                self._save(state, state.request.num_computed_tokens + n)
+            if state is None:
+                continue
+            computed = state.request.num_computed_tokens
+            if state.before_preemption > computed:
+                redo = min(computed + n, state.before_preemption) - computed
+                self.counters["preempted_recomputed_tokens"] += redo
+            state.computed = max(state.computed, computed + n)
+            if not state.loading:
+                self._save(state, computed + n)
         if self.step % STALL_LOG_STEPS == 0:
             waiting = [r for r, s in self.requests.items() if s.hit is None or s.loading]
             if waiting and waiting == self._waiting:
@@ -117,6 +173,7 @@ class SchedulerSide:
                     # Some rank did not get the pages: vLLM recomputes them, and is not offered the
                     # hit again (a retried load would hit the same fault).
                     state.hit = 0
+                    state.load_failed = True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         """Queue the last save and the release; True when vLLM must wait for the workers to free."""
@@ -137,6 +194,39 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ internals
 
+    def _lookup(self, state: _Request) -> None:
+        """Ask the workers for the request's hit over every token it has now."""
+        tokens = list(state.request.all_token_ids)
+        state.sent_tokens = len(tokens)
+        state.hit, state.storage_hit = None, 0
+        state.lookup_step = self.step
+        self.counters["lookups"] += 1
+        self.ops.append((LOOKUP, state.request.request_id, tokens))
+
+    def _stale(self, state: _Request) -> bool:
+        """Whether the page right after the request's agreed hit was named in a save since its
+        lookup (by vLLM's block hash of that page, which chains every token before it)."""
+        if state.load_failed or state.refreshes >= MAX_REFRESHES or state.hit is None:
+            return False
+        request = state.request
+        page = state.hit // self.block_size
+        if page >= (request.num_tokens - 1) // self.block_size:
+            return False  # the hit already covers every page vLLM would load
+        hashes = getattr(request, "block_hashes", None) or ()
+        if page >= len(hashes):
+            return False
+        saved = self.saved_at.get(hashes[page])
+        return saved is not None and saved >= state.lookup_step
+
+    def _remember_saved(self, request: Any, first: int, pages: int) -> None:
+        hashes = getattr(request, "block_hashes", None) or ()
+        for i in range(first, min(pages, len(hashes))):
+            self.saved_at[hashes[i]] = self.step
+            self.saved_at.move_to_end(hashes[i])
+        while len(self.saved_at) > SAVED_PAGES_KEPT:
+            self.saved_at.popitem(last=False)
+            self.saved_pages_forgotten += 1
+
     def _save(self, state: _Request, computed: int, block_ids: list[int] | None = None) -> None:
         """Name the blocks of the full pages whose KV is computed and whose tokens are known."""
         request = state.request
@@ -154,5 +244,6 @@ class SchedulerSide:
         end = pages * self.block_size
         new = list(request.all_token_ids[state.sent_tokens : end]) if end > state.sent_tokens else []
         state.sent_tokens = max(state.sent_tokens, end)
+        self._remember_saved(request, state.saved_pages, pages)
         state.saved_pages = pages
         self.ops.append((SAVE, request.request_id, new, pages, list(block_ids[:pages])))

@@ -79,10 +79,11 @@ class WorkerSide:
         self.loads: dict[str, _Load] = {}
         self.sending: dict[str, int | None] = {}  # request -> lease being released (None: nothing held)
         self.steps = 0
-        self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0}
+        self.counters = {"load_failed_blocks": 0, "lookups": 0, "hit_tokens": 0, "storage_hit_tokens": 0, "closes": 0}
         self._flush_asked = False
         self._busy_steps = 0  # consecutive steps that ended with something still to report
         self._closed_reason = ""  # the reason of the last close this rank announced
+        self._was_closed = False  # the cache was closed after the last step
 
     # ------------------------------------------------------------------ one engine step
 
@@ -121,6 +122,9 @@ class WorkerSide:
         """A close is a warning that names its cause and what it means for vLLM, once per cause (the
         round logs every close as an error; a close that recurs after each reopen says no more)."""
         reason = self.cache.core.closed_reason or "unknown"
+        if closed and not self._was_closed:
+            self.counters["closes"] += 1  # every time it closes, whatever the cause
+        self._was_closed = closed
         if closed and reason != self._closed_reason:
             self._closed_reason = reason
             then = "until the ranks reopen it by an agreed flush" if self.reopen else "from now on (reopen is off)"
@@ -256,6 +260,18 @@ class WorkerSide:
         if self.loads or self.sending or any(not s.reported for s in self.requests.values()):
             return False
         return not any(self.cache.core.inflight.values()) or self.cache.core.closed
+
+    def totals(self) -> dict[str, int]:
+        """Running totals of the counts this rank reports to vLLM's stats (cheap: no copies)."""
+        core = self.cache.core.stats
+        return {
+            "loaded_pages": core.loads_done_pages,
+            "failed_load_blocks": self.counters["load_failed_blocks"],
+            "saved_pages": core.backups_done_pages,
+            "storage_written_pages": core.storage_written_pages,
+            "host_evicted_pages": core.host_evicted_pages,
+            "closes": self.counters["closes"],
+        }
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.cache.stats())

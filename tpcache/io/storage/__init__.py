@@ -10,6 +10,7 @@ from tpcache.io.storage.base import (
     StorageBackend,
     StorageClosedError,
     StorageError,
+    StorageInUse,
 )
 from tpcache.io.storage.buffers import StorageBufferError
 from tpcache.io.storage.file import FileBackend
@@ -34,6 +35,7 @@ __all__ = [
     "StorageClosedError",
     "StorageCompletion",
     "StorageError",
+    "StorageInUse",
     "StorageKey",
     "StorageKeyError",
     "StorageURL",

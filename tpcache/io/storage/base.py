@@ -52,6 +52,10 @@ class StorageError(RuntimeError):
     """A storage backend cannot be used as configured (bad directory, already in use, closed)."""
 
 
+class StorageInUse(StorageError):
+    """A file store's owner directory is held (its ``LOCK``) by another running instance."""
+
+
 class StorageClosedError(StorageError):
     """The backend or worker was closed."""
 

@@ -65,6 +65,7 @@ from tpcache.io.storage.base import (
     StorageClosedError,
     StorageCounters,
     StorageError,
+    StorageInUse,
     check_keys,
     check_pairs,
     check_shard,
@@ -263,7 +264,7 @@ class FileBackend(StorageBackend):
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
-            raise StorageError(
+            raise StorageInUse(
                 f"storage directory {self._dir} is in use by another instance of the same shard"
             ) from None
         st = os.stat(self._dir)

@@ -38,7 +38,7 @@ import xxhash
 
 from tpcache.dist.parallel import Shard
 from tpcache.io.kv_pool import KVLayout
-from tpcache.io.storage.base import StorageBackend, StorageCounters, check_keys, check_pairs
+from tpcache.io.storage.base import StorageBackend, StorageCounters, StorageInUse, check_keys, check_pairs
 from tpcache.io.storage.buffers import byte_view
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 
@@ -330,10 +330,17 @@ class ShardedStorage(StorageBackend):
         self._inner.close()
 
 
-def shard_owner(shard: Shard) -> str:
+# Owner directories one shard's writers may take: groups of one shape sharing a directory (data-
+# parallel replicas) each take the first one no running instance holds.
+MAX_OWNER_SLOTS = 64
+
+
+def shard_owner(shard: Shard, slot: int = 0) -> str:
     """The file store's owner directory of a writer: its place in its group's shape (``r0of2``,
-    ``p1of2.r0of1``), so deployments of different shapes never write each other's directories."""
-    return Shard(*shard).label
+    ``p1of2.r0of1``), so deployments of different shapes never write each other's directories,
+    and for the ``slot``-th writer of one shape at once, ``.i<slot>`` after it (``r0of2.i1``)."""
+    label = Shard(*shard).label
+    return label if slot == 0 else f"{label}.i{slot}"
 
 
 def open_shared_storage(
@@ -347,8 +354,9 @@ def open_shared_storage(
 ) -> ShardedStorage:
     """The shard-layout store ``url`` names, for rank ``shard`` holding ``layout`` of ``model``.
 
-    A file URL keeps every writer in ``PATH/model/<owner>`` (``shard_owner``); each rank reads its
-    own directory and, read-only, every other owner's (``SharedFileStore``). Mooncake and Redis keep
+    A file URL keeps every writer in ``PATH/model/<owner>`` (``shard_owner``: the first of its shard's
+    directories no running writer holds); each rank reads its own directory and, read-only, every
+    other owner's (``SharedFileStore``). Mooncake and Redis keep
     one value per shard key, shared by every group."""
     from tpcache.io.storage.url import _open, parse_storage_url
 
@@ -360,13 +368,23 @@ def open_shared_storage(
         from tpcache.io.storage.file import DEFAULT_SEGMENT_BYTES
         from tpcache.io.storage.shared_file import SharedFileStore
 
-        inner = SharedFileStore(
-            Path(spec.location) / "model",
-            shard_owner(shard),
-            capacity_bytes=s.get("capacity", capacity_bytes),
-            fsync=s.get("fsync", "batch"),
-            segment_bytes=s.get("segment", DEFAULT_SEGMENT_BYTES),
-        )
+        # The first owner directory of this shard that no running writer holds: a restart takes
+        # its own again (or a stopped replica's: any owner's records serve every group alike).
+        for slot in range(MAX_OWNER_SLOTS):
+            try:
+                inner = SharedFileStore(
+                    Path(spec.location) / "model",
+                    shard_owner(shard, slot),
+                    capacity_bytes=s.get("capacity", capacity_bytes),
+                    fsync=s.get("fsync", "batch"),
+                    segment_bytes=s.get("segment", DEFAULT_SEGMENT_BYTES),
+                )
+                break
+            except StorageInUse:
+                continue
+        else:
+            where = Path(spec.location) / "model" / shard_owner(shard)
+            raise StorageInUse(f"{MAX_OWNER_SLOTS} running writers of this shard hold {where} and its siblings")
     else:
         inner = _open(spec, None, capacity_bytes)  # type: ignore[arg-type]  # every shard key
     if storage_key:

@@ -165,8 +165,9 @@ class SharedFileStore(StorageBackend):
                 seen = None
             if seen is None:
                 seen = segs[segno] = _Seen(st.st_ino, 0)
-            if found is None:
-                found = self._scan(path, seen.size, st.st_size)
+            looked = st.st_size
+            if found is None:  # up to a record not yet whole: the next look starts there
+                found, looked = self._scan(path, seen.size, st.st_size)
             else:
                 seen.sealed = True  # an index is written for a sealed segment only
             for enc, loc in found:
@@ -174,7 +175,7 @@ class SharedFileStore(StorageBackend):
                 if old is None or loc.seq >= old.seq:  # newest record of a key in one owner wins
                     seen.keys[enc] = loc
                     self._where.setdefault(enc, {})[owner] = loc
-            seen.size = st.st_size
+            seen.size = looked
 
     def _from_index(self, owner: str, segno: int, path: Path, size: int) -> list[tuple[bytes, _Loc]] | None:
         try:
@@ -184,14 +185,16 @@ class SharedFileStore(StorageBackend):
             return None
         return [(e.key, _Loc(path, e.offset, e.record_len, e.payload_len, e.seq)) for e in index.entries()]
 
-    def _scan(self, path: Path, start: int, size: int) -> list[tuple[bytes, _Loc]]:
+    def _scan(self, path: Path, start: int, size: int) -> tuple[list[tuple[bytes, _Loc]], int]:
+        """The live records whole in ``[start, size)``, and the offset the scan stopped at (the
+        first record not yet whole, torn or past ``size``): where the next look starts."""
         out: list[tuple[bytes, _Loc]] = []
+        offset = start
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
-            return out
+            return out, offset
         try:
-            offset = start
             while offset + HEADER_SIZE <= size:
                 raw = os.pread(fd, _SCAN_READ, offset)
                 key_len = int.from_bytes(raw[6:8], "little")
@@ -211,7 +214,7 @@ class SharedFileStore(StorageBackend):
             pass
         finally:
             os.close(fd)
-        return out
+        return out, offset
 
     def _read_peer(self, enc: bytes, view: memoryview) -> str | None:
         """Serve ``enc`` from another owner into ``view``; None on a hit, else the miss reason."""
@@ -221,6 +224,8 @@ class SharedFileStore(StorageBackend):
             if reason is None:
                 return None
             view[:] = bytes(len(view))
+            if reason in (MISS_IO_ERROR, MISS_SHORT):
+                continue  # perhaps passing: the record stays known, the next get tries it again
             held = self._where[enc]
             del held[owner]
             if not held:
