@@ -13,7 +13,7 @@ CUDA_ONLY_EXTRAS := torchvision torchaudio torchcodec
 BIN := $(VENV)/bin
 
 # Debian packages the store tests need: libibverbs1 (Mooncake's libraries link it even for TCP) and
-# redis-server. Installed as root when missing; without root, setup says what to install (README).
+# redis-server. Installed as root when missing; without root, setup says what to install (docs/guides/storage.md).
 SYSTEM_PACKAGES ?= libibverbs1 redis-server
 
 .PHONY: setup system-packages demo test lint bench clean setup-sglang test-sglang
@@ -29,7 +29,7 @@ system-packages:
 		apt-get -o DPkg::Lock::Timeout=300 update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
-		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them; see README, 'Shared storage')" >&2; \
+		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them; see docs/guides/storage.md)" >&2; \
 	fi
 
 $(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c $(wildcard tpcache/core/_*.c tpcache/core/_*.h)

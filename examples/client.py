@@ -3,7 +3,7 @@
     python -m launcher local --nproc 2 &     # serves on tcp://127.0.0.1:5555
     python examples/client.py [ENDPOINT]
 
-The README shows this file from the first import on (tests/launcher/test_examples.py checks that
+docs/guides/service.md shows this file from the first import on (tests/launcher/test_examples.py checks that
 they are the same and runs it).
 """
 

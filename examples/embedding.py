@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/embedding.py
 
-The README shows this file from the first import on (tests/launcher/test_examples.py checks that
+docs/guides/embedding.md shows this file from the first import on (tests/launcher/test_examples.py checks that
 they are the same and runs it).
 """
 

@@ -3,7 +3,7 @@ states, each in its own pools, agreed like every other page.
 
     torchrun --nproc-per-node 2 examples/hybrid.py
 
-The README shows this file from the first import on (tests/launcher/test_examples.py checks that
+docs/guides/hybrid.md shows this file from the first import on (tests/launcher/test_examples.py checks that
 they are the same and runs it).
 """
 

@@ -581,7 +581,7 @@ class SetConfigResult(Body):
 @dataclass(frozen=True, slots=True)
 class SetConfigRequest(Body):
     """Change runtime settings; a field left None is unchanged. At least one must be set.
-    To add a setting: add a Maybe(...) field here and document it in README.md."""
+    To add a setting: add a Maybe(...) field here and document it in protocol/README.md."""
 
     retention_cap_tokens: int | None = _field(Maybe(Int(-1, I64_MAX)), None)  # -1: no cap
     mirror_release: bool | None = _field(Maybe(Flag()), None)

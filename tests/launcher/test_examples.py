@@ -1,8 +1,9 @@
-"""The README's code blocks are the files in examples/, and those files run as written."""
+"""The docs' example blocks are the files in examples/, and those files run as written."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,31 +13,41 @@ import pytest
 from launcher.local import free_port
 from tests.service.harness import REPO, repo_env, running_service
 
-MARKER = re.compile(r"<!-- (examples/\S+\.py) [^>]*-->\n```python\n(.*?)```\n", re.S)
+MARKER = re.compile(r"<!-- doc: tested-by (examples/\S+\.py) [^>]*-->\n```python\n(.*?)```\n", re.S)
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def run_in_repo(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def torchrun(command: str) -> subprocess.CompletedProcess[str]:
+    """A documented ``torchrun`` command as written, through this interpreter, on a free master port."""
+    argv = shlex.split(command)
+    assert argv[0].endswith("torchrun"), argv
+    return run_in_repo(sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *argv[1:])
+
+
 def example_body(path: Path) -> str:
-    """The file from its first import on (the README leaves out the module docstring)."""
+    """The file from its first import on (the docs leave out the module docstring)."""
     lines = path.read_text().splitlines(keepends=True)
     first = next(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
     return "".join(lines[first:])
 
 
-def test_the_readme_shows_the_example_files_exactly() -> None:
-    blocks = dict(MARKER.findall((REPO / "README.md").read_text()))
-    assert set(blocks) == {"examples/embedding.py", "examples/hybrid.py", "examples/client.py"}, blocks.keys()
-    for path, block in blocks.items():
-        assert block == example_body(REPO / path), f"README.md's block for {path} differs from the file"
+def test_the_docs_show_the_example_files_exactly() -> None:
+    """Each of these files is shown whole in the docs (other examples appear as excerpts, which
+    tests/docs/test_docs.py finds in their files)."""
+    whole = {"examples/embedding.py", "examples/hybrid.py", "examples/client.py"}
+    blocks = [(page, path, block) for page in DOCS for path, block in MARKER.findall(page.read_text()) if path in whole]
+    assert {path for _, path, _ in blocks} == whole
+    for page, path, block in blocks:
+        assert block == example_body(REPO / path), f"{page.relative_to(REPO)}'s block for {path} differs from the file"
 
 
 @pytest.mark.multiprocess
 def test_the_embedding_example_runs_under_torchrun() -> None:
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
-    run = run_in_repo(*torchrun, "--master-port", str(free_port()), "examples/embedding.py")
+    run = torchrun(".venv/bin/torchrun --nproc-per-node 2 examples/embedding.py")
     assert run.returncode == 0, run.stderr[-4000:]
     for rank in (0, 1):  # the second turn hits every full page, on every rank
         assert f"rank {rank} turn 0: 0 of 62 pages hit" in run.stdout, run.stdout
@@ -45,8 +56,7 @@ def test_the_embedding_example_runs_under_torchrun() -> None:
 
 @pytest.mark.multiprocess
 def test_the_hybrid_example_runs_under_torchrun() -> None:
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
-    run = run_in_repo(*torchrun, "--master-port", str(free_port()), "examples/hybrid.py")
+    run = torchrun(".venv/bin/torchrun --nproc-per-node 2 examples/hybrid.py")
     assert run.returncode == 0, run.stderr[-4000:]
     for rank in (0, 1):  # the second turn hits up to the last state (page 60), with its SWA window
         assert f"rank {rank} turn 0: 0 of 62 pages hit" in run.stdout, run.stdout

@@ -1,4 +1,4 @@
-"""Each consistency promise of the README, held by a test that fails when it is broken."""
+"""Each consistency promise (docs/design/architecture.md, "Guarantees"), held by a test that fails when it is broken."""
 
 import copy
 from array import array

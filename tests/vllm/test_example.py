@@ -11,6 +11,7 @@ Runs in the TP=2 ring's xdist group, so that it never runs engines beside the ri
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +34,10 @@ STARTUP = re.compile(
 )
 
 
-def run_example(tmp: Path, storage: Path) -> dict[str, dict]:
-    """The example's printed batches, after checking that both workers said what they built."""
-    argv = [sys.executable, "examples/vllm_tpcache.py", "--tp", "2", "--storage-dir", str(storage)]
+def run_example(tmp: Path, command: str) -> dict[str, dict]:
+    """The example's printed batches, after checking that both workers said what they built. ``command``
+    is the docs' command as written; it runs through this interpreter, its /tmp/ under ``tmp``."""
+    argv = [sys.executable, *shlex.split(command.replace("/tmp/", f"{tmp}/"))[1:]]
     run = subprocess.run(argv, cwd=REPO, env=repo_env(TMPDIR=str(tmp)), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout + run.stderr
@@ -54,15 +56,15 @@ def run_example(tmp: Path, storage: Path) -> dict[str, dict]:
 
 
 def test_the_readme_vllm_example_hits_tpcache_host_then_storage(tmp_path: Path) -> None:
-    storage = tmp_path / "kv"
-    first = run_example(tmp_path, storage)
+    command = ".venv/bin/python examples/vllm_tpcache.py --tp 2 --storage-dir /tmp/tpcache-kv"  # as the docs show it
+    first = run_example(tmp_path, command)
     assert first["first batch"]["prompts"][0] == 0  # nothing is cached anywhere yet
     assert first["first batch"]["host"] == first["first batch"]["storage"] == 0
     again = first["after reset_prefix_cache"]
     assert again["prompts"][0] >= 256  # the shared prefix, which only tpcache still held
     assert again["host"] >= again["prompts"][0] and again["storage"] == 0, again
 
-    second = run_example(tmp_path, storage)  # a fresh vLLM and tpcache over the same storage
+    second = run_example(tmp_path, command)  # a fresh vLLM and tpcache over the same storage
     fresh = second["first batch"]
     assert fresh["prompts"][0] >= 256  # only tpcache's storage tier held it
     assert fresh["storage"] >= fresh["prompts"][0], fresh

@@ -140,7 +140,7 @@ class ServiceConfig:
         "",
         "storage tier (L3, needs --kv-layout) as a URL: file:///PATH (what --storage-dir means), "
         "mooncake://MASTER:PORT?metadata=http://HOST:PORT/metadata, redis://HOST:PORT/DB; settings as query "
-        "parameters (README, 'Shared storage'); empty: off",
+        "parameters (docs/guides/storage.md); empty: off",
         rank_local=True,
     )
     storage_bytes: int = _opt(

@@ -9,7 +9,7 @@ The round loop (main thread) publishes a snapshot of the cache's counters at mos
 touches the cache while the main thread mutates it. Round latency and requests are recorded as
 they happen, and storage counters are read from the backend (prometheus_client's own types and
 the backends' counters are thread-safe). Every counter family counts one thing: no label mixes
-issued with done, so a sum over any label is meaningful. README.md lists every metric.
+issued with done, so a sum over any label is meaningful. docs/reference/metrics.md lists every metric.
 """
 
 from __future__ import annotations
