@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host pool free list: lazy merge (tpcache) against an eager merge on every free (reference seed 001).
+"""Host pool free list: lazy merge (tpcache) against an eager merge on every free.
 
 The eager allocator rebuilds its free list under the lock on every free, as a concatenation
 (``free = free + freed``), which costs O(free list) per call; the lazy one appends the freed slots

@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,11 @@ def run_example(tmp: Path, command: str) -> dict[str, dict]:
     """The example's printed batches, after checking that both workers said what they built. ``command``
     is the docs' command as written; it runs through this interpreter, its /tmp/ under ``tmp``."""
     argv = [sys.executable, *shlex.split(command.replace("/tmp/", f"{tmp}/"))[1:]]
-    run = subprocess.run(argv, cwd=REPO, env=repo_env(TMPDIR=str(tmp)), capture_output=True, text=True, timeout=600)
+    # A short TMPDIR: vLLM binds its engine's ZMQ ipc sockets there, and a socket path has at most 107
+    # bytes (pytest's directories under xdist run past that).
+    with tempfile.TemporaryDirectory(prefix="tpc-", dir="/tmp") as short:
+        env = repo_env(TMPDIR=short)
+        run = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout + run.stderr
     startup = {(int(w), int(r)): int(pages) for w, r, pages in STARTUP.findall(out)}

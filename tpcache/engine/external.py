@@ -8,7 +8,8 @@ fail-closed on any disagreement.
 
 Sequenced operations beyond ``TPCache``'s: ``save`` (blocks -> host, for the pages not cached yet)
 and ``load_into`` (the lease's hit -> blocks). Their ops' ``acked`` is filled by the round that
-agrees them; ``outcome`` reads it. A lease's release waits for both kinds (seed 004).
+agrees them; ``outcome`` reads it. A lease's release waits for both kinds: no copy ever writes
+into pages already given back.
 """
 
 from __future__ import annotations
