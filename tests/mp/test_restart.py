@@ -186,3 +186,55 @@ def test_under_torchrun_rank_0_answers_what_is_in_flight_when_a_rank_dies(tmp_pa
             except p.ProtocolError as exc:
                 outcomes.append(type(exc).__name__)
         assert outcomes == ["CacheClosed"] * len(waiting), service.log()
+
+
+@pytest.mark.parametrize("end", ["killed", "stopped"])
+def test_a_follower_on_another_host_notices_a_dead_leader_by_its_connection(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], end: str
+) -> None:
+    """A follower that cannot watch rank 0's process (it runs on another host; a test setting makes
+    it act so here) notices rank 0's death by its connection closing: rank 0 SIGKILLed while idle,
+    the follower closes its cache and exits 3 at once, long before it would give rank 0 up for
+    silent (twice the round timeout and more). Rank 0 stopped (SIGTERM) closes its connections
+    too, after its stop batch: the follower stops with it (0), not taking that for a death. Ranks
+    started without the launcher, which would stop the follower itself."""
+    from launcher.local import ServiceConfig, spawn_ranks
+    from tests.service.harness import REPO
+
+    ready = tmp_path / "ready.json"
+    config = ServiceConfig(
+        endpoint="tcp://127.0.0.1:0",
+        ready_file=str(ready),
+        page_size=PAGE,
+        device_pages=32,
+        kv_layout=LAYOUT,
+        round_timeout_s=10.0,
+        heartbeat_s=0.2,
+    )
+    env = {"PYTHONPATH": str(REPO), "TPCACHE_TEST_NO_PIDFD": "1"}
+    procs = spawn_ranks(config, 2, extra_env=env)
+    try:
+        assert wait_for(ready.exists, timeout_s=60), capfd.readouterr().err[-3000:]
+        leader, follower = procs
+        with Client(json.loads(ready.read_text())["endpoint"], timeout_s=5) as c:
+            assert healthy(c)
+        time.sleep(0.5)  # idle: heartbeats only
+        start = time.monotonic()
+        if end == "killed":
+            leader.kill()
+        else:
+            leader.send_signal(signal.SIGTERM)
+        code = follower.wait(3)  # the silence rule would take 2 x 10 s + 5 s
+        elapsed = time.monotonic() - start
+        err = capfd.readouterr().err
+        gone = f"the leader (rank 0, pid {leader.pid}) closed its connection"
+        if end == "killed":
+            assert code == 3 and gone in err, err[-3000:]
+        else:
+            assert code == 0 and leader.wait(10) == 0 and gone not in err, err[-3000:]
+        print(f"follower exited {code} {elapsed:.2f} s after rank 0 was {end}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

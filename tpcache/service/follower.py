@@ -6,10 +6,13 @@ exactly one round per batch, so every rank runs the same number of rounds. What 
 other ranks' and the round's sequence check closes the cache everywhere, which health reports.
 A follower on the leader's host watches the leader's process (a pidfd): once it is gone the
 follower closes its cache and exits at once (``EXIT_LEADER_GONE``), idle or busy, releasing its
-storage, so that a restarted group finds nothing held. Elsewhere, a follower that hears nothing
-from the leader for longer than a round can take (the leader sends a heartbeat batch when idle)
-does the same. A leader that is alive but stopped or slow is no reason to exit: the round timeout
-decides about it. A follower whose
+storage, so that a restarted group finds nothing held. A follower on another host watches its
+connection to the leader instead: the leader's kernel closes it once the process is gone, and the
+follower closes its cache and exits on that disconnect (unless a batch or a reconnect arrives within
+``LAST_BATCH_WAIT_MS``: the leader's stop batch is read first). A follower that hears nothing from
+the leader for longer than a round can take (the leader sends a heartbeat batch when idle), as when
+its host vanished, does the same. A leader that is alive but stopped or slow is no reason to exit:
+the round timeout decides about it. A follower whose
 round collective failed exits at once (``EXIT_GROUP_BROKEN``): the group can never agree again
 and must be restarted (torchrun ``--max-restarts`` does it).
 """
@@ -22,6 +25,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import protocol as p
 from tpcache.service.batch import EXIT_GROUP_BROKEN, REQUEST, apply_batch
@@ -38,6 +42,9 @@ EXIT_LEADER_GONE = 3
 FOLLOWER_YIELD_S = 20e-6  # the shm round's yield phase on a follower (500 us by default)
 MAX_MISSED_BATCHES = 64  # rounds run for batches that never came (the leader's PUSH never drops one)
 LAST_BATCH_WAIT_MS = 200  # once the leader has exited, how long its last frames may take to arrive
+# For tests only: "1" makes a follower watch the leader as if it ran on another host (its
+# connection, not its pid), so that path can be tested on one machine.
+TEST_NO_PIDFD_ENV = "TPCACHE_TEST_NO_PIDFD"
 TRIM_AFTER_BYTES = 4 << 20  # page bytes answered since memory was last handed back ...
 TRIM_QUIET_S = 0.5  # ... and none answered for this long: hand free memory back to the OS
 
@@ -61,6 +68,7 @@ class Follower:
         self.drop_batch = _fault_drop_batch()
         self.answered_bytes = 0  # page bytes sent to the leader since free memory was handed back
         self.answered_at = 0.0  # when the last of them was sent
+        self.connected = True  # the connection to the leader is up (watched where no pidfd is)
         collective = handler.tp.collective  # (a buffer registration rebuilds tp on the same collective)
         if hasattr(collective, "yield_s"):
             # A follower waits in a round for the leader, which first reads its clients: yielding
@@ -72,6 +80,8 @@ class Follower:
         """A pidfd of the leader's process when it runs on this host (None: it cannot be watched
         here); -1 when it has exited already."""
         if not self.ch.leader_local or not hasattr(os, "pidfd_open") or not self.ch.pids:
+            return None
+        if os.environ.get(TEST_NO_PIDFD_ENV) == "1":
             return None
         try:
             return os.pidfd_open(self.ch.pids[0])
@@ -89,13 +99,23 @@ class Follower:
     def run(self, should_stop: Any) -> int:
         """Serve until the leader's stop batch; returns the process exit code."""
         leader = self._watch_leader()
+        # No pidfd: watch the connection to the leader (its answer socket) for the transport's
+        # disconnect. Only this connecting socket is watched: anyone may connect to and leave a
+        # follower's bound inbox, but only the leader's process holds the other end of this one.
+        monitor = None
+        if leader is None and self.ch.outs:
+            monitor = self.ch.outs[0].get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            monitor.setsockopt(zmq.LINGER, 0)
         try:
-            return self._serve(should_stop, leader)
+            return self._serve(should_stop, leader, monitor)
         finally:
             if leader is not None and leader >= 0:
                 os.close(leader)
+            if monitor is not None:
+                self.ch.outs[0].disable_monitor()
+                monitor.close()
 
-    def _serve(self, should_stop: Any, leader: int | None) -> int:
+    def _serve(self, should_stop: Any, leader: int | None, monitor: zmq.Socket | None) -> int:
         cfg = self.config
         inbox = self.ch.inbox
         assert inbox is not None
@@ -105,6 +125,8 @@ class Follower:
         poller.register(inbox, zmq.POLLIN)
         if leader is not None:
             poller.register(leader, zmq.POLLIN)  # readable once the process has exited
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         orphan_s = 2 * cfg.round_timeout_s + cfg.heartbeat_s + 5.0
         last = time.monotonic()
         stop_sent: float | None = None
@@ -122,6 +144,12 @@ class Follower:
                 release_free_memory()
             if leader is not None and leader in ready and not self._batch_waiting(LAST_BATCH_WAIT_MS):
                 return self._leader_gone("exited")
+            if monitor is not None and (monitor in ready or not self.connected):
+                self._read_monitor(monitor)
+                if not self.connected and not self._batch_waiting(LAST_BATCH_WAIT_MS):
+                    self._read_monitor(monitor)  # (a reconnect within the wait: the leader is alive)
+                    if not self.connected:
+                        return self._leader_gone("closed its connection (its process is gone)")
             if inbox in ready:
                 batch = self.ch.receive_batch()  # None: a foreign frame, dropped and counted
                 self.h.service_counters["internal_rejected_frames"] = self.ch.rejected
@@ -133,6 +161,11 @@ class Follower:
                 self._batch(batch)
                 if self.h.tp.collective.closed and leader is not None and _exited(leader):
                     return self._leader_gone("exited during a round")
+                if self.h.tp.collective.closed and monitor is not None:
+                    monitor.poll(LAST_BATCH_WAIT_MS, zmq.POLLIN)  # (the disconnect may trail the round's error)
+                    self._read_monitor(monitor)
+                    if not self.connected:
+                        return self._leader_gone("closed its connection during a round (its process is gone)")
                 if self.h.tp.collective.closed:
                     log.error(
                         "rank %d: the group is broken and must be restarted: %s",
@@ -145,6 +178,15 @@ class Follower:
                 self.h.tp.core.close(reason)
                 log.error("rank %d: %s; exiting", self.ch.rank, reason)
                 return EXIT_LEADER_GONE
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        """Apply the connection events waiting on ``monitor`` to ``self.connected``."""
+        while monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
 
     def _batch_waiting(self, wait_ms: int) -> bool:
         """Whether a frame waits in the inbox (or arrives within ``wait_ms``): the leader's last
