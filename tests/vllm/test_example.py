@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,7 @@ def run_example(tmp: Path, command: str) -> dict[str, dict]:
     """The example's printed batches, after checking that both workers said what they built. ``command``
     is the docs' command as written; it runs through this interpreter, its /tmp/ under ``tmp``."""
     argv = [sys.executable, *shlex.split(command.replace("/tmp/", f"{tmp}/"))[1:]]
-    # A short TMPDIR: vLLM binds its engine's ZMQ ipc sockets there, and a socket path has at most 107
-    # bytes (pytest's directories under xdist run past that).
-    with tempfile.TemporaryDirectory(prefix="tpc-", dir="/tmp") as short:
-        env = repo_env(TMPDIR=short)
-        run = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(argv, cwd=REPO, env=repo_env(TMPDIR=str(tmp)), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = run.stdout + run.stderr
     startup = {(int(w), int(r)): int(pages) for w, r, pages in STARTUP.findall(out)}
@@ -60,7 +57,17 @@ def run_example(tmp: Path, command: str) -> dict[str, dict]:
     return batches
 
 
-def test_the_readme_vllm_example_hits_tpcache_host_then_storage(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh TMPDIR with a short path, the same for both runs (the example keeps its model there, and
+    a page belongs to one model): vLLM binds its engine's ipc sockets in TMPDIR, and a socket path has at
+    most 107 bytes, which pytest's directories under xdist run past."""
+    with tempfile.TemporaryDirectory(prefix="tpc-", dir="/tmp") as short:
+        yield Path(short)
+
+
+def test_the_readme_vllm_example_hits_tpcache_host_then_storage(short_tmp: Path) -> None:
+    tmp_path = short_tmp
     command = ".venv/bin/python examples/vllm_tpcache.py --tp 2 --storage-dir /tmp/tpcache-kv"  # as the docs show it
     first = run_example(tmp_path, command)
     assert first["first batch"]["prompts"][0] == 0  # nothing is cached anywhere yet
