@@ -22,17 +22,16 @@ ring does, a test setup whose times say little about GPUs):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tpcache.testing.child import run_in_own_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIMS = ROOT / "tests" / "sglang" / "shims"
@@ -136,22 +135,9 @@ def _child(workdir: Path, name: str, spec: dict, timeout_s: float) -> list[dict]
     spec_file.write_text(json.dumps(spec))
     paths = ([str(SHIMS)] if spec["cpu"] else []) + [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    with open(log_file, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--engine", str(spec_file), str(out_file)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            code: int | str = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = f"timeout after {timeout_s:.0f} s"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    code = run_in_own_session(
+        [sys.executable, __file__, "--engine", str(spec_file), str(out_file)], log_file, env, timeout_s
+    )
     if code != 0 or not out_file.exists():
         tail = log_file.read_bytes()[-4000:].decode(errors="replace")
         raise SystemExit(f"engine {name} failed ({code}); the end of its log:\n{tail}")

@@ -15,12 +15,9 @@ module.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +33,7 @@ import xxhash
 
 from tpcache.io.storage.keys import StorageKey
 from tpcache.io.storage.record import HEADER_SIZE, decode_header, read_key_echo
+from tpcache.testing.child import run_in_own_session
 from tpcache.testing.servers import RedisServer
 from tpcache.testing.tiny_model import make_tiny_llama
 
@@ -58,24 +56,10 @@ def run_engine(workdir: Path, name: str, spec: dict) -> dict:
     spec_file, out_file, log_file = workdir / f"{name}.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
     spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    with open(log_file, "w") as log:
-        # Its own session: a timeout takes the engine's scheduler processes too.
-        proc = subprocess.Popen(
-            [sys.executable, str(DRIVER), str(spec_file), str(out_file)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=workdir,
-            start_new_session=True,
-        )
-        try:
-            code: int | str = proc.wait(timeout=ENGINE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            code = f"timeout after {ENGINE_TIMEOUT_S} s"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    # Its own session: a timeout takes the engine's scheduler processes too.
+    code = run_in_own_session(
+        [sys.executable, str(DRIVER), str(spec_file), str(out_file)], log_file, env, ENGINE_TIMEOUT_S, workdir
+    )
     if code != 0 or not out_file.exists():
         tail = log_file.read_bytes()[-6000:].decode(errors="replace")
         raise AssertionError(f"the SGLang engine {name!r} failed ({code}); the end of its log:\n{tail}")

@@ -26,16 +26,14 @@ worker per rank), so the ring runs as two driver processes, one per xdist worker
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from tpcache.testing.child import run_in_own_session
 from tpcache.testing.tiny_model import make_tiny_gemma2, make_tiny_llama
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -246,24 +244,10 @@ def run_suite(plans: dict[str, dict[str, Any]], workdir: Path, timeout_s: float 
     plan_file, out_file, log_file = workdir / "suite.json", workdir / "out.json", workdir / "driver.log"
     plan_file.write_text(json.dumps({"runs": plans}))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log_file, "w") as log:
-        # Its own session: on a timeout the whole group goes (vLLM's engine core and workers too).
-        proc = subprocess.Popen(
-            [sys.executable, str(DRIVER), str(plan_file), str(out_file)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=workdir,
-            start_new_session=True,
-        )
-        try:
-            code: int | str = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = f"timeout after {timeout_s} s"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    # Its own session: on a timeout the whole group goes (vLLM's engine core and workers too).
+    code = run_in_own_session(
+        [sys.executable, str(DRIVER), str(plan_file), str(out_file)], log_file, env, timeout_s, workdir
+    )
     text = log_file.read_bytes()
     if code != 0:
         tail = text[-6000:].decode(errors="replace")
