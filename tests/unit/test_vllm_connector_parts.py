@@ -49,8 +49,8 @@ def test_the_scheduler_waits_for_the_agreed_hit_and_never_loads_the_last_token()
     assert side.build_meta(output()).ops == []  # sent once
     side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
     assert side.num_new_matched_tokens(r, 4) == (8, True)  # vLLM holds the first block itself
-    side.update_state_after_alloc(r, r.blocks, 8)
-    assert side.build_meta(output()).ops == [(LOAD, "a", 1, [11, 12])]
+    side.update_state_after_alloc(r, (r.blocks,), 8)
+    assert side.build_meta(output()).ops == [(LOAD, "a", 1, [[11, 12]])]
     short = Req("b", list(range(12)))
     side.num_new_matched_tokens(short, 0)
     side.update_from_output(WorkerReport(hits={"b": (12, 0)}), None)
@@ -64,13 +64,13 @@ def test_saves_name_the_blocks_of_computed_pages_and_finish_waits_for_the_releas
     side.update_from_output(WorkerReport(hits={"a": (0, 0)}), None)
     side.build_meta(output())
     meta = side.build_meta(output(a=10))  # the step computes all 10 prompt tokens: 2 full pages
-    assert meta.ops == [(SAVE, "a", [], 2, [5, 6])]
+    assert meta.ops == [(SAVE, "a", [], 2, [[5, 6]])]
     r.num_computed_tokens = 10
     r.all_token_ids.extend([99, 98, 97])  # sampled; a token's KV exists once a step computed it
     assert side.build_meta(output(a=1)).ops == []  # 11 computed: the third page is not full yet
     r.num_computed_tokens = 12
-    assert side.request_finished(r, [5, 6, 7]) is True  # vLLM keeps the blocks until released
-    assert side.build_meta(output()).ops == [(SAVE, "a", [99, 98], 3, [5, 6, 7]), (RELEASE, "a", True)]
+    assert side.request_finished(r, ([5, 6, 7],)) is True  # vLLM keeps the blocks until released
+    assert side.build_meta(output()).ops == [(SAVE, "a", [99, 98], 3, [[5, 6, 7]]), (RELEASE, "a", True)]
 
 
 def test_a_request_finished_while_its_load_is_pending_is_freed_by_vllm() -> None:
@@ -79,10 +79,10 @@ def test_a_request_finished_while_its_load_is_pending_is_freed_by_vllm() -> None
     side.num_new_matched_tokens(r, 0)
     side.update_from_output(WorkerReport(hits={"a": (8, 0)}), None)
     side.num_new_matched_tokens(r, 0)
-    side.update_state_after_alloc(r, r.blocks, 8)
-    assert side.request_finished(r, r.blocks) is False  # vLLM frees on the load's report
+    side.update_state_after_alloc(r, (r.blocks,), 8)
+    assert side.request_finished(r, (r.blocks,)) is False  # vLLM frees on the load's report
     assert side.build_meta(output()).ops[-1] == (RELEASE, "a", False)
-    assert side.request_finished(Req("never", [1]), []) is False
+    assert side.request_finished(Req("never", [1]), ([],)) is False
 
 
 def test_a_failed_load_is_recomputed_not_retried() -> None:
@@ -91,7 +91,7 @@ def test_a_failed_load_is_recomputed_not_retried() -> None:
     side.num_new_matched_tokens(r, 0)
     side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
     assert side.num_new_matched_tokens(r, 0) == (12, True)
-    side.update_state_after_alloc(r, r.blocks, 12)
+    side.update_state_after_alloc(r, (r.blocks,), 12)
     side.update_from_output(WorkerReport(), {"a"}, {3})  # block 3 did not land on some rank
     assert side.num_new_matched_tokens(r, 0) == (0, False)
 

@@ -18,18 +18,18 @@ def test_a_preempted_request_is_looked_up_again_and_loads_back_what_it_saved() -
     side.update_from_output(WorkerReport(hits={"a": (0, 0)}), None)  # nothing cached at first
     assert side.num_new_matched_tokens(r, 0) == (0, False)
     side.build_meta(output())
-    assert side.build_meta(output(a=9)).ops == [(SAVE, "a", [], 2, [1, 2])]
+    assert side.build_meta(output(a=9)).ops == [(SAVE, "a", [], 2, [[1, 2]])]
     r.num_computed_tokens = 9
     r.all_token_ids += [50, 51, 52, 53]
-    assert side.build_meta(output(a=4)).ops == [(SAVE, "a", [50, 51, 52], 3, [1, 2, 3])]
+    assert side.build_meta(output(a=4)).ops == [(SAVE, "a", [50, 51, 52], 3, [[1, 2, 3]])]
     # vLLM preempts it: its blocks are gone, it waits again with 13 tokens of which 12 were computed
     r.num_computed_tokens, r.num_preemptions, r.blocks = 0, 1, [7, 8, 9, 10]
     assert side.num_new_matched_tokens(r, 0) == (None, False)  # the hit of 0 is stale: asked again
     assert side.build_meta(output()).ops == [(LOOKUP, "a", list(range(9)) + [50, 51, 52, 53])]
     side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
     assert side.num_new_matched_tokens(r, 0) == (12, True)
-    side.update_state_after_alloc(r, r.blocks, 12)
-    assert side.build_meta(output()).ops == [(LOAD, "a", 0, [7, 8, 9])]
+    side.update_state_after_alloc(r, (r.blocks,), 12)
+    assert side.build_meta(output()).ops == [(LOAD, "a", 0, [[7, 8, 9]])]
     side.update_from_output(WorkerReport(), {"a"})
     r.num_computed_tokens = 12
     side.build_meta(output(a=1))  # 13 were computed before: only the partial page's token again
@@ -88,7 +88,7 @@ def test_a_waiting_request_whose_hit_a_later_save_extended_is_looked_up_again() 
     assert [op[0] for op in side.build_meta(output()).ops] == [LOOKUP, LOOKUP]
     side.update_from_output(WorkerReport(hits={"a": (0, 0), "b": (0, 0)}), None)  # both miss
     assert side.num_new_matched_tokens(a, 0) == (0, False)  # a runs; b waits for blocks
-    assert side.build_meta(output(a=10)).ops == [(SAVE, "a", [], 2, [1, 2])]
+    assert side.build_meta(output(a=10)).ops == [(SAVE, "a", [], 2, [[1, 2]])]
     # b's hit of 0 is stale: a saved the two pages b starts with after b's lookup
     assert side.num_new_matched_tokens(b, 0) == (None, False)
     assert side.build_meta(output()).ops == [(LOOKUP, "b", b.all_token_ids)]
@@ -106,7 +106,7 @@ def test_a_request_whose_load_failed_is_not_looked_up_again() -> None:
     side.update_from_output(WorkerReport(hits={"b": (8, 0)}), None)
     side.build_meta(output())
     assert side.num_new_matched_tokens(b, 0) == (8, True)
-    side.update_state_after_alloc(b, b.blocks, 8)
+    side.update_state_after_alloc(b, (b.blocks,), 8)
     side.build_meta(output())
     side.update_from_output(WorkerReport(), {"b"}, {5})  # its load failed on some rank
     side.num_new_matched_tokens(a, 0)

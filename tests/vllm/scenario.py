@@ -14,10 +14,10 @@ The Llama plan (one per TP size): three engines run one after another on a rando
 3. ``fresh``: a new vLLM on the same storage directory, after the last rank's stored copy of one
    page of two prompts was damaged: hits come from storage and stop where a rank has no good copy.
 
-The sliding-window plans (TP=1): a tiny Gemma 2 (plain vLLM in-process, then vLLM with tpcache:
-the batch, again after ``reset_prefix_cache``, then with wrong copies), and a tiny Mistral that
-the connector must refuse at start-up (in vLLM's default layout: the reason has to reach the log
-from the worker process).
+The sliding-window plans, under vLLM's hybrid allocator: a tiny Gemma 2 at TP=1 and TP=2 (plain
+vLLM in-process, vLLM with tpcache: the batch, again after ``reset_prefix_cache``, a failed load,
+wrong copies of the sliding-window blocks; then a fresh engine on the same storage), and a tiny
+Mistral at TP=1 (every layer windowed: plain vLLM, then with tpcache).
 
 Every engine start costs a few fresh interpreters that import vLLM (its engine core and one
 worker per rank), so the ring runs as two driver processes, one per xdist worker
@@ -42,7 +42,6 @@ BLOCK = 32
 VOCAB = 512
 PREEMPT_TOKENS = 96  # generated per long prompt: four of them outgrow the 20-block pool
 WINDOW = 2 * BLOCK  # the sliding-window models' window: shorter than the shared prefix
-REFUSAL = "TPCacheConnector serves full-attention models only"
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -163,35 +162,65 @@ def _generate(name: str) -> dict[str, Any]:
     return {"op": "generate", "name": name, "prompts": prompts()["batch"], "max_tokens": 8}
 
 
-def gemma_plan(workdir: Path) -> dict[str, Any]:
-    """Interleaved sliding-window and full layers: token-identical, hits past the window, and a
-    wrong copy (the negative control) changes the tokens."""
+def gemma_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
+    """Interleaved sliding-window and full layers under vLLM's hybrid allocator (the connector
+    declares hybrid support, so vLLM keeps it on, with its own prefix caching): token-identical,
+    hits past the window after ``reset_prefix_cache``, a failed load on one rank recomputed, a
+    wrong copy of the sliding-window blocks only (one component's bytes) changing the tokens, and
+    storage hits in a fresh engine."""
     make_tiny_gemma2(workdir / "model", sliding_window=WINDOW)
+    store = workdir / "store"
+    last = tp - 1
     reset = {"op": "reset_prefix_cache"}
+    connector = {"host_pages": 256, "storage_dir": str(store)}
     conn = [
         _generate("batch"),
         reset,
         _generate("batch_again"),
         {"op": "settle", "name": "settled"},
-        {"op": "arm", "spec": {"scramble_loads": {"rank": 0, "count": 4}}},  # negative control
+        {"op": "arm", "spec": {"fail_loads": {"rank": last, "count": 1}}},
+        reset,
+        _generate("batch_failed_load"),
+        {"op": "settle", "name": "settled_failed_load"},
+        # negative control: zeroing only the sliding-window layers' loaded blocks changes the tokens
+        {"op": "arm", "spec": {"scramble_loads": {"rank": last, "count": 4, "group": "sliding"}}},
         reset,
         _generate("batch_scrambled"),
         {"op": "arm", "spec": {}},
         {"op": "settle", "name": "settled_scrambled"},
     ]
+    fresh = [_generate("batch"), {"op": "settle", "name": "settled"}]
+    return {
+        **_tp1_plan(
+            workdir,
+            [
+                {"name": "ref", "prefix_caching": False, "in_process": True, "steps": [_generate("batch")]},
+                {
+                    "name": "conn",
+                    "connector": connector,
+                    "shutdown_timeout_s": 60 if tp > 1 else None,
+                    "steps": conn,
+                },
+                {"name": "fresh", "connector": connector, "steps": fresh},
+            ],
+        ),
+        "tp": tp,
+    }
+
+
+def mistral_plan(workdir: Path) -> dict[str, Any]:
+    """Every layer sliding-window (one group, whose blocks behind the window vLLM frees while a
+    request runs): token-identical, and hits past the window after ``reset_prefix_cache``."""
+    make_tiny_llama(workdir / "model", sliding_window=WINDOW)
+    reset = {"op": "reset_prefix_cache"}
+    conn = [_generate("batch"), reset, _generate("batch_again"), {"op": "settle", "name": "settled"}]
     return _tp1_plan(
         workdir,
         [
             {"name": "ref", "prefix_caching": False, "in_process": True, "steps": [_generate("batch")]},
-            {"name": "conn", "connector": {"host_pages": 256}, "steps": conn},
+            {"name": "conn", "connector": {"host_pages": 64}, "steps": conn},
         ],
     )
-
-
-def mistral_plan(workdir: Path) -> dict[str, Any]:
-    """Every layer sliding-window: the connector refuses the model when vLLM starts."""
-    make_tiny_llama(workdir / "model", sliding_window=WINDOW)
-    return _tp1_plan(workdir, [{"name": "engine", "connector": {"host_pages": 64}, "steps": [_generate("batch")]}])
 
 
 def llama_plan(tp: int, workdir: Path) -> dict[str, Any]:

@@ -1,13 +1,15 @@
-"""vLLM (CPU build) on tpcache with sliding-window models.
+"""vLLM (CPU build) on tpcache with sliding-window models, under vLLM's hybrid KV cache manager.
 
-- Interleaved sliding-window and full-attention layers (a tiny Gemma 2): vLLM's CPU build keeps
-  every layer's blocks for the whole request (it promotes the sliding-window layers to full
-  attention when its hybrid block manager is off, as it is on CPU and with a connector that does
-  not declare hybrid support), so tpcache stores and loads them as full-attention pages: outputs
-  are token-identical to plain vLLM, with hits from tpcache longer than the window, and a wrong
-  copy changes the tokens.
-- Only sliding-window layers (a tiny Mistral): vLLM frees blocks behind the window while a request
-  runs, so the connector refuses the model at start-up, with the reason, instead of serving wrong KV.
+The connector declares hybrid support, so vLLM keeps its hybrid allocator on: each KV cache group
+(full attention, sliding window) has its own block table, and vLLM frees a sliding-window group's
+blocks behind the window while a request runs. A tpcache page holds one block of every group.
+
+- Interleaved sliding-window and full-attention layers (a tiny Gemma 2), at TP=1 and TP=2, with
+  vLLM's prefix caching on: token-identical to plain vLLM; after ``reset_prefix_cache`` every hit
+  is tpcache's, longer than the window; a load that fails on one rank is recomputed; zeroing only
+  the sliding-window blocks a load wrote changes the tokens; a fresh engine hits storage.
+- Only sliding-window layers (a tiny Mistral, TP=1): one group, whose leading pages of a hit vLLM
+  no longer holds: token-identical, hits past the window.
 """
 
 from __future__ import annotations
@@ -16,16 +18,30 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.conftest import TP1_GROUP
-from tests.vllm.scenario import BLOCK, REFUSAL, WINDOW, Results, total
+from tests.vllm.conftest import TP1_GROUP, TP2_GROUP
+from tests.vllm.scenario import BLOCK, WINDOW, total
 
-# Both models run in the TP=1 group's driver (conftest.py), after the Llama engines.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group(TP1_GROUP), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
-@pytest.fixture
-def gemma(vllm_tp1: dict[str, Results]) -> Results:
-    return vllm_tp1["gemma"]
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(1, marks=pytest.mark.xdist_group(TP1_GROUP), id="tp1"),
+        pytest.param(2, marks=pytest.mark.xdist_group(TP2_GROUP), id="tp2"),
+    ],
+)
+def gemma(request: pytest.FixtureRequest) -> dict[str, Any]:
+    out = request.getfixturevalue(f"vllm_tp{request.param}")["gemma"]
+    out["tp"] = request.param
+    return out
+
+
+def test_an_interleaved_sliding_window_model_runs_under_vllms_hybrid_allocator(gemma: dict[str, Any]) -> None:
+    stats = gemma["conn"]["settled"]
+    assert len(stats) == gemma["tp"]
+    # two KV cache groups (full attention, sliding window): vLLM's hybrid allocator was on
+    assert all(s["kv_groups"] == 2 and len(s["sliding_groups"]) == 1 for s in stats), stats
 
 
 def test_an_interleaved_sliding_window_model_on_tpcache_is_token_identical(gemma: dict[str, Any]) -> None:
@@ -39,15 +55,32 @@ def test_its_prompts_hit_tpcache_past_the_window(gemma: dict[str, Any]) -> None:
     cached = gemma["conn"]["batch_again"]["cached"]  # vLLM's own cache was reset: all from tpcache
     assert all(c >= 3 * BLOCK > WINDOW and c % BLOCK == 0 for c in cached), cached
     assert total(gemma["conn"]["settled"], "loads_done_pages")[0] > 0
-    assert total(gemma["conn"]["settled"], "load_failed_blocks") == [0]
+    assert total(gemma["conn"]["settled"], "load_failed_blocks") == [0] * gemma["tp"]
 
 
-def test_its_tokens_depend_on_the_loaded_kv(gemma: dict[str, Any]) -> None:
+def test_a_load_that_fails_on_one_rank_is_recomputed(gemma: dict[str, Any]) -> None:
+    assert gemma["conn"]["batch_failed_load"]["tokens"] == gemma["ref"]["batch"]["tokens"]
+    failed = total(gemma["conn"]["settled_failed_load"], "load_failed_blocks")
+    assert failed[-1] > 0, failed  # the last rank's load failed, and vLLM computed the prompt again
+
+
+def test_its_tokens_depend_on_the_loaded_sliding_window_blocks(gemma: dict[str, Any]) -> None:
     assert gemma["conn"]["batch_scrambled"]["tokens"] != gemma["ref"]["batch"]["tokens"]
 
 
-def test_a_sliding_window_only_model_is_refused_by_the_connector_with_the_reason(vllm_tp1: dict[str, Results]) -> None:
+def test_a_fresh_engine_hits_storage_with_the_same_tokens(gemma: dict[str, Any]) -> None:
+    fresh = gemma["fresh"]["batch"]
+    assert fresh["tokens"] == gemma["ref"]["batch"]["tokens"]
+    assert all(c >= 3 * BLOCK for c in fresh["cached"]), fresh["cached"]
+    assert total(gemma["fresh"]["settled"], "storage_hit_tokens")[0] > 0
+
+
+@pytest.mark.xdist_group(TP1_GROUP)
+def test_a_sliding_window_only_model_is_token_identical_with_hits_past_the_window(vllm_tp1: dict[str, Any]) -> None:
     mistral = vllm_tp1["mistral"]  # a Mistral: every layer windowed
-    assert mistral.error("engine") is not None, "vLLM started a sliding-window-only model with tpcache"
-    assert REFUSAL in mistral.log("engine"), mistral.log("engine")[-6000:]
-    assert not mistral.started("engine")  # refused at start-up, before any request
+    ref = mistral["ref"]["batch"]["tokens"]
+    assert mistral["conn"]["batch"]["tokens"] == ref
+    assert mistral["conn"]["batch_again"]["tokens"] == ref
+    cached = mistral["conn"]["batch_again"]["cached"]
+    assert all(c >= 3 * BLOCK > WINDOW for c in cached), cached
+    assert mistral["conn"]["settled"][0]["sliding_groups"] == [0]  # its one group is windowed

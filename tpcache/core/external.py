@@ -42,12 +42,16 @@ def require_engine_mode(config: CacheConfig) -> None:
         raise ValueError("engine-owned device pages serve full-attention models only (no swa_window, no mamba_every)")
 
 
+NOT_HELD = -1  # in a save's blocks: the engine no longer holds this page (a sliding window freed it)
+
+
 def check_blocks(blocks: Sequence[int]) -> list[int]:
     out = list(blocks)
     for b in out:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"blocks must be non-negative ints, found {b!r}")
-    if len(set(out)) != len(out):
+        if isinstance(b, bool) or not isinstance(b, int) or b < NOT_HELD:
+            raise ValueError(f"blocks must be non-negative ints (or {NOT_HELD} in a save), found {b!r}")
+    held = [b for b in out if b != NOT_HELD]
+    if len(set(held)) != len(held):
         raise ValueError("blocks name a block twice")
     return out
 
@@ -72,9 +76,10 @@ class EnginePages:
     def save(self, lease: Lease, token_bytes: bytes, blocks: list[int]) -> Transfer | None:
         """Copy the full pages of the tokens the cache lacks from the engine's ``blocks`` into host.
 
-        ``blocks[i]`` holds page i. Pages from the first one not on host (valid or being written) to
-        the last full page are saved, as many as host slots can be found for (evicting unpinned host
-        pages, least valuable first); the rest are skipped, so the host tier stays ancestor-closed.
+        ``blocks[i]`` holds page i, or is ``NOT_HELD``. Pages from the first one not on host (valid
+        or being written) to the last full page, or to the first page not held after it, are saved,
+        as many as host slots can be found for (evicting unpinned host pages, least valuable
+        first); the rest are skipped, so the host tier stays ancestor-closed.
         Returns the op, or None when nothing needed saving or no slot was free."""
         led = self.ledger
         walk = led.tree.walk(token_bytes)
@@ -85,12 +90,15 @@ class EnginePages:
         first = 0
         while first < len(walk.nodes) and walk.nodes[first].on_host:
             first += 1
-        if first == n:
+        end = first
+        while end < n and blocks[end] != NOT_HELD:
+            end += 1
+        if end == first:
             return None
         parent = walk.nodes[first - 1] if first else led.tree.root
         if first:
             led.update(parent, host_pins=+1)  # eviction for the new slots must not take their parent
-        slots = self.evictor.alloc_host_upto(n - first)
+        slots = self.evictor.alloc_host_upto(end - first)
         if first:
             led.update(parent, host_pins=-1)
         if not slots:
@@ -121,6 +129,8 @@ class EnginePages:
             raise ValueError(f"lease {lease.lease_id} holds {len(held)} pages; cannot load pages {first_page}..{last}")
         if not blocks:
             return None
+        if NOT_HELD in blocks:
+            raise ValueError("a load needs an engine block for every page it copies")
         self.ledger.tick()
         self.ledger.stats.loads_issued_pages += len(blocks)
         return self._issue(lease, OpKind.LOAD, held[first_page : first_page + len(blocks)], blocks)

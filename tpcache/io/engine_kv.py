@@ -35,9 +35,17 @@ the engine sees as in flight, as a slow copy on one rank would be)."""
 
 
 class EngineKV:
-    """An engine's paged KV as ``parts``: 2-D ``[num_blocks, row]`` views sharing its memory."""
+    """An engine's paged KV as ``parts``: 2-D ``[num_blocks, row]`` views sharing its memory.
 
-    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+    With ``groups`` (one per part), the parts belong to block tables of their own (vLLM's KV cache
+    groups under its hybrid allocator: one page has a block in each group). A page is then named by
+    one int, ``sum(block_g * num_blocks ** g)`` (``page_id``); a group in ``nullable`` may name the
+    engine's null block (block 0) for a page it no longer holds: its rows are skipped, neither read
+    nor written."""
+
+    def __init__(
+        self, parts: Sequence[torch.Tensor], groups: Sequence[int] | None = None, nullable: Sequence[int] = ()
+    ) -> None:
         if not parts:
             raise KVLayoutError("an engine KV needs at least one layer")
         first = parts[0]
@@ -61,6 +69,34 @@ class EngineKV:
             self.offsets.append(offset)
             offset += int(part.shape[1])
         self.page_elems = offset
+        self.groups = list(groups) if groups is not None else [0] * len(self.parts)
+        if len(self.groups) != len(self.parts) or any(g < 0 for g in self.groups):
+            raise KVLayoutError(f"engine KV groups {self.groups}: not one group per part ({len(self.parts)} parts)")
+        self.num_groups = max(self.groups) + 1
+        self.nullable = frozenset(nullable)
+
+    def page_id(self, blocks: Sequence[int]) -> int:
+        """The int naming a page whose block in group g is ``blocks[g]``."""
+        out = 0
+        for b in reversed(blocks):
+            out = out * self.num_blocks + b
+        return out
+
+    def _group_rows(self, b: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group: the blocks of the pages ``b`` and the matching slots ``s``, null blocks of a
+        nullable group left out."""
+        if self.num_groups == 1 and not self.nullable:
+            return [(b, s)]
+        out = []
+        for g in range(self.num_groups):
+            d = (b // self.num_blocks**g) % self.num_blocks
+            if g in self.nullable:
+                keep = d != 0
+                d, sg = d[keep], s[keep]
+            else:
+                sg = s
+            out.append((d, sg))
+        return out
 
     @property
     def page_bytes(self) -> int:
@@ -91,24 +127,36 @@ class EngineKV:
     def save(self, host: torch.Tensor, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """Copy engine ``blocks[i]`` into host slot ``slots[i]`` (``host`` from ``check_host``)."""
         b, s = self._indices(host, blocks, slots)
-        for part, offset in zip(self.parts, self.offsets, strict=True):
-            rows = part.index_select(0, b.to(self.device))
-            host[:, offset : offset + part.shape[1]].index_copy_(0, s, rows.to(host.device))
+        rows_of = self._group_rows(b, s)
+        for part, offset, g in zip(self.parts, self.offsets, self.groups, strict=True):
+            bg, sg = rows_of[g]
+            rows = part.index_select(0, bg.to(self.device))
+            host[:, offset : offset + part.shape[1]].index_copy_(0, sg, rows.to(host.device))
 
     def load(self, host: torch.Tensor, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Copy host slot ``slots[i]`` into engine block ``blocks[i]``."""
         b, s = self._indices(host, blocks, slots)
-        b = b.to(self.device)
-        for part, offset in zip(self.parts, self.offsets, strict=True):
-            rows = host[:, offset : offset + part.shape[1]].index_select(0, s)
-            part.index_copy_(0, b, rows.to(self.device, non_blocking=True))
+        rows_of = self._group_rows(b, s)
+        for part, offset, g in zip(self.parts, self.offsets, self.groups, strict=True):
+            bg, sg = rows_of[g]
+            rows = host[:, offset : offset + part.shape[1]].index_select(0, sg)
+            part.index_copy_(0, bg.to(self.device), rows.to(self.device, non_blocking=True))
+
+    def fill(self, blocks: Sequence[int], value: float = 0.0, groups: Sequence[int] | None = None) -> None:
+        """Overwrite the pages ``blocks`` (only their blocks of ``groups``, if given) with ``value`` (tests)."""
+        b = self._index(blocks, self.num_blocks**self.num_groups, "engine blocks")
+        rows_of = self._group_rows(b, b)
+        for part, g in zip(self.parts, self.groups, strict=True):
+            if groups is None or g in groups:
+                part.index_fill_(0, rows_of[g][0].to(self.device), value)
 
     def _indices(
         self, host: torch.Tensor, blocks: Sequence[int], slots: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if len(blocks) != len(slots):
             raise PageIndexError(f"{len(blocks)} engine blocks but {len(slots)} host slots")
-        return self._index(blocks, self.num_blocks, "engine blocks"), self._index(slots, host.shape[0], "host slots")
+        pages = self._index(blocks, self.num_blocks**self.num_groups, "engine blocks")
+        return pages, self._index(slots, host.shape[0], "host slots")
 
 
 class EngineTransfer:

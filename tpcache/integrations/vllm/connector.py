@@ -19,7 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -57,33 +59,47 @@ def package_version() -> str:
         return "(version unknown)"
 
 
-def require_full_attention(kv_cache_config: KVCacheConfig) -> None:
-    """Refuse a model whose KV blocks vLLM does not keep for the whole request: a sliding-window
-    group frees blocks behind its window while the request runs (``remove_skipped_blocks``: another
-    request may get them while a save still reads them) and names its shared null block for every
-    skipped page of a hit; Mamba state is no page of tokens. Only full-attention groups are served."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def kv_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[list[str], bool]]:
+    """vLLM's KV cache groups as (layer names, sliding window?), one per group, in group order.
 
+    With vLLM's hybrid allocator each group has its own block table; a tpcache page holds one block
+    of every group (each group is one component of the page). A full-attention group keeps every
+    block for the whole request. A sliding-window group frees the blocks behind its window while
+    the request runs and names its null block for them: such a page is never read after vLLM
+    freed it (a save stops before it) and never written (a load skips it). Other kinds of layers
+    are refused with the reason."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+
+    out = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
+        sliding = isinstance(spec, SlidingWindowSpec)
+        full = isinstance(spec, FullAttentionSpec) and not isinstance(spec, RSWASpec)
+        if not (sliding or full):
             raise ValueError(
-                f"TPCacheConnector serves full-attention models only; this model's layers {group.layer_names[:3]} "
-                f"use {type(spec).__name__} (sliding-window and Mamba layers are not supported through vLLM yet)"
+                f"TPCacheConnector serves full-attention and sliding-window layers; this model's layers "
+                f"{group.layer_names[:3]} use {type(spec).__name__} (Mamba and other layer kinds are not supported "
+                "through vLLM yet)"
             )
+        if spec.block_size != block_size:
+            raise ValueError(
+                f"TPCacheConnector needs one block size for every KV cache group; layers {group.layer_names[:3]} "
+                f"use {spec.block_size} tokens, block_size is {block_size}"
+            )
+        out.append((list(group.layer_names), sliding))
+    return out
 
 
-class TPCacheConnector(KVConnectorBase_V1):
+class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         speak_through_vllm()
         check_vllm()  # once per process: refuses a vLLM without a hook used here, warns on an untested one
         super().__init__(vllm_config, role, kv_cache_config)
-        if kv_cache_config is not None:
-            require_full_attention(kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
+        self.groups = kv_groups(kv_cache_config, self.block_size) if kv_cache_config is not None else []
         self.model_name = str(vllm_config.model_config.model)
         self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         self.scheduler: SchedulerSide | None = None
@@ -117,7 +133,7 @@ class TPCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         if num_external_tokens > 0:
-            self.scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self.scheduler is not None
@@ -131,15 +147,24 @@ class TPCacheConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         report = connector_output.kv_connector_worker_meta
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
         self.scheduler.update_from_output(
             report if isinstance(report, WorkerReport) else None,
             connector_output.finished_recving,
             connector_output.invalid_block_ids,
+            failed,
         )
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Every model, hybrid or not, finishes here: the last pages of every group are saved and
+        vLLM keeps every group's blocks until every rank agreed its copies landed."""
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids), None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def has_pending_push_work(self) -> bool:
         # Keep vLLM stepping while a worker has copies or releases to agree: each step is a round.
@@ -189,7 +214,11 @@ class TPCacheConnector(KVConnectorBase_V1):
         tp = get_tp_group()
         rank, world = tp.rank_in_group, tp.world_size
         num_blocks = self.num_blocks or int(next(iter(kv_caches.values())).shape[0])
-        engine_kv, layout, engine_format = engine_kv_from_vllm(kv_caches, num_blocks, self.block_size)
+        group_of = {name: g for g, (names, _) in enumerate(self.groups) for name in names} if self.groups else None
+        sliding = [s for _, s in self.groups]
+        engine_kv, layout, engine_format = engine_kv_from_vllm(
+            kv_caches, num_blocks, self.block_size, group_of, sliding
+        )
         opts = self.options
         # Before anything is built: every rank's settings and machine readings, one exchange on the
         # TP group's CPU group, so that every rank builds the same cache (or none does).
@@ -292,6 +321,16 @@ class TPCacheConnector(KVConnectorBase_V1):
             return None, None
         result = self._step()
         return result.finished_sending or None, result.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """With several KV cache groups vLLM takes no failed blocks (a block id names a block only
+        within its group): a load that did not land on every rank fails its request, which vLLM
+        then computes from the start."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = set(self._result.failed_recving) if self.worker is not None and self._result is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None or self._result is None:

@@ -8,7 +8,9 @@ a disagreement the round has to catch:
   after it was issued (a slow copy), so requests wait with their loads in flight;
 - ``{"scramble_loads": {"rank": R, "count": N}}``: the first N loads on rank R zero the blocks
   they wrote and still report success: a wrong copy no agreement can see, which the tests use to
-  show that the model's tokens do depend on the loaded KV (a negative control);
+  show that the model's tokens do depend on the loaded KV (a negative control); with
+  ``"group": G``, only the blocks of vLLM's KV cache group G (one component's bytes; ``"sliding"``:
+  the sliding-window groups);
 - ``{"diverge": {"rank": R, "step": S}}``: S engine steps after arming, rank R applies one
   operation the other ranks do not (an extra lookup), so the ranks' trees differ.
 """
@@ -17,8 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import torch
 
 from tpcache.io.engine_kv import EngineKV
 from tpcache.io.transfer import H2D
@@ -30,6 +30,7 @@ KNOWN = {
     "diverge": ("rank", "step"),
     "scramble_loads": ("rank", "count"),
 }
+OPTIONAL = {"scramble_loads": ("group",)}
 
 
 class InjectedFault(RuntimeError):
@@ -46,7 +47,8 @@ class FaultPlan:
     def arm(self, spec: Mapping[str, Any]) -> None:
         """Replace the faults (between engine steps, on every worker alike)."""
         for name, args in spec.items():
-            if name not in KNOWN or not isinstance(args, Mapping) or set(args) != set(KNOWN[name]):
+            need, extra = set(KNOWN.get(name, ())), set(OPTIONAL.get(name, ()))
+            if name not in KNOWN or not isinstance(args, Mapping) or not need <= set(args) <= need | extra:
                 raise ConfigError(f"fault_injection: {name!r} needs {{{', '.join(KNOWN.get(name, ()))}}}, got {args!r}")
         self.spec = {name: dict(args) for name, args in spec.items() if args["rank"] == self.rank}
         if "diverge" in self.spec:
@@ -65,9 +67,9 @@ class FaultPlan:
         scramble = self.spec.get("scramble_loads")
         if direction == H2D and scramble is not None and self._scrambled < scramble["count"] and self.kv is not None:
             self._scrambled += 1
-            index = torch.tensor(list(dst), dtype=torch.int64, device=self.kv.device)
-            for part in self.kv.parts:
-                part.index_fill_(0, index, 0)
+            group = scramble.get("group")
+            groups = sorted(self.kv.nullable) if group == "sliding" else None if group is None else [group]
+            self.kv.fill(dst, 0.0, groups)
 
     def hold(self, op_id: int, direction: str) -> bool:
         held = self.spec.get("hold_loads")

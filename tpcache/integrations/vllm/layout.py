@@ -13,13 +13,16 @@ restart with another KV layout never reads these pages.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from tpcache.core.external import NOT_HELD
 from tpcache.io.engine_kv import EngineKV
 from tpcache.io.errors import KVLayoutError
 from tpcache.io.kv_pool import KVLayout
+
+NULL_BLOCK = 0  # vLLM's null block (``BlockPool.null_block``, the first block of its pool)
 
 
 def _block_dim(t: torch.Tensor, num_blocks: int) -> int:
@@ -55,17 +58,27 @@ def layer_parts(t: torch.Tensor, num_blocks: int) -> tuple[list[torch.Tensor], s
 
 
 def engine_kv_from_vllm(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_size: int
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    group_of: Mapping[str, int] | None = None,
+    sliding: Sequence[bool] = (),
 ) -> tuple[EngineKV, KVLayout, str]:
     """The adapter over vLLM's ``kv_caches`` (layer name -> tensor, in model order), the host page
-    layout it needs, and the engine format name."""
+    layout it needs, and the engine format name. ``group_of``: each layer's KV cache group (vLLM's
+    hybrid allocator gives each group its own block table); ``sliding``: per group, whether it frees
+    the blocks behind its window (its null block then stands for a page it no longer holds)."""
     if not kv_caches:
         raise KVLayoutError("vLLM registered no KV cache tensors")
     parts: list[torch.Tensor] = []
+    groups: list[int] = []
     formats: list[str] = []
     per_layer = None
     for name, tensor in kv_caches.items():
+        if group_of is not None and name not in group_of:
+            raise KVLayoutError(f"layer {name} is in no KV cache group")
         layer, fmt = layer_parts(tensor, num_blocks)
+        groups += [group_of[name] if group_of is not None else 0] * len(layer)
         elems = sum(int(p.shape[1]) for p in layer)
         if per_layer is not None and elems != per_layer:
             raise KVLayoutError(f"layer {name} holds {elems} elements per block, others {per_layer}")
@@ -80,4 +93,29 @@ def engine_kv_from_vllm(
     dtype = parts[0].dtype
     # The host page holds the same number of elements as one block over every layer.
     layout = KVLayout(len(kv_caches), 1, per_layer // (2 * block_size), dtype, block_size)
-    return EngineKV(parts), layout, f"vllm{formats[0]}{dtype}"
+    nullable = [g for g, s in enumerate(sliding) if s]
+    return EngineKV(parts, groups, nullable), layout, f"vllm{formats[0]}{dtype}"
+
+
+def page_ids(kv: EngineKV, blocks: Sequence[Sequence[int]], *, save: bool) -> list[int]:
+    """One int per page (``EngineKV.page_id``) from vLLM's block ids per group. For a save, a page
+    that a sliding-window group no longer holds (its null block) is ``NOT_HELD``: its window data is
+    gone, so neither it nor any page after it is saved from this request."""
+    out: list[int] = []
+    for ids in zip(*blocks, strict=True):
+        if save and any(ids[g] == NULL_BLOCK for g in kv.nullable):
+            out.append(NOT_HELD)
+        else:
+            out.append(kv.page_id(ids))
+    return out
+
+
+def leading_unheld(kv: EngineKV, blocks: Sequence[Sequence[int]]) -> int:
+    """Leading pages no group holds (a model whose every group is sliding-window: the pages of a
+    hit before the window). A load skips them."""
+    n = 0
+    for ids in zip(*blocks, strict=True):
+        if not all(g in kv.nullable and b == NULL_BLOCK for g, b in enumerate(ids)):
+            break
+        n += 1
+    return n

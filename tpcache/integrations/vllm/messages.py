@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 #   ("lookup", req_id, token_ids)                     lock the longest cached prefix, prefetch from storage
 #   ("load", req_id, first_page, block_ids)           copy hit pages first_page.. into the request's blocks
 #   ("save", req_id, new_token_ids, pages, block_ids) the request's first `pages` pages are in block_ids
+#   (block_ids: one list per KV cache group, one block per page; a sliding-window group's null block
+#   is a page it no longer holds)
 #   ("release", req_id, delayed)                      the request finished; `delayed`: vLLM waits to free blocks
 #   ("flush", "")                                     empty the cache (an agreed flush on every rank)
 LOOKUP, LOAD, SAVE, RELEASE, FLUSH = "lookup", "load", "save", "release", "flush"

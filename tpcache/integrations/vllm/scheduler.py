@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,16 +112,19 @@ class SchedulerSide:
         extra = usable - num_computed_tokens
         return (extra, True) if extra > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """``block_ids``: the request's blocks per KV cache group."""
         state = self.requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return
         first = state.local // self.block_size
         pages = num_external_tokens // self.block_size
-        blocks = list(block_ids[first : first + pages])
+        blocks = [list(group[first : first + pages]) for group in block_ids]
         self.ops.append((LOAD, request.request_id, first, blocks))
         state.loading = True
-        state.load_blocks = tuple(blocks)
+        state.load_blocks = tuple(b for group in blocks for b in group)
         host, storage = self.hit_sources(request, num_external_tokens)
         self.counters["hit_tokens_host"] += host
         self.counters["hit_tokens_storage"] += storage
@@ -157,7 +161,11 @@ class SchedulerSide:
         return meta
 
     def update_from_output(
-        self, report: WorkerReport | None, finished_recving: set[str] | None, invalid_blocks: set[int] | None = None
+        self,
+        report: WorkerReport | None,
+        finished_recving: set[str] | None,
+        invalid_blocks: set[int] | None = None,
+        failed_recving: set[str] | None = None,
     ) -> None:
         self.workers_busy = report is not None and report.busy
         if report is not None:
@@ -169,13 +177,14 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None:
                 state.loading = False
-                if invalid_blocks and not invalid_blocks.isdisjoint(state.load_blocks):
+                failed = failed_recving is not None and req_id in failed_recving
+                if failed or (invalid_blocks and not invalid_blocks.isdisjoint(state.load_blocks)):
                     # Some rank did not get the pages: vLLM recomputes them, and is not offered the
                     # hit again (a retried load would hit the same fault).
                     state.hit = 0
                     state.load_failed = True
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
         """Queue the last save and the release; True when vLLM must wait for the workers to free."""
         state = self.requests.pop(request.request_id, None)
         if state is None:
@@ -227,8 +236,10 @@ class SchedulerSide:
             self.saved_at.popitem(last=False)
             self.saved_pages_forgotten += 1
 
-    def _save(self, state: _Request, computed: int, block_ids: list[int] | None = None) -> None:
-        """Name the blocks of the full pages whose KV is computed and whose tokens are known."""
+    def _save(self, state: _Request, computed: int, block_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """Name the blocks (per KV cache group) of the full pages whose KV is computed and whose
+        tokens are known. A sliding-window group's blocks freed behind its window are vLLM's null
+        block here: the workers save no page from the first one of those past what they hold."""
         request = state.request
         known = min(computed, request.num_tokens)
         pages = known // self.block_size
@@ -237,8 +248,8 @@ class SchedulerSide:
         if block_ids is None:
             if self.kv_cache_manager is None:
                 return
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
-        pages = min(pages, len(block_ids))
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        pages = min(pages, *(len(group) for group in block_ids))
         if pages <= state.saved_pages:
             return
         end = pages * self.block_size
@@ -246,4 +257,4 @@ class SchedulerSide:
         state.sent_tokens = max(state.sent_tokens, end)
         self._remember_saved(request, state.saved_pages, pages)
         state.saved_pages = pages
-        self.ops.append((SAVE, request.request_id, new, pages, list(block_ids[:pages])))
+        self.ops.append((SAVE, request.request_id, new, pages, [list(group[:pages]) for group in block_ids]))

@@ -27,6 +27,7 @@ from protocol.round_vector import HEALTH_IO_ERROR
 from tpcache.core import CacheClosed, Transfer
 from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.faults import FaultPlan
+from tpcache.integrations.vllm.layout import leading_unheld, page_ids
 from tpcache.integrations.vllm.logs import LOGGER
 from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
@@ -58,6 +59,7 @@ class StepResult:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_blocks: set[int] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)  # several KV cache groups: loads that failed
     report: WorkerReport = field(default_factory=WorkerReport)
 
 
@@ -162,7 +164,8 @@ class WorkerSide:
                 cache.prefetch(state.lease)
         elif kind == LOAD:
             state = self.requests.get(req)
-            first, blocks = op[2], list(op[3])
+            skip = leading_unheld(cache.engine_kv, op[3])  # pages before every group's window
+            first, blocks = op[2] + skip, page_ids(cache.engine_kv, [g[skip:] for g in op[3]], save=False)
             self.loads[req] = _Load(None, blocks)  # failed unless the op is issued
             if state is not None and state.lease is not None:
                 self.loads[req].op = cache.load_into(state.lease, first, blocks)
@@ -171,7 +174,7 @@ class WorkerSide:
             if state is None:
                 return
             state.tokens.extend(op[2])
-            pages, blocks = op[3], op[4]
+            pages, blocks = op[3], page_ids(cache.engine_kv, op[4], save=True)
             if cache.core.closed:
                 return
             if state.lease is None:  # dropped while the cache was closed: hold the saves anew
@@ -227,7 +230,10 @@ class WorkerSide:
             landed = landed or 0
             out.finished_recving.add(req)
             bad = load.blocks[landed:]
-            out.invalid_blocks.update(bad)
+            if bad and cache.engine_kv.num_groups > 1:
+                out.failed_recving.add(req)
+            else:
+                out.invalid_blocks.update(bad)
             self.counters["load_failed_blocks"] += len(bad)
             del self.loads[req]
         for req in list(self.sending):
@@ -282,6 +288,8 @@ class WorkerSide:
         out["pending"] = in_flight + len(self.loads) + len(self.sending) + waiting
         out["host_pages"] = self.cache.config.host_pages
         out["page_size"] = self.page_size
+        out["kv_groups"] = self.cache.engine_kv.num_groups  # vLLM's KV cache groups in a page
+        out["sliding_groups"] = sorted(self.cache.engine_kv.nullable)
         out["closed_reason"] = self.cache.core.closed_reason or ""
         out["flush_requested"] = int(self.cache.core.flush_requested)
         out["drained"] = int(self.cache.shell.drained())
