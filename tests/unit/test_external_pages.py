@@ -198,3 +198,19 @@ def test_a_flush_after_ranks_counted_different_ops_reopens_them_equal() -> None:
     assert not any(c.closed for c in g.cores)
     (again, _), _ = g.op("lock", toks(1))
     assert again > lease  # ids never repeat across the flush
+
+
+def test_a_save_stops_before_the_first_page_the_engine_no_longer_holds() -> None:
+    g = Group()
+    (lease, _), _ = g.op("lock", toks(1, 2, 3, 4))
+    ops = g.op("save", lease, toks(1, 2), [7, 8])
+    g.land()
+    g.step()
+    # pages 1-2 are on host; page 3 was freed by the engine (behind a sliding window): only
+    # pages before it are saved, and nothing after it (the host tier stays ancestor-closed)
+    assert g.op("save", lease, toks(1, 2, 3, 4), [-1, -1, -1, 5]) == [None, None]
+    more = g.op("save", lease, toks(1, 2, 3, 4), [-1, -1, 9, 5])  # a page before the saved ones is not read
+    assert [o.device_pages for o in more] == [[9, 5], [9, 5]]
+    with pytest.raises(ValueError, match="engine block for every page"):
+        g.cores[0].load_into(lease, 0, [3, -1])
+    assert [o.acked for o in ops] == [2, 2]

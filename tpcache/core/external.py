@@ -123,14 +123,14 @@ class EnginePages:
         until it is released, which waits for this op. Returns the op (None for no blocks)."""
         if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
             raise ValueError(f"first_page must be a non-negative int, got {first_page!r}")
+        if NOT_HELD in blocks:
+            raise ValueError("a load needs an engine block for every page it copies")
         held = self.hit_nodes(lease)
         if first_page + len(blocks) > len(held):
             last = first_page + len(blocks) - 1
             raise ValueError(f"lease {lease.lease_id} holds {len(held)} pages; cannot load pages {first_page}..{last}")
         if not blocks:
             return None
-        if NOT_HELD in blocks:
-            raise ValueError("a load needs an engine block for every page it copies")
         self.ledger.tick()
         self.ledger.stats.loads_issued_pages += len(blocks)
         return self._issue(lease, OpKind.LOAD, held[first_page : first_page + len(blocks)], blocks)
