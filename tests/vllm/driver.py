@@ -9,6 +9,7 @@ their ``__main__``): one ``import vllm`` serves them all. Steps:
 
     {"op": "generate", "name": N, "prompts": [[ids...]], "max_tokens": K}
     {"op": "conversation", "name": N, "users": [[[ids...] per turn] per conversation], "max_tokens": K}
+                                            ("reset": true: reset_prefix_cache before each turn)
     {"op": "reset_prefix_cache"}
     {"op": "arm", "spec": {...}}            faults on the workers (tpcache.integrations.vllm.faults)
     {"op": "abort", "name": N, "prompts": [...], "max_tokens": K, "steps": S}
@@ -57,13 +58,16 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "cached": [o.num_cached_tokens or 0 for o in outs]}
 
 
-def _conversation(llm: Any, users: list[list[list[int]]], max_tokens: int) -> dict[str, Any]:
-    """Every conversation's turn t at once: prompt = history + the user's turn t."""
+def _conversation(llm: Any, users: list[list[list[int]]], max_tokens: int, reset: bool = False) -> dict[str, Any]:
+    """Every conversation's turn t at once: prompt = history + the user's turn t (with ``reset``,
+    vLLM's own prefix cache emptied before each turn: every hit is the connector's)."""
     history: list[list[int]] = [[] for _ in users]
     tokens: list[list[int]] = []
     cached: list[int] = []
     for turn in range(max(len(u) for u in users)):
         live = [i for i, u in enumerate(users) if turn < len(u)]
+        if reset:
+            llm.reset_prefix_cache()
         prompts = [history[i] + users[i][turn] for i in live]
         out = _generate(llm, prompts, max_tokens)
         for i, prompt, toks in zip(live, prompts, out["tokens"], strict=True):
@@ -224,7 +228,7 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
             if op == "generate":
                 out[name] = _generate(llm, step["prompts"], step["max_tokens"])
             elif op == "conversation":
-                out[name] = _conversation(llm, step["users"], step["max_tokens"])
+                out[name] = _conversation(llm, step["users"], step["max_tokens"], step.get("reset", False))
             elif op == "reset_prefix_cache":
                 out[name] = llm.reset_prefix_cache()
             elif op == "arm":

@@ -16,7 +16,8 @@ The Llama plan (one per TP size): three engines run one after another on a rando
 
 The sliding-window plans, under vLLM's hybrid allocator: a tiny Gemma 2 at TP=1 and TP=2 (plain
 vLLM in-process, vLLM with tpcache: the batch, again after ``reset_prefix_cache``, a failed load,
-wrong copies of the sliding-window blocks; then a fresh engine on the same storage), and a tiny
+wrong copies of the sliding-window blocks, conversations with vLLM's cache emptied before each
+turn; then a fresh engine on the same storage), and a tiny
 Mistral at TP=1 (every layer windowed: plain vLLM, then with tpcache).
 
 Every engine start costs a few fresh interpreters that import vLLM (its engine core and one
@@ -189,12 +190,17 @@ def gemma_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
         {"op": "arm", "spec": {}},
         {"op": "settle", "name": "settled_scrambled"},
     ]
+    # multi-turn, vLLM's cache emptied before each turn: the history's pages computed while decoding
+    # (whose window blocks vLLM freed as the window moved on) come back from tpcache
+    conversation = {"op": "conversation", "name": "conversation", "users": prompts()["users"], "max_tokens": 40}
+    conn += [{**conversation, "reset": True}, {"op": "settle", "name": "settled_conversation"}]
+    ref = [_generate("batch"), conversation]
     fresh = [_generate("batch"), {"op": "settle", "name": "settled"}]
     return {
         **_tp1_plan(
             workdir,
             [
-                {"name": "ref", "prefix_caching": False, "in_process": True, "steps": [_generate("batch")]},
+                {"name": "ref", "prefix_caching": False, "in_process": True, "steps": ref},
                 {
                     "name": "conn",
                     "connector": connector,

@@ -7,7 +7,9 @@ blocks behind the window while a request runs. A tpcache page holds one block of
 - Interleaved sliding-window and full-attention layers (a tiny Gemma 2), at TP=1 and TP=2, with
   vLLM's prefix caching on: token-identical to plain vLLM; after ``reset_prefix_cache`` every hit
   is tpcache's, longer than the window; a load that fails on one rank is recomputed; zeroing only
-  the sliding-window blocks a load wrote changes the tokens; a fresh engine hits storage.
+  the sliding-window blocks a load wrote changes the tokens; multi-turn histories, whose pages
+  computed while decoding lost their window blocks in vLLM, come back from tpcache; a fresh
+  engine hits storage.
 - Only sliding-window layers (a tiny Mistral, TP=1): one group, whose leading pages of a hit vLLM
   no longer holds: token-identical, hits past the window.
 """
@@ -66,6 +68,19 @@ def test_a_load_that_fails_on_one_rank_is_recomputed(gemma: dict[str, Any]) -> N
 
 def test_its_tokens_depend_on_the_loaded_sliding_window_blocks(gemma: dict[str, Any]) -> None:
     assert gemma["conn"]["batch_scrambled"]["tokens"] != gemma["ref"]["batch"]["tokens"]
+
+
+def test_multi_turn_histories_decoded_past_the_window_come_back_from_tpcache(gemma: dict[str, Any]) -> None:
+    conv = gemma["conn"]["conversation"]
+    assert conv["tokens"] == gemma["ref"]["conversation"]["tokens"]
+    # turns 2 and 3 (four conversations each): vLLM's own cache was emptied before each turn, so
+    # every cached token is tpcache's; turn 3's hits cover pages computed while decoding turn 2
+    second, third = conv["cached"][4:8], conv["cached"][8:]
+    assert all(c >= 2 * BLOCK and c % BLOCK == 0 for c in second), conv["cached"]
+    assert all(c >= 2 * WINDOW and c % BLOCK == 0 for c in third), conv["cached"]
+    assert total(gemma["conn"]["settled_conversation"], "load_failed_blocks") == total(
+        gemma["conn"]["settled_failed_load"], "load_failed_blocks"
+    )
 
 
 def test_a_fresh_engine_hits_storage_with_the_same_tokens(gemma: dict[str, Any]) -> None:

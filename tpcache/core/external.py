@@ -5,7 +5,8 @@ Full attention only: a configuration with components (SWA pages, Mamba states) i
 The core runs with no device tier of its own (``device_pages == 0``): no node is ever on device,
 and the engine's blocks never enter the tree. Two sequenced operations move KV across the border:
 
-- ``save``: the KV of the full pages of ``tokens`` sits in the engine's ``blocks``; the pages the
+- ``save``: the KV of the full pages of ``tokens`` sits in the engine's ``blocks`` (``NOT_HELD``
+  for a page the engine no longer holds whole: the save stops before it); the pages the
   cache does not hold yet (from the first one missing on host) get fresh host slots, their nodes go
   host-WRITING, and one BACKUP op copies block -> slot. The nodes become host-VALID only when the
   round agrees the copy landed on every rank; pages past an agreed partial ack are dropped.

@@ -8,6 +8,11 @@ parts; the ones inside must be dense, so that one block of one part is one conti
 page is a block's rows over every layer and part, in the engine's own byte order; the format name
 (shapes without the block count, and the physical order) is part of every storage key, so a
 restart with another KV layout never reads these pages.
+
+Under vLLM's hybrid allocator each KV cache group (full attention, sliding window) has a block
+table of its own: a page is one block of every group, each layer read at its group's block
+(``EngineKV`` groups, one int per page). A sliding-window group names vLLM's null block for a page
+it freed behind its window: a save stops before such a page, a load skips its rows.
 """
 
 from __future__ import annotations
