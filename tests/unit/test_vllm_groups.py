@@ -71,3 +71,58 @@ def test_a_hit_of_a_model_whose_every_group_is_windowed_skips_the_pages_before_t
     adapter, _, _ = engine_kv_from_vllm(kv, BLOCKS, PAGE, {"layer0": 0}, [True])
     assert leading_unheld(adapter, [[NULL_BLOCK, NULL_BLOCK, 4, 5]]) == 2
     assert page_ids(adapter, [[4, 5]], save=False) == [4, 5]  # one group: a page is its block id
+
+
+def test_the_scheduler_names_every_groups_blocks_and_a_failed_hybrid_load_is_not_offered_again() -> None:
+    from tests.unit.test_vllm_connector_parts import Req, output
+    from tpcache.integrations.vllm.messages import LOAD, RELEASE, SAVE, WorkerReport
+    from tpcache.integrations.vllm.scheduler import SchedulerSide
+
+    r = Req("a", list(range(13)), blocks=[10, 11, 12, 13])
+    window = [NULL_BLOCK, 21, 22, 23]  # the window group freed page 0's block
+
+    class Manager:
+        def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+            return (r.blocks, window)
+
+    side = SchedulerSide(PAGE, Manager())
+    side.num_new_matched_tokens(r, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
+    assert side.num_new_matched_tokens(r, 0) == (12, True)
+    side.update_state_after_alloc(r, (r.blocks, window), 12)
+    assert side.build_meta(output()).ops == [(LOAD, "a", 0, [[10, 11, 12], [NULL_BLOCK, 21, 22]])]
+    side.update_from_output(None, {"a"}, None, {"a"})  # the load failed on some rank
+    assert side.requests["a"].hit == 0 and side.requests["a"].load_failed
+    r.num_computed_tokens = 12
+    assert side.request_finished(r, (r.blocks, window)) is True
+    ops = side.build_meta(output()).ops
+    assert ops == [(SAVE, "a", [], 3, [[10, 11, 12], [NULL_BLOCK, 21, 22]]), (RELEASE, "a", True)]
+
+
+def test_a_worker_saves_up_to_a_freed_window_block_and_reports_a_failed_hybrid_load_by_request() -> None:
+    from tpcache.core import CacheConfig
+    from tpcache.dist import SimGroup
+    from tpcache.engine.external import EngineCache
+    from tpcache.integrations.vllm.faults import FaultPlan
+    from tpcache.integrations.vllm.messages import LOAD, LOOKUP, SAVE, StepOps
+    from tpcache.integrations.vllm.worker import WorkerSide
+
+    kv = {f"layer{g}": torch.randn(BLOCKS, PAGE, 2) for g in range(2)}
+    adapter, layout, fmt = engine_kv_from_vllm(kv, BLOCKS, PAGE, {"layer0": 0, "layer1": 1}, [False, True])
+    faults = FaultPlan({"fail_loads": {"rank": 0, "count": 1}}, 0)
+    config = CacheConfig(page_size=PAGE, device_pages=0, host_pages=8)
+    cache = EngineCache(
+        config, SimGroup(1).collective(0), adapter, layout, engine_format=fmt, before_copy=faults.before_copy
+    )
+    worker = WorkerSide(cache, faults=faults)
+    tokens = list(range(3 * PAGE))
+    # pages 0-1 held by both groups, page 2's window block already freed: two pages are saved
+    worker.run_step(StepOps(0, [(LOOKUP, "a", tokens), (SAVE, "a", [], 3, [[1, 2, 3], [4, 5, NULL_BLOCK]])]))
+    worker.run_step(StepOps(1, []))
+    assert cache.match(tokens).host_pages == 2
+    result = worker.run_step(StepOps(2, [(LOOKUP, "b", tokens + [7])]))
+    assert result.report.hits["b"] == (2 * PAGE, 0)
+    result = worker.run_step(StepOps(3, [(LOAD, "b", 0, [[1, 2], [4, 5]])]))  # the injected failure
+    assert result.finished_recving == {"b"} and result.failed_recving == {"b"} and not result.invalid_blocks
+    cache.close()
