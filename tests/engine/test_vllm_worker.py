@@ -46,10 +46,10 @@ def run_steps(schedule: dict[int, list[tuple]], steps: int, arm: dict[int, dict]
 def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> None:
     schedule = {
         0: [(LOOKUP, "a", toks(1, 2, 3))],
-        1: [(SAVE, "a", [], 3, [0, 1, 2])],
+        1: [(SAVE, "a", [], 3, [[0, 1, 2]])],
         2: [(RELEASE, "a", True)],
         3: [(LOOKUP, "b", toks(1, 2, 3, 4))],
-        4: [(LOAD, "b", 1, [7, 8])],
+        4: [(LOAD, "b", 1, [[7, 8]])],
         5: [(RELEASE, "b", True)],
     }
     ranks = run_steps(schedule, 7)
@@ -65,9 +65,9 @@ def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> Non
 def test_a_load_failing_on_one_rank_is_invalid_on_every_rank() -> None:
     schedule = {
         0: [(LOOKUP, "a", toks(1, 2))],
-        1: [(SAVE, "a", [], 2, [0, 1]), (RELEASE, "a", True)],
+        1: [(SAVE, "a", [], 2, [[0, 1]]), (RELEASE, "a", True)],
         2: [(LOOKUP, "b", toks(1, 2))],
-        3: [(LOAD, "b", 0, [5, 6])],
+        3: [(LOAD, "b", 0, [[5, 6]])],
     }
     ranks = run_steps(schedule, 5, arm={3: {"fail_loads": {"rank": 1, "count": 1}}})
     assert [r[3]["invalid"] for r in ranks] == [[5, 6], [5, 6]]
@@ -77,9 +77,9 @@ def test_a_load_failing_on_one_rank_is_invalid_on_every_rank() -> None:
 def test_a_divergence_closes_both_ranks_and_an_agreed_flush_reopens_them_equal() -> None:
     schedule = {
         0: [(LOOKUP, "a", toks(1, 2))],
-        1: [(SAVE, "a", [], 2, [0, 1])],
+        1: [(SAVE, "a", [], 2, [[0, 1]])],
         3: [(LOOKUP, "b", toks(1, 2, 3))],  # looked up while closed: a miss, nothing locked
-        6: [(SAVE, "a", [], 2, [0, 1]), (RELEASE, "a", True), (RELEASE, "b", True)],
+        6: [(SAVE, "a", [], 2, [[0, 1]]), (RELEASE, "a", True), (RELEASE, "b", True)],
     }
     ranks = run_steps(schedule, 9, arm={2: {"diverge": {"rank": 1, "step": 1}}})
     for steps in ranks:
