@@ -25,15 +25,11 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from protocol.round_vector import HEALTH_STORAGE_DOWN, LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from tpcache.core.backend import NATIVE as _native
 from tpcache.core.backup import MirrorRelease
 from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
 from tpcache.core.plans import Plan, PlanFeature
-
-try:
-    from tpcache.core import _node as _native
-except ImportError:  # built without a C compiler
-    _native = None  # type: ignore[assignment]
 
 log = logging.getLogger("tpcache.round")
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from tpcache.core import backend
 from tpcache.service.channels import Channels
 from tpcache.service.config import (
     DEFAULT,
@@ -210,6 +211,10 @@ def serve(resolved: Resolved) -> int:
         preflight(resolved, range(env_rank, env_rank + 1), on_host, device_on_host=not cuda, world=world_env)
     except ConfigError as exc:
         problem = str(exc)
+    try:
+        backend.require(config.tree_core)  # the launcher set TPCACHE_TREE_CORE before this process imported tpcache
+    except backend.TreeCoreError as exc:
+        problem = problem or str(exc)
     rank, world, device = init_group(config.round_timeout_s)
     if device is not None and problem is None:
         try:
@@ -405,6 +410,7 @@ def startup_block(
     lines = [
         f"tpcache {package_version()}: rank {rank} of {world} serving (pid {os.getpid()})",
         *(f"  settings {line}" for line in describe_sources(resolved)),
+        f"  tree core: {tree_core(resolved)}",
         f"  group: {holds(tp)}",
         f"  memory: {memory}",
         f"  round transport: {tp.collective.name}; {front}internal channel {inbox}",
@@ -412,6 +418,12 @@ def startup_block(
         f"  metrics: {metrics}",
     ]
     return "\n".join(lines)
+
+
+def tree_core(resolved: Resolved) -> str:
+    """The tree core this rank runs, and why: the setting's source, or why the default is what it is."""
+    source = resolved.sources.get("tree_core", DEFAULT)
+    return f"{backend.NAME} ({backend.DEFAULT_WHY if source == DEFAULT else 'set by ' + source})"
 
 
 def holds(tp: Any) -> str:

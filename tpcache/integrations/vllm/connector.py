@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tpcache.core import CacheConfig
+from tpcache.core import CacheConfig, backend
 from tpcache.integrations.vllm.compat import check_vllm
 from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
@@ -247,13 +247,14 @@ class TPCacheConnector(KVConnectorBase_V1):
         if storage is not None:
             stored = f"{Path(opts.storage_dir) / f'rank{rank}'} ({format_bytes(opts.storage_bytes)}; {storage.trust})"
         log.info(
-            "tpcache %s rank %d of %d: %s; storage %s; round transport %s",
+            "tpcache %s rank %d of %d: %s; storage %s; round transport %s; tree core %s",
             package_version(),
             rank,
             world,
             host.describe(),
             stored,
             collective.name,
+            backend.describe(),
         )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
