@@ -3,7 +3,7 @@
  * (RoundLayout.pack_values), and whether the reduced vector is this rank's own (Round.commit).
  * round.py and round_vector.py keep the Python versions as the reference; tests hold the two equal. */
 #include "_node.h"
-#include "_xxh3.h"
+#include "_hash.h"
 
 #include <string.h>
 
@@ -33,7 +33,7 @@ static int hash_ids(PyObject *const *items, Py_ssize_t n, uint64_t *out) {
 #endif
         buf[i] = (int64_t)v;
     }
-    *out = xxh3_64((const uint8_t *)buf, (size_t)n * 8) & DIGEST_MASK;
+    *out = XXH3_64bits(buf, (size_t)n * 8) & DIGEST_MASK;
     if (buf != local)
         PyMem_Free(buf);
     return 0;
