@@ -2,6 +2,7 @@
 seeded schedules with faults, and targeted schedules for each consistency promise."""
 
 import logging
+from array import array
 from dataclasses import replace
 
 import pytest
@@ -208,7 +209,7 @@ def test_a_queue_whose_digest_differs_applies_no_completion(caplog):
 
 def test_a_transport_that_does_not_reduce_is_caught(monkeypatch, caplog):
     caplog.set_level(logging.CRITICAL)
-    monkeypatch.setattr(ShmCollective, "collect", lambda self, values, timeout_s: values.tolist())
+    monkeypatch.setattr(ShmCollective, "collect", lambda self, values, timeout_s: array("q", values))  # its own
     sim = _cluster(Faults(max_delay=3, shm=True), ranks=2)
     try:
         with pytest.raises(SimFailure):

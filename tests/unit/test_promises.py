@@ -111,7 +111,7 @@ def test_the_shared_memory_transport_reduces_to_the_minimum():
         for c, v in zip(group, vectors, strict=True):
             c.publish(array("q", v))
         results = [c.collect(array("q", v), 5.0) for c, v in zip(group, vectors, strict=True)]
-        assert results == [[2, -7, 1]] * 3
+        assert results == [array("q", [2, -7, 1])] * 3
     finally:
         for c in group:
             c.close()
