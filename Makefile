@@ -34,7 +34,7 @@ system-packages:
 		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them, docs/guides/storage.md; the native tree core needs libxxhash-dev, docs/development.md)" >&2; \
 	fi
 
-$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c $(wildcard tpcache/core/_*.c tpcache/core/_*.h)
+$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c $(wildcard protocol/_*.c protocol/_*.h tpcache/core/_*.c tpcache/core/_*.h)
 	@echo "setup: a virtual environment in $(VENV) with$(if $(TORCH_SPEC), $(TORCH_SPEC) (CPU build)$(comma),) tpcache (its C extensions built here) and the extras [$(EXTRAS)]:"
 	@echo "  $(if $(findstring vllm,$(EXTRAS)),vLLM's CPU build$(comma) )the Mooncake and Redis clients$(comma) pytest and ruff (about 3 minutes on a fresh machine)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
