@@ -64,6 +64,8 @@ def require(value: str | None = None, setting: str = "tree_core") -> None:
         raise TreeCoreError(REFUSED)
     if value is None or value == NAME:
         return
+    if value not in CHOICES:
+        raise TreeCoreError(f"{setting} = {value}: must be one of {', '.join(CHOICES)}")
     if value == "native" and not BUILT:
         raise TreeCoreError(f"{setting} = native: the native extension was not built here; use reference")
     raise TreeCoreError(
