@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import REPO
+from tpcache.comm.shm import ShmCollective
 from tpcache.core import CacheConfig, CacheCore, backend
 from tpcache.core.round import Round
 from tpcache.core.tiers import HostState
-from tpcache.dist.shm import ShmCollective
 from tpcache.engine.driver import Driver, GroupBroken
 from tpcache.testing.ops import tokens_for
 from tpcache.testing.sim import DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule

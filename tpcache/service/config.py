@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tpcache.comm.parallel import GroupShapeError, ParallelGroup
+from tpcache.comm.store import LISTEN_FD_ENV, is_loopback_host
 from tpcache.core import CacheConfig, backend
 from tpcache.core.config import HOST_MODES, WRITE_POLICIES
 from tpcache.core.eviction import POLICIES
-from tpcache.dist.parallel import GroupShapeError, ParallelGroup
-from tpcache.dist.store import LISTEN_FD_ENV, is_loopback_host
 from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"

@@ -107,7 +107,7 @@ def init_group(round_timeout_s: float) -> tuple[int, int, Any]:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        from tpcache.dist.store import group_store
+        from tpcache.comm.store import group_store
 
         backend = "nccl" if device is not None else "gloo"
         timeout = datetime.timedelta(seconds=max(60.0, 2 * round_timeout_s))
@@ -124,7 +124,7 @@ def agree(config: ServiceConfig, problem: str | None) -> str | None:
     """Gather every rank's settings and check result (a collective call, right after the group
     forms); the first problem anywhere, or the settings that differ with each rank's value, as
     one line, or None when the group may start. Every rank computes the same answer."""
-    from tpcache.dist.exchange import all_gather_json
+    from tpcache.comm.exchange import all_gather_json
 
     gathered = all_gather_json({"settings": config.group_settings(), "problem": problem})
     for rank, item in enumerate(gathered):
@@ -300,7 +300,7 @@ def _write_torchrun_error(line: str) -> None:
 def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag, storage: Any) -> int:
     import torch.distributed as dist
 
-    from tpcache.dist import make_collective
+    from tpcache.comm import make_collective
     from tpcache.service.follower import Follower
     from tpcache.service.leader import BindError, Leader
 

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from protocol.round_vector import HEALTH_IO_ERROR, HEALTH_STORAGE_DOWN
+from tpcache.comm.collective import CollectiveError, CollectiveTimeout, to_int64_array
+from tpcache.comm.sim import SimGroup
 from tpcache.core import (
     Admitted,
     CacheClosed,
@@ -56,8 +58,6 @@ from tpcache.core.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.dist.collective import CollectiveError, CollectiveTimeout, to_int64_array
-from tpcache.dist.sim import SimGroup
 from tpcache.engine.driver import Driver, Operations
 from tpcache.testing.admissions import admission_step, buffer_config, buffer_violations
 from tpcache.testing.ops import apply, evict, random_op, tokens_for
@@ -249,7 +249,7 @@ class SimCluster:
         self.group = SimGroup(ranks)
         self.shm = None
         if faults.shm:
-            from tpcache.dist.shm import ShmCollective
+            from tpcache.comm.shm import ShmCollective
 
             self.shm = ShmCollective.local_group(ranks)
         self.ranks = [SimRank(r, config, FakeIO(random.Random(seed * 1000 + r), faults)) for r in range(ranks)]

@@ -178,8 +178,8 @@ class TPCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tp_group
 
-        from tpcache.dist import make_collective
-        from tpcache.dist.exchange import all_gather_json
+        from tpcache.comm import make_collective
+        from tpcache.comm.exchange import all_gather_json
         from tpcache.engine.external import EngineCache
         from tpcache.integrations.vllm.faults import FaultPlan
         from tpcache.integrations.vllm.layout import engine_kv_from_vllm

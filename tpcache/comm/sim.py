@@ -20,7 +20,7 @@ import time
 from array import array
 from collections.abc import Sequence
 
-from tpcache.dist.collective import (
+from tpcache.comm.collective import (
     Collective,
     CollectiveClosed,
     CollectiveError,

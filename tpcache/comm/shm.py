@@ -42,23 +42,23 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
 
-from tpcache.dist import futex
-from tpcache.dist.collective import (
+from tpcache.comm import futex
+from tpcache.comm.collective import (
     DEFAULT_CAPACITY,
     Collective,
     CollectiveError,
     CollectiveTimeout,
     elementwise_min,
 )
-from tpcache.dist.exchange import all_gather_json, group_backend, group_device, require_group
+from tpcache.comm.exchange import all_gather_json, group_backend, group_device, require_group
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tpcache-round-"

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpcache.dist.collective import DEFAULT_CAPACITY, Collective, CollectiveError, CollectiveTimeout
-from tpcache.dist.exchange import group_backend, group_device, require_group
+from tpcache.comm.collective import DEFAULT_CAPACITY, Collective, CollectiveError, CollectiveTimeout
+from tpcache.comm.exchange import group_backend, group_device, require_group
 
 _HEADER = 2  # (n, -n)
 

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tpcache.dist import (
+from tpcache.comm import (
     CollectiveClosed,
     CollectiveError,
     CollectiveTimeout,
     WrongThreadError,
     make_collective,
 )
-from tpcache.dist.collective import INT64_MAX, INT64_MIN
-from tpcache.dist.shm import ShmCollective, ShmUnavailable
+from tpcache.comm.collective import INT64_MAX, INT64_MIN
+from tpcache.comm.shm import ShmCollective, ShmUnavailable
 
 SHM_DIR = "/dev/shm"
 
@@ -177,14 +177,14 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
 
 def scenario_fallback(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Rank 1 cannot see the shm directory: every rank must fall back to torch alike (auto) or refuse
-    alike (forced shm), with the choice logged on tpcache.dist."""
+    alike (forced shm), with the choice logged on tpcache.comm."""
     messages: list[str] = []
 
     class Capture(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    log = logging.getLogger("tpcache.dist")
+    log = logging.getLogger("tpcache.comm")
     log.addHandler(Capture())
     log.setLevel(logging.INFO)
     shm_dir = args["missing_dir"] if rank == 1 else SHM_DIR

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpcache.dist import (
+from tpcache.comm import (
     CollectiveClosed,
     CollectiveError,
     CollectiveTimeout,
     SimGroup,
     WrongThreadError,
 )
-from tpcache.dist.collective import INT64_MAX, INT64_MIN
+from tpcache.comm.collective import INT64_MAX, INT64_MIN
 
 int64 = st.integers(min_value=INT64_MIN, max_value=INT64_MAX)
 

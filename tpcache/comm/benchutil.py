@@ -16,8 +16,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tpcache.dist.collective import Collective
-from tpcache.dist.exchange import all_gather_json
+from tpcache.comm.collective import Collective
+from tpcache.comm.exchange import all_gather_json
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
