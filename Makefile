@@ -12,9 +12,11 @@ EXTRAS ?= $(if $(TORCH_SPEC),test$(comma)mooncake$(comma)redis$(comma)vllm,test$
 CUDA_ONLY_EXTRAS := torchvision torchaudio torchcodec
 BIN := $(VENV)/bin
 
-# Debian packages the store tests need: libibverbs1 (Mooncake's libraries link it even for TCP) and
-# redis-server. Installed as root when missing; without root, setup says what to install (docs/guides/storage.md).
-SYSTEM_PACKAGES ?= libibverbs1 redis-server
+# Debian packages: libibverbs1 (Mooncake's libraries link it even for TCP) and redis-server for the store
+# tests; libxxhash-dev, xxHash's header the native tree core is built with (without it the install builds
+# the reference core, docs/development.md). Installed as root when missing; without root, setup says what
+# to install.
+SYSTEM_PACKAGES ?= libibverbs1 redis-server libxxhash-dev
 
 .PHONY: setup system-packages demo test lint bench clean setup-sglang test-sglang
 
@@ -29,10 +31,10 @@ system-packages:
 		apt-get -o DPkg::Lock::Timeout=300 update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
-		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them; see docs/guides/storage.md)" >&2; \
+		echo "warning: missing system packages:$$missing (the Mooncake and Redis store tests need them, docs/guides/storage.md; the native tree core needs libxxhash-dev, docs/development.md)" >&2; \
 	fi
 
-$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c protocol/_speedups.c $(wildcard tpcache/core/_*.c tpcache/core/_*.h)
+$(VENV)/.installed: pyproject.toml tpcache/io/_rowcopy.c $(wildcard protocol/_*.c protocol/_*.h tpcache/core/_*.c tpcache/core/_*.h)
 	@echo "setup: a virtual environment in $(VENV) with$(if $(TORCH_SPEC), $(TORCH_SPEC) (CPU build)$(comma),) tpcache (its C extensions built here) and the extras [$(EXTRAS)]:"
 	@echo "  $(if $(findstring vllm,$(EXTRAS)),vLLM's CPU build$(comma) )the Mooncake and Redis clients$(comma) pytest and ruff (about 3 minutes on a fresh machine)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -9,8 +9,8 @@ they are the same and runs it).
 
 import torch.distributed as dist
 
+from tpcache.comm import make_collective
 from tpcache.core import CacheConfig
-from tpcache.dist import make_collective
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout, state_layout
 

@@ -23,7 +23,8 @@ import sys
 from launcher.demo import DEMO_DEFAULTS, Interrupted, print_result, run_demo
 from launcher.local import RankExited, run_local
 from launcher.options import add_service_options, config_from_args
-from tpcache.service.config import ConfigError
+from tpcache.core import backend
+from tpcache.service.config import DEFAULT, ConfigError, Resolved, spelling
 from tpcache.service.preflight import preflight
 
 
@@ -59,6 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def choose_tree_core(resolved: Resolved, command: str, restart: bool) -> None:
+    """Make the tree core the settings name the one this process and its ranks run. The core is
+    chosen when tpcache is first imported (``TPCACHE_TREE_CORE``), before a command line or a
+    config file is read: ranks the launcher starts (``local``, ``demo``) inherit the variable; a
+    rank run from the shell (``serve``) starts again with it set."""
+    value = resolved.config.tree_core
+    if value == backend.NAME:
+        return
+    if command != "serve":
+        os.environ[backend.ENV] = value
+        return
+    if restart and os.environ.get(backend.ENV) != value:
+        os.environ[backend.ENV] = value
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    raise ConfigError(
+        f"{spelling('tree_core', value, resolved.sources.get('tree_core', DEFAULT))}: this process runs the "
+        f"{backend.NAME} tree core, chosen when tpcache was imported; set {backend.ENV}={value} in its environment"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -72,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "demo" and args.in_flight < 1:
                 raise ConfigError(f"--in-flight {args.in_flight}: must be an integer >= 1 (requests in flight)")
             preflight(resolved, range(args.nproc), args.nproc)  # every rank, before any starts
+        choose_tree_core(resolved, args.command, restart=argv is None)
     except ConfigError as exc:
         print(f"tpcache: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.options import resolved_env
-from tpcache.dist.store import LISTEN_FD_ENV
+from tpcache.comm.store import LISTEN_FD_ENV
 from tpcache.service.config import FIELDS, Resolved, ServiceConfig
 
 STOP_GRACE_S = 15.0
@@ -78,7 +78,7 @@ def spawn_ranks(
     if nproc < 1:
         raise ValueError("--nproc must be >= 1")
     # Rank 0's rendezvous socket is bound here and handed over, so no other process can take the
-    # port between its choice and its use (tpcache.dist.store.LISTEN_FD_ENV).
+    # port between its choice and its use (tpcache.comm.store.LISTEN_FD_ENV).
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
+from tpcache.core import backend
 from tpcache.service.config import (
     FIELDS,
     RESOLVED_ENV,
@@ -69,4 +70,4 @@ def config_from_args(args: argparse.Namespace, overrides: dict[str, Any] | None 
 def resolved_env(resolved: Resolved) -> dict[str, str]:
     """Environment that hands ``resolved`` to a rank process unchanged (secret included: the
     environment, unlike a command line, is private to the user)."""
-    return {RESOLVED_ENV: resolved.to_json()}
+    return {RESOLVED_ENV: resolved.to_json(), backend.ENV: resolved.config.tree_core}

@@ -118,7 +118,7 @@ try:  # the same scan in C (protocol/_speedups.c), built at install where a comp
     from protocol._speedups import scan as _c_scan
 except ImportError:
     _c_scan = None
-try:  # the fast reader of a plain match request and writer of its reply (protocol/_speedups.c)
+try:  # the fast reader of a plain match request and writer of its reply (protocol/_match.c)
     from protocol._speedups import match_reply as _c_match_reply
     from protocol._speedups import match_request as _c_match_request
 except ImportError:

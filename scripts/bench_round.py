@@ -112,9 +112,9 @@ class GapRaw:
 def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
+    from tpcache.comm import make_collective
+    from tpcache.comm.benchutil import TcpFloor, allreduce_fn, interleaved, percentile, summarize_us
     from tpcache.core import CacheConfig
-    from tpcache.dist import make_collective
-    from tpcache.dist.benchutil import TcpFloor, allreduce_fn, interleaved, percentile, summarize_us
     from tpcache.engine import TPCache
 
     timeout = datetime.timedelta(seconds=60)
@@ -216,7 +216,7 @@ def main() -> None:
     args = parser.parse_args()
 
     opts = {k: getattr(args, k) for k in ("rounds", "transport", "blocks", "warmup", "busy_us")}
-    from tpcache.dist.benchutil import run_ranks
+    from tpcache.comm.benchutil import run_ranks
 
     report = run_ranks(rank_main, args.world_size, opts)
     print(json.dumps(report, indent=None if args.json else 2))

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from scripts.bench_store import _Raw, local_store  # noqa: E402
-from tpcache.dist.parallel import Shard  # noqa: E402
+from tpcache.comm.parallel import Shard  # noqa: E402
 from tpcache.io.kv_pool import KVLayout  # noqa: E402
 from tpcache.io.storage import StorageKey, parse_storage_url  # noqa: E402
 from tpcache.io.storage.file import FileBackend  # noqa: E402

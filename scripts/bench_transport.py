@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
-    from tpcache.dist import make_collective
-    from tpcache.dist.benchutil import TcpFloor, allreduce_fn, interleaved, summarize_us
+    from tpcache.comm import make_collective
+    from tpcache.comm.benchutil import TcpFloor, allreduce_fn, interleaved, summarize_us
 
     timeout = datetime.timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     opts = {k: getattr(args, k) for k in ("rounds", "vector_len", "transport", "blocks", "warmup")}
-    from tpcache.dist.benchutil import run_ranks
+    from tpcache.comm.benchutil import run_ranks
 
     report = run_ranks(rank_main, args.world_size, opts)
     print(json.dumps(report, indent=None if args.json else 2))

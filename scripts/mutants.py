@@ -58,7 +58,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "shared-memory all-reduce returns the rank's own vector",
-        "tpcache/dist/shm.py",
+        "tpcache/comm/shm.py",
         "        return elementwise_min([values.tolist(), *peers.values()])",
         "        return values.tolist()",
     ),

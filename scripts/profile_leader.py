@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from protocol import pack_ids  # noqa: E402
-from tpcache.dist.shm import ShmCollective  # noqa: E402
+from tpcache.comm.shm import ShmCollective  # noqa: E402
 from tpcache.service.channels import Channels  # noqa: E402
 from tpcache.service.config import build_config  # noqa: E402
 from tpcache.service.handlers import RankHandler  # noqa: E402

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
-from tpcache.dist import SimGroup
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import MemoryBackend

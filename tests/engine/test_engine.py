@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.tiers import HostState
-from tpcache.dist import SimGroup
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import FileBackend, MemoryBackend

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.feed import on_tiers
-from tpcache.dist import SimGroup
 from tpcache.engine import TPCache
 from tpcache.events import Group, Subscriber
 

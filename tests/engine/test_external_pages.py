@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig, check
-from tpcache.dist import SimGroup
 from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.layout import engine_kv_from_vllm
 from tpcache.io.storage import MemoryBackend

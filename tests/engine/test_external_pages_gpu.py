@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
-from tpcache.dist import SimGroup
 from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.layout import engine_kv_from_vllm
 from tpcache.io.storage import MemoryBackend

@@ -8,9 +8,9 @@ import threading
 import pytest
 import xxhash
 
+from tpcache.comm import SimGroup
+from tpcache.comm.parallel import GroupShapeError, ParallelGroup
 from tpcache.core import CacheConfig
-from tpcache.dist import SimGroup
-from tpcache.dist.parallel import GroupShapeError, ParallelGroup
 from tpcache.engine import TPCache, layout_version
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import MemoryBackend

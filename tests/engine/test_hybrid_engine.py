@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.components import DEV, DSLOT, HSLOT, STRIDE
-from tpcache.dist import SimGroup
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout, state_layout
 from tpcache.io.storage import FileBackend

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.engine.test_engine import LAYOUT, check_hits, request, tokens
+from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.tiers import StorageState
-from tpcache.dist import SimGroup
 from tpcache.engine import TPCache
 from tpcache.io.storage import FileBackend
 

@@ -37,7 +37,7 @@ def test_two_stages_each_hold_their_layers_and_store_under_their_stage(tmp_path:
 
 def test_a_tp2_service_stores_model_shards_that_a_tp1_group_reads(tmp_path: Path) -> None:
     from tests.storage.test_storage_sharded import MODEL_ID, on_group, tokens
-    from tpcache.dist.parallel import ParallelGroup
+    from tpcache.comm.parallel import ParallelGroup
 
     storage = tmp_path / "kv"
     args = ("--page-size", "4", "--device-pages", "16", "--host-pages", "16", "--heartbeat-s", "0.2")

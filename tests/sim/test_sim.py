@@ -1,15 +1,22 @@
 """The simulation ring: whole TP groups in one process running the production driver, thousands of
 seeded schedules with faults, and targeted schedules for each consistency promise."""
 
+import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from array import array
 from dataclasses import replace
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore
+from tests.conftest import REPO
+from tpcache.comm.shm import ShmCollective
+from tpcache.core import CacheConfig, CacheCore, backend
 from tpcache.core.round import Round
 from tpcache.core.tiers import HostState
-from tpcache.dist.shm import ShmCollective
 from tpcache.engine.driver import Driver, GroupBroken
 from tpcache.testing.ops import tokens_for
 from tpcache.testing.sim import DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
@@ -31,6 +38,69 @@ def test_seeded_schedules(batch, caplog):
             )
         if sim.faults.kill_at is None:  # exactly one collective per round on every rank
             assert sim.calls == [sim.now] * ranks
+
+
+# Under the reference tree core (pure Python) in a process of its own: every REFERENCE_SHARE-th
+# seeded schedule in every run, and all of them with TPCACHE_SIM_REFERENCE=all (a slower ring, not
+# in CI). Each must pass its own checks and end in the state the native core reaches.
+REFERENCE_SHARE = 6
+ALL_UNDER_REFERENCE = os.environ.get("TPCACHE_SIM_REFERENCE") == "all"
+OUTCOME = textwrap.dedent(
+    """
+    import json, logging, sys
+    logging.disable(logging.CRITICAL)
+    from tpcache.core import backend
+    from tpcache.testing.sim import run_schedule, snapshot
+    out = {"core": backend.NAME, "runs": {}}
+    for seed in json.loads(sys.argv[1]):
+        ranks = 2 + seed % 7
+        try:
+            sim = run_schedule(seed, ranks)
+        except AssertionError as exc:
+            out["runs"][seed] = f"failed: {exc}"
+            continue
+        core = sim.ranks[0].core
+        out["runs"][seed] = [core.digest.value, json.dumps(snapshot(core), default=str), sim.log, sim.calls]
+    print(json.dumps(out))
+    """
+)
+
+
+def _outcomes(seeds: list[int], core: str) -> dict:
+    env = {**os.environ, "TPCACHE_TREE_CORE": core}
+    done = subprocess.run(
+        [sys.executable, "-c", OUTCOME, json.dumps(seeds)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["core"] == core
+    return out["runs"]
+
+
+def _same_under_both_cores(seeds: list[int]) -> None:
+    reference = _outcomes(seeds, "reference")
+    native = _outcomes(seeds, "native") if backend.BUILT else reference
+    for seed in seeds:
+        ranks = 2 + seed % 7
+        again = f"reproduce: TPCACHE_TREE_CORE=reference python -m tpcache.testing.sim --seed {seed} --ranks {ranks}"
+        got = reference[str(seed)]
+        assert not isinstance(got, str), f"seed {seed} under the reference core {got}\n{again}"
+        assert got == native[str(seed)], f"seed {seed}: the reference and native cores diverge\n{again}"
+
+
+def test_a_share_of_the_seeded_schedules_under_the_reference_core():
+    _same_under_both_cores(list(range(0, BATCHES * PER_BATCH, REFERENCE_SHARE)))
+
+
+@pytest.mark.skipif(not ALL_UNDER_REFERENCE, reason="the slower ring: TPCACHE_SIM_REFERENCE=all")
+@pytest.mark.parametrize("batch", range(BATCHES))
+def test_every_seeded_schedule_under_the_reference_core(batch):
+    _same_under_both_cores(list(range(batch * PER_BATCH, (batch + 1) * PER_BATCH)))
 
 
 def _cluster(faults: Faults, ranks: int = 3, **cfg) -> SimCluster:
@@ -208,7 +278,7 @@ def test_a_queue_whose_digest_differs_applies_no_completion(caplog):
 
 def test_a_transport_that_does_not_reduce_is_caught(monkeypatch, caplog):
     caplog.set_level(logging.CRITICAL)
-    monkeypatch.setattr(ShmCollective, "collect", lambda self, values, timeout_s: values.tolist())
+    monkeypatch.setattr(ShmCollective, "collect", lambda self, values, timeout_s: array("q", values))  # its own
     sim = _cluster(Faults(max_delay=3, shm=True), ranks=2)
     try:
         with pytest.raises(SimFailure):

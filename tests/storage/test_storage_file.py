@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.storage.storage_helpers import flip_byte, make_keys, make_page, segment_files
-from tpcache.dist.parallel import ParallelGroup
+from tpcache.comm.parallel import ParallelGroup
 from tpcache.io.storage.base import StorageError
 from tpcache.io.storage.file import FileBackend
 from tpcache.io.storage.keys import StorageKey, StorageKeyError

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpcache.dist.parallel import ParallelGroup, Shard
+from tpcache.comm.parallel import ParallelGroup, Shard
 from tpcache.io.storage.keys import MAX_NAMESPACE_BYTES, StorageKey, StorageKeyError
 
 SAFE_COMPONENT = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from tpcache.comm import SimGroup
+from tpcache.comm.parallel import ParallelGroup, Shard
 from tpcache.core import CacheConfig
-from tpcache.dist import SimGroup
-from tpcache.dist.parallel import ParallelGroup, Shard
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import StorageKey, StorageKeyError

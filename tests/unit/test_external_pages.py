@@ -5,10 +5,10 @@ from collections.abc import Mapping
 
 import pytest
 
+from tpcache.comm import SimGroup
 from tpcache.core import CacheClosed, CacheConfig, CacheCore, OpKind, check
 from tpcache.core.round import Round
 from tpcache.core.tiers import HostState
-from tpcache.dist import SimGroup
 from tpcache.testing.ops import take_transfers
 
 PAGE = 4

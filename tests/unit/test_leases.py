@@ -2,9 +2,9 @@
 
 import pytest
 
+from tpcache.comm.collective import elementwise_min
 from tpcache.core import CacheConfig, CacheCore, OpKind, OutOfPages, check
 from tpcache.core.round import Round
-from tpcache.dist.collective import elementwise_min
 from tpcache.replay import drain as replay_drain
 from tpcache.testing.ops import take_transfers
 

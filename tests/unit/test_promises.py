@@ -5,14 +5,14 @@ from array import array
 
 import pytest
 
+from tpcache.comm.collective import elementwise_min
+from tpcache.comm.shm import ShmCollective
 from tpcache.core import CacheConfig, CacheCore, InvariantViolation, OpKind, OutOfPages, ReadyNotAdvanced, check
 from tpcache.core.accounting import record_of
 from tpcache.core.eviction import LRU, is_device_candidate
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import Round
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.dist.collective import elementwise_min
-from tpcache.dist.shm import ShmCollective
 from tpcache.replay import drain
 from tpcache.testing.ops import take_transfers
 
@@ -111,7 +111,7 @@ def test_the_shared_memory_transport_reduces_to_the_minimum():
         for c, v in zip(group, vectors, strict=True):
             c.publish(array("q", v))
         results = [c.collect(array("q", v), 5.0) for c, v in zip(group, vectors, strict=True)]
-        assert results == [[2, -7, 1]] * 3
+        assert results == [array("q", [2, -7, 1])] * 3
     finally:
         for c in group:
             c.close()

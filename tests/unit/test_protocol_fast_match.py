@@ -1,4 +1,4 @@
-"""The C reader of plain match requests and writer of match replies (protocol/_speedups.c) against
+"""The C reader of plain match requests and writer of match replies (protocol/_match.c) against
 the reference codec: whatever frame comes in, ``decode_request`` (C first) and
 ``decode_request_py`` give the same request or the same error; ``encode_ok`` and ``encode_ok_py``
 give the same bytes."""

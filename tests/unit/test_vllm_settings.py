@@ -184,3 +184,16 @@ def test_a_rank_reads_its_storage_key_from_the_environment_as_the_connector_does
         agree_host_tier(options, gathered, PAGE_BYTES)
     monkeypatch.setenv("TPCACHE_STORAGE_KEY", KEY)
     assert rank_facts(options, LAYOUT)["storage_key"] == rank_facts(options, LAYOUT, KEY)["storage_key"] != ""
+
+
+def test_the_tree_core_option_is_checked_against_the_core_the_workers_run() -> None:
+    from tpcache.core import backend
+
+    assert ConnectorOptions.from_extra_config({"tree_core": backend.NAME}).tree_core == backend.NAME
+    other = "reference" if backend.NAME == "native" else "native"
+    with pytest.raises(ConfigError) as refused:
+        ConnectorOptions.from_extra_config({"tree_core": other})
+    assert str(refused.value).startswith(f"kv_connector_extra_config: tree_core = {other}: ")
+    assert "TPCACHE_TREE_CORE" in str(refused.value) or "not built" in str(refused.value)
+    with pytest.raises(ConfigError, match="tree_core = fast: must be one of native, reference"):
+        ConnectorOptions.from_extra_config({"tree_core": "fast"})

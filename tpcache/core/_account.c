@@ -3,12 +3,8 @@
  * _candidates.c). accounting.py, ledger.py and holdings.py keep the Python versions as the
  * reference; tests hold the two equal (same records, digests, counters).
  *
- * Records are XXH3-64 (seed 0, default secret) of the same little-endian fields the reference
- * packs, so digests do not depend on which path computed them. Records take inputs of 17-128 bytes
- * (a record is 64 bytes, a holding term 24); the branch for inputs over 240 bytes (with a seed) is
- * here for the page hashes of _chain.c, and ``xxh3_64`` covers lists of ids of any length (_round.c).
- * Both are written from the specification (xxHash's doc/xxhash_spec.md); tests compare them with
- * the xxhash package for every length and seed they take.
+ * Records are XXH3-64 (seed 0) of the same little-endian fields the reference packs, computed by
+ * xxHash itself (_hash.h), so digests do not depend on which path computed them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,246 +12,14 @@
 #include <string.h>
 
 #include "_node.h"
-#include "_xxh3.h"
+#include "_hash.h"
 
-#define PRIME32_1 UINT64_C(0x9E3779B1)
-#define PRIME32_2 UINT64_C(0x85EBCA77)
-#define PRIME32_3 UINT64_C(0xC2B2AE3D)
-#define PRIME64_1 UINT64_C(0x9E3779B185EBCA87)
-#define PRIME64_2 UINT64_C(0xC2B2AE3D27D4EB4F)
-#define PRIME64_3 UINT64_C(0x165667B19E3779F9)
-#define PRIME64_4 UINT64_C(0x85EBCA77C2B2AE63)
-#define PRIME64_5 UINT64_C(0x27D4EB2F165667C5)
-#define PRIME_MX1 UINT64_C(0x165667919E3779F9)
-
-static const uint8_t SECRET[XXH3_SECRET_SIZE] = {
-    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
-    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
-    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
-    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
-    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
-    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
-    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
-    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
-    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
-    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
-    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
-    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
-};
-
-/* Little-endian 64-bit loads and stores: one instruction each on a little-endian host (the
- * byte loop the compiler does not always fold otherwise). */
-static inline uint64_t read64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    return v;
-}
-
+/* A little-endian 64-bit store: one instruction on a little-endian host. */
 static inline void write64(uint8_t *p, uint64_t v) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     v = __builtin_bswap64(v);
 #endif
     memcpy(p, &v, 8);
-}
-
-static inline uint64_t mul_fold(uint64_t a, uint64_t b) {
-    __uint128_t m = (__uint128_t)a * b;
-    return (uint64_t)m ^ (uint64_t)(m >> 64);
-}
-
-static inline uint64_t mix16(const uint8_t *data, const uint8_t *secret, uint64_t seed) {
-    return mul_fold(read64(data) ^ (read64(secret) + seed), read64(data + 8) ^ (read64(secret + 8) - seed));
-}
-
-static inline uint64_t avalanche(uint64_t h) {
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    return h ^ (h >> 32);
-}
-
-uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed) {
-    uint64_t acc = len * PRIME64_1;
-    for (int i = (int)((len - 1) >> 5); i >= 0; i--) {
-        acc += mix16(input + 16 * i, SECRET + 32 * i, seed);
-        acc += mix16(input + len - 16 * i - 16, SECRET + 32 * i + 16, seed);
-    }
-    return avalanche(acc);
-}
-
-/* XXH3-64 with seed 0 of ``len`` bytes, a multiple of 8 (a list of int64 ids): the branches of the
- * specification for 0, 8, 16, 17-128, 129-240 and longer inputs. */
-uint64_t xxh3_64(const uint8_t *input, size_t len) {
-    if (len == 0) {
-        uint64_t h = read64(SECRET + 56) ^ read64(SECRET + 64); /* XXH64's avalanche of it */
-        h ^= h >> 33;
-        h *= PRIME64_2;
-        h ^= h >> 29;
-        h *= PRIME64_3;
-        return h ^ (h >> 32);
-    }
-    if (len <= 8) {
-        uint32_t lo, hi;
-        memcpy(&lo, input, 4);
-        memcpy(&hi, input + len - 4, 4);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        lo = __builtin_bswap32(lo);
-        hi = __builtin_bswap32(hi);
-#endif
-        uint64_t h = ((uint64_t)hi + ((uint64_t)lo << 32)) ^ (read64(SECRET + 8) ^ read64(SECRET + 16));
-        h ^= (h << 49 | h >> 15) ^ (h << 24 | h >> 40);
-        h *= UINT64_C(0x9FB21C651E98DF25);
-        h ^= (h >> 35) + len;
-        h *= UINT64_C(0x9FB21C651E98DF25);
-        return h ^ (h >> 28);
-    }
-    if (len <= 16) {
-        uint64_t lo = read64(input) ^ (read64(SECRET + 24) ^ read64(SECRET + 32));
-        uint64_t hi = read64(input + len - 8) ^ (read64(SECRET + 40) ^ read64(SECRET + 48));
-        return avalanche(len + __builtin_bswap64(lo) + hi + mul_fold(lo, hi));
-    }
-    if (len <= 128)
-        return xxh3_17to128(input, len, 0);
-    if (len <= 240) {
-        uint64_t acc = len * PRIME64_1;
-        for (size_t i = 0; i < 8; i++)
-            acc += mix16(input + 16 * i, SECRET + 16 * i, 0);
-        acc = avalanche(acc);
-        for (size_t i = 8; i < len / 16; i++)
-            acc += mix16(input + 16 * i, SECRET + 16 * (i - 8) + 3, 0);
-        acc += mix16(input + len - 16, SECRET + 136 - 17, 0);
-        return avalanche(acc);
-    }
-    return xxh3_long(input, len, SECRET);
-}
-
-void xxh3_secret(uint64_t seed, uint8_t *out) {
-    for (int i = 0; i < XXH3_SECRET_SIZE / 16; i++) {
-        write64(out + 16 * i, read64(SECRET + 16 * i) + seed);
-        write64(out + 16 * i + 8, read64(SECRET + 16 * i + 8) - seed);
-    }
-}
-
-/* One 64-byte stripe into the eight accumulators, with the secret at ``secret``; and the scramble
- * after each block. With SSE2 (every x86-64) two lanes at a time, the same arithmetic: a lane's
- * 32x32-bit product is _mm_mul_epu32, and a lane gets its neighbour's input by swapping halves. */
-#if defined(__SSE2__)
-#include <emmintrin.h>
-
-static inline void accumulate(uint64_t *acc, const uint8_t *stripe, const uint8_t *secret) {
-    for (int i = 0; i < 4; i++) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(acc + 2 * i));
-        __m128i v = _mm_loadu_si128((const __m128i *)(stripe + 16 * i));
-        __m128i k = _mm_xor_si128(v, _mm_loadu_si128((const __m128i *)(secret + 16 * i)));
-        __m128i product = _mm_mul_epu32(k, _mm_srli_epi64(k, 32));
-        a = _mm_add_epi64(a, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
-        _mm_storeu_si128((__m128i *)(acc + 2 * i), _mm_add_epi64(a, product));
-    }
-}
-
-static inline void scramble(uint64_t *acc, const uint8_t *secret) {
-    const __m128i prime = _mm_set1_epi32((int)PRIME32_1);
-    for (int i = 0; i < 4; i++) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(acc + 2 * i));
-        a = _mm_xor_si128(_mm_xor_si128(a, _mm_srli_epi64(a, 47)), _mm_loadu_si128((const __m128i *)(secret + 16 * i)));
-        __m128i lo = _mm_mul_epu32(a, prime), hi = _mm_mul_epu32(_mm_srli_epi64(a, 32), prime);
-        _mm_storeu_si128((__m128i *)(acc + 2 * i), _mm_add_epi64(lo, _mm_slli_epi64(hi, 32)));
-    }
-}
-#else
-static inline void accumulate(uint64_t *acc, const uint8_t *stripe, const uint8_t *secret) {
-    for (int i = 0; i < 8; i++) {
-        uint64_t v = read64(stripe + 8 * i), k = v ^ read64(secret + 8 * i);
-        acc[i ^ 1] += v;
-        acc[i] += (k & 0xFFFFFFFFu) * (k >> 32);
-    }
-}
-
-static inline void scramble(uint64_t *acc, const uint8_t *secret) {
-    for (int i = 0; i < 8; i++)
-        acc[i] = (acc[i] ^ acc[i] >> 47 ^ read64(secret + 8 * i)) * PRIME32_1;
-}
-#endif
-
-enum { STRIPE = 64, PER_BLOCK = (XXH3_SECRET_SIZE - STRIPE) / 8, BLOCK = STRIPE * PER_BLOCK };
-
-/* The eight accumulators merged into the hash of ``len`` bytes: the end of every long hash. */
-static uint64_t merge_acc(const uint64_t *acc, size_t len, const uint8_t *secret) {
-    uint64_t h = len * PRIME64_1;
-    for (int i = 0; i < 4; i++)
-        h += mul_fold(acc[2 * i] ^ read64(secret + 11 + 16 * i), acc[2 * i + 1] ^ read64(secret + 19 + 16 * i));
-    return avalanche(h);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-/* With AVX2 (checked at run time: the build targets plain x86-64) four lanes at a time, the eight
- * accumulators in two registers; the same arithmetic as ``accumulate`` and ``scramble``. */
-#include <immintrin.h>
-#define AVX2 __attribute__((target("avx2")))
-
-AVX2 static inline void accumulate_avx2(__m256i *acc, const uint8_t *stripe, const uint8_t *secret) {
-    for (int i = 0; i < 2; i++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(stripe + 32 * i));
-        __m256i k = _mm256_xor_si256(v, _mm256_loadu_si256((const __m256i *)(secret + 32 * i)));
-        __m256i product = _mm256_mul_epu32(k, _mm256_srli_epi64(k, 32));
-        acc[i] = _mm256_add_epi64(_mm256_add_epi64(acc[i], _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2))), product);
-    }
-}
-
-AVX2 static uint64_t xxh3_long_avx2(const uint8_t *input, size_t len, const uint8_t *secret) {
-    uint64_t init[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
-    __m256i acc[2] = {_mm256_loadu_si256((const __m256i *)init), _mm256_loadu_si256((const __m256i *)(init + 4))};
-    const __m256i prime = _mm256_set1_epi32((int)PRIME32_1);
-    size_t blocks = (len - 1) / BLOCK;
-    for (size_t b = 0; b < blocks; b++) {
-        for (size_t s = 0; s < PER_BLOCK; s++)
-            accumulate_avx2(acc, input + b * BLOCK + s * STRIPE, secret + 8 * s);
-        for (int i = 0; i < 2; i++) {
-            __m256i a = acc[i], key = _mm256_loadu_si256((const __m256i *)(secret + XXH3_SECRET_SIZE - STRIPE + 32 * i));
-            a = _mm256_xor_si256(_mm256_xor_si256(a, _mm256_srli_epi64(a, 47)), key);
-            __m256i lo = _mm256_mul_epu32(a, prime), hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
-            acc[i] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
-        }
-    }
-    size_t stripes = (len - 1 - blocks * BLOCK) / STRIPE;
-    for (size_t s = 0; s < stripes; s++)
-        accumulate_avx2(acc, input + blocks * BLOCK + s * STRIPE, secret + 8 * s);
-    accumulate_avx2(acc, input + len - STRIPE, secret + XXH3_SECRET_SIZE - STRIPE - 7);
-    uint64_t out[8];
-    _mm256_storeu_si256((__m256i *)out, acc[0]);
-    _mm256_storeu_si256((__m256i *)(out + 4), acc[1]);
-    return merge_acc(out, len, secret);
-}
-
-static int use_avx2 = -1; /* unknown until the first long hash */
-#endif
-
-/* Without AVX2: SSE2 on x86-64, else plain C (``accumulate``). */
-static uint64_t xxh3_long_portable(const uint8_t *input, size_t len, const uint8_t *secret) {
-    uint64_t acc[8] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
-    size_t blocks = (len - 1) / BLOCK;
-    for (size_t b = 0; b < blocks; b++) {
-        for (size_t s = 0; s < PER_BLOCK; s++)
-            accumulate(acc, input + b * BLOCK + s * STRIPE, secret + 8 * s);
-        scramble(acc, secret + XXH3_SECRET_SIZE - STRIPE);
-    }
-    size_t stripes = (len - 1 - blocks * BLOCK) / STRIPE;
-    for (size_t s = 0; s < stripes; s++)
-        accumulate(acc, input + blocks * BLOCK + s * STRIPE, secret + 8 * s);
-    accumulate(acc, input + len - STRIPE, secret + XXH3_SECRET_SIZE - STRIPE - 7); /* the last stripe */
-    return merge_acc(acc, len, secret);
-}
-
-uint64_t xxh3_long(const uint8_t *input, size_t len, const uint8_t *secret) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (use_avx2 < 0)
-        use_avx2 = __builtin_cpu_supports("avx2") != 0;
-    if (use_avx2)
-        return xxh3_long_avx2(input, len, secret);
-#endif
-    return xxh3_long_portable(input, len, secret);
 }
 
 /* The reference record (accounting.reference_record_of), called for what the kernel does not cover: a node with a
@@ -278,7 +42,7 @@ int record_native(Node *n, uint64_t *out) {
     write64(buf + 40, (uint64_t)last);
     write64(buf + 48, (uint64_t)hits);
     write64(buf + 56, (uint64_t)created);
-    *out = xxh3_17to128(buf, 64, 0) & DIGEST_MASK;
+    *out = XXH3_64bits(buf, 64) & DIGEST_MASK;
     return 0;
 }
 
@@ -311,49 +75,6 @@ static PyObject *py_set_record_fallback(PyObject *mod, PyObject *fn) {
     Py_INCREF(fn);
     Py_XSETREF(record_fallback, fn);
     Py_RETURN_NONE;
-}
-
-/* xxh3_long(data, seed, portable=False) -> XXH3-64 of more than 240 bytes with a seed, through
- * ``xxh3_long`` or (portable) the code it runs without AVX2 (tests). */
-static PyObject *py_xxh3_long(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 2 || nargs > 3)
-        return PyErr_Format(PyExc_TypeError, "xxh3_long takes data, a seed and an optional portable flag");
-    int portable = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
-    if (portable < 0)
-        return NULL;
-    unsigned long long seed = PyLong_AsUnsignedLongLong(args[1]);
-    if (seed == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (view.len <= 240) {
-        PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError, "xxh3_long takes more than 240 bytes, not %zd", view.len);
-    }
-    uint8_t secret[XXH3_SECRET_SIZE];
-    xxh3_secret(seed, secret);
-    uint64_t h = (portable ? xxh3_long_portable : xxh3_long)(view.buf, (size_t)view.len, secret);
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(h);
-}
-
-static PyObject *py_xxh3(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2)
-        return PyErr_Format(PyExc_TypeError, "xxh3_17to128 takes data and an optional seed");
-    unsigned long long seed = nargs == 2 ? PyLong_AsUnsignedLongLong(args[1]) : 0;
-    if (seed == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (view.len < 17 || view.len > 128) {
-        PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError, "xxh3_17to128 takes 17 to 128 bytes, not %zd", view.len);
-    }
-    uint64_t h = xxh3_17to128(view.buf, (size_t)view.len, seed);
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(h);
 }
 
 static PyObject *mix_fallback = NULL; /* digest.reference_mix, set once by digest.py */
@@ -392,7 +113,7 @@ static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
         }
         write64(buf + 8 * i, v);
     }
-    return PyLong_FromUnsignedLongLong(xxh3_17to128(buf, 64, 0) & DIGEST_MASK);
+    return PyLong_FromUnsignedLongLong(XXH3_64bits(buf, 64) & DIGEST_MASK);
 }
 
 static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
@@ -532,13 +253,13 @@ static int simple_lease(PyObject *lease, uint64_t tag, uint64_t no_ids, uint64_t
     write64(buf + 40, no_ids);
     write64(buf + 48, (uint64_t)(releasing | (at + 1) << 1));
     write64(buf + 56, no_ids);
-    *record = xxh3_17to128(buf, 64, 0) & DIGEST_MASK;
+    *record = XXH3_64bits(buf, 64) & DIGEST_MASK;
     *kept = 0;
     if (!releasing) {
         memset(buf, 0, sizeof buf);
         write64(buf, (uint64_t)id);
         write64(buf + 8, (uint64_t)pages);
-        *kept = xxh3_17to128(buf, 64, 0) & DIGEST_MASK;
+        *kept = XXH3_64bits(buf, 64) & DIGEST_MASK;
     }
     return 1;
 }
@@ -608,7 +329,7 @@ int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out) {
     write64(buf, (uint64_t)lease);
     write64(buf + 8, (uint64_t)kind);
     write64(buf + 16, (uint64_t)key);
-    *out = xxh3_17to128(buf, 24, 0) & DIGEST_MASK;
+    *out = XXH3_64bits(buf, 24) & DIGEST_MASK;
     return 0;
 }
 
@@ -672,8 +393,5 @@ PyMethodDef account_methods[] = {
      "Ledger.record_leases's loop: leases re-recorded in the state and kept digests."},
     {"set_mix_fallback", (PyCFunction)py_set_mix_fallback, METH_O, "The reference mix, for fields the kernel does not take."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
-    {"xxh3_17to128", (PyCFunction)(void (*)(void))py_xxh3, METH_FASTCALL, "XXH3-64 of 17 to 128 bytes with a seed (for the tests)."},
-    {"xxh3_long", (PyCFunction)(void (*)(void))py_xxh3_long, METH_FASTCALL,
-     "XXH3-64 of more than 240 bytes with a seed (for the tests)."},
     {NULL, NULL, 0, NULL},
 };

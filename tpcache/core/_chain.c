@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "_node.h"
-#include "_xxh3.h"
+#include "_hash.h"
 
 /* token_bytes(tokens) -> bytes, or None for anything but a list or tuple of ints (the reference
  * takes those, and raises what it raises). ValueError for an id outside int32, as the reference. */
@@ -54,68 +54,33 @@ static int load_valid(void) {
     return device_valid == NULL ? -1 : 0;
 }
 
-static PyObject *xxh3_seeded = NULL; /* xxhash.xxh3_64_intdigest, for inputs of 129-240 bytes or past LONG_MAX */
-
-/* Inputs of 241 to LONG_MAX bytes (pages of 59 to 1022 tokens) are hashed here (xxh3_long) from a
- * buffer on the stack: no bytes object and no call into the package per page. */
-enum { LONG_MAX_INPUT = 4096 };
-static uint64_t secret_seed;
-static uint8_t secret[XXH3_SECRET_SIZE];
-static int secret_made = 0;
+enum { STACK_INPUT = 4096 }; /* pages of up to 1022 tokens hash from a buffer on the stack */
 
 /* hashing.page_hash: XXH3-64 of the parent page's hash (8 bytes, little-endian) and the page's
- * tokens, with the namespace's seed (``seed``, and as the tree's int ``seed_obj`` for the package's
- * call); in place of ``*h``. 0, or -1 and an exception. */
-static int page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed, PyObject *seed_obj) {
-    if (step + 8 <= 128) {
-        uint8_t buf[128];
-        for (int b = 0; b < 8; b++)
-            buf[b] = (uint8_t)(*h >> (8 * b));
-        memcpy(buf + 8, page, (size_t)step);
-        *h = xxh3_17to128(buf, (size_t)step + 8, seed);
-        return 0;
-    }
-    if (step + 8 > 240 && step + 8 <= LONG_MAX_INPUT) {
-        uint8_t buf[LONG_MAX_INPUT];
-        if (!secret_made || secret_seed != seed) {
-            xxh3_secret(seed, secret);
-            secret_seed = seed;
-            secret_made = 1;
-        }
-        for (int b = 0; b < 8; b++)
-            buf[b] = (uint8_t)(*h >> (8 * b));
-        memcpy(buf + 8, page, (size_t)step);
-        *h = xxh3_long(buf, (size_t)step + 8, secret);
-        return 0;
-    }
-    if (xxh3_seeded == NULL) {
-        PyObject *m = PyImport_ImportModule("xxhash");
-        xxh3_seeded = m ? PyObject_GetAttrString(m, "xxh3_64_intdigest") : NULL;
-        Py_XDECREF(m);
-        if (xxh3_seeded == NULL)
-            return -1;
-    }
-    PyObject *input = PyBytes_FromStringAndSize(NULL, step + 8);
-    if (input == NULL)
-        return -1;
-    char *buf = PyBytes_AS_STRING(input);
+ * tokens, with the namespace's seed; in place of ``*h``. */
+static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed) {
+    uint8_t parent[8];
     for (int b = 0; b < 8; b++)
-        buf[b] = (char)(uint8_t)(*h >> (8 * b));
-    memcpy(buf + 8, page, (size_t)step);
-    PyObject *args[2] = {input, seed_obj};
-    PyObject *r = PyObject_Vectorcall(xxh3_seeded, args, 2, NULL);
-    Py_DECREF(input);
-    if (r == NULL)
-        return -1;
-    *h = PyLong_AsUnsignedLongLong(r);
-    Py_DECREF(r);
-    return PyErr_Occurred() ? -1 : 0;
+        parent[b] = (uint8_t)(*h >> (8 * b));
+    if (step + 8 <= STACK_INPUT) {
+        uint8_t buf[STACK_INPUT];
+        memcpy(buf, parent, 8);
+        memcpy(buf + 8, page, (size_t)step);
+        *h = XXH3_64bits_withSeed(buf, (size_t)step + 8, seed);
+        return;
+    }
+    XXH3_state_t state; /* longer pages: the same hash, streamed */
+    XXH3_INITSTATE(&state);
+    XXH3_64bits_reset_withSeed(&state, seed);
+    XXH3_64bits_update(&state, parent, 8);
+    XXH3_64bits_update(&state, page, (size_t)step);
+    *h = XXH3_64bits_digest(&state);
 }
 
 /* Add the chain's nodes below ``parent``; ``nodes`` receives them. 0, or -1 and an exception (the
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
 static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const char *data, Py_ssize_t step,
-                     uint64_t seed, PyObject *seed_obj, PyObject *pages, PyObject *clock, PyObject *nodes,
+                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes,
                      uint64_t *records) {
     PyObject *next = PyObject_GetAttr(tree, s_next_id);
     long long next_id = next ? PyLong_AsLongLong(next) : -1;
@@ -129,8 +94,9 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
     int rc = -1;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t page;
-        if (field(PyList_GET_ITEM(pages, i), &page) < 0 || page_hash(&h, data + i * step, step, seed, seed_obj) < 0)
+        if (field(PyList_GET_ITEM(pages, i), &page) < 0)
             goto done;
+        page_hash(&h, data + i * step, step, seed);
         PyObject *id = PyLong_FromLongLong(next_id + i);
         Node *node = id ? node_new(id, (PyObject *)up, data + i * step, step, h, clock) : NULL;
         if (node == NULL) {
@@ -170,7 +136,7 @@ done:
 }
 
 /* pinned_chain(tree, parent, token_bytes, offset, pages, clock) -> (nodes, sum of their records), or
- * None for pages of 1 or 2 tokens, or pages not in a list (the reference handles those).
+ * None for pages not in a list (the reference handles those).
  * The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes,
  * each below the one before, device VALID on its page, pinned once, recorded, ids from the tree's. */
 static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssize_t offset, PyObject *pages,
@@ -186,10 +152,6 @@ static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssi
     PyObject *out = NULL, *nodes = NULL;
     if (tree_nodes == NULL || PyErr_Occurred())
         goto done;
-    if (step < 9) { /* a hash input under 17 bytes: the reference's */
-        out = Py_NewRef(Py_None);
-        goto done;
-    }
     Py_ssize_t count = PyList_GET_SIZE(pages);
     if (offset < 0 || offset + count * step > PyBytes_GET_SIZE(data)) {
         PyErr_SetString(PyExc_ValueError, "pinned_chain: fewer tokens than pages");
@@ -206,8 +168,9 @@ static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssi
     }
     nodes = PyList_New(0);
     uint64_t records = 0;
-    if (nodes == NULL || add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, seed_obj,
-                                   pages, clock, nodes, &records) < 0)
+    if (nodes == NULL ||
+        add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages, clock, nodes,
+                  &records) < 0)
         goto done;
     out = Py_BuildValue("(OK)", nodes, (unsigned long long)records);
 done:

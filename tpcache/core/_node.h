@@ -100,8 +100,6 @@ PyObject *holding_extend(Holding *self, PyObject *items);
 /* Holding.discard of the int entries equal to one of ``drop``: 0, or -1 and an exception. */
 int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
 
-/* XXH3-64 (default secret, ``seed``) of 17 to 128 bytes (_account.c). */
-uint64_t xxh3_17to128(const uint8_t *input, size_t len, uint64_t seed);
 
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
  * an exception (_account.c). */

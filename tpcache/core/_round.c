@@ -1,11 +1,10 @@
 /* The round's per-step arithmetic in C: the digest of a list of ids (digest.mix_ids), what a rank
- * saw of each completion queue (round.queue_fields), the round vector's (x, -x) pairs
- * (RoundLayout.pack_values), and whether the reduced vector is this rank's own (Round.commit).
+ * saw of each completion queue (round.queue_fields) and the round vector's (x, -x) pairs
+ * (RoundLayout.pack_values).
  * round.py and round_vector.py keep the Python versions as the reference; tests hold the two equal. */
 #include "_node.h"
-#include "_xxh3.h"
+#include "_hash.h"
 
-#include <string.h>
 
 static PyObject *s_op_id, *s_page_hashes;
 
@@ -33,7 +32,7 @@ static int hash_ids(PyObject *const *items, Py_ssize_t n, uint64_t *out) {
 #endif
         buf[i] = (int64_t)v;
     }
-    *out = xxh3_64((const uint8_t *)buf, (size_t)n * 8) & DIGEST_MASK;
+    *out = XXH3_64bits(buf, (size_t)n * 8) & DIGEST_MASK;
     if (buf != local)
         PyMem_Free(buf);
     return 0;
@@ -189,48 +188,9 @@ static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
     return vector;
 }
 
-/* same_vector(reduced, vector) -> whether the list ``reduced`` holds exactly the int64 values of the
- * array('q') ``vector`` (the reduced vector is this rank's own), with no int object made; None
- * when ``reduced`` is not a list, holds something that is not a plain int, or ``vector`` is not a
- * contiguous int64 array (the caller compares as Python does). */
-static PyObject *py_same_vector(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2)
-        return PyErr_Format(PyExc_TypeError, "same_vector takes the reduced vector and this rank's own");
-    if (!PyList_CheckExact(args[0]) || !PyObject_CheckBuffer(args[1]))
-        Py_RETURN_NONE;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_BufferError))
-            return NULL;
-        PyErr_Clear(); /* not one int64 run (a strided view): as Python compares it */
-        Py_RETURN_NONE;
-    }
-    PyObject *answer = Py_None;
-    if (view.itemsize == 8 && view.format != NULL && strcmp(view.format, "q") == 0) {
-        Py_ssize_t n = PyList_GET_SIZE(args[0]);
-        const int64_t *mine = view.buf;
-        answer = n == view.len / 8 ? Py_True : Py_False;
-        for (Py_ssize_t i = 0; i < n && answer == Py_True; i++) {
-            PyObject *x = PyList_GET_ITEM(args[0], i);
-            int overflow = 0;
-            if (!PyLong_CheckExact(x) && !PyBool_Check(x)) {
-                answer = Py_None; /* no plain int (a float, a subclass with its own ==): as Python compares it */
-                break;
-            }
-            long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-            if (overflow || v != mine[i])
-                answer = Py_False; /* past int64, or another value: not this rank's vector */
-        }
-    }
-    PyBuffer_Release(&view);
-    return Py_NewRef(answer);
-}
-
 PyMethodDef round_methods[] = {
     {"mix_ids", py_mix_ids, METH_O, "digest.mix_ids(ids) in C."},
     {"queue_fields", (PyCFunction)(void (*)(void))py_queue_fields, METH_FASTCALL, "round.queue_fields in C."},
     {"pack_pairs", py_pack_pairs, METH_O, "RoundLayout.pack_values' pairs in C, as an array('q') (None: let the reference raise)."},
-    {"same_vector", (PyCFunction)(void (*)(void))py_same_vector, METH_FASTCALL,
-     "Whether a reduced list equals this rank's int64 array (None: compare in Python)."},
     {NULL, NULL, 0, NULL},
 };

@@ -14,15 +14,13 @@ from collections.abc import Callable, Iterable
 
 import xxhash
 
+from tpcache.core.backend import NATIVE
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.records import Lease
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.tree import NATIVE_NODES, Node
+from tpcache.core.tree import Node
 
-if NATIVE_NODES:
-    from tpcache.core import _node as _native
-else:
-    _native = None  # type: ignore[assignment]
+_native = NATIVE
 
 _RECORD = struct.Struct("<QqqqqqqQ")
 LEASE_TAG = 0x4C45415345  # keeps lease records apart from node records in the digest

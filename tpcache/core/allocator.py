@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-try:
-    from tpcache.core import _node as _native
-except ImportError:  # built without a C compiler
-    _native = None  # type: ignore[assignment]
+from tpcache.core.backend import NATIVE as _native
 
 
 class OutOfPages(RuntimeError):

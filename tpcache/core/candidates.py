@@ -21,9 +21,9 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from tpcache.core.backend import NATIVE
 from tpcache.core.components import host_parts_idle
 from tpcache.core.tiers import DeviceState, HostState
-from tpcache.core.tree import NATIVE_NODES
 
 _VALID, _NONE, _HOST_VALID = DeviceState.VALID, DeviceState.NONE, HostState.VALID
 _ID = (1 << 64) - 1  # an entry's low 64 bits: the node id
@@ -119,12 +119,9 @@ def is_host_candidate(node: Node) -> bool:
     return not any(c.host_state != HostState.NONE for c in node.children.values())
 
 
-if NATIVE_NODES:  # the candidacy test in C; it calls these for the cases it leaves to them
-    from tpcache.core import _node as _native
-
+_native = NATIVE
+if _native is not None:  # the candidacy test in C; it calls these for the cases it leaves to them
     _native.set_candidacy(is_device_candidate, is_host_candidate, host_subtree_droppable)
-else:
-    _native = None  # type: ignore[assignment]
 
 
 class Candidates:

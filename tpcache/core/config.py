@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from tpcache.core import backend
+
 WRITE_POLICIES = ("none", "write_through", "write_through_selective", "write_back")
 # "cache": the host pool is a cached tier (L2). "buffer": host slots only stage storage reads on their
 # way to device and backups on their way to storage; nothing is served from host (``staging.py``).
@@ -71,6 +73,7 @@ class CacheConfig:
     mamba_host_states: int = 0
 
     def validate(self) -> None:
+        backend.require()  # TPCACHE_TREE_CORE=native where it was not built: one line, no core
         if self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         if self.device_pages < 0 or self.host_pages < 0:

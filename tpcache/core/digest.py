@@ -14,15 +14,12 @@ from array import array
 
 import xxhash
 
+from tpcache.core.backend import NATIVE as _native
+
 DIGEST_BITS = 62
 DIGEST_MASK = (1 << DIGEST_BITS) - 1
 _RECORD = struct.Struct("<QqqqqqqQ")
 _BIG_ENDIAN = sys.byteorder == "big"
-
-try:
-    from tpcache.core import _node as _native
-except ImportError:  # built without a C compiler
-    _native = None  # type: ignore[assignment]
 
 
 def reference_mix(*fields: int) -> int:

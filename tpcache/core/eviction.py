@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tpcache.core.allocator import OutOfPages
+from tpcache.core.backend import NATIVE
 from tpcache.core.candidates import (
     FIFO,
     KEY_KINDS,
@@ -23,12 +24,8 @@ from tpcache.core.candidates import (
     make_policy,
 )
 from tpcache.core.tiers import DeviceState, HostState
-from tpcache.core.tree import NATIVE_NODES
 
-if NATIVE_NODES:
-    from tpcache.core import _node as _native
-else:
-    _native = None  # type: ignore[assignment]
+_native = NATIVE
 
 if TYPE_CHECKING:
     from tpcache.core.ledger import Ledger

@@ -13,15 +13,14 @@ from collections.abc import Iterator, Sequence
 
 import xxhash
 
+from tpcache.core.backend import NATIVE
+
 HASH_MASK = (1 << 64) - 1
 _U64 = struct.Struct("<Q")
 
 TokenIds = Sequence[int] | array | bytes | memoryview
 
-try:
-    from tpcache.core._node import token_bytes as _token_bytes
-except ImportError:  # built without a C compiler
-    _token_bytes = None
+_token_bytes = NATIVE.token_bytes if NATIVE is not None else None
 
 
 def namespace_seed(namespace: str) -> int:

@@ -18,13 +18,10 @@ from typing import Any
 
 import xxhash
 
+from tpcache.core.backend import NATIVE
 from tpcache.core.digest import DIGEST_MASK
-from tpcache.core.tree import NATIVE_NODES
 
-if NATIVE_NODES:
-    from tpcache.core._node import Holding as _NativeHolding
-else:
-    _NativeHolding = None
+_NativeHolding = NATIVE.Holding if NATIVE is not None else None
 
 _TERM = struct.Struct("<qqq")
 _digest = xxhash.xxh3_64_intdigest

@@ -15,15 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from tpcache.core.backend import NATIVE as _native
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
 from tpcache.core.tree import Node, Walk
-
-try:
-    from tpcache.core import _node as _native
-except ImportError:  # built without a C compiler
-    _native = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup

@@ -26,6 +26,7 @@ from tpcache.core.accounting import (
     unresident,
 )
 from tpcache.core.allocator import HostAllocator, PageAllocator
+from tpcache.core.backend import NATIVE
 from tpcache.core.components import (
     DEV,
     DPINS,
@@ -46,12 +47,9 @@ from tpcache.core.feed import ChangeFeed
 from tpcache.core.hashing import page_hash
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import NATIVE_NODES, Node, RadixTree, drop_pages
+from tpcache.core.tree import Node, RadixTree, drop_pages
 
-if NATIVE_NODES:
-    from tpcache.core import _node as _native
-else:
-    _native = None  # type: ignore[assignment]
+_native = NATIVE
 
 _VALID = DeviceState.VALID
 _NONE = DeviceState.NONE

@@ -7,15 +7,13 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING
 
+from tpcache.core.backend import NATIVE
 from tpcache.core.hashing import TokenIds, as_token_bytes
 
 if TYPE_CHECKING:
     from tpcache.core.cache import CacheCore
 
-try:
-    from tpcache.core._node import lookup as _native_lookup
-except ImportError:  # built without a C compiler (or an older build)
-    _native_lookup = None
+_native_lookup = NATIVE.lookup if NATIVE is not None else None
 
 
 def lookup(core: CacheCore, tokens: TokenIds) -> tuple[int, int, array]:

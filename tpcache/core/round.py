@@ -25,15 +25,11 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from protocol.round_vector import HEALTH_STORAGE_DOWN, LAYOUT_VERSION, QUEUES, Agreement, RoundLayout
+from tpcache.core.backend import NATIVE as _native
 from tpcache.core.backup import MirrorRelease
 from tpcache.core.cache import CacheCore, OpKind, Transfer
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids, mix_text
 from tpcache.core.plans import Plan, PlanFeature
-
-try:
-    from tpcache.core import _node as _native
-except ImportError:  # built without a C compiler
-    _native = None  # type: ignore[assignment]
 
 log = logging.getLogger("tpcache.round")
 
@@ -80,21 +76,6 @@ def queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping[int, int]
         if fields is not None:  # None: a landed count that is not an int64, read as the reference reads it
             return fields
     return reference_queue_fields(queues, landed)
-
-
-def reference_same_vector(reduced: Sequence[int], vector: array) -> bool:
-    """Whether the reduced vector holds exactly this rank's own values, in order."""
-    return list(reduced) == vector.tolist()
-
-
-def same_vector(reduced: Sequence[int], vector: array) -> bool:
-    if reduced is vector:  # a one-rank caller that hands its own vector back
-        return True
-    if _native is not None:  # in C (_round.c): no int object made per element
-        same = _native.same_vector(reduced, vector)
-        if same is not None:  # None: what only Python's == can judge (see _round.c), left to the reference
-            return same
-    return reference_same_vector(reduced, vector)
 
 
 @dataclass(slots=True)
@@ -215,7 +196,8 @@ class Round:
         self.number += 1  # first: a commit that raises below still counts its round, as its peers do
         # The reduced vector is this rank's own exactly when every rank sent the same one (MIN over
         # each (x, -x) pair gives (x, -x) back only if no rank had less or more): the common case.
-        if same_vector(reduced, vector):
+        # The collective hands back an array('q') like ``vector``: one memory compare.
+        if reduced == vector:
             agreement = self.layout.unanimous(values)
             clear = values[self._at_health] == 0
         else:

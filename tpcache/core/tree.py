@@ -17,6 +17,7 @@ from array import array
 
 import xxhash
 
+from tpcache.core.backend import NATIVE
 from tpcache.core.hashing import namespace_seed, root_hash
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 
@@ -154,12 +155,7 @@ class PyNode:
         return other
 
 
-try:
-    from tpcache.core._node import Node
-    from tpcache.core._node import chain_below as _chain_below
-except ImportError:  # built without a C compiler
-    Node = PyNode  # type: ignore[misc,assignment]
-    _chain_below = None
+Node, _chain_below = (NATIVE.Node, NATIVE.chain_below) if NATIVE is not None else (PyNode, None)
 
 NATIVE_NODES = Node is not PyNode
 

@@ -22,11 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from protocol.round_vector import HEALTH_COMMIT_FAILED, HEALTH_PREPARE_FAILED
+from tpcache.comm.collective import Collective, CollectiveError
 from tpcache.core import Admitted, CacheClosed, CacheCore, MatchResult, Materialized, Shape, Transfer
 from tpcache.core.hashing import TokenIds
 from tpcache.core.lookup import lookup
 from tpcache.core.round import Round, RoundReport
-from tpcache.dist.collective import Collective, CollectiveError
 
 log = logging.getLogger("tpcache.driver")
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import xxhash
 
+from tpcache.comm.collective import Collective
 from tpcache.core import CacheConfig, CacheCore, Transfer
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.tiers import HostState
-from tpcache.dist.collective import Collective
 from tpcache.engine.driver import Driver
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.engine.tpcache import KV_FORMAT_VERSION, TPCache

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from protocol.round_vector import HEALTH_IO_ERROR, HEALTH_STORAGE_DOWN
+from tpcache.comm.parallel import Shard
 from tpcache.core.records import OpKind, Transfer
-from tpcache.dist.parallel import Shard
 from tpcache.io.kv_pool import HostPool
 from tpcache.io.storage import StorageKey, StorageWorker
 from tpcache.io.transfer import LoadHandle, TransferEngine

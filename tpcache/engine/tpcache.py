@@ -18,10 +18,10 @@ from typing import Any
 
 import xxhash
 
+from tpcache.comm.collective import Collective
+from tpcache.comm.parallel import GroupShapeError, ParallelGroup
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.round import RoundReport
-from tpcache.dist.collective import Collective
-from tpcache.dist.parallel import GroupShapeError, ParallelGroup
 from tpcache.engine.driver import Driver, Operations
 from tpcache.engine.shell import PartIO, Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout

@@ -2,8 +2,9 @@
 
 One call copies every row of an op with the GIL released: no per-page or per-row dispatch, the next
 row prefetched while the current one is copied, and streaming stores for large ops (see the C
-source). The extension is optional; `AVAILABLE` is False where it was not built (no C compiler), and
-the CPU mover then uses the torch copy planner (`row_copy`) instead, with the same results.
+source). The extension is optional; `AVAILABLE` is False where it was not built (no C compiler) or
+under the reference tree core (``tpcache.core.backend``), and the CPU mover then uses the torch copy
+planner (`row_copy`) instead, with the same results.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tpcache.core.backend import ROWCOPY
 from tpcache.io.errors import PageIndexError
 from tpcache.io.kv_pool import PagedKV
 
-try:
-    from tpcache.io import _rowcopy
-except ImportError:  # built without a C compiler: the torch planner takes over
-    _rowcopy = None
+_rowcopy = ROWCOPY  # None under the reference tree core, or where not built: the torch planner takes over
 
 AVAILABLE = _rowcopy is not None
 

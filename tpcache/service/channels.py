@@ -189,7 +189,7 @@ class Channels:
 
     @classmethod
     def open(cls, ctx: zmq.Context, rank: int, world: int, host: str, group: Any = None) -> Channels:
-        from tpcache.dist.exchange import all_gather_json
+        from tpcache.comm.exchange import all_gather_json
 
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tpcache.core import CacheConfig
+from tpcache.comm.parallel import GroupShapeError, ParallelGroup
+from tpcache.comm.store import LISTEN_FD_ENV, is_loopback_host
+from tpcache.core import CacheConfig, backend
 from tpcache.core.config import HOST_MODES, WRITE_POLICIES
 from tpcache.core.eviction import POLICIES
-from tpcache.dist.parallel import GroupShapeError, ParallelGroup
-from tpcache.dist.store import LISTEN_FD_ENV, is_loopback_host
 from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"
@@ -209,6 +209,13 @@ class ServiceConfig:
     )
     ready_file: str = _opt("", "rank 0 writes {endpoint, pids, ...} as JSON here once serving", rank_local=True)
     log_level: str = _opt("INFO", "logging level (to stderr)", choices=LOG_LEVELS, any_case=True, rank_local=True)
+    tree_core: str = _opt(
+        backend.NAME,
+        "the cache core's implementation: native (the C extension, where built) or reference (pure Python, "
+        "the same decisions, slower); chosen once when a rank starts",
+        choices=backend.CHOICES,
+        rank_local=True,
+    )
     # --- the KV-event stream (rank 0)
     events_endpoint: str = _opt(
         "",
@@ -244,6 +251,8 @@ class ServiceConfig:
         """Raise ConfigError (a SettingError naming the setting) for any value not allowed."""
         for f in dataclasses.fields(self):
             _check_range(f, getattr(self, f.name))
+        if self.tree_core == "native" and not backend.BUILT:
+            raise SettingError("tree_core", "native", "the native extension was not built here; use reference")
         if self.storage_dir and self.storage_url:
             raise SettingError(
                 "storage_url", self.storage_url, "give storage_dir or storage_url, not both (storage_dir D is file://D)"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tpcache.dist.parallel import Shard
+from tpcache.comm.parallel import Shard
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.io.storage.url import parse_storage_url
 from tpcache.service.config import (

@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from tpcache.core import backend
 from tpcache.service.channels import Channels
 from tpcache.service.config import (
     DEFAULT,
@@ -106,7 +107,7 @@ def init_group(round_timeout_s: float) -> tuple[int, int, Any]:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        from tpcache.dist.store import group_store
+        from tpcache.comm.store import group_store
 
         backend = "nccl" if device is not None else "gloo"
         timeout = datetime.timedelta(seconds=max(60.0, 2 * round_timeout_s))
@@ -123,7 +124,7 @@ def agree(config: ServiceConfig, problem: str | None) -> str | None:
     """Gather every rank's settings and check result (a collective call, right after the group
     forms); the first problem anywhere, or the settings that differ with each rank's value, as
     one line, or None when the group may start. Every rank computes the same answer."""
-    from tpcache.dist.exchange import all_gather_json
+    from tpcache.comm.exchange import all_gather_json
 
     gathered = all_gather_json({"settings": config.group_settings(), "problem": problem})
     for rank, item in enumerate(gathered):
@@ -210,6 +211,10 @@ def serve(resolved: Resolved) -> int:
         preflight(resolved, range(env_rank, env_rank + 1), on_host, device_on_host=not cuda, world=world_env)
     except ConfigError as exc:
         problem = str(exc)
+    try:
+        backend.require(config.tree_core)  # the launcher set TPCACHE_TREE_CORE before this process imported tpcache
+    except backend.TreeCoreError as exc:
+        problem = problem or str(exc)
     rank, world, device = init_group(config.round_timeout_s)
     if device is not None and problem is None:
         try:
@@ -295,7 +300,7 @@ def _write_torchrun_error(line: str) -> None:
 def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag, storage: Any) -> int:
     import torch.distributed as dist
 
-    from tpcache.dist import make_collective
+    from tpcache.comm import make_collective
     from tpcache.service.follower import Follower
     from tpcache.service.leader import BindError, Leader
 
@@ -405,6 +410,7 @@ def startup_block(
     lines = [
         f"tpcache {package_version()}: rank {rank} of {world} serving (pid {os.getpid()})",
         *(f"  settings {line}" for line in describe_sources(resolved)),
+        f"  tree core: {tree_core(resolved)}",
         f"  group: {holds(tp)}",
         f"  memory: {memory}",
         f"  round transport: {tp.collective.name}; {front}internal channel {inbox}",
@@ -412,6 +418,12 @@ def startup_block(
         f"  metrics: {metrics}",
     ]
     return "\n".join(lines)
+
+
+def tree_core(resolved: Resolved) -> str:
+    """The tree core this rank runs, and why: the setting's source, or why the default is what it is."""
+    source = resolved.sources.get("tree_core", DEFAULT)
+    return f"{backend.NAME} ({backend.DEFAULT_WHY if source == DEFAULT else 'set by ' + source})"
 
 
 def holds(tp: Any) -> str:

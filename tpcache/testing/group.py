@@ -95,8 +95,8 @@ def run_group(
 def _entry(rank: int, world: int, port: int, transport: str, name: str, args: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
-    from tpcache.dist import make_collective
-    from tpcache.dist.store import loopback_store
+    from tpcache.comm import make_collective
+    from tpcache.comm.store import loopback_store
 
     _register()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

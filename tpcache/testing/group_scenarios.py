@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tpcache.comm.collective import Collective
+from tpcache.comm.parallel import ParallelGroup, Shard
 from tpcache.core import CacheConfig
-from tpcache.dist.collective import Collective
-from tpcache.dist.parallel import ParallelGroup, Shard
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import file_url

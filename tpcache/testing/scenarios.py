@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from tpcache.comm.collective import Collective
 from tpcache.core import CacheConfig, UnknownLease
 from tpcache.core.hashing import as_token_bytes
-from tpcache.dist.collective import Collective
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.testing.ops import apply, random_op, tokens_for
@@ -178,7 +178,7 @@ def connector_settings(
     ``keys[rank]`` (None: ``TPCACHE_STORAGE_KEY`` of its environment). With ``agree``
     the ranks size the host tier together (what the connector does); without it each sizes it from
     its own reading. Then the cache is built and runs one round: does it stay open?"""
-    from tpcache.dist.exchange import all_gather_json
+    from tpcache.comm.exchange import all_gather_json
     from tpcache.integrations.vllm.options import ConnectorOptions, agree_host_tier, rank_facts
     from tpcache.service.config import ConfigError
 

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from protocol.round_vector import HEALTH_IO_ERROR, HEALTH_STORAGE_DOWN
+from tpcache.comm.collective import CollectiveError, CollectiveTimeout, to_int64_array
+from tpcache.comm.sim import SimGroup
 from tpcache.core import (
     Admitted,
     CacheClosed,
@@ -56,8 +58,6 @@ from tpcache.core.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.dist.collective import CollectiveError, CollectiveTimeout, to_int64_array
-from tpcache.dist.sim import SimGroup
 from tpcache.engine.driver import Driver, Operations
 from tpcache.testing.admissions import admission_step, buffer_config, buffer_violations
 from tpcache.testing.ops import apply, evict, random_op, tokens_for
@@ -249,7 +249,7 @@ class SimCluster:
         self.group = SimGroup(ranks)
         self.shm = None
         if faults.shm:
-            from tpcache.dist.shm import ShmCollective
+            from tpcache.comm.shm import ShmCollective
 
             self.shm = ShmCollective.local_group(ranks)
         self.ranks = [SimRank(r, config, FakeIO(random.Random(seed * 1000 + r), faults)) for r in range(ranks)]
@@ -319,7 +319,7 @@ class SimCluster:
             self.calls[rank.rank] += 1
         results = self._exchange(vectors)
         victim = self.victim.rank
-        if self.faults.commit_fail_at == self.now and self.victim.alive and isinstance(results[victim], list):
+        if self.faults.commit_fail_at == self.now and self.victim.alive and isinstance(results[victim], array):
             self.log.append(f"round {self.now}: rank {victim} receives a torn vector and its commit fails")
             results[victim] = results[victim][:-2]  # type: ignore[index]
         for rank in self.live:
@@ -332,18 +332,18 @@ class SimCluster:
                     raise SimFailure(f"round {self.now}: {kind.name} applied completions despite differing digests")
         self.after_commit = True
 
-    def _exchange(self, vectors: dict[int, array]) -> dict[int, list[int] | CollectiveError]:
+    def _exchange(self, vectors: dict[int, array]) -> dict[int, array | CollectiveError]:
         if self.shm is None:
             full = [vectors.get(r) for r in range(len(self.ranks))]
             try:
-                reduced: list[int] | CollectiveError = self.group.reduce(full)
+                reduced: array | CollectiveError = self.group.reduce(full)
             except CollectiveError as exc:
                 reduced = exc
             return {r: reduced for r in vectors}
         for r, vector in vectors.items():
             if not self.shm[r].closed:
                 self.shm[r].publish(to_int64_array(vector))
-        out: dict[int, list[int] | CollectiveError] = {}
+        out: dict[int, array | CollectiveError] = {}
         for r, vector in vectors.items():
             try:
                 if self.shm[r].closed:

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tpcache.comm.collective import Collective
 from tpcache.core import CacheConfig
-from tpcache.dist.collective import Collective
 from tpcache.engine import TPCache, layout_version
 from tpcache.io.storage import StorageKey, StorageWorker
 from tpcache.testing.ops import tokens_for

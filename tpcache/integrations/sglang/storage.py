@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from tpcache.dist.parallel import Shard
+from tpcache.comm.parallel import Shard
 from tpcache.io.storage import StorageKey, StorageURLError, open_storage, parse_storage_url
 from tpcache.io.storage.url import parse_size
 

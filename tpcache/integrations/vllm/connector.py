@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tpcache.core import CacheConfig
+from tpcache.core import CacheConfig, backend
 from tpcache.integrations.vllm.compat import check_vllm
 from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
@@ -203,8 +203,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tp_group
 
-        from tpcache.dist import make_collective
-        from tpcache.dist.exchange import all_gather_json
+        from tpcache.comm import make_collective
+        from tpcache.comm.exchange import all_gather_json
         from tpcache.engine.external import EngineCache
         from tpcache.integrations.vllm.faults import FaultPlan
         from tpcache.integrations.vllm.layout import engine_kv_from_vllm
@@ -276,13 +276,14 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if storage is not None:
             stored = f"{Path(opts.storage_dir) / f'rank{rank}'} ({format_bytes(opts.storage_bytes)}; {storage.trust})"
         log.info(
-            "tpcache %s rank %d of %d: %s; storage %s; round transport %s",
+            "tpcache %s rank %d of %d: %s; storage %s; round transport %s; tree core %s",
             package_version(),
             rank,
             world,
             host.describe(),
             stored,
             collective.name,
+            backend.describe(),
         )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpcache.core import backend
 from tpcache.core.eviction import make_policy
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.io.storage.record import MIN_KEY_BYTES
@@ -52,6 +53,11 @@ class ConnectorOptions:
     lookup_timeout_rounds: int = _opt(
         64, "rounds a lookup waits for its storage prefetch before it reports what has landed"
     )
+    tree_core: str = _opt(
+        "",
+        "the cache core: native or reference (pure Python); it is chosen when tpcache is imported, by the "
+        "environment variable TPCACHE_TREE_CORE of vLLM's processes; empty: whatever that chose",
+    )
     reopen: bool = _opt(True, "after the cache fails closed, reopen it by an agreed flush (all ranks together)")
     fault_injection: dict = field(
         default_factory=dict, metadata={"help": "tests only: faults to inject (tpcache.integrations.vllm.faults)"}
@@ -82,6 +88,11 @@ class ConnectorOptions:
             raise ConfigError("host_pages and host_bytes must be >= 0")
         if self.lookup_timeout_rounds < 0:
             raise ConfigError("lookup_timeout_rounds must be >= 0")
+        if self.tree_core:
+            try:
+                backend.require(self.tree_core, "kv_connector_extra_config: tree_core")
+            except backend.TreeCoreError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             make_policy(self.eviction_policy)
         except ValueError as exc:
@@ -115,8 +126,9 @@ class ConnectorOptions:
         return shared
 
 
-# May differ between ranks: a path or a port of the rank's own host, and test faults aimed at one rank.
-RANK_LOCAL = ("storage_dir", "metrics_port", "fault_injection")
+# May differ between ranks: a path or a port of the rank's own host, test faults aimed at one rank, and the
+# tree core (both make the same decisions).
+RANK_LOCAL = ("storage_dir", "metrics_port", "fault_injection", "tree_core")
 
 
 @dataclass(frozen=True)

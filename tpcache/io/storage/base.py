@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from tpcache.dist.parallel import Shard
+from tpcache.comm.parallel import Shard
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 from tpcache.io.storage.record import RecordMac
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tpcache.dist.parallel import Shard
+from tpcache.comm.parallel import Shard
 
 KEY_FORMAT = "v1"
 SHARD_KEY_FORMAT = "v2"

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tpcache.dist.parallel import Shard
+from tpcache.comm.parallel import Shard
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage.base import StorageBackend, StorageCounters, StorageInUse, check_keys, check_pairs
 from tpcache.io.storage.buffers import byte_view

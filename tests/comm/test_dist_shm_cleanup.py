@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tpcache.dist.shm import PREFIX, cleanup_stale_segments, segment_name
+from tpcache.comm.shm import PREFIX, cleanup_stale_segments, segment_name
 
 
 def dead_pid() -> int:

@@ -20,7 +20,7 @@ import time
 from array import array
 from collections.abc import Sequence
 
-from tpcache.dist.collective import (
+from tpcache.comm.collective import (
     Collective,
     CollectiveClosed,
     CollectiveError,
@@ -100,7 +100,7 @@ class SimGroup:
 
     # -- split-phase ---------------------------------------------------------------------------------
 
-    def reduce(self, vectors: Sequence[Sequence[int] | None]) -> list[int]:
+    def reduce(self, vectors: Sequence[Sequence[int] | None]) -> array:
         """One round given every rank's vector (index = rank; ``None`` = that rank did not submit).
 
         Raises ``ValueError`` for malformed input (nothing counted), ``CollectiveTimeout`` naming ranks
@@ -133,7 +133,7 @@ class SimGroup:
                 self._handles[rank] = handle
             return handle
 
-    def _submit(self, rank: int, values: array, timeout_s: float) -> list[int]:
+    def _submit(self, rank: int, values: array, timeout_s: float) -> array:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             if rank in self._killed:
@@ -161,7 +161,7 @@ class SimGroup:
             self._taken[rnd] = self._taken.get(rnd, 0) + 1
             if self._taken[rnd] == self.world_size:  # everyone has it: forget the round
                 del self._results[rnd], self._taken[rnd]
-            return list(result)
+            return array("q", result)  # its own copy
 
     # -- shared --------------------------------------------------------------------------------------
 
@@ -176,7 +176,7 @@ class SimGroup:
         self._cv.notify_all()
         return exc
 
-    def _finish(self, arrays: list[array]) -> list[int]:
+    def _finish(self, arrays: list[array]) -> array:
         lengths = {len(v) for v in arrays}
         if len(lengths) != 1:
             per_rank = ", ".join(f"rank {r}: {len(v)}" for r, v in enumerate(arrays))
@@ -196,5 +196,5 @@ class SimCollective(Collective):
         super().__init__(rank, group.world_size, "sim", allow_any_thread=allow_any_thread)
         self.group = group
 
-    def _allreduce_min(self, values: array, timeout_s: float) -> list[int]:
+    def _allreduce_min(self, values: array, timeout_s: float) -> array:
         return self.group._submit(self.rank, values, timeout_s)

@@ -28,7 +28,7 @@ def launch(scenario: str, world: int, args: dict[str, Any], timeout_s: float = 1
     """
     import torch.distributed as dist
 
-    from tests.dist import dist_worker
+    from tests.comm import dist_worker
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("forkserver")

@@ -42,23 +42,23 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
 
-from tpcache.dist import futex
-from tpcache.dist.collective import (
+from tpcache.comm import futex
+from tpcache.comm.collective import (
     DEFAULT_CAPACITY,
     Collective,
     CollectiveError,
     CollectiveTimeout,
     elementwise_min,
 )
-from tpcache.dist.exchange import all_gather_json, group_backend, group_device, require_group
+from tpcache.comm.exchange import all_gather_json, group_backend, group_device, require_group
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tpcache-round-"
@@ -240,7 +240,9 @@ class ShmCollective(Collective):
         self._futex = futex.available()
 
     @classmethod
-    def local_group(cls, world: int, *, capacity: int = DEFAULT_CAPACITY, shm_dir: str = SHM_DIR) -> list[ShmCollective]:
+    def local_group(
+        cls, world: int, *, capacity: int = DEFAULT_CAPACITY, shm_dir: str = SHM_DIR
+    ) -> list[ShmCollective]:
         """``world`` ranks of one process on one segment, set up without torch.distributed: for the
         simulator, which drives them split-phase (``publish`` on every rank, then ``collect``)."""
         ranks = []
@@ -347,7 +349,7 @@ class ShmCollective(Collective):
 
     # -- the round -----------------------------------------------------------------------------------
 
-    def _allreduce_min(self, values: array, timeout_s: float) -> list[int]:
+    def _allreduce_min(self, values: array, timeout_s: float) -> array:
         self.publish(values)
         return self.collect(values, timeout_s)
 
@@ -367,13 +369,13 @@ class ShmCollective(Collective):
         w[b + 1] = checksum
         w[b] = rnd  # publish last (readers verify the checksum in any case)
 
-    def collect(self, values: array, timeout_s: float) -> list[int]:
+    def collect(self, values: array, timeout_s: float) -> array:
         """Step 2: wait for every peer's record of this round and reduce (``values`` are this rank's)."""
         rnd = self._round
         n = len(values)
         seed = (self._token + rnd) & _MASK64
         if not self._peers:
-            return values.tolist()
+            return array("q", values)
         try:
             peers = self._gather(rnd, seed, timeout_s)
             for r, peer in peers.items():
@@ -386,9 +388,9 @@ class ShmCollective(Collective):
         except CollectiveError:
             self._mark(_ABORTED, rnd)
             raise
-        return elementwise_min([values.tolist(), *peers.values()])
+        return elementwise_min([values, *peers.values()])
 
-    def _read(self, rank: int, rnd: int, seed: int) -> list[int] | None:
+    def _read(self, rank: int, rnd: int, seed: int) -> array | None:
         """``rank``'s values for round ``rnd`` if its record is there and intact, else None."""
         seg = self._seg
         assert seg is not None
@@ -401,13 +403,13 @@ class ShmCollective(Collective):
         snapshot = bytes(seg.raw[8 * (b + 2) : 8 * (b + 3 + n)])
         if _signed(xxhash.xxh3_64_intdigest(snapshot, seed=seed)) != w[b + 1] or w[b] != rnd:
             return None  # not fully visible yet
-        return memoryview(snapshot).cast("q")[1:].tolist()
+        return array("q", memoryview(snapshot)[8:].cast("q"))
 
-    def _gather(self, rnd: int, seed: int, timeout_s: float) -> dict[int, list[int]]:
+    def _gather(self, rnd: int, seed: int, timeout_s: float) -> dict[int, array]:
         seg = self._seg
         assert seg is not None
         w = seg.w
-        got: dict[int, list[int]] = {}
+        got: dict[int, array] = {}
         pending = self._peers
         start = time.perf_counter()
         deadline = start + timeout_s

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tpcache.dist.collective import DEFAULT_CAPACITY, Collective
+from tpcache.comm.collective import DEFAULT_CAPACITY, Collective
 
-log = logging.getLogger("tpcache.dist")
+log = logging.getLogger("tpcache.comm")
 
 TRANSPORTS = ("auto", "shm", "torch")
 
@@ -27,13 +27,13 @@ def make_collective(
     ``device``), ``"auto"`` takes shm when it can be set up and torch otherwise; every rank reaches the
     same choice. ``capacity`` is the most int64 values one round may carry and must match across ranks;
     ``shm_dir`` overrides where the shared-memory segment is created (default ``/dev/shm``).
-    The choice is logged at INFO on ``tpcache.dist`` and readable as ``collective.name``.
+    The choice is logged at INFO on ``tpcache.comm`` and readable as ``collective.name``.
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown round transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
-    # Imported here so the simulation ring can use tpcache.dist without importing torch.
-    from tpcache.dist.shm import ShmCollective, ShmUnavailable
-    from tpcache.dist.torch_collective import TorchCollective
+    # Imported here so the simulation ring can use tpcache.comm without importing torch.
+    from tpcache.comm.shm import ShmCollective, ShmUnavailable
+    from tpcache.comm.torch_collective import TorchCollective
 
     collective: Collective
     if transport in ("auto", "shm"):

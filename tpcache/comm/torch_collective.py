@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpcache.dist.collective import DEFAULT_CAPACITY, Collective, CollectiveError, CollectiveTimeout
-from tpcache.dist.exchange import group_backend, group_device, require_group
+from tpcache.comm.collective import DEFAULT_CAPACITY, Collective, CollectiveError, CollectiveTimeout
+from tpcache.comm.exchange import group_backend, group_device, require_group
 
 _HEADER = 2  # (n, -n)
 
@@ -73,7 +73,7 @@ class TorchCollective(Collective):
                 f"({low} to {-neg_high}); use one configuration on every rank"
             )
 
-    def _allreduce_min(self, values: array, timeout_s: float) -> list[int]:
+    def _allreduce_min(self, values: array, timeout_s: float) -> array:
         n = len(values)
         frame = self._frame
         frame[0] = n
@@ -97,7 +97,7 @@ class TorchCollective(Collective):
                 f"round vector length differs across ranks (from {frame[0]} to {-frame[1]}); "
                 "the ranks run different configurations"
             )
-        return frame[_HEADER : _HEADER + n].tolist()
+        return frame[_HEADER : _HEADER + n]  # a new array('q')
 
     def _poll_until_done(self, work: Any, timeout_s: float) -> None:
         """Wait for ``work`` without ever blocking the host past the deadline (spin, yield, sleep)."""

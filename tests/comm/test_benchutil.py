@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpcache.dist.benchutil import interleaved
+from tpcache.comm.benchutil import interleaved
 
 
 def test_interleaved_runs_each_setup_once_before_each_timed_call() -> None:

@@ -18,20 +18,21 @@ import signal
 import sys
 import threading
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from tpcache.dist import (
+from tpcache.comm import (
     CollectiveClosed,
     CollectiveError,
     CollectiveTimeout,
     WrongThreadError,
     make_collective,
 )
-from tpcache.dist.collective import INT64_MAX, INT64_MIN
-from tpcache.dist.shm import ShmCollective, ShmUnavailable
+from tpcache.comm.collective import INT64_MAX, INT64_MIN
+from tpcache.comm.shm import ShmCollective, ShmUnavailable
 
 SHM_DIR = "/dev/shm"
 
@@ -72,7 +73,7 @@ def scenario_compare(rank: int, world: int, args: dict[str, Any]) -> dict[str, A
     for rnd in range(rounds + args.get("shm_only_rounds", 0)):
         n = round_length(seed, rnd, capacity)
         vectors = [vector(seed, rnd, r, n) for r in range(world)]
-        expected = list(map(min, *vectors)) if world > 1 else vectors[0]
+        expected = array("q", map(min, *vectors) if world > 1 else vectors[0])  # what a collective hands back
         if jitter_s:  # arrive late by a rank-dependent delay, so waiters go through every wait phase
             time.sleep(random.Random(f"{seed}:{rnd}:{rank}:jitter").random() * jitter_s)
         if shm.allreduce_min(vectors[rank], 10.0) != expected:
@@ -125,7 +126,7 @@ def local_checks(c: Any, capacity: int) -> dict[str, Any]:
     t.join()
     out["worker_thread"] = caught[0]
     out["calls_unchanged"] = c.calls == calls
-    out["still_works"] = c.allreduce_min([c.rank, -c.rank], 5.0) == [0, -(c.world_size - 1)]
+    out["still_works"] = c.allreduce_min([c.rank, -c.rank], 5.0).tolist() == [0, -(c.world_size - 1)]
     return out
 
 
@@ -140,7 +141,7 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
     collectives = [make_collective(t, capacity=8) for t in args["transports"]]
     for c in collectives:
         for i in range(args["rounds_before"]):
-            assert c.allreduce_min([rank, i], timeout) == [0, i]
+            assert c.allreduce_min([rank, i], timeout).tolist() == [0, i]
     report: dict[str, Any] = {"segments": [getattr(c, "segment_name", None) for c in collectives]}
     if rank == victim:
         if mode == "exit":
@@ -176,19 +177,19 @@ def scenario_stall(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any
 
 def scenario_fallback(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Rank 1 cannot see the shm directory: every rank must fall back to torch alike (auto) or refuse
-    alike (forced shm), with the choice logged on tpcache.dist."""
+    alike (forced shm), with the choice logged on tpcache.comm."""
     messages: list[str] = []
 
     class Capture(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    log = logging.getLogger("tpcache.dist")
+    log = logging.getLogger("tpcache.comm")
     log.addHandler(Capture())
     log.setLevel(logging.INFO)
     shm_dir = args["missing_dir"] if rank == 1 else SHM_DIR
     auto = make_collective("auto", capacity=4, shm_dir=shm_dir)
-    result = auto.allreduce_min([rank, -rank], 5.0)
+    result = auto.allreduce_min([rank, -rank], 5.0).tolist()
     try:
         make_collective("shm", capacity=4, shm_dir=shm_dir)
         forced = "no error"
@@ -213,7 +214,7 @@ def scenario_torn(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]
         return report
     start = time.perf_counter()
     try:
-        report["result"] = c.allreduce_min([5], args["timeout"])
+        report["result"] = c.allreduce_min([5], args["timeout"]).tolist()
     except CollectiveTimeout as exc:
         report.update(error="CollectiveTimeout", missing=exc.missing_ranks)
     report["elapsed_s"] = time.perf_counter() - start

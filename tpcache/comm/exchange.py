@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 def require_group(capacity: int) -> None:
     """The checks every torch-backed transport makes before touching the group."""
-    from tpcache.dist.collective import CollectiveError
+    from tpcache.comm.collective import CollectiveError
 
     if not (dist.is_available() and dist.is_initialized()):
         raise CollectiveError("torch.distributed is not initialized: call torch.distributed.init_process_group first")

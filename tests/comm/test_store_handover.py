@@ -1,5 +1,5 @@
 """The rendezvous socket ``launcher local`` binds and hands to rank 0: no other process can take the
-port between its choice and the store's start (``tpcache.dist.store.LISTEN_FD_ENV``)."""
+port between its choice and the store's start (``tpcache.comm.store.LISTEN_FD_ENV``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tpcache.dist.store import LISTEN_FD_ENV, loopback_store
+from tpcache.comm.store import LISTEN_FD_ENV, loopback_store
 
 
 def listening() -> tuple[socket.socket, int]:

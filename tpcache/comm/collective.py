@@ -64,17 +64,17 @@ def to_int64_array(vector: Sequence[int]) -> array:
         raise ValueError(f"round vector must hold only ints (int64): {exc}") from None
 
 
-def elementwise_min(vectors: Sequence[Sequence[int]]) -> list[int]:
-    """Elementwise MIN of equally long vectors (the reduction every transport computes).
+def elementwise_min(vectors: Sequence[array]) -> array:
+    """Elementwise MIN of equally long int64 arrays (the reduction every transport computes), as a
+    new array('q').
 
-    Pairwise, skipping vectors equal to the running result: ranks usually agree on most rounds, and a
-    list comparison is far cheaper than a Python-level MIN per element.
+    Pairwise, skipping vectors equal to the running result: ranks usually agree on most rounds, and
+    comparing two arrays (one memory compare) is far cheaper than a Python-level MIN per element.
     """
-    result = list(vectors[0])
+    result = array("q", vectors[0])
     for vector in vectors[1:]:
-        other = vector if isinstance(vector, list) else list(vector)
-        if other != result:
-            result = [x if x < y else y for x, y in zip(result, other, strict=True)]
+        if vector != result:
+            result = array("q", map(min, result, vector))
     return result
 
 
@@ -111,8 +111,9 @@ class Collective(abc.ABC):
         """True once closed or broken; every further ``allreduce_min`` raises ``CollectiveClosed``."""
         return self._broken is not None
 
-    def allreduce_min(self, vector: Sequence[int], timeout_s: float) -> list[int]:
-        """Elementwise MIN over all ranks of ``vector`` (same length on every rank), within ``timeout_s``.
+    def allreduce_min(self, vector: Sequence[int], timeout_s: float) -> array:
+        """Elementwise MIN over all ranks of ``vector`` (same length on every rank), within ``timeout_s``,
+        as a new array('q'): the type the round packs its own vector in, so it compares the two directly.
 
         Raises ``ValueError`` on bad local input (nothing is sent), ``CollectiveTimeout`` when ranks do
         not arrive in time, ``CollectiveError`` on a cross-rank mismatch, ``CollectiveClosed`` when the
@@ -163,7 +164,7 @@ class Collective(abc.ABC):
             )
 
     @abc.abstractmethod
-    def _allreduce_min(self, values: array, timeout_s: float) -> list[int]:
+    def _allreduce_min(self, values: array, timeout_s: float) -> array:
         """Do one round; raise a ``CollectiveError`` subclass on failure."""
 
     def _close(self) -> None:  # noqa: B027 - optional hook, default does nothing

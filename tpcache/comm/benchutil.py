@@ -16,8 +16,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tpcache.dist.collective import Collective
-from tpcache.dist.exchange import all_gather_json
+from tpcache.comm.collective import Collective
+from tpcache.comm.exchange import all_gather_json
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -94,21 +94,21 @@ class TcpFloor:
         for conn in self._peers:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def exchange(self, vector: Sequence[int]) -> list[int]:
-        """One MIN round over TCP; every rank gets the result."""
+    def exchange(self, vector: Sequence[int]) -> array:
+        """One MIN round over TCP; every rank gets the result, an array('q') as the collectives hand back."""
         values = array("q", vector)
         size = 8 * len(values)
         if self.rank != 0:
             conn = self._peers[0]
             conn.sendall(values)
-            return array("q", _recv_exact(conn, size)).tolist()
+            return array("q", _recv_exact(conn, size))
         result = values
         received = [array("q", _recv_exact(conn, size)) for conn in self._peers]
         if received:
             result = array("q", map(min, values, *received))
         for conn in self._peers:
             conn.sendall(result)
-        return result.tolist()
+        return result
 
     def close(self) -> None:
         for conn in self._peers:
