@@ -93,6 +93,9 @@ class EventPublisher:
             "event_snapshots": 0,
             "event_snapshots_refused": 0,
             "event_ring_dropped_batches": 0,
+            "event_bytes": 0,
+            "event_ring_batches": 0,
+            "event_ring_bytes": 0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tpcache-events-replay", daemon=True)
@@ -173,8 +176,11 @@ class EventPublisher:
                 self.counters["event_ring_dropped_batches"] += 1
             pages = sum(map(len, mirror))
             digest = self.digest
+            ring_batches, ring_bytes = len(self.ring), self.ring_bytes
         c = self.counters
         c["event_batches"] += 1
+        c["event_bytes"] += len(payload)
+        c["event_ring_batches"], c["event_ring_bytes"] = ring_batches, ring_bytes
         c["event_pages_stored"] += stored_n
         c["event_pages_removed"] += removed_n
         seq8 = wire.seq_bytes(seq)
