@@ -154,6 +154,7 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=8, help="pages per request [8]")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page [16]")
     parser.add_argument("--slices", type=int, default=10, help="alternating slices per run [10]")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per service [2]")
     parser.add_argument(
         "--calibrate", action="store_true", help="events off in both services: the ratio's noise on this machine"
     )
@@ -164,10 +165,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.follow:
         return subscriber_process(*args.follow)
-    if args.runs < 1 or args.requests < 1 or args.pages < 3:
-        parser.error("--runs and --requests must be at least 1, --pages at least 3")
+    if args.runs < 1 or args.requests < 1 or args.pages < 3 or args.ranks < 1:
+        parser.error("--runs, --requests and --ranks must be at least 1, --pages at least 3")
     page = args.page_size
-    out: dict[str, Any] = {"requests": args.requests, "pages": args.pages, "page_size": page, "ranks": 2}
+    out: dict[str, Any] = {"requests": args.requests, "pages": args.pages, "page_size": page, "ranks": args.ranks}
     out["events_batch_ms"] = args.batch_ms
     out["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
     out.update(core_cost(args.pages, page, args.runs))
@@ -191,7 +192,7 @@ def main() -> int:
                     cli["events_endpoint"] = "0"
                     if args.batch_ms is not None:
                         cli["events_batch_ms"] = args.batch_ms
-                procs = spawn_ranks(build_config(cli=cli, env={}), 2)
+                procs = spawn_ranks(build_config(cli=cli, env={}), args.ranks)
                 services[mode] = {"procs": procs, "info": wait_ready(cli["ready_file"], procs)}
             info_on = services["on"]["info"]["events"]
             follower = None
