@@ -59,6 +59,9 @@ class Changes:
         return sum(map(len, self.removed)) + sum(map(len, self.stored))
 
 
+NO_CHANGES = Changes()  # what an empty drain returns (shared: read it, never change it)
+
+
 class ChangeFeed:
     """What changed on each tier since the last ``drain`` (see the module docstring)."""
 
@@ -111,7 +114,7 @@ class ChangeFeed:
 
     def drain(self) -> Changes:
         if not self._seen and not self._cleared:
-            return Changes()
+            return NO_CHANGES
         out = Changes(cleared=self._cleared)
         removed, stored = out.removed, out.stored
         for node, was in self._seen.items():
