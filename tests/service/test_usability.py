@@ -78,6 +78,7 @@ def test_start_up_block_metrics_health_and_ready(tmp_path: Path) -> None:
     args += ("--storage-bytes", "4MiB", "--metrics-port", str(port), "--heartbeat-s", "0.2")
     # A broken group keeps answering (and its health says why) until stopped, instead of exiting.
     args += ("--broken-group-exit-s", "-1")
+    args += ("--events-endpoint", "tcp://127.0.0.1:0")  # the event stream's families too
     with running_service(tmp_path, *args, env={"TPCACHE_HOST_PAGES": "32"}) as service:
         cache_round_trip(service)
         log = service.log()
@@ -123,6 +124,17 @@ def test_start_up_block_metrics_health_and_ready(tmp_path: Path) -> None:
             lambda: re.search(r'tpcache_pages_used\{tier="device"\} ([1-9][\d.]*)', get(port, "/metrics")[1]), 30
         )
         assert used, get(port, "/metrics")[1]
+        # Rank 0 published the round trip's pages on the event stream; the other rank exports 0.
+        stored = wait_for(
+            lambda: re.search(r"^tpcache_event_stored_pages_total ([1-9][\d.]*)", get(port, "/metrics")[1], re.M), 30
+        )
+        assert stored, get(port, "/metrics")[1]
+        text = get(port, "/metrics")[1]
+        batches = float(re.search(r"^tpcache_event_batches_total (\S+)", text, re.M).group(1))
+        ring = float(re.search(r"^tpcache_event_ring_batches (\S+)", text, re.M).group(1))
+        assert batches >= 2 and ring == batches  # batch 0, then the round trip's; the ring holds them all
+        assert float(re.search(r"^tpcache_event_published_bytes_total (\S+)", text, re.M).group(1)) > 0
+        assert "tpcache_event_batches_total 0.0" in get(port + 1, "/metrics")[1]
         # A dead rank closes the survivor: /health says 503 and why.
         os.kill(service.pids[1], signal.SIGKILL)
         closed = wait_for(lambda: get(port, "/health")[0] == 503, 60)

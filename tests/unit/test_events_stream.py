@@ -31,6 +31,8 @@ class Stream:
         replay_batches: int = 10_000,
         endpoints: tuple[str, str] | None = None,
         batch_s: float = 0.0,
+        replay_bytes: int = 64 << 20,
+        hwm: int = 100_000,
     ):
         config = CacheConfig(
             page_size=P, device_pages=10, host_pages=14, write_policy="write_through", storage=True, namespace=namespace
@@ -50,6 +52,8 @@ class Stream:
             replay_batches=replay_batches,
             digest_every=3,
             batch_s=batch_s,
+            replay_bytes=replay_bytes,
+            hwm=hwm,
         )
         self.prompts: list[list[int]] = []
 
@@ -218,6 +222,50 @@ def test_a_group_that_restarts_is_followed_from_its_new_incarnation(streams):
         sub.poll(0.05)
     assert g.counters["incarnations"] >= 1
     sub.close()
+
+
+def test_a_slow_subscriber_loses_batches_without_holding_up_a_round_and_replays_them(streams):
+    # inproc: no kernel buffer behind ZMQ's queues, so the high-water marks alone decide the drops.
+    s = Stream(endpoints=("inproc://slow-events", "inproc://slow-replay"), hwm=4)
+    streams.append(s)
+    sub = Subscriber(rcvhwm=4)
+    g = follow(sub, s)
+    s.step(80)  # the subscriber reads nothing meanwhile: the PUB socket drops what does not fit
+    assert s.pub.seq >= 40
+    sync(sub, g, s)
+    assert g.counters["gaps"] >= 1 and g.counters["replayed"] >= 20  # lost batches seen, then replayed
+    assert s.pub.counters["event_replays"] >= 2
+    assert g.tiers == s.tiers() and g.counters["digest_mismatches"] == 0 and g.counters["resyncs"] == 0
+    sub.close()
+
+
+def test_the_replay_ring_is_bounded_by_batches_and_by_bytes(streams):
+    by_count, by_bytes = Stream(replay_batches=8), Stream(replay_bytes=3000)
+    streams += [by_count, by_bytes]
+    for s in (by_count, by_bytes):
+        s.step(60)
+        ring = s.pub.ring
+        assert [seq for seq, _ in ring] == list(range(s.pub.seq - len(ring) + 1, s.pub.seq + 1))  # the newest
+        assert s.pub.ring_bytes == sum(len(p) for _, p in ring)
+        assert s.pub.counters["event_ring_dropped_batches"] == s.pub.seq + 1 - len(ring) > 0
+    assert len(by_count.pub.ring) == 8
+    assert by_bytes.pub.ring_bytes <= 3000 < by_bytes.pub.ring_bytes + len(by_bytes.pub.ring[0][1]) * 2
+
+
+def test_the_digest_terms_and_the_batch_encoding_match_their_references():
+    rng = random.Random(5)
+    hashes = [0, 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(100)]
+    for tier in (0, 1, 2):
+        assert wire.pair_sum(hashes, tier) == wire.reference_pair_sum(hashes, tier)
+        assert wire.pair_sum(hashes[:1], tier) == wire.pair_term(0, tier)
+    assert wire.pair_sum([], 0) == 0
+    enc = wire.BatchEncoder(page_size=16)
+    for n in (0, 1, 15, 16, 70_000):  # msgpack's array headers change at 16 and 65,536 items
+        some = hashes[:n] if n <= len(hashes) else list(range(n))
+        events = [wire.CLEARED, wire.removed_event(some, 1), wire.stored_event(some, 2, 16)]
+        made = enc.batch(12.5, [enc.cleared, enc.removed(some, 1), enc.stored(some, 2)])
+        assert made == wire.encode_batch(12.5, events)
+        assert wire.decode_batch(made) == events
 
 
 def test_the_page_hash_and_the_digest_keep_their_documented_values():

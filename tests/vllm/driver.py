@@ -23,7 +23,9 @@ An engine's ``corrupt_before`` ({"dir", "prompts", "page"}) damages stored pages
 ``in_process`` runs its engine core in this process (see ``_layout``); ``log_stats`` turns vLLM's
 stats loggers on; ``shutdown_timeout_s`` gives vLLM's shutdown that long (its engine core, and its
 workers through ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``) instead of its 5 s default, and records
-``shutdown_s``. Results: {run: {engine:
+``shutdown_s``; ``kv_events`` turns vLLM's KV events on (its ZMQ publisher on a loopback port) and
+records every event it published, decoded by vLLM's own ``KVEventBatch`` decoder, as
+``kv_events``: ``[{"type", "medium", "hashes"}]`` in order (block hashes as hex). Results: {run: {engine:
 {step name: {"tokens": [...], "cached": [...]} | [stats per rank]}}}. Each engine also gets
 ``log``, the byte range of the log (this process's stdout, which vLLM's processes share) written
 while it ran, and, where it raised (at start-up or in a step), ``error``: the engines after it
@@ -187,6 +189,49 @@ def run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any]
         _run_engine(plan, engine, out)
 
 
+class _EventListener:
+    """A plain ZMQ SUB socket that vLLM's KV-event publisher connects to, read by a thread of its own."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        # vLLM's publisher connects to a tcp://HOST:PORT endpoint (it binds only wildcards).
+        self.endpoint = f"tcp://127.0.0.1:{self.sub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.frames: list[list[bytes]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.stop.is_set():
+            if self.sub.poll(50):
+                self.frames.append(self.sub.recv_multipart())
+
+    def close(self) -> list[dict[str, Any]]:
+        """Every event received, decoded with vLLM's own decoder."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        time.sleep(0.5)  # the last step's batch
+        self.stop.set()
+        self.thread.join()
+        self.sub.close(0)
+        self.ctx.term()
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        out = []
+        for frames in self.frames:
+            for ev in decoder.decode(frames[-1]).events:
+                hashes = [h.hex() if isinstance(h, bytes) else str(h) for h in getattr(ev, "block_hashes", [])]
+                out.append({"type": type(ev).__name__, "medium": getattr(ev, "medium", None), "hashes": hashes})
+        return out
+
+
 def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any]) -> None:
     from vllm import LLM
 
@@ -219,8 +264,21 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
             "kv_role": "kv_both",
             "kv_connector_extra_config": engine["connector"],
         }
+    listener = None
+    if engine.get("kv_events"):
+        listener = _EventListener()
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=listener.endpoint
+        )
     started = time.monotonic()
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except BaseException:
+        if listener is not None:
+            listener.close()
+        raise
     out["startup_s"] = time.monotonic() - started
     try:
         for i, step in enumerate(engine["steps"]):
@@ -250,6 +308,8 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
         llm.llm_engine.engine_core.shutdown(timeout=shutdown_timeout)
         out["shutdown_s"] = time.monotonic() - started
         del llm
+        if listener is not None:
+            out["kv_events"] = listener.close()
 
 
 def _log_offset() -> int:

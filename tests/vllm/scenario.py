@@ -10,9 +10,11 @@ The Llama plan (one per TP size): three engines run one after another on a rando
 2. ``conn``: vLLM with tpcache (host tier and a storage directory), its stats loggers on, and fewer
    KV blocks than the multi-turn workload needs: the batch, the batch again after
    ``reset_prefix_cache``, the conversations, long decodes that vLLM preempts, then faults armed on
-   one rank at run time; at TP=2 it is given the time to shut down cleanly;
+   one rank at run time; at TP=2 it is given the time to shut down cleanly. vLLM's KV events are on:
+   the driver reads its ZMQ stream;
 3. ``fresh``: a new vLLM on the same storage directory, after the last rank's stored copy of one
-   page of two prompts was damaged: hits come from storage and stop where a rank has no good copy.
+   page of two prompts was damaged: hits come from storage and stop where a rank has no good copy
+   (vLLM's KV events on here too).
 
 The sliding-window plans, under vLLM's hybrid allocator: a tiny Gemma 2 at TP=1 and TP=2 (plain
 vLLM in-process, vLLM with tpcache: the batch, again after ``reset_prefix_cache``, a failed load,
@@ -127,6 +129,7 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
                 "connector": connector,
                 "num_gpu_blocks_override": 20,
                 "log_stats": True,
+                "kv_events": True,  # vLLM's KV events, tpcache's tiers among them
                 # vLLM's 5 s grace periods are shorter than its workers take to exit on two busy cores
                 "shutdown_timeout_s": 60 if tp > 1 else None,
                 "steps": conn_steps,
@@ -135,6 +138,7 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
                 "name": "fresh",
                 "connector": connector,
                 "log_stats": True,
+                "kv_events": True,
                 # page 3 of the two prompts that have one: their hit stops a page short
                 "corrupt_before": {"dir": str(store / f"rank{last}"), "prompts": p["batch"][2:], "page": 3},
                 "steps": [

@@ -153,3 +153,33 @@ def test_vllm_with_the_connector_exits_within_its_grace_period(runs: dict[str, A
     log = runs.log("conn")
     assert "all workers exited gracefully" in log
     assert "force killing" not in log and "sending SIGTERM" not in log
+
+
+def _tiers_from_events(events: list[dict[str, Any]]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Replay vLLM's KV-event stream: per medium, the block hashes on it at the end and every one
+    ever stored there. A removal must name a block the stream had stored on that medium."""
+    on: dict[str, set[str]] = {}
+    ever: dict[str, set[str]] = {}
+    for ev in events:
+        medium = ev["medium"]
+        if ev["type"] == "BlockStored":
+            on.setdefault(medium, set()).update(ev["hashes"])
+            ever.setdefault(medium, set()).update(ev["hashes"])
+        elif ev["type"] == "BlockRemoved":
+            missing = set(ev["hashes"]) - on.get(medium, set())
+            assert not missing or medium == "GPU", (medium, sorted(missing)[:3])  # vLLM's own: not ours to judge
+            on.get(medium, set()).difference_update(ev["hashes"])
+    return on, ever
+
+
+def test_vllms_kv_events_carry_tpcaches_tiers_under_vllms_block_hashes(runs: dict[str, Any]) -> None:
+    seen = {}
+    for engine in ("conn", "fresh"):
+        events = runs[engine]["kv_events"]
+        _, ever = seen[engine] = _tiers_from_events(events)
+        assert {ev["medium"] for ev in events} >= {"GPU", "CPU", "STORAGE"}, engine
+        # Every host or storage page is a block vLLM itself stored, reported under the same hash.
+        assert ever["CPU"] and ever["CPU"] <= ever["GPU"], engine
+        assert ever["STORAGE"] and ever["STORAGE"] <= ever["GPU"], engine
+    # The batch's prompts share three pages: on the host tier and in storage, under vLLM's hashes.
+    assert len(seen["conn"][1]["CPU"] & seen["conn"][1]["STORAGE"]) >= 3

@@ -1,6 +1,6 @@
 /* The round's per-step arithmetic in C: the digest of a list of ids (digest.mix_ids), what a rank
- * saw of each completion queue (round.queue_fields) and the round vector's (x, -x) pairs
- * (RoundLayout.pack_values).
+ * saw of each completion queue (round.queue_fields), the round vector's (x, -x) pairs
+ * (RoundLayout.pack_values), and the event stream's digest terms (events.wire.pair_sum).
  * round.py and round_vector.py keep the Python versions as the reference; tests hold the two equal. */
 #include "_node.h"
 #include "_hash.h"
@@ -188,8 +188,42 @@ static PyObject *py_pack_pairs(PyObject *mod, PyObject *values) {
     return vector;
 }
 
+/* pair_sum(hashes, tier) -> the sum mod 2**64 of XXH3-64 of le64(hash) || u8(tier) over the page
+ * hashes (the event stream's digest terms, events/wire.py): hashes are uint64; None and an exception
+ * for anything else. */
+static PyObject *py_pair_sum(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "pair_sum takes 2 arguments (%zd given)", nargs);
+    PyObject *seq = PySequence_Fast(args[0], "pair_sum takes a list of page hashes");
+    if (seq == NULL)
+        return NULL;
+    long tier = PyLong_AsLong(args[1]);
+    if (tier == -1 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    uint8_t buf[9];
+    buf[8] = (uint8_t)tier;
+    uint64_t total = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long h = PyLong_AsUnsignedLongLong(items[i]);
+        if (h == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        for (int b = 0; b < 8; b++)
+            buf[b] = (uint8_t)(h >> (8 * b));
+        total += XXH3_64bits(buf, 9);
+    }
+    Py_DECREF(seq);
+    return PyLong_FromUnsignedLongLong(total);
+}
+
 PyMethodDef round_methods[] = {
     {"mix_ids", py_mix_ids, METH_O, "digest.mix_ids(ids) in C."},
+    {"pair_sum", (PyCFunction)(void (*)(void))py_pair_sum, METH_FASTCALL, "events.wire.pair_sum in C."},
     {"queue_fields", (PyCFunction)(void (*)(void))py_queue_fields, METH_FASTCALL, "round.queue_fields in C."},
     {"pack_pairs", py_pack_pairs, METH_O, "RoundLayout.pack_values' pairs in C, as an array('q') (None: let the reference raise)."},
     {NULL, NULL, 0, NULL},

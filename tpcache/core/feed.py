@@ -59,40 +59,52 @@ class Changes:
         return sum(map(len, self.removed)) + sum(map(len, self.stored))
 
 
+NO_CHANGES = Changes()  # what an empty drain returns (shared: read it, never change it)
+
+
 class ChangeFeed:
     """What changed on each tier since the last ``drain`` (see the module docstring)."""
 
     __slots__ = ("_seen", "_cleared")
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[Node, int]] = {}  # node id -> (node, tiers when first seen)
+        # node -> the tiers it was on when first seen (identity keys: the dict's order is the order
+        # the nodes first changed, never their ids)
+        self._seen: dict[Node, int] = {}
         self._cleared = False
 
     def before(self, node: Node) -> None:
         """``node`` is about to change: keep the tiers it is on now, unless already kept."""
-        if node.node_id not in self._seen:
-            self._seen[node.node_id] = (node, tier_bits(node))
+        seen = self._seen
+        if node not in seen:  # ``tier_bits``, inlined: this runs per change
+            seen[node] = (
+                0
+                if node.parent is None
+                else (node.device_state == _DEV_VALID)
+                | (node.host_state == _HOST_VALID) << 1
+                | (node.storage_state == _DURABLE) << 2
+            )
 
     def before_all(self, nodes: Iterable[Node]) -> None:
         seen = self._seen
         for node in nodes:
-            if node.node_id not in seen:
-                seen[node.node_id] = (node, tier_bits(node))
+            if node not in seen:
+                seen[node] = tier_bits(node)
 
     def fresh(self, nodes: Iterable[Node]) -> None:
         """New nodes (on no tier before this drain), whatever they hold by now."""
         seen = self._seen
         for node in nodes:
-            if node.node_id not in seen:
-                seen[node.node_id] = (node, 0)
+            if node not in seen:
+                seen[node] = 0
 
     def dropped_device_leaves(self, nodes: Iterable[Node]) -> None:
         """Plain device leaves already taken out of the tree by a kernel: they were on device and,
         unchanged, on storage if durable there."""
         seen = self._seen
         for node in nodes:
-            if node.node_id not in seen:
-                seen[node.node_id] = (node, 1 | (node.storage_state == _DURABLE) << STORAGE)
+            if node not in seen:
+                seen[node] = 1 | (node.storage_state == _DURABLE) << STORAGE
 
     def clear(self) -> ChangeFeed:
         """The cache dropped every node (an agreed flush): nothing before it matters any more."""
@@ -102,10 +114,10 @@ class ChangeFeed:
 
     def drain(self) -> Changes:
         if not self._seen and not self._cleared:
-            return Changes()
+            return NO_CHANGES
         out = Changes(cleared=self._cleared)
         removed, stored = out.removed, out.stored
-        for node, was in self._seen.values():
+        for node, was in self._seen.items():
             if node.parent is None:  # ``tier_bits``, inlined: this loop runs per changed page
                 now = 0
             else:

@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections import deque
-from itertools import repeat
 from typing import Any
 
 import zmq
@@ -32,6 +31,7 @@ from tpcache.events import wire
 log = logging.getLogger("tpcache.events")
 
 SNAPSHOT_CHUNK = 65_536  # page hashes per snapshot message
+_MORE = zmq.SNDMORE
 
 
 class EventPublisher:
@@ -58,6 +58,7 @@ class EventPublisher:
         self.pending: list[Changes] = []  # rounds not yet in a batch, oldest first
         self.last_batch = -1e9  # when the last batch was sealed (monotonic seconds)
         self.page_size = page_size
+        self.encoder = wire.BatchEncoder(page_size)
         self.topic = topic.encode()
         self.digest_topic = wire.DIGEST_TOPIC.encode()
         self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
@@ -92,6 +93,9 @@ class EventPublisher:
             "event_snapshots": 0,
             "event_snapshots_refused": 0,
             "event_ring_dropped_batches": 0,
+            "event_bytes": 0,
+            "event_ring_batches": 0,
+            "event_ring_bytes": 0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tpcache-events-replay", daemon=True)
@@ -133,11 +137,12 @@ class EventPublisher:
         """One batch of every pending round, in order: per round, cleared, removals, stores."""
         rounds, self.pending = self.pending, []
         self.last_batch = time.monotonic()
-        events: list[dict[str, Any]] = []
+        events: list[bytes] = []
+        enc = self.encoder
         stored_n = removed_n = 0
         # A drain lists a page as removed only from a tier it was on and as stored only on a tier it
         # was not on (``feed.py``): the mirror and the digest move in bulk, in C loops.
-        xxh, pair = wire.xxh3_64, wire.PAIR.pack
+        pair_sum = wire.pair_sum
         with self.lock:
             mirror, digest = self.mirror, self.digest
             for changes in rounds:
@@ -145,25 +150,25 @@ class EventPublisher:
                     for tier in mirror:
                         tier.clear()
                     digest = 0
-                    events.append(wire.CLEARED)
+                    events.append(enc.cleared)
                 for tier, hashes in enumerate(changes.removed):
                     if hashes:
                         mirror[tier].difference_update(hashes)
-                        digest -= sum(map(xxh, map(pair, hashes, repeat(tier, len(hashes)))))
-                        events.append(wire.removed_event(hashes, tier))
+                        digest -= pair_sum(hashes, tier)
+                        events.append(enc.removed(hashes, tier))
                         removed_n += len(hashes)
                 for tier, hashes in enumerate(changes.stored):
                     if hashes:
                         mirror[tier].update(hashes)
-                        digest += sum(map(xxh, map(pair, hashes, repeat(tier, len(hashes)))))
-                        events.append(wire.stored_event(hashes, tier, self.page_size))
+                        digest += pair_sum(hashes, tier)
+                        events.append(enc.stored(hashes, tier))
                         stored_n += len(hashes)
             self.digest = digest & wire.MASK
             if not events:
                 return
             self.seq += 1
             seq = self.seq
-            payload = wire.encode_batch(time.time(), events)
+            payload = enc.batch(time.time(), events)
             self.ring.append((seq, payload))
             self.ring_bytes += len(payload)
             while len(self.ring) > self.replay_batches or (self.ring_bytes > self.replay_bytes and len(self.ring) > 1):
@@ -171,15 +176,23 @@ class EventPublisher:
                 self.counters["event_ring_dropped_batches"] += 1
             pages = sum(map(len, mirror))
             digest = self.digest
+            ring_batches, ring_bytes = len(self.ring), self.ring_bytes
         c = self.counters
         c["event_batches"] += 1
+        c["event_bytes"] += len(payload)
+        c["event_ring_batches"], c["event_ring_bytes"] = ring_batches, ring_bytes
         c["event_pages_stored"] += stored_n
         c["event_pages_removed"] += removed_n
         seq8 = wire.seq_bytes(seq)
-        self.pub.send_multipart((self.topic, seq8, payload))  # copied: zero-copy wakes a GC thread per message
+        send = self.pub.send  # copied frames (zero-copy wakes a GC thread per message)
+        send(self.topic, _MORE)
+        send(seq8, _MORE)
+        send(payload)
         if seq % self.digest_every == 0:
             body = {"seq": seq, "digest": digest, "pages": pages, "group": self.identity}
-            self.pub.send_multipart((self.digest_topic, seq8, wire.pack(body)))
+            send(self.digest_topic, _MORE)
+            send(seq8, _MORE)
+            send(wire.pack(body))
 
     def close(self) -> None:
         if self.pending:

@@ -89,7 +89,7 @@ class Group:
         self.digest = 0
 
     def _apply(self, events: list[dict[str, Any]]) -> None:
-        term, tiers = wire.pair_term, self.tiers
+        pair_sum, tiers = wire.pair_sum, self.tiers
         digest = self.digest
         for ev in events:
             kind = ev.get("type")
@@ -100,15 +100,13 @@ class Group:
             tier = wire.TIER_OF_MEDIUM.get(ev.get("medium"), 0)
             have = tiers[tier]
             if kind == "BlockStored":
-                for h in ev["block_hashes"]:
-                    if h not in have:
-                        have.add(h)
-                        digest += term(h, tier)
+                new = [h for h in dict.fromkeys(ev["block_hashes"]) if h not in have]
+                have.update(new)
+                digest += pair_sum(new, tier)
             elif kind == "BlockRemoved":
-                for h in ev["block_hashes"]:
-                    if h in have:
-                        have.discard(h)
-                        digest -= term(h, tier)
+                gone = [h for h in dict.fromkeys(ev["block_hashes"]) if h in have]
+                have.difference_update(gone)
+                digest -= pair_sum(gone, tier)
         self.digest = digest & wire.MASK
 
 

@@ -28,6 +28,8 @@ from typing import Any
 import msgpack
 import xxhash
 
+from tpcache.core import backend
+
 MEDIUMS = ("GPU", "CPU", "STORAGE")  # vLLM's medium values, by tier (device, host, storage)
 TIER_OF_MEDIUM = {m: t for t, m in enumerate(MEDIUMS)}
 TIERS = ("device", "host", "storage")
@@ -45,13 +47,18 @@ def pair_term(page_hash: int, tier: int) -> int:
     return xxh3_64(PAIR.pack(page_hash, tier))
 
 
+def reference_pair_sum(hashes: list[int], tier: int) -> int:
+    """The sum, modulo 2**64, of the terms of ``hashes`` on ``tier``."""
+    return sum(pair_term(h, tier) for h in hashes) & MASK
+
+
+# the same value in C (core/_round.c) under the native tree core
+pair_sum = backend.NATIVE.pair_sum if backend.NATIVE is not None else reference_pair_sum
+
+
 def digest_of(tiers: tuple[set[int], set[int], set[int]] | list[list[int]]) -> int:
     """The digest of per-tier collections of page hashes (see the module docstring)."""
-    total = 0
-    for tier, hashes in enumerate(tiers):
-        for h in hashes:
-            total += pair_term(h, tier)
-    return total & MASK
+    return sum(pair_sum(hashes, tier) for tier, hashes in enumerate(tiers)) & MASK
 
 
 def seq_bytes(seq: int) -> bytes:
@@ -87,6 +94,42 @@ CLEARED = {"type": "AllBlocksCleared"}
 def encode_batch(ts: float, events: list[dict[str, Any]]) -> bytes:
     """vLLM's ``KVEventBatch`` (array-like: ``[ts, events]``; ``data_parallel_rank`` left out)."""
     return msgpack.packb([ts, events], use_bin_type=True)
+
+
+class BatchEncoder:
+    """``encode_batch`` of the events above, the same bytes, built from pre-packed pieces: one
+    msgpack call per list of page hashes, no event dict (the publisher's round thread)."""
+
+    def __init__(self, page_size: int) -> None:
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self.cleared = pack(CLEARED)
+        self._stored = []  # per tier: (the packed map up to its hashes, what follows them)
+        self._removed = []
+        for tier in range(len(MEDIUMS)):
+            self._stored.append(_split(stored_event([], tier, page_size)))
+            self._removed.append(_split(removed_event([], tier)))
+
+    def stored(self, hashes: list[int], tier: int) -> bytes:
+        head, tail = self._stored[tier]
+        return head + self._packer.pack(hashes) + tail
+
+    def removed(self, hashes: list[int], tier: int) -> bytes:
+        head, tail = self._removed[tier]
+        return head + self._packer.pack(hashes) + tail
+
+    def batch(self, ts: float, events: list[bytes]) -> bytes:
+        """The batch of events made by ``stored``, ``removed`` and ``cleared``, in order."""
+        packer = self._packer
+        return b"".join((packer.pack_array_header(2), packer.pack(ts), packer.pack_array_header(len(events)), *events))
+
+
+def _split(event: dict[str, Any]) -> tuple[bytes, bytes]:
+    """An event with no hashes, packed, cut where its (empty) ``block_hashes`` array goes."""
+    packed = pack(event)
+    key = pack("block_hashes")
+    at = packed.index(key) + len(key)
+    assert packed[at] == 0x90  # the empty array
+    return packed[:at], packed[at + 1 :]
 
 
 def decode_batch(payload: bytes) -> list[dict[str, Any]]:

@@ -235,7 +235,7 @@ class ServiceConfig:
     events_replay_batches: int = _opt(10_000, "event batches the replay endpoint keeps", min=1)
     events_replay_mib: int = _opt(64, "MiB of event batches the replay endpoint keeps at most", min=1)
     events_batch_ms: float = _opt(
-        5.0,
+        20.0,
         "rounds that follow an event batch by less than this many milliseconds go into one batch, sent once it "
         "is due (fewer messages under load); 0: a batch after every round that changed something",
         min=0.0,

@@ -166,6 +166,32 @@ STORAGE_COUNTERS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
 )
 
 
+# The KV-event stream's counters (rank 0's publisher; other ranks export 0), when events_endpoint is set:
+# (name without tpcache_ and _total, help, stats key).
+EVENT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("event_batches", "Event batches published", "event_batches"),
+    ("event_stored_pages", "(page, tier) pairs published as stored", "event_pages_stored"),
+    ("event_removed_pages", "(page, tier) pairs published as removed", "event_pages_removed"),
+    ("event_published_bytes", "Bytes of event batches published (payloads on the events topic)", "event_bytes"),
+    ("event_replays", "Replay requests the replay endpoint answered", "event_replays"),
+    ("event_snapshots", "Snapshots the replay endpoint sent", "event_snapshots"),
+    (
+        "event_snapshots_refused",
+        "Snapshots refused: more pages than events_snapshot_max_pages",
+        "event_snapshots_refused",
+    ),
+    (
+        "event_ring_dropped_batches",
+        "Batches that left the replay ring (events_replay_batches or events_replay_mib)",
+        "event_ring_dropped_batches",
+    ),
+)
+EVENT_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("event_ring_batches", "Batches the replay ring holds", "event_ring_batches"),
+    ("event_ring_bytes", "Bytes of batches the replay ring holds", "event_ring_bytes"),
+)
+
+
 class RankMetrics:
     """One rank's registry, its snapshot of the cache's state and its HTTP endpoint."""
 
@@ -177,8 +203,11 @@ class RankMetrics:
         storage: Any = None,
         capacity: dict[str, int] | None = None,
         version: str = "",
+        events: bool = False,
     ) -> None:
+        """``events``: export the KV-event stream's families (events_endpoint is set)."""
         self.rank = rank
+        self.events = events
         self.interval_s = interval_s
         self.storage = storage
         self.capacity = dict(capacity or {})
@@ -361,6 +390,11 @@ class _SnapshotCollector:
                 "Capacity of the storage tier on this rank",
                 float(store.get("capacity_bytes", 0)),
             )
+        if self.m.events:
+            for name, text, key in EVENT_COUNTERS:
+                yield _counter(name, text, "", {"": key}, stats)
+            for name, text, key in EVENT_GAUGES:
+                yield _gauge(f"tpcache_{name}", text, float(stats.get(key, 0) or 0))
         info = InfoMetricFamily("tpcache_transport", "The round transport and this rank's place in the group")
         info.add_metric(
             [],

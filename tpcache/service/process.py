@@ -317,7 +317,9 @@ def _run(resolved: Resolved, rank: int, world: int, device: Any, stop: StopFlag,
     buffer = config.host_mode == "buffer"  # host slots are staging then, not a cached tier
     capacity = {"device": config.device_pages, "host": 0 if buffer else config.host_pages}
     capacity["staging"] = config.host_pages if buffer else 0
-    metrics = RankMetrics(rank, storage=storage, capacity=capacity, version=package_version())
+    metrics = RankMetrics(
+        rank, storage=storage, capacity=capacity, version=package_version(), events=bool(config.events_endpoint)
+    )
     ctx = zmq.Context()
     channels: Channels | None = None
     code = 0

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpcache.core import CacheConfig, backend
+from tpcache.integrations.vllm import events as kv_events
 from tpcache.integrations.vllm.compat import check_vllm
 from tpcache.integrations.vllm.logs import LOGGER, speak_through_vllm
 from tpcache.integrations.vllm.messages import StepOps, WorkerReport
@@ -41,7 +42,10 @@ from tpcache.integrations.vllm.stats import Increments, TPCachePromMetrics, TPCa
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -107,8 +111,14 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.metrics: Any = None
         self._result: StepResult | None = None
         self._increments = Increments()  # vLLM's stats: what moved since the last collection
+        self.events: kv_events.BlockEvents | None = None  # tpcache's tiers in vLLM's KV events (scheduler)
+        self._changes: kv_events.ChangeCollector | None = None  # the rounds' changes (worker, TP rank 0)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.block_size)
+            if kv_events.enabled(vllm_config):
+                self.events = kv_events.BlockEvents(
+                    self.block_size, page_namespace(self.options.namespace, self.model_name)
+                )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # A cache never fails a request: pages that did not load on every rank are computed
                 # again. vLLM reads this policy right after creating the scheduler's connector.
@@ -128,6 +138,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
+        if self.events is not None:
+            self.events.track(request)
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -142,7 +154,10 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_meta(scheduler_output)
+        meta = self.scheduler.build_meta(scheduler_output)
+        if self.events is not None:
+            self.events.saw(meta.ops)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -154,6 +169,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             connector_output.invalid_block_ids,
             failed,
         )
+        if self.events is not None and isinstance(report, WorkerReport):
+            self.events.reported(report.changes)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -161,7 +178,10 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Every model, hybrid or not, finishes here: the last pages of every group are saved and
         vLLM keeps every group's blocks until every rank agreed its copies landed."""
         assert self.scheduler is not None
-        return self.scheduler.request_finished(request, block_ids), None
+        delayed = self.scheduler.request_finished(request, block_ids)
+        if self.events is not None:
+            self.events.finished(request)
+        return delayed, None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -169,6 +189,9 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         # Keep vLLM stepping while a worker has copies or releases to agree: each step is a round.
         return self.scheduler is not None and (self.scheduler.workers_busy or bool(self.scheduler.ops))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.events.take() if self.events is not None else ()
 
     def reset_cache(self) -> bool | None:
         assert self.scheduler is not None
@@ -267,6 +290,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker = WorkerSide(
             cache, lookup_timeout_rounds=opts.lookup_timeout_rounds, reopen=opts.reopen, faults=faults
         )
+        if rank == 0 and kv_events.enabled(self._vllm_config):
+            self._changes = kv_events.collect_changes(cache)
         if opts.metrics_port:
             from tpcache.service.metrics import RankMetrics
 
@@ -341,6 +366,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None or self._result is None:
             return None
+        if self._changes is not None:
+            self._result.report.changes = self._changes.take()
         return self._result.report
 
     def shutdown(self) -> None:

@@ -39,6 +39,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     hits: dict[str, tuple[int, int]] = field(default_factory=dict)
     closed: bool = False
     busy: bool = False  # a worker still has copies or releases to agree: vLLM should keep stepping
+    changes: list[tuple] | None = None  # TP rank 0, with vLLM's KV events on: the rounds' changes (events.py)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         if not isinstance(other, WorkerReport):
@@ -48,4 +49,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
             a, b = self.hits.get(req, (0, 0)), other.hits.get(req, (0, 0))
             total = min(a[0], b[0])
             hits[req] = (total, min(max(a[1], b[1]), total))
-        return WorkerReport(hits=hits, closed=self.closed or other.closed, busy=self.busy or other.busy)
+        return WorkerReport(
+            hits=hits,
+            closed=self.closed or other.closed,
+            busy=self.busy or other.busy,
+            changes=self.changes or other.changes,
+        )
