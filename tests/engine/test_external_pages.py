@@ -203,3 +203,57 @@ def test_ranks_that_differ_serve_no_hit() -> None:
         return cache.match(toks(1, 2, 3)).host_pages, cache.core.closed
 
     assert run_ranks(body) == [(0, True), (0, True)]
+
+
+def _engine_layer(model: torch.Tensor, tp: int, rank: int, order: str) -> torch.Tensor:
+    """Rank ``rank`` of ``tp``'s slice of one layer of ``model`` ([blocks, heads, tokens, 2 * dim]),
+    as vLLM hands it over: logical [blocks, heads, tokens, K and V], kept in ``order`` ("BHNC": as
+    the CPU backend; "BNHC": heads inside tokens; "HBNC": heads outside blocks), here seen as int8."""
+    heads = model.shape[1] // tp
+    part = model[:, rank * heads : (rank + 1) * heads]
+    if order == "BHNC":
+        t = part.contiguous()
+    elif order == "BNHC":
+        t = part.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    else:
+        t = part.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
+    return t.view(torch.int8)
+
+
+def test_engine_pages_of_any_backend_order_and_tp_size_share_the_models_shards() -> None:
+    """A TP=2 engine in one physical order writes its pages as the model's shards; a TP=1 engine in
+    another order reads them into exactly the bytes its own block holds (and the other way)."""
+    from tpcache.dist.parallel import Shard
+    from tpcache.integrations.vllm.layout import model_page_view
+    from tpcache.io.storage.keys import StorageKey
+    from tpcache.io.storage.sharded import ModelShape, ShardedStorage
+
+    g = torch.Generator().manual_seed(3)
+    layers, heads, dim = 2, 4, 8
+    model = [torch.randn(BLOCKS, heads, PAGE, 2 * dim, generator=g) for _ in range(layers)]
+
+    def views(tp: int, order: str) -> list[tuple[Any, ShardedStorage]]:
+        out = []
+        for rank in range(tp):
+            kv = {f"layer{i}": _engine_layer(model[i], tp, rank, order) for i in range(layers)}
+            adapter, _, _ = engine_kv_from_vllm(kv, BLOCKS, PAGE)
+            layout, view = model_page_view(kv, BLOCKS, PAGE, heads // tp, dim, torch.float32)
+            shape = ModelShape.of_rank("tiny", layout, Shard(rank, tp))
+            out.append((adapter, ShardedStorage(store, shape, Shard(rank, tp), layout, view)))
+        return out
+
+    def page_of(adapter: Any, b: int) -> torch.Tensor:
+        host = torch.zeros(1, adapter.page_elems, dtype=adapter.dtype)
+        adapter.save(host, [b], [0])
+        return host[0]
+
+    for writer, reader in (("BHNC", "BNHC"), ("HBNC", "BHNC")):
+        for w_tp, r_tp in ((2, 1), (1, 2)):
+            store = MemoryBackend()
+            key = StorageKey("vllm", 1, 0, 1, 0x5EED)
+            for adapter, storage in views(w_tp, writer):
+                assert storage.put([key], [page_of(adapter, 5)]) == [True]
+            for adapter, storage in views(r_tp, reader):
+                out = torch.full((adapter.page_elems,), 7, dtype=adapter.dtype)
+                assert storage.get([key], [out]) == [True]
+                assert torch.equal(out, page_of(adapter, 5)), (writer, reader, w_tp, r_tp)
