@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from tpcache.core import CacheConfig, check
@@ -257,3 +258,19 @@ def test_engine_pages_of_any_backend_order_and_tp_size_share_the_models_shards()
                 out = torch.full((adapter.page_elems,), 7, dtype=adapter.dtype)
                 assert storage.get([key], [out]) == [True]
                 assert torch.equal(out, page_of(adapter, 5)), (writer, reader, w_tp, r_tp)
+
+
+def test_an_engine_kv_that_is_not_whole_heads_of_k_then_v_is_refused_in_one_line() -> None:
+    """Where the model's shards cannot be cut from vLLM's KV, the connector keeps a store per rank
+    (and says why): the view refuses, naming the shape it found."""
+    from tpcache.integrations.vllm.layout import model_page_view
+    from tpcache.io.errors import KVLayoutError
+
+    kv = engine_kv()  # bf16, [blocks, 2 heads, tokens, 2 * 8]
+    with pytest.raises(KVLayoutError, match=r"not vLLM's \[blocks, KV heads, tokens, K and V\]"):
+        model_page_view(kv, BLOCKS, PAGE, HEADS, DIM, torch.float8_e4m3fn)  # a quantized cache's dtype
+    outer = {n: t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0) for n, t in kv.items()}
+    with pytest.raises(KVLayoutError, match="a token's K and V are not innermost"):
+        model_page_view(outer, BLOCKS, PAGE, HEADS, DIM, torch.bfloat16)
+    layout, _ = model_page_view(kv, BLOCKS, PAGE, HEADS, DIM, torch.bfloat16)
+    assert (layout.num_layers, layout.heads_per_rank, layout.head_dim) == (LAYERS, HEADS, DIM)
