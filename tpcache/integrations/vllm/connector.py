@@ -90,7 +90,8 @@ class TPCacheConnector(KVConnectorBase_V1):
         self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
         # The storage tier's shard layout: the model's identity, its KV heads, and why not (if so).
         self.model_id, self.model_identity = model_identity(vllm_config)
-        self.kv_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config is not None else None
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self.kv_spec = groups[0].kv_cache_spec if groups else None
         self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self.unshared_reason = unshared_reason(vllm_config)
         self.scheduler: SchedulerSide | None = None
@@ -208,7 +209,7 @@ class TPCacheConnector(KVConnectorBase_V1):
             raise
         storage, where = None, ""
         if opts.storage_dir:
-            storage, where = self._open_storage(kv_caches, num_blocks, layout, rank, world)
+            storage, where = self._open_storage(kv_caches, num_blocks, rank, world)
             secret = os.environ.get(STORAGE_KEY_ENV, "")  # checked equal on every rank by agree_host_tier
             if secret:
                 from tpcache.io.storage import RecordMac
@@ -260,7 +261,7 @@ class TPCacheConnector(KVConnectorBase_V1):
         )
 
     def _open_storage(
-        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, layout: Any, rank: int, world: int
+        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, rank: int, world: int
     ) -> tuple[Any, str]:
         """This rank's storage tier and where it is, for the start-up line: the model's shard layout,
         which every TP size of the same model reads (``io.storage.sharded``), where vLLM's KV allows;
