@@ -57,9 +57,9 @@ from tpcache.io.storage.keys import StorageKey
 from tpcache.io.storage.record import (
     HEADER_SIZE,
     RecordError,
+    check_value,
     copy_checksum,
     encode_header,
-    parse_value,
     payload_checksum,
 )
 
@@ -291,19 +291,19 @@ class RemoteBackend(StorageBackend):
         def answer(i: int, value: Any, reason: str | None, placed: int | None) -> None:
             if results[i] is not None:
                 return  # one answer per key
-            view = views[i]
+            view, echo = views[i], echoes[i]
             if reason is None:
                 try:
-                    head = parse_value(value, echoes[i], len(view), value_len=placed)
+                    want, mac = check_value(value, echo, len(view), value_len=placed)
                     # Verified in the caller's buffer: after the copy out of a transfer buffer that
                     # a late write could still change, or where the store placed it.
                     if placed is not None:
                         xxh = payload_checksum(view)
                     else:
-                        xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echoes[i]) :])
-                    if xxh != head.payload_xxh:
+                        xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echo) :])
+                    if xxh != want:
                         reason = MISS_CORRUPT
-                    elif self.record_mac is not None and not self.record_mac.verify(head, echoes[i], view):
+                    elif self.record_mac is not None and not self.record_mac.verify_mac(mac, echo, view):
                         reason = MISS_UNAUTHENTICATED
                 except RecordError as exc:
                     reason = exc.reason

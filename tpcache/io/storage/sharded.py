@@ -236,7 +236,9 @@ class ShardedStorage(StorageBackend):
             layers = (self._first_layer + l0, self._first_layer + l1 - 1)
             heads = (self._first_head + h0, self._first_head + h1 - 1)
             template = StorageKey(model.model_id, model.layout_id, 0, 1, 0, layers=layers, heads=heads)
-            self._templates.append(dict(template.__dict__))
+            fields = dict(template.__dict__)
+            # A shard key's encoding is its template's with the page hash last (16 hex digits).
+            self._templates.append((fields, template.encode()[:-16]))
         self._counters = StorageCounters(0)
         self._names = ("page_gets", "page_hits", "page_partial", "page_puts", "page_put_ok")
         for name in self._names:
@@ -249,9 +251,11 @@ class ShardedStorage(StorageBackend):
         if key.layers is not None:
             raise StorageKeyError("the shard layout takes a rank's page key, not a model shard key")
         out = []
-        for template in self._templates:  # checked once; a key's page hash was checked when it was made
+        h = key.page_hash
+        suffix = f"{h:016x}"
+        for fields, prefix in self._templates:  # checked once; a key's page hash was checked when it was made
             k = object.__new__(StorageKey)
-            k.__dict__.update(template, page_hash=key.page_hash)
+            k.__dict__.update(fields, page_hash=h, _encoded=prefix + suffix)
             out.append(k)
         return out
 
