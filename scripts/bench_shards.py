@@ -11,7 +11,7 @@ is 8 or 64 shards of 8 or 16 KiB):
   layout adds beyond it is the split, the transpose and the keys;
 - ``raw_shards``: the store's own client moving the same number of values of the same sizes
   (Mooncake ``batch_put_from`` / ``batch_get_into`` on a registered buffer, Redis pipelined
-  ``SET`` / ``GET``); for the file store, ``FileBackend`` moving the pre-split shards (its own
+  ``SET`` and ``MGET``); for the file store, ``FileBackend`` moving the pre-split shards (its own
   floor against raw file I/O is ``bench_storage.py``'s);
 - ``raw_pages``: the same client moving whole pages (what the per-shape layout moves).
 

@@ -3,7 +3,7 @@
 ``--backend file`` (default): FileBackend against raw file I/O in the same directory.
 ``--backend mooncake|redis``: the backend against the store's own client doing the same batched
 put/get of the same bytes in the same run (Mooncake: ``batch_put_from``/``batch_get_into`` on a
-registered buffer; Redis: pipelined ``SET``/``GET``). With ``--url`` it measures that store;
+registered buffer; Redis: pipelined ``SET``, ``MGET``). With ``--url`` it measures that store;
 without, it starts local servers as the tests do (``tpcache.testing.servers``; Mooncake in a
 private network namespace, which needs root). Each repeat alternates which side runs first;
 the median of the repeats is kept, with the spread of the per-repeat ratios.

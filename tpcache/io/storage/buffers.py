@@ -37,6 +37,10 @@ def _tensor_view(t: Any, writable: bool) -> memoryview:
 
 def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
     """A flat unsigned-byte view of ``buf`` without copying."""
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous:
+        if writable and buf.readonly:
+            raise StorageBufferError("output buffer is read-only")
+        return buf  # already one: the common case of a backend's caller (ShardedStorage's rows)
     # A tensor exists only once torch is imported: this module never imports it, so the launcher
     # and the settings check start without torch's import (seconds of CPU).
     torch_ = sys.modules.get("torch")

@@ -44,6 +44,7 @@ FLAG_MAC = 1
 HEADER = struct.Struct(f"<4sHHIQQQQ{MAC_SIZE}s")
 HEADER_SIZE = HEADER.size  # 60
 _CHECKED = slice(4, 36)  # version .. payload_xxh
+_CHECKED_FIELDS = struct.Struct("<HHIQQQ")  # the fields _CHECKED covers
 _MAC = slice(44, HEADER_SIZE)
 _NO_MAC = bytes(MAC_SIZE)
 MIN_KEY_BYTES = 16
@@ -135,11 +136,10 @@ def encode_header(key: bytes, seq: int, payload_len: int, payload_xxh: int, *, m
         raise ValueError(f"encoded key is {len(key)} bytes, the limit is {MAX_KEY_BYTES}")
     if mac and len(mac) != MAC_SIZE:
         raise ValueError(f"a record MAC is {MAC_SIZE} bytes, got {len(mac)}")
-    flags = FLAG_MAC if mac else 0
     field = mac or _NO_MAC
-    head = HEADER.pack(MAGIC_LIVE, RECORD_VERSION, len(key), flags, seq, payload_len, payload_xxh, 0, field)
-    hxh = xxhash.xxh3_64_intdigest(head[_CHECKED] + field + key)
-    return head[: _CHECKED.stop] + struct.pack("<Q", hxh) + field + key
+    checked = _CHECKED_FIELDS.pack(RECORD_VERSION, len(key), FLAG_MAC if mac else 0, seq, payload_len, payload_xxh)
+    hxh = xxhash.xxh3_64_intdigest(b"".join((checked, field, key)))
+    return b"".join((MAGIC_LIVE, checked, hxh.to_bytes(8, "little"), field, key))
 
 
 def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:

@@ -268,11 +268,11 @@ class RemoteBackend(StorageBackend):
                     reasons = self._call(self._put, self._names(echoes), heads, views)
                 except StoreUnavailable:
                     self._unreachable()
-            for reason, view in zip(reasons, views, strict=True):
-                if reason is None:
-                    self._counters.add("put_ok")
-                    self._counters.add("bytes_written", len(view))
-                else:
+            written = [len(v) for r, v in zip(reasons, views, strict=True) if r is None]
+            self._counters.add("put_ok", len(written))
+            self._counters.add("bytes_written", sum(written))
+            for reason in reasons:
+                if reason is not None:
                     self._counters.put_failure(reason)
         return [r is None for r in reasons]
 
@@ -282,6 +282,8 @@ class RemoteBackend(StorageBackend):
         results: list[bool | None] = [None] * len(views)
 
         guard = _Guard()
+
+        record_mac = self.record_mac
 
         def sink(i: int, value: Any, reason: str | None, *, placed: int | None = None) -> None:
             with guard.lock:
@@ -303,15 +305,16 @@ class RemoteBackend(StorageBackend):
                         xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echo) :])
                     if xxh != want:
                         reason = MISS_CORRUPT
-                    elif self.record_mac is not None and not self.record_mac.verify_mac(mac, echo, view):
+                    elif record_mac is not None and not record_mac.verify_mac(mac, echo, view):
                         reason = MISS_UNAUTHENTICATED
+                    else:
+                        results[i] = True
+                        return
                 except RecordError as exc:
                     reason = exc.reason
-                if reason is not None:
-                    view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
-            results[i] = reason is None
-            if reason is not None:
-                self._counters.miss(reason)
+                view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
+            results[i] = False
+            self._counters.miss(reason)
 
         with self._lock:
             self._check_open()
