@@ -20,6 +20,16 @@ class StorageBufferError(TypeError):
     """A page buffer cannot be used: wrong type, not contiguous, not on the CPU, read-only."""
 
 
+def check_tensor(t: Any, writable: bool) -> None:
+    """``byte_view``'s checks of a tensor, without making the view."""
+    if t.device.type != "cpu":
+        raise StorageBufferError(f"storage needs CPU tensors, got one on {t.device}")
+    if not t.is_contiguous():
+        raise StorageBufferError("storage needs contiguous tensors (call .contiguous() first)")
+    if writable and t.requires_grad:
+        raise StorageBufferError("cannot read storage into a tensor that requires grad")
+
+
 def _tensor_view(t: Any, writable: bool) -> memoryview:
     if t.device.type != "cpu":
         raise StorageBufferError(f"storage needs CPU tensors, got one on {t.device}")

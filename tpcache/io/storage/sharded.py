@@ -41,7 +41,7 @@ import xxhash
 from tpcache.dist.parallel import Shard
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage.base import StorageBackend, StorageCounters, StorageInUse, check_keys, check_pairs
-from tpcache.io.storage.buffers import byte_view
+from tpcache.io.storage.buffers import byte_view, check_tensor
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 
 SHARD_FORMAT_VERSION = 1
@@ -253,15 +253,19 @@ class ShardedStorage(StorageBackend):
         out = []
         h = key.page_hash
         suffix = f"{h:016x}"
+        new, put = object.__new__, object.__setattr__
         for fields, prefix in self._templates:  # checked once; a key's page hash was checked when it was made
-            k = object.__new__(StorageKey)
-            k.__dict__.update(fields, page_hash=h, _encoded=prefix + suffix)
+            k = new(StorageKey)
+            d = fields.copy()
+            d["page_hash"] = h
+            d["_encoded"] = prefix + suffix
+            put(k, "__dict__", d)
             out.append(k)
         return out
 
     def _page(self, buf: Any, writable: bool) -> torch.Tensor:
         if isinstance(buf, torch.Tensor):
-            byte_view(buf, writable=writable)  # the same checks as every backend: CPU, contiguous
+            check_tensor(buf, writable)  # the same checks as every backend: CPU, contiguous
             flat = buf.reshape(-1).view(torch.uint8)
         else:
             view = byte_view(buf, writable=writable)
