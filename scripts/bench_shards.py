@@ -11,15 +11,20 @@ is 8 or 64 shards of 8 or 16 KiB):
   layout adds beyond it is the split, the transpose and the keys;
 - ``raw_shards``: the store's own client moving the same number of values of the same sizes
   (Mooncake ``batch_put_from`` / ``batch_get_into`` on a registered buffer, Redis pipelined
-  ``SET`` / ``GET``); for the file store, ``FileBackend`` moving the pre-split shards (its own
+  ``SET`` and ``MGET``); for the file store, ``FileBackend`` moving the pre-split shards (its own
   floor against raw file I/O is ``bench_storage.py``'s);
 - ``raw_pages``: the same client moving whole pages (what the per-shape layout moves).
 
-Each repeat alternates which side runs first; medians are printed. Read amplification: for each
-writer/reader TP pair, the shard bytes a reader rank reads over the bytes of its slice.
+Each repeat alternates which side runs first. Printed per case: each side's median throughput, and
+the sharded side's ratio to each other side, by wall time (``vs_raw_shards``) and by process CPU
+time (``vs_raw_shards_cpu``, steadier on a loaded machine), each the median of the per-repeat
+ratios with their range (``_spread``). Read amplification: for each writer/reader TP pair, the
+bytes the reader's ranks read from a store the writer's ranks filled, over the bytes of their
+slices (or the line that refuses the pair).
 
-Usage: ``python scripts/bench_shards.py --json [--backend file|redis|mooncake] [--total-mib N]``
-(the stores are started on loopback as the tests do; Mooncake needs a private network namespace).
+Usage: ``python scripts/bench_storage.py --shards --json [--backend file|redis|mooncake] [--total-mib N]``
+(this module is its implementation; the stores are started on loopback as the tests do; Mooncake
+needs a private network namespace).
 """
 
 from __future__ import annotations
@@ -43,20 +48,23 @@ import torch  # noqa: E402
 
 from scripts.bench_store import _Raw, local_store  # noqa: E402
 from tpcache.comm.parallel import Shard  # noqa: E402
+from tpcache.io.errors import KVLayoutError  # noqa: E402
 from tpcache.io.kv_pool import KVLayout  # noqa: E402
 from tpcache.io.storage import StorageKey, parse_storage_url  # noqa: E402
 from tpcache.io.storage.file import FileBackend  # noqa: E402
-from tpcache.io.storage.sharded import ModelShape, ShardedStorage  # noqa: E402
+from tpcache.io.storage.memory import MemoryBackend  # noqa: E402
+from tpcache.io.storage.sharded import ModelShape, ShardedStorage, ShardLayoutError  # noqa: E402
 from tpcache.io.storage.url import _open  # noqa: E402
 
 HEADS, DIM, TOKENS = 8, 128, 16
 LAYERS_FOR = {64 << 10: 1, 1 << 20: 16}
 
 
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
+def _timed(fn: Any) -> tuple[float, float]:
+    """Wall and process CPU seconds of ``fn()``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _inner(backend: str, url: str, work: Path) -> Any:
@@ -65,17 +73,41 @@ def _inner(backend: str, url: str, work: Path) -> Any:
     return _open(parse_storage_url(url), None, 1 << 30)  # type: ignore[arg-type]
 
 
-def amplification() -> list[dict[str, Any]]:
-    """Shard bytes a reader rank reads over its slice's bytes, per writer/reader TP pair."""
+class _Counting(MemoryBackend):
+    """A store that counts the bytes its gets return."""
+
+    read_bytes = 0
+
+    def get(self, keys: Any, out: Any) -> list[bool]:
+        found = super().get(keys, out)
+        self.read_bytes += sum(memoryview(b).nbytes for b, ok in zip(out, found, strict=True) if ok)
+        return found
+
+
+def amplification(layers: int = 32, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
+    """Per writer/reader TP pair: the bytes the reader's ranks read from the store over the bytes of
+    their slices, measured on one page the writer's ranks stored (a shape that would split a shard
+    is refused at start: its line is given instead)."""
     out = []
-    for layers in (32,):
-        for writer in (1, 2, 4, 8):
-            for reader in (1, 2, 4, 8):
-                lay = KVLayout.from_model(layers, HEADS, DIM, reader, torch.bfloat16, TOKENS)
-                model = ModelShape.of_rank("bench", lay, Shard(0, reader))
-                ranges = model.ranges(lay, Shard(0, reader))
-                read = len(ranges) * model.shard_bytes
-                out.append({"writer_tp": writer, "reader_tp": reader, "read_amplification": read / lay.page_bytes})
+    for writer in sizes:
+        for reader in sizes:
+            row: dict[str, Any] = {"writer_tp": writer, "reader_tp": reader}
+            store = _Counting()
+            try:
+                for tp, write in ((writer, True), (reader, False)):
+                    for rank in range(tp):
+                        lay = KVLayout.from_model(layers, HEADS, DIM, tp, torch.bfloat16, TOKENS)
+                        model = ModelShape.of_rank("bench", lay, Shard(rank, tp))
+                        view = ShardedStorage(store, model, Shard(rank, tp), lay)
+                        page = torch.zeros(lay.page_bytes, dtype=torch.uint8)
+                        key = StorageKey("bench", 1, 0, 1, 7)
+                        assert (view.put if write else view.get)([key], [page]) == [True]
+                        if not write:
+                            row["needed"] = row.get("needed", 0) + lay.page_bytes
+                row["read_amplification"] = round(store.read_bytes / row.pop("needed"), 3)
+            except (ShardLayoutError, KVLayoutError) as exc:
+                row["refused"] = str(exc)
+            out.append(row)
     return out
 
 
@@ -143,7 +175,8 @@ def run(backend: str, url: str, total: int, repeats: int, batch_bytes: int) -> l
         batches = max(1, total // (per_batch * page_bytes))
         moved = batches * per_batch * page_bytes
         sides_ = ("sharded", "backend_shards", "raw_shards", "raw_pages")
-        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in sides_}
+        # per side, per repeat: (put, get) throughput by wall time and by process CPU time
+        runs: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in sides_}
         shards = shard_bytes = 0
         for rep in range(repeats):
             r = _Rep(backend, url, lay, per_batch, rep)
@@ -156,30 +189,30 @@ def run(backend: str, url: str, total: int, repeats: int, batch_bytes: int) -> l
                 side(batches, True)
             for name in list(sides) if rep % 2 == 0 else list(reversed(sides)):
                 side = sides[name]
-                tp = sum(_timed(functools.partial(side, bt, False)) for bt in range(batches))
-                tg = sum(_timed(functools.partial(side, bt, True)) for bt in range(batches))
-                runs[name].append((moved / tp / 1e9, moved / tg / 1e9))
+                tp = [_timed(functools.partial(side, bt, False)) for bt in range(batches)]
+                tg = [_timed(functools.partial(side, bt, True)) for bt in range(batches)]
+                runs[name].append(tuple(moved / sum(t[i] for t in ts) / 1e9 for ts in (tp, tg) for i in (0, 1)))
             if backend == "file":
                 runs["raw_shards"].append(runs["backend_shards"][-1])
             r.close(batches + 1)
         for k, op in enumerate(("put", "get")):
-            med = {name: statistics.median(x[k] for x in runs[name]) for name in runs}
-            cases.append(
-                {
-                    "backend": backend,
-                    "op": op,
-                    "page_bytes": page_bytes,
-                    "shards_per_page": shards,
-                    "shard_bytes": shard_bytes,
-                    "sharded_gbps": round(med["sharded"], 3),
-                    "backend_shards_gbps": round(med["backend_shards"], 3),
-                    "raw_shards_gbps": round(med["raw_shards"], 3),
-                    "raw_pages_gbps": round(med["raw_pages"], 3),
-                    "vs_backend_shards": round(med["sharded"] / med["backend_shards"], 3),
-                    "vs_raw_shards": round(med["sharded"] / med["raw_shards"], 3),
-                    "vs_raw_pages": round(med["sharded"] / med["raw_pages"], 3),
-                }
-            )
+            wall, cpu = 2 * k, 2 * k + 1
+            med = {name: statistics.median(x[wall] for x in runs[name]) for name in runs}
+            case: dict[str, Any] = {
+                "backend": backend,
+                "op": op,
+                "page_bytes": page_bytes,
+                "shards_per_page": shards,
+                "shard_bytes": shard_bytes,
+                **{f"{name}_gbps": round(med[name], 3) for name in sides_},
+            }
+            # ratios of one repeat's sides (run back to back), their median and range (min-max)
+            for floor in ("backend_shards", "raw_shards", "raw_pages"):
+                for label, i in (("", wall), ("_cpu", cpu)):
+                    ratios = [a[i] / b[i] for a, b in zip(runs["sharded"], runs[floor], strict=True)]
+                    case[f"vs_{floor}{label}"] = round(statistics.median(ratios), 3)
+                    case[f"vs_{floor}{label}_spread"] = [round(min(ratios), 3), round(max(ratios), 3)]
+            cases.append(case)
     return cases
 
 

@@ -3,7 +3,7 @@
 ``--backend file`` (default): FileBackend against raw file I/O in the same directory.
 ``--backend mooncake|redis``: the backend against the store's own client doing the same batched
 put/get of the same bytes in the same run (Mooncake: ``batch_put_from``/``batch_get_into`` on a
-registered buffer; Redis: pipelined ``SET``/``GET``). With ``--url`` it measures that store;
+registered buffer; Redis: pipelined ``SET``, ``MGET``). With ``--url`` it measures that store;
 without, it starts local servers as the tests do (``tpcache.testing.servers``; Mooncake in a
 private network namespace, which needs root). Each repeat alternates which side runs first;
 the median of the repeats is kept, with the spread of the per-repeat ratios.
@@ -34,6 +34,10 @@ time, which the machine's load moves less) and ``cold_restart_scan_s``.
 
 Prints one JSON object: ``{"cases": [{"op", "page_bytes", "gbps", "floor_gbps", "ratio", ...}],
 "cold_restart_s", ...}``; with ``--layouts`` it also measures the rejected one-file-per-page layout.
+
+``--shards``: put and get through the shared storage layout (shards of the model's KV heads and
+layers, the transpose included) against the store's raw client moving the same shards and whole
+pages, and the read amplification of each writer/reader TP pair (``bench_shards.py``).
 
 Usage: ``python scripts/bench_storage.py --json [--backend file|mooncake|redis] [--url URL] [--total-mib N]``
 """
@@ -253,7 +257,17 @@ def run_repeat(
 
 
 def main() -> int:
+    if "--shards" in sys.argv[1:]:  # the shared layout's own options (bench_shards.py)
+        import bench_shards
+
+        sys.argv.remove("--shards")
+        return bench_shards.main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--shards",
+        action="store_true",
+        help="the shared storage layout against the raw client moving the same shards (bench_shards.py)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
     ap.add_argument("--dir", default=None, help="directory to measure in (default: system temp dir)")
     ap.add_argument("--backend", choices=("file", "mooncake", "redis"), default="file")

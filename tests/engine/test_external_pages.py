@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from tpcache.comm import SimGroup
@@ -203,3 +204,73 @@ def test_ranks_that_differ_serve_no_hit() -> None:
         return cache.match(toks(1, 2, 3)).host_pages, cache.core.closed
 
     assert run_ranks(body) == [(0, True), (0, True)]
+
+
+def _engine_layer(model: torch.Tensor, tp: int, rank: int, order: str) -> torch.Tensor:
+    """Rank ``rank`` of ``tp``'s slice of one layer of ``model`` ([blocks, heads, tokens, 2 * dim]),
+    as vLLM hands it over: logical [blocks, heads, tokens, K and V], kept in ``order`` ("BHNC": as
+    the CPU backend; "BNHC": heads inside tokens; "HBNC": heads outside blocks), here seen as int8."""
+    heads = model.shape[1] // tp
+    part = model[:, rank * heads : (rank + 1) * heads]
+    if order == "BHNC":
+        t = part.contiguous()
+    elif order == "BNHC":
+        t = part.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    else:
+        t = part.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
+    return t.view(torch.int8)
+
+
+def test_engine_pages_of_any_backend_order_and_tp_size_share_the_models_shards() -> None:
+    """A TP=2 engine in one physical order writes its pages as the model's shards; a TP=1 engine in
+    another order reads them into exactly the bytes its own block holds (and the other way)."""
+    from tpcache.comm.parallel import Shard
+    from tpcache.integrations.vllm.layout import model_page_view
+    from tpcache.io.storage.keys import StorageKey
+    from tpcache.io.storage.sharded import ModelShape, ShardedStorage
+
+    g = torch.Generator().manual_seed(3)
+    layers, heads, dim = 2, 4, 8
+    model = [torch.randn(BLOCKS, heads, PAGE, 2 * dim, generator=g) for _ in range(layers)]
+
+    def views(tp: int, order: str) -> list[tuple[Any, ShardedStorage]]:
+        out = []
+        for rank in range(tp):
+            kv = {f"layer{i}": _engine_layer(model[i], tp, rank, order) for i in range(layers)}
+            adapter, _, _ = engine_kv_from_vllm(kv, BLOCKS, PAGE)
+            layout, view = model_page_view(kv, BLOCKS, PAGE, heads // tp, dim, torch.float32)
+            shape = ModelShape.of_rank("tiny", layout, Shard(rank, tp))
+            out.append((adapter, ShardedStorage(store, shape, Shard(rank, tp), layout, view)))
+        return out
+
+    def page_of(adapter: Any, b: int) -> torch.Tensor:
+        host = torch.zeros(1, adapter.page_elems, dtype=adapter.dtype)
+        adapter.save(host, [b], [0])
+        return host[0]
+
+    for writer, reader in (("BHNC", "BNHC"), ("HBNC", "BHNC")):
+        for w_tp, r_tp in ((2, 1), (1, 2)):
+            store = MemoryBackend()
+            key = StorageKey("vllm", 1, 0, 1, 0x5EED)
+            for adapter, storage in views(w_tp, writer):
+                assert storage.put([key], [page_of(adapter, 5)]) == [True]
+            for adapter, storage in views(r_tp, reader):
+                out = torch.full((adapter.page_elems,), 7, dtype=adapter.dtype)
+                assert storage.get([key], [out]) == [True]
+                assert torch.equal(out, page_of(adapter, 5)), (writer, reader, w_tp, r_tp)
+
+
+def test_an_engine_kv_that_is_not_whole_heads_of_k_then_v_is_refused_in_one_line() -> None:
+    """Where the model's shards cannot be cut from vLLM's KV, the connector keeps a store per rank
+    (and says why): the view refuses, naming the shape it found."""
+    from tpcache.integrations.vllm.layout import model_page_view
+    from tpcache.io.errors import KVLayoutError
+
+    kv = engine_kv()  # bf16, [blocks, 2 heads, tokens, 2 * 8]
+    with pytest.raises(KVLayoutError, match=r"not vLLM's \[blocks, KV heads, tokens, K and V\]"):
+        model_page_view(kv, BLOCKS, PAGE, HEADS, DIM, torch.float8_e4m3fn)  # a quantized cache's dtype
+    outer = {n: t.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0) for n, t in kv.items()}
+    with pytest.raises(KVLayoutError, match="a token's K and V are not innermost"):
+        model_page_view(outer, BLOCKS, PAGE, HEADS, DIM, torch.bfloat16)
+    layout, _ = model_page_view(kv, BLOCKS, PAGE, HEADS, DIM, torch.bfloat16)
+    assert (layout.num_layers, layout.heads_per_rank, layout.head_dim) == (LAYERS, HEADS, DIM)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.scenario import Results, gemma_plan, llama_plan, mistral_plan, run_suite
+from tests.vllm.scenario import Results, cross_tp_plan, gemma_plan, llama_plan, mistral_plan, run_suite
 
 # Every TP=1 engine in one driver, the TP=2 engines (a worker process per rank) in the other.
 TP1_GROUP = "vllm_tp1"
@@ -33,3 +33,11 @@ def vllm_tp1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Results]:
 def vllm_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Results]:
     workdir = Path(tmp_path_factory.mktemp("vllm_tp2"))
     return run_suite({"llama": llama_plan(2, workdir / "llama"), "gemma": gemma_plan(workdir / "gemma", 2)}, workdir)
+
+
+@pytest.fixture(scope="session")
+def vllm_cross_tp(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """TP=2 and TP=1 engines on one storage directory (``scenario.cross_tp_plan``), in the TP=2
+    group's worker, in a driver run of its own."""
+    workdir = Path(tmp_path_factory.mktemp("vllm_cross_tp"))
+    return run_suite({"cross": cross_tp_plan(workdir / "cross")}, workdir)["cross"]

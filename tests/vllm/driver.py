@@ -2,8 +2,9 @@
 
     python tests/vllm/driver.py SUITE.json OUT.json
 
-A suite is ``{"runs": {name: plan}}``. A plan names the model directory, the TP size and a list of
-engines, each with its connector settings (none: plain vLLM) and its steps. Every engine of every
+A suite is ``{"runs": {name: plan}}``. A plan names the model directory, its dtype (default
+bfloat16), the TP size and a list of engines, each with its connector settings (none: plain vLLM),
+its own TP size where it differs from the plan's, and its steps. Every engine of every
 plan runs in turn in this one process (vLLM spawns each engine's core and workers; this script is
 their ``__main__``): one ``import vllm`` serves them all. Steps:
 
@@ -239,9 +240,9 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
         "model": plan["model"],
         "skip_tokenizer_init": True,
         "enforce_eager": True,
-        "dtype": "bfloat16",
+        "dtype": plan.get("dtype", "bfloat16"),
         "block_size": plan.get("block_size", 32),
-        "tensor_parallel_size": plan["tp"],
+        "tensor_parallel_size": engine.get("tp", plan["tp"]),
         "max_model_len": plan.get("max_model_len", 2048),
         "enable_prefix_caching": engine.get("prefix_caching", True),
         "seed": 0,

@@ -65,6 +65,7 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
     p = prompts()
     store = workdir / "store"
     last = tp - 1
+    last_owner = store / "model" / f"r{last}of{tp}"  # the last rank's own shard records
     gen = {"op": "generate", "prompts": p["batch"], "max_tokens": 8}
     conversation = {"op": "conversation", "name": "conversation", "users": p["users"], "max_tokens": 16}
     connector = {"host_pages": 512, "storage_dir": str(store)}
@@ -140,7 +141,7 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
                 "log_stats": True,
                 "kv_events": True,
                 # page 3 of the two prompts that have one: their hit stops a page short
-                "corrupt_before": {"dir": str(store / f"rank{last}"), "prompts": p["batch"][2:], "page": 3},
+                "corrupt_before": {"dir": str(last_owner), "prompts": p["batch"][2:], "page": 3},
                 "steps": [
                     {**gen, "name": "batch"},
                     {"op": "settle", "name": "settled"},
@@ -237,6 +238,58 @@ def llama_plan(tp: int, workdir: Path) -> dict[str, Any]:
     """The Llama plan for ``tp``, its model made in ``workdir``."""
     make_tiny_llama(workdir / "model", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
     return plan(tp, workdir)
+
+
+def cross_tp_plan(workdir: Path) -> dict[str, Any]:
+    """One storage directory, engines of two TP sizes on one float32 model with 4 KV heads (its
+    path, and so its identity, the same for all): TP=2 writes the batch, a fresh TP=1 reads it and
+    writes another batch, a fresh TP=2 reads that one. Float32, so both sizes compute the same KV up
+    to a rounding far below a token's; ``ref`` is plain vLLM at TP=1, its prefix caching off."""
+    make_tiny_llama(workdir / "model", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=32)
+    first, second = prompts()["batch"], prompts(seed=2)["batch"]
+    connector = {"host_pages": 256, "storage_dir": str(workdir / "store")}
+
+    def gen(name: str, batch: list[list[int]]) -> dict[str, Any]:
+        return {"op": "generate", "name": name, "prompts": batch, "max_tokens": 8}
+
+    return {
+        "model": str(workdir / "model"),
+        "dtype": "float32",
+        "tp": 2,
+        "block_size": BLOCK,
+        "max_model_len": 512,
+        "kv_space_gib": 1,
+        "engines": [
+            {
+                "name": "ref",
+                "tp": 1,
+                "prefix_caching": False,
+                "in_process": True,
+                "steps": [gen("first", first), gen("second", second)],
+            },
+            {
+                "name": "tp2_writes",
+                "connector": connector,
+                "steps": [gen("first", first), {"op": "settle", "name": "settled"}],
+            },
+            {
+                "name": "tp1_reads",
+                "tp": 1,
+                "connector": connector,
+                "steps": [
+                    gen("first", first),
+                    {"op": "settle", "name": "settled_first"},
+                    gen("second", second),
+                    {"op": "settle", "name": "settled"},
+                ],
+            },
+            {
+                "name": "tp2_reads",
+                "connector": connector,
+                "steps": [gen("second", second), {"op": "settle", "name": "settled"}],
+            },
+        ],
+    }
 
 
 class Results(dict):

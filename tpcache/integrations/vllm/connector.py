@@ -34,8 +34,10 @@ from tpcache.integrations.vllm.options import (
     STORAGE_KEY_ENV,
     ConnectorOptions,
     agree_host_tier,
+    model_identity,
     page_namespace,
     rank_facts,
+    unshared_reason,
 )
 from tpcache.integrations.vllm.scheduler import SchedulerSide
 from tpcache.integrations.vllm.stats import Increments, TPCachePromMetrics, TPCacheStats
@@ -106,6 +108,12 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = kv_groups(kv_cache_config, self.block_size) if kv_cache_config is not None else []
         self.model_name = str(vllm_config.model_config.model)
         self.num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+        # The storage tier's shard layout: the model's identity, its KV heads, and why not (if so).
+        self.model_id, self.model_identity = model_identity(vllm_config)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self.kv_spec = groups[0].kv_cache_spec if groups else None
+        self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self.unshared_reason = unshared_reason(vllm_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.metrics: Any = None
@@ -251,13 +259,9 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         except ConfigError as exc:
             log.error("tpcache rank %d: %s", rank, exc)
             raise
-        storage = None
+        storage, where = None, ""
         if opts.storage_dir:
-            from tpcache.io.storage import FileBackend
-
-            storage = FileBackend(
-                Path(opts.storage_dir) / f"rank{rank}", capacity_bytes=opts.storage_bytes, shard=(rank, world)
-            )
+            storage, where = self._open_storage(kv_caches, num_blocks, rank, world)
             secret = os.environ.get(STORAGE_KEY_ENV, "")  # checked equal on every rank by agree_host_tier
             if secret:
                 from tpcache.io.storage import RecordMac
@@ -299,7 +303,7 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.metrics.serve(opts.metrics_port + rank)
         stored = "off"
         if storage is not None:
-            stored = f"{Path(opts.storage_dir) / f'rank{rank}'} ({format_bytes(opts.storage_bytes)}; {storage.trust})"
+            stored = f"{where} ({format_bytes(opts.storage_bytes)}; {storage.trust})"
         log.info(
             "tpcache %s rank %d of %d: %s; storage %s; round transport %s; tree core %s",
             package_version(),
@@ -310,6 +314,59 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             collective.name,
             backend.describe(),
         )
+
+    def _open_storage(
+        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, rank: int, world: int
+    ) -> tuple[Any, str]:
+        """This rank's storage tier and where it is, for the start-up line: the model's shard layout,
+        which every TP size of the same model reads (``io.storage.sharded``), where vLLM's KV allows;
+        else one file store per rank, which only this TP size reads (and a warning says why)."""
+        from tpcache.comm.parallel import Shard
+        from tpcache.integrations.vllm.layout import model_page_view
+        from tpcache.io.errors import KVLayoutError
+        from tpcache.io.storage import FileBackend
+        from tpcache.io.storage.sharded import ModelShape, ShardLayoutError, open_shared_storage
+        from tpcache.io.storage.url import file_url
+
+        opts, root = self.options, Path(self.options.storage_dir)
+        try:
+            if self.kv_spec is None:
+                raise KVLayoutError("vLLM gave no KV cache spec")
+            if self.unshared_reason:
+                raise KVLayoutError(self.unshared_reason)
+            if len(self.groups) > 1:
+                raise KVLayoutError(
+                    f"a model with {len(self.groups)} KV cache groups (sliding-window layers) keeps the per-rank layout"
+                )
+            spec = self.kv_spec
+            model_layout, view = model_page_view(
+                kv_caches, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size, spec.dtype
+            )
+            if model_layout.heads_per_rank * world != self.total_kv_heads:
+                raise KVLayoutError(
+                    f"{world} TP ranks hold {model_layout.heads_per_rank} KV head(s) each of the model's "
+                    f"{self.total_kv_heads}: heads are replicated"
+                )
+            shard = Shard(rank, world)
+            model = ModelShape.of_rank(self.model_id, model_layout, shard)
+            storage = open_shared_storage(
+                file_url(root),
+                model=model,
+                shard=shard,
+                layout=model_layout,
+                capacity_bytes=opts.storage_bytes,
+                page_view=view,
+            )
+            return storage, f"{root} (shared by every TP size of {self.model_identity})"
+        except (KVLayoutError, ShardLayoutError) as exc:
+            log.warning(
+                "tpcache rank %d: storage in one directory per rank, which only TP=%d of this model reads: %s",
+                rank,
+                world,
+                exc,
+            )
+        place = root / f"rank{rank}"
+        return FileBackend(place, capacity_bytes=opts.storage_bytes, shard=(rank, world)), str(place)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

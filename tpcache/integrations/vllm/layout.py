@@ -18,7 +18,7 @@ it freed behind its window: a save stops before such a page, a load skips its ro
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -124,3 +124,52 @@ def leading_unheld(kv: EngineKV, blocks: Sequence[Sequence[int]]) -> int:
             break
         n += 1
     return n
+
+
+def model_page_view(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+) -> tuple[KVLayout, Callable[[torch.Tensor], torch.Tensor]]:
+    """The host page of ``engine_kv_from_vllm`` seen as the model's KV: the canonical layout of this
+    rank's slice (``[layers, 2, block_size, num_kv_heads, head_size]`` of ``dtype``) and a function
+    from a page's bytes (flat ``uint8``) to a view of them in that order (``[layers, 2, tokens,
+    heads, head bytes]``).
+
+    vLLM's per-layer tensors are its logical ``[blocks, heads, tokens, content]``, the content a
+    token's K then its V (``2 * head_size`` values, seen as any element type), in whatever physical
+    order the attention backend keeps. Raises KVLayoutError for any other shape (a packed or
+    quantized content, kernel blocks smaller than vLLM's, K and V of different sizes)."""
+    t = next(iter(kv_caches.values()))
+    head_bytes = head_size * dtype.itemsize
+    content = t.shape[-1] * t.element_size() if t.dim() == 4 else 0
+    if t.dim() != 4 or tuple(t.shape[:3]) != (num_blocks, num_kv_heads, block_size) or content != 2 * head_bytes:
+        raise KVLayoutError(
+            f"a KV tensor of shape {tuple(t.shape)} ({t.dtype}) is not vLLM's [blocks, KV heads, tokens, K and V] "
+            f"of {num_blocks} x {num_kv_heads} x {block_size} x 2 x {head_size} {dtype} (a packed or quantized "
+            "cache, or kernel blocks of another size)"
+        )
+    _, fmt = layer_parts(t, num_blocks)
+    # The order a page holds one layer's dimensions in (``layer_parts``): outermost first, those
+    # outside the block dimension before those inside; size-1 dimensions hold no order.
+    dims = [d for d in (1, 2, 3) if t.shape[d] > 1]
+    order = sorted(dims, key=lambda d: -t.stride(d))
+    if dims and order[-1] != 3:
+        raise KVLayoutError(f"KV tensors in the format {fmt}: a token's K and V are not innermost")
+    sizes = {1: num_kv_heads, 2: block_size, 3: 2 * head_bytes}
+    num_layers = len(kv_caches)
+
+    def view(flat: torch.Tensor) -> torch.Tensor:
+        page = flat.view(num_layers, *(sizes[d] for d in order))
+        # back to the logical [layers, heads, tokens, content], the size-1 dimensions put back
+        page = page.permute(0, *(1 + order.index(d) for d in dims))
+        for d in (1, 2, 3):
+            if d not in dims:
+                page = page.unsqueeze(d)
+        page = page.unflatten(3, (2, head_bytes))  # [layers, heads, tokens, K or V, head bytes]
+        return page.permute(0, 3, 2, 1, 4)
+
+    return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size), view

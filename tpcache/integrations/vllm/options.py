@@ -242,3 +242,31 @@ def page_namespace(namespace: str, model: str) -> str:
     """The namespace salt of page hashes: the user's, and the model's name, so two models never
     share a page, in memory or in storage."""
     return f"{namespace}|vllm|{model}"
+
+
+def model_identity(vllm_config: Any) -> tuple[str, str]:
+    """The model's identity under vLLM, as the shard layout's model id, and in words: its name or
+    path, revision, dtype, quantization and KV cache dtype. Two checkpoints that agree on all of
+    these (and on the layout) cannot be told apart."""
+    mc = vllm_config.model_config
+    fields = {
+        "model": str(mc.model),
+        "revision": str(mc.revision or ""),
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "quantization": str(mc.quantization or ""),
+        "kv_cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+    }
+    digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
+    shown = {"revision": "revision", "dtype": "dtype", "quantization": "quantization", "kv_cache_dtype": "KV cache"}
+    words = fields["model"] + "".join(f", {shown[k]} {fields[k]}" for k in shown if fields[k] not in ("", "auto"))
+    return f"vllm-{digest}", words
+
+
+def unshared_reason(vllm_config: Any) -> str:
+    """Why the storage tier cannot take the model's shard layout under this vLLM configuration, or ""."""
+    pc = vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) > 1:
+        return "pipeline stages under vLLM keep the per-rank layout"
+    if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        return "context-parallel ranks each hold some of a page's tokens, not whole KV heads"
+    return ""

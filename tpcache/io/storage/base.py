@@ -140,9 +140,11 @@ def encode_for_shard(keys: Sequence[StorageKey], shard: Shard | None) -> list[by
     """Each key's canonical encoding (ASCII bytes); a key of another shard (tensor rank, stage or
     context rank) than the backend's ``shard`` (None: any) is refused, so one rank can never read
     or write another's slice of a page."""
+    if shard is None:
+        return [k.encode().encode("ascii") for k in keys]
     out = []
     for k in keys:
-        if shard is not None and k.shard != shard:
+        if k.shard != shard:
             raise StorageKeyError(f"key for shard {k.shard.label} given to the storage of shard {Shard(*shard).label}")
         out.append(k.encode().encode("ascii"))
     return out

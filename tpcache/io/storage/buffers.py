@@ -20,6 +20,16 @@ class StorageBufferError(TypeError):
     """A page buffer cannot be used: wrong type, not contiguous, not on the CPU, read-only."""
 
 
+def check_tensor(t: Any, writable: bool) -> None:
+    """``byte_view``'s checks of a tensor, without making the view."""
+    if t.device.type != "cpu":
+        raise StorageBufferError(f"storage needs CPU tensors, got one on {t.device}")
+    if not t.is_contiguous():
+        raise StorageBufferError("storage needs contiguous tensors (call .contiguous() first)")
+    if writable and t.requires_grad:
+        raise StorageBufferError("cannot read storage into a tensor that requires grad")
+
+
 def _tensor_view(t: Any, writable: bool) -> memoryview:
     if t.device.type != "cpu":
         raise StorageBufferError(f"storage needs CPU tensors, got one on {t.device}")
@@ -37,6 +47,10 @@ def _tensor_view(t: Any, writable: bool) -> memoryview:
 
 def byte_view(buf: Any, *, writable: bool = False) -> memoryview:
     """A flat unsigned-byte view of ``buf`` without copying."""
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous:
+        if writable and buf.readonly:
+            raise StorageBufferError("output buffer is read-only")
+        return buf  # already one: the common case of a backend's caller (ShardedStorage's rows)
     # A tensor exists only once torch is imported: this module never imports it, so the launcher
     # and the settings check start without torch's import (seconds of CPU).
     torch_ = sys.modules.get("torch")

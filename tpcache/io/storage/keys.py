@@ -122,18 +122,25 @@ class StorageKey:
                 _check_int(f"last of {name}", rng[1], rng[0], top)
 
     def encode(self) -> str:
-        """The versioned, filesystem-safe form, e.g. ``v1/n_llama/3/0of4/00ab...``."""
+        """The versioned, filesystem-safe form, e.g. ``v1/n_llama/3/0of4/00ab...`` (kept with the
+        key after the first call: a key is immutable)."""
+        encoded = self.__dict__.get("_encoded")
+        if encoded is not None:
+            return encoded  # type: ignore[no-any-return]
         if self.layers is not None and self.heads is not None:
-            return (
+            encoded = (
                 f"{SHARD_KEY_FORMAT}/{_encode_namespace(self.namespace)}/{self.layout_version}"
                 f"/l{self.layers[0]}-{self.layers[1]}.h{self.heads[0]}-{self.heads[1]}/{self.page_hash:016x}"
             )
-        stage = f"/p{self.pp_rank}of{self.pp_size}" if self.pp_size > 1 else ""
-        context = f"/c{self.cp_rank}of{self.cp_size}" if self.cp_size > 1 else ""
-        return (
-            f"{KEY_FORMAT}/{_encode_namespace(self.namespace)}/{self.layout_version}{stage}{context}"
-            f"/{self.tp_rank}of{self.tp_size}/{self.page_hash:016x}"
-        )
+        else:
+            stage = f"/p{self.pp_rank}of{self.pp_size}" if self.pp_size > 1 else ""
+            context = f"/c{self.cp_rank}of{self.cp_size}" if self.cp_size > 1 else ""
+            encoded = (
+                f"{KEY_FORMAT}/{_encode_namespace(self.namespace)}/{self.layout_version}{stage}{context}"
+                f"/{self.tp_rank}of{self.tp_size}/{self.page_hash:016x}"
+            )
+        self.__dict__["_encoded"] = encoded  # not a field: equality, hash and repr ignore it
+        return encoded
 
     @property
     def shard(self) -> Shard:

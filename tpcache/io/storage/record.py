@@ -44,6 +44,7 @@ FLAG_MAC = 1
 HEADER = struct.Struct(f"<4sHHIQQQQ{MAC_SIZE}s")
 HEADER_SIZE = HEADER.size  # 60
 _CHECKED = slice(4, 36)  # version .. payload_xxh
+_CHECKED_FIELDS = struct.Struct("<HHIQQQ")  # the fields _CHECKED covers
 _MAC = slice(44, HEADER_SIZE)
 _NO_MAC = bytes(MAC_SIZE)
 MIN_KEY_BYTES = 16
@@ -122,7 +123,11 @@ class RecordMac:
 
     def verify(self, header: RecordHeader, key: bytes, payload: memoryview | bytes) -> bool:
         """Whether ``header`` carries a MAC and it is this key's MAC of ``payload`` under ``key``."""
-        return bool(header.mac) and hmac.compare_digest(header.mac, self.sign(key, payload))
+        return self.verify_mac(header.mac, key, payload)
+
+    def verify_mac(self, mac: bytes, key: bytes, payload: memoryview | bytes) -> bool:
+        """Whether ``mac`` (a header's, empty when it has none) is this key's MAC of ``payload``."""
+        return bool(mac) and hmac.compare_digest(mac, self.sign(key, payload))
 
 
 def encode_header(key: bytes, seq: int, payload_len: int, payload_xxh: int, *, mac: bytes = b"") -> bytes:
@@ -131,11 +136,10 @@ def encode_header(key: bytes, seq: int, payload_len: int, payload_xxh: int, *, m
         raise ValueError(f"encoded key is {len(key)} bytes, the limit is {MAX_KEY_BYTES}")
     if mac and len(mac) != MAC_SIZE:
         raise ValueError(f"a record MAC is {MAC_SIZE} bytes, got {len(mac)}")
-    flags = FLAG_MAC if mac else 0
     field = mac or _NO_MAC
-    head = HEADER.pack(MAGIC_LIVE, RECORD_VERSION, len(key), flags, seq, payload_len, payload_xxh, 0, field)
-    hxh = xxhash.xxh3_64_intdigest(head[_CHECKED] + field + key)
-    return head[: _CHECKED.stop] + struct.pack("<Q", hxh) + field + key
+    checked = _CHECKED_FIELDS.pack(RECORD_VERSION, len(key), FLAG_MAC if mac else 0, seq, payload_len, payload_xxh)
+    hxh = xxhash.xxh3_64_intdigest(b"".join((checked, field, key)))
+    return b"".join((MAGIC_LIVE, checked, hxh.to_bytes(8, "little"), field, key))
 
 
 def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:
@@ -169,6 +173,30 @@ def decode_header(raw: bytes | memoryview, key: bytes | None) -> RecordHeader:
 
 def read_key_echo(raw: bytes | memoryview, header: RecordHeader) -> bytes:
     return bytes(raw[HEADER_SIZE : HEADER_SIZE + header.key_len])
+
+
+def check_value(
+    value: bytes | memoryview, key: bytes, payload_len: int, *, value_len: int | None = None
+) -> tuple[int, bytes]:
+    """``parse_value``'s checks, returning the header's ``(payload_xxh, mac)`` (``mac`` empty when
+    written without a key). The common case (a live record of this key and page size, its header
+    checksum matching) is decided in a few calls, as a store's reader does it once per record;
+    anything else takes ``parse_value``'s path for its reason."""
+    n = len(value) if value_len is None else value_len
+    end = HEADER_SIZE + len(key)
+    if len(value) >= end and n == end + payload_len:
+        magic, version, key_len, flags, _, plen, pxh, hxh, mac = HEADER.unpack_from(value)
+        if (
+            magic == MAGIC_LIVE
+            and version == RECORD_VERSION
+            and key_len == len(key)
+            and plen == payload_len
+            and value[HEADER_SIZE:end] == key
+            and xxhash.xxh3_64_intdigest(b"".join((value[_CHECKED], value[_MAC.start : end]))) == hxh
+        ):
+            return pxh, mac if flags & FLAG_MAC else b""
+    head = parse_value(value, key, payload_len, value_len=value_len)
+    return head.payload_xxh, head.mac
 
 
 def parse_value(

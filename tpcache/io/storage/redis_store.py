@@ -1,8 +1,9 @@
 """Redis protocol backend (Redis, Valkey, and anything speaking RESP): one string value per page.
 
-A call is pipelined (``SET``/``GET``/``EXISTS``/``DEL``, no transaction) in rounds of at most
-``batch_bytes``, one round trip each. A ``SET`` sends the record as one value, so a reader sees
-the old value or the new one, never a mix. The server's own eviction (``maxmemory-policy``)
+A call is pipelined (``SET``/``EXISTS``/``DEL``, no transaction; reads as one ``MGET``) in rounds
+of at most ``batch_bytes``, one round trip each. A ``SET`` sends the record as one value, so a
+reader sees the old value or the new one, never a mix; a key that holds another type than a string
+reads as missing. The server's own eviction (``maxmemory-policy``)
 drops keys one by one, so one rank's shard of a page can vanish while another's stays: a miss;
 a server at ``maxmemory`` with ``noeviction`` refuses writes: ``no_space``.
 """
@@ -12,7 +13,14 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from tpcache.io.storage.base import MISS_FOREIGN, MISS_MISSING, PUT_IO_ERROR, PUT_NO_SPACE, StorageError
+from tpcache.io.storage.base import (
+    MISS_FOREIGN,
+    MISS_IO_ERROR,
+    MISS_MISSING,
+    PUT_IO_ERROR,
+    PUT_NO_SPACE,
+    StorageError,
+)
 from tpcache.io.storage.remote import (
     DEFAULT_DEADLINE_S,
     DEFAULT_PREFIX,
@@ -127,10 +135,7 @@ class RedisBackend(RemoteBackend):
 
             def fill(pipe: Any, idx: range = idx) -> None:
                 for i in idx:
-                    value = bytearray(sizes[i])
-                    value[: len(heads[i])] = heads[i]
-                    value[len(heads[i]) :] = payloads[i]
-                    pipe.set(names[i], value)
+                    pipe.set(names[i], b"".join((heads[i], payloads[i])))
 
             for i, reply in zip(idx, self._run(fill), strict=True):
                 if reply is True:
@@ -141,13 +146,17 @@ class RedisBackend(RemoteBackend):
 
     def _get(self, names: list[str], sizes: list[int], sink: Sink, out: list[memoryview]) -> None:
         for idx in self._rounds(sizes):
-            replies = self._run(lambda p, idx=idx: [p.get(names[i]) for i in idx])
+            (replies,) = self._run(lambda p, idx=idx: p.mget(names[idx.start : idx.stop]))
+            if not isinstance(replies, list) or len(replies) != len(idx):  # an error reply for the command
+                for i in idx:
+                    sink(i, None, MISS_IO_ERROR)
+                continue
             for i, reply in zip(idx, replies, strict=True):
                 if reply is None:
                     sink(i, None, MISS_MISSING)
                 elif isinstance(reply, bytes):
                     sink(i, reply, None)
-                else:  # an error reply: WRONGTYPE, someone else's value of another kind
+                else:
                     sink(i, None, MISS_FOREIGN)
 
     def _delete(self, names: list[str]) -> list[bool]:

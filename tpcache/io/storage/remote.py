@@ -57,9 +57,9 @@ from tpcache.io.storage.keys import StorageKey
 from tpcache.io.storage.record import (
     HEADER_SIZE,
     RecordError,
+    check_value,
     copy_checksum,
     encode_header,
-    parse_value,
     payload_checksum,
 )
 
@@ -268,11 +268,11 @@ class RemoteBackend(StorageBackend):
                     reasons = self._call(self._put, self._names(echoes), heads, views)
                 except StoreUnavailable:
                     self._unreachable()
-            for reason, view in zip(reasons, views, strict=True):
-                if reason is None:
-                    self._counters.add("put_ok")
-                    self._counters.add("bytes_written", len(view))
-                else:
+            written = [len(v) for r, v in zip(reasons, views, strict=True) if r is None]
+            self._counters.add("put_ok", len(written))
+            self._counters.add("bytes_written", sum(written))
+            for reason in reasons:
+                if reason is not None:
                     self._counters.put_failure(reason)
         return [r is None for r in reasons]
 
@@ -283,6 +283,8 @@ class RemoteBackend(StorageBackend):
 
         guard = _Guard()
 
+        record_mac = self.record_mac
+
         def sink(i: int, value: Any, reason: str | None, *, placed: int | None = None) -> None:
             with guard.lock:
                 if guard.awaited:  # else abandoned at its deadline: the caller's buffers are not ours
@@ -291,27 +293,28 @@ class RemoteBackend(StorageBackend):
         def answer(i: int, value: Any, reason: str | None, placed: int | None) -> None:
             if results[i] is not None:
                 return  # one answer per key
-            view = views[i]
+            view, echo = views[i], echoes[i]
             if reason is None:
                 try:
-                    head = parse_value(value, echoes[i], len(view), value_len=placed)
+                    want, mac = check_value(value, echo, len(view), value_len=placed)
                     # Verified in the caller's buffer: after the copy out of a transfer buffer that
                     # a late write could still change, or where the store placed it.
                     if placed is not None:
                         xxh = payload_checksum(view)
                     else:
-                        xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echoes[i]) :])
-                    if xxh != head.payload_xxh:
+                        xxh = copy_checksum(view, memoryview(value)[HEADER_SIZE + len(echo) :])
+                    if xxh != want:
                         reason = MISS_CORRUPT
-                    elif self.record_mac is not None and not self.record_mac.verify(head, echoes[i], view):
+                    elif record_mac is not None and not record_mac.verify_mac(mac, echo, view):
                         reason = MISS_UNAUTHENTICATED
+                    else:
+                        results[i] = True
+                        return
                 except RecordError as exc:
                     reason = exc.reason
-                if reason is not None:
-                    view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
-            results[i] = reason is None
-            if reason is not None:
-                self._counters.miss(reason)
+                view[:] = bytes(len(view))  # never leave unverified bytes in the caller's buffer
+            results[i] = False
+            self._counters.miss(reason)
 
         with self._lock:
             self._check_open()

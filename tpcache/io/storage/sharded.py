@@ -28,34 +28,57 @@ import ctypes
 import functools
 import math
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
 from tpcache.comm.parallel import Shard
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage.base import StorageBackend, StorageCounters, StorageInUse, check_keys, check_pairs
-from tpcache.io.storage.buffers import byte_view
+from tpcache.io.storage.buffers import byte_view, check_tensor
 from tpcache.io.storage.keys import StorageKey, StorageKeyError
 
 SHARD_FORMAT_VERSION = 1
 DEFAULT_LAYER_BLOCKS = 4  # layer blocks are gcd(layers, 4): pipeline sizes 1, 2, 4 where they divide
 
 
-def _wide(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The same bytes as the widest element type that tiles the last dimension and every tensor's
-    alignment: torch copies per element, and a strided copy of 16-byte elements is many times faster
-    than one of bytes (the copy does no arithmetic, so every bit pattern is kept)."""
+def _wide(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The tensors' bytes as numpy arrays of the widest integer type that tiles the last dimension
+    and every tensor's alignment. numpy copies a strided array on the calling thread at a few
+    microseconds a call (torch costs tens, and splits a large copy over its intra-op threads, which
+    the storage worker should not take from the engine); a copy of integers keeps every bit pattern."""
     width = tensors[0].shape[-1]
-    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
+    arrays = [t.numpy() for t in tensors]
+    for dtype in (np.uint64, np.uint32, np.uint16):
+        size = np.dtype(dtype).itemsize
         if width % size == 0 and all(t.data_ptr() % size == 0 for t in tensors):
-            return [t.view(dtype) for t in tensors]
-    return list(tensors)
+            return [a.view(dtype) for a in arrays]
+    return arrays
+
+
+# Staging buffers up to this size are kept per thread for its next call (a fresh one costs page
+# faults on every call). A backend reads or writes the caller's buffers only until its call returns
+# (a remote call abandoned at its deadline makes the calls after it fail fast until it has returned).
+KEEP_STAGING_BYTES = 16 << 20
+_kept = threading.local()
+
+
+def _staging(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialized uint8 buffer of ``shape`` for one call of this thread (``name``: put or get)."""
+    n = math.prod(shape)
+    if n > KEEP_STAGING_BYTES:
+        return torch.empty(shape, dtype=torch.uint8)
+    buf = getattr(_kept, name, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=torch.uint8)
+        setattr(_kept, name, buf)
+    return buf[:n].view(shape)
 
 
 def _rows(staging: torch.Tensor, size: int) -> list[memoryview]:
@@ -65,6 +88,10 @@ def _rows(staging: torch.Tensor, size: int) -> list[memoryview]:
     buffer._owner = staging  # type: ignore[attr-defined]  # the views keep the tensor alive
     view = memoryview(buffer).cast("B")
     return [view[off : off + size] for off in range(0, n, size)]
+
+
+# A page's bytes (flat uint8) seen as [layers, 2, page_size, heads, head_dim bytes] (any strides).
+PageView = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ShardLayoutError(ValueError):
@@ -180,9 +207,19 @@ class ShardedStorage(StorageBackend):
     (the canonical ``[layers, 2, page_size, heads, head_dim]`` bytes of its slice) their payloads.
 
     ``inner`` serves every shard (opened without a shard: a remote store, or ``SharedFileStore``);
-    it is owned and closed with this view."""
+    it is owned and closed with this view. ``page_view``: for pages in another byte order than the
+    canonical one (an engine's own), a function from a page's bytes (a flat ``uint8`` tensor) to a
+    view of them as ``[layers, 2, page_size, heads, head_dim bytes]``; the shards are the same bytes
+    whatever the order of the pages they come from."""
 
-    def __init__(self, inner: StorageBackend, model: ModelShape, shard: Shard, layout: KVLayout) -> None:
+    def __init__(
+        self,
+        inner: StorageBackend,
+        model: ModelShape,
+        shard: Shard,
+        layout: KVLayout,
+        page_view: PageView | None = None,
+    ) -> None:
         self._inner = inner
         self.model = model
         self.shard = Shard(*shard)
@@ -191,6 +228,7 @@ class ShardedStorage(StorageBackend):
         self._first_layer = self.shard.pp_rank * layout.num_layers
         self._first_head = self.shard.tp_rank * layout.heads_per_rank
         self._shape = (layout.num_layers, 2, layout.page_size, layout.heads_per_rank, layout.head_dim * layout.itemsize)
+        self._view = page_view
         # One KV head a shard, or every layer in one: a page's shards in key order are the page head-major.
         self._whole = model.heads_per_shard == 1 or model.layers_per_shard == layout.num_layers
         self._templates = []
@@ -198,7 +236,9 @@ class ShardedStorage(StorageBackend):
             layers = (self._first_layer + l0, self._first_layer + l1 - 1)
             heads = (self._first_head + h0, self._first_head + h1 - 1)
             template = StorageKey(model.model_id, model.layout_id, 0, 1, 0, layers=layers, heads=heads)
-            self._templates.append(dict(template.__dict__))
+            fields = dict(template.__dict__)
+            # A shard key's encoding is its template's with the page hash last (16 hex digits).
+            self._templates.append((fields, template.encode()[:-16]))
         self._counters = StorageCounters(0)
         self._names = ("page_gets", "page_hits", "page_partial", "page_puts", "page_put_ok")
         for name in self._names:
@@ -211,39 +251,46 @@ class ShardedStorage(StorageBackend):
         if key.layers is not None:
             raise StorageKeyError("the shard layout takes a rank's page key, not a model shard key")
         out = []
-        for template in self._templates:  # checked once; a key's page hash was checked when it was made
-            k = object.__new__(StorageKey)
-            k.__dict__.update(template, page_hash=key.page_hash)
+        h = key.page_hash
+        suffix = f"{h:016x}"
+        new, put = object.__new__, object.__setattr__
+        for fields, prefix in self._templates:  # checked once; a key's page hash was checked when it was made
+            k = new(StorageKey)
+            d = fields.copy()
+            d["page_hash"] = h
+            d["_encoded"] = prefix + suffix
+            put(k, "__dict__", d)
             out.append(k)
         return out
 
     def _page(self, buf: Any, writable: bool) -> torch.Tensor:
         if isinstance(buf, torch.Tensor):
-            byte_view(buf, writable=writable)  # the same checks as every backend: CPU, contiguous
+            check_tensor(buf, writable)  # the same checks as every backend: CPU, contiguous
             flat = buf.reshape(-1).view(torch.uint8)
         else:
             view = byte_view(buf, writable=writable)
             flat = torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
         if flat.numel() != self.layout.page_bytes:
             raise ValueError(f"a page buffer of {flat.numel()} bytes; this rank's pages are {self.layout.page_bytes}")
+        if self._view is not None:
+            return self._view(flat)
         return flat.view(self._shape)
 
     def _split(self, pages: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every page's shards, in key order, in one new buffer (head-major)."""
         lr, _, ps, hr, width = self._shape
         if self._whole:  # the shards of a page, in order, are the page head-major: one copy a page
-            staging = torch.empty((len(pages), hr, lr, 2, ps, width), dtype=torch.uint8)
+            staging = _staging("put", (len(pages), hr, lr, 2, ps, width))
             for i, page in enumerate(pages):
                 dst, src = _wide(staging[i], page)
-                for h in range(hr):  # a head at a time: small copies stay on this thread (see _assemble)
-                    dst[h].copy_(src[:, :, :, h])
+                np.copyto(dst, src.transpose(3, 0, 1, 2, 4))
             return _rows(staging, self.model.shard_bytes)
         out = []
         for page in pages:
             for l0, l1, h0, h1 in self._ranges:
                 shard = torch.empty((h1 - h0, l1 - l0, 2, ps, width), dtype=torch.uint8)
                 dst, src = _wide(shard, page)
-                dst.copy_(src[l0:l1, :, :, h0:h1].permute(3, 0, 1, 2, 4))
+                np.copyto(dst, src[l0:l1, :, :, h0:h1].transpose(3, 0, 1, 2, 4))
                 out.append(shard.view(-1))
         return out
 
@@ -251,16 +298,13 @@ class ShardedStorage(StorageBackend):
         """Copy one page's shards (``staging``: all of them, in key order) into ``page``."""
         lr, _, ps, hr, width = self._shape
         if self._whole:
-            # A head at a time: torch splits a large copy over its intra-op threads, which the storage
-            # worker thread should not take from the engine (and which oversubscribed cores make slower).
             dst, src = _wide(page, staging.view(hr, lr, 2, ps, width))
-            for h in range(hr):
-                dst[:, :, :, h].copy_(src[h])
+            np.copyto(dst, src.transpose(1, 2, 3, 0, 4))
             return
         rows = staging.view(len(self._ranges), -1)
         for (l0, l1, h0, h1), data in zip(self._ranges, rows, strict=True):
             dst, src = _wide(page, data.view(h1 - h0, l1 - l0, 2, ps, width))
-            dst[l0:l1, :, :, h0:h1].copy_(src.permute(1, 2, 3, 0, 4))
+            np.copyto(dst[l0:l1, :, :, h0:h1], src.transpose(1, 2, 3, 0, 4))
 
     # ---- StorageBackend ----------------------------------------------------------------------
     def authenticate(self, mac: Any) -> None:
@@ -291,7 +335,7 @@ class ShardedStorage(StorageBackend):
         ks = check_pairs(keys, out, "output buffers")
         pages = [self._page(b, writable=True) for b in out]
         per = len(self._ranges)
-        staging = torch.empty((len(ks), per, self.model.shard_bytes), dtype=torch.uint8)
+        staging = _staging("get", (len(ks), per, self.model.shard_bytes))
         got = self._per_page(self._inner.get(self._all_keys(ks), _rows(staging, self.model.shard_bytes)), len(ks))
         results = []
         for i, (page, ok) in enumerate(zip(pages, got, strict=True)):
@@ -351,6 +395,7 @@ def open_shared_storage(
     layout: KVLayout,
     capacity_bytes: int = 1 << 30,
     storage_key: bytes | None = None,
+    page_view: PageView | None = None,
 ) -> ShardedStorage:
     """The shard-layout store ``url`` names, for rank ``shard`` holding ``layout`` of ``model``.
 
@@ -391,4 +436,4 @@ def open_shared_storage(
         from tpcache.io.storage.record import RecordMac
 
         inner.authenticate(RecordMac(storage_key))
-    return ShardedStorage(inner, model, shard, layout)
+    return ShardedStorage(inner, model, shard, layout, page_view)
