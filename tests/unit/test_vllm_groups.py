@@ -101,8 +101,8 @@ def test_the_scheduler_names_every_groups_blocks_and_a_failed_hybrid_load_is_not
 
 
 def test_a_worker_saves_up_to_a_freed_window_block_and_reports_a_failed_hybrid_load_by_request() -> None:
-    from tpcache.core import CacheConfig
     from tpcache.comm import SimGroup
+    from tpcache.core import CacheConfig
     from tpcache.engine.external import EngineCache
     from tpcache.integrations.vllm.faults import FaultPlan
     from tpcache.integrations.vllm.messages import LOAD, LOOKUP, SAVE, StepOps
