@@ -95,9 +95,7 @@ class ParallelGroup:
             tp_size = world_size // (pp * cp)
         group = cls(pp, tp_size, cp)
         if group.world_size != world_size:
-            raise GroupShapeError(
-                f"{group.name} needs {group.world_size} ranks, but the world size is {world_size}"
-            )
+            raise GroupShapeError(f"{group.name} needs {group.world_size} ranks, but the world size is {world_size}")
         return group
 
     @property
