@@ -31,12 +31,7 @@ def check_tensor(t: Any, writable: bool) -> None:
 
 
 def _tensor_view(t: Any, writable: bool) -> memoryview:
-    if t.device.type != "cpu":
-        raise StorageBufferError(f"storage needs CPU tensors, got one on {t.device}")
-    if not t.is_contiguous():
-        raise StorageBufferError("storage needs contiguous tensors (call .contiguous() first)")
-    if writable and t.requires_grad:
-        raise StorageBufferError("cannot read storage into a tensor that requires grad")
+    check_tensor(t, writable)
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return memoryview(bytearray())
