@@ -4,15 +4,21 @@ Copies the tracked tree (and built extensions) into a temporary directory per mu
 textual change there, and runs ``pytest -x tests/unit tests/sim`` on the copy. A mutant that
 survives is a promise no fast test holds.
 
+A mutant of a Python file runs the rings on the ``reference`` tree core (``TPCACHE_TREE_CORE``), so
+the mutated Python is what runs where the native core has the same code in C; ``--tree-core``
+chooses another (``native``: what the C path alone catches).
+
     python scripts/mutants.py            # every mutant
     python scripts/mutants.py --only 3   # one of them
     python scripts/mutants.py --rings tests/sim --json   # what the simulator alone catches
+    python scripts/mutants.py --tree-core native         # the rings on the native core
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -141,6 +147,44 @@ MUTANTS: list[tuple[str, str, str, str]] = [
         "            out += [(self.window_part, nodes[i]) for i in window_range(p, self.window)]",
         "            out += [(self.window_part, nodes[i]) for i in range(p)]",
     ),
+    # state that decides what happens next, which the round's state digest must cover
+    (
+        "the retention cap left out of the state digest",
+        "tpcache/core/cache.py",
+        "            backlog,\n            self.evictor.retention_cap_tokens,\n",
+        "            backlog,\n",
+    ),
+    ("a lease's pages left out of its record", "tpcache/core/accounting.py", "        lease.pages.total,\n", "0,\n"),
+    (
+        "a lease's prefetch and admission state left out of its record",
+        "tpcache/core/accounting.py",
+        "        mix_ids(prefetch_fields) if prefetch_fields else NO_IDS,\n",
+        "        NO_IDS,\n",
+    ),
+    (
+        "the backup backlog left out of the state digest",
+        "tpcache/core/cache.py",
+        "backlog = mix_ids(list(led.backup_backlog)) if led.backup_backlog else _NO_BACKLOG",
+        "backlog = _NO_BACKLOG",
+    ),
+    (
+        "a flush goes ahead while the ranks hold different leases",
+        "tpcache/core/round.py",
+        '            if agreement.agreed("leases"):',
+        "            if True:",
+    ),
+    (
+        "health bits ignored when every rank reports the same ones",
+        "tpcache/core/round.py",
+        '        if a.hi["health"] != 0 or not a.agreed("health"):',
+        '        if not a.agreed("health"):',
+    ),
+    (
+        "a unanimous round is clear whatever its health bits",
+        "tpcache/core/round.py",
+        "            clear = values[self._at_health] == 0\n",
+        "            clear = True\n",
+    ),
 ]
 
 
@@ -159,8 +203,17 @@ def copy_tree(dest: Path) -> None:
         shutil.copy2(ROOT / name, target)
 
 
-def run_mutant(index: int, workers: int, rings: list[str]) -> dict[str, object]:
+def tree_core_for(path: str, choice: str) -> str:
+    """The tree core the rings run on for a mutant of ``path``: ``auto`` is the reference for a
+    Python file (the mutated code then runs), native for anything else."""
+    if choice != "auto":
+        return choice
+    return "reference" if path.endswith(".py") else "native"
+
+
+def run_mutant(index: int, workers: int, rings: list[str], tree_core: str = "auto") -> dict[str, object]:
     what, path, old, new = MUTANTS[index]
+    core = tree_core_for(path, tree_core)
     with tempfile.TemporaryDirectory(prefix="tpcache-mutant-") as tmp:
         dest = Path(tmp)
         copy_tree(dest)
@@ -170,11 +223,12 @@ def run_mutant(index: int, workers: int, rings: list[str]) -> dict[str, object]:
         (dest / path).write_text(source.replace(old, new))
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", str(workers)]
-        proc = subprocess.run([*cmd, *rings], cwd=dest, capture_output=True, text=True)
+        env = {**os.environ, "TPCACHE_TREE_CORE": core}
+        proc = subprocess.run([*cmd, *rings], cwd=dest, capture_output=True, text=True, env=env)
         seconds = round(time.perf_counter() - start, 1)
         failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
         result = "killed" if failed else "SURVIVED" if proc.returncode == 0 else "error"
-        return {"mutant": index, "what": what, "result": result, "by": failed[:1], "seconds": seconds}
+        return {"mutant": index, "what": what, "tree_core": core, "result": result, "by": failed[:1], "seconds": seconds}
 
 
 def main() -> int:
@@ -182,14 +236,21 @@ def main() -> int:
     ap.add_argument("--only", type=int, action="append", help="run only these mutant numbers")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rings", nargs="+", default=["tests/unit", "tests/sim"], help="test paths to run")
+    ap.add_argument(
+        "--tree-core",
+        choices=("auto", "reference", "native"),
+        default="auto",
+        help="the tree core the rings run on (auto: reference for a mutant of a Python file)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rows = [run_mutant(i, args.workers, args.rings) for i in (args.only or range(len(MUTANTS)))]
+    rows = [run_mutant(i, args.workers, args.rings, args.tree_core) for i in (args.only or range(len(MUTANTS)))]
     if args.json:
         print(json.dumps({"mutants": rows, "survived": sum(r["result"] != "killed" for r in rows)}))
     else:
         for r in rows:
-            print(f"{r['mutant']:2} {r['result']:9} {r['what']}  {' '.join(r.get('by', []))}")
+            core = r.get("tree_core", "")
+            print(f"{r['mutant']:2} {r['result']:9} {core:9} {r['what']}  {' '.join(r.get('by', []))}")
     return 0 if all(r["result"] == "killed" for r in rows) else 1
 
 
