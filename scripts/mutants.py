@@ -228,7 +228,14 @@ def run_mutant(index: int, workers: int, rings: list[str], tree_core: str = "aut
         seconds = round(time.perf_counter() - start, 1)
         failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
         result = "killed" if failed else "SURVIVED" if proc.returncode == 0 else "error"
-        return {"mutant": index, "what": what, "tree_core": core, "result": result, "by": failed[:1], "seconds": seconds}
+        return {
+            "mutant": index,
+            "what": what,
+            "tree_core": core,
+            "result": result,
+            "by": failed[:1],
+            "seconds": seconds,
+        }
 
 
 def main() -> int:

@@ -312,7 +312,10 @@ def _backlog_reordered(core: CacheCore, _held) -> None:
             id="lease-admission",
         ),
         pytest.param(
-            CacheConfig(page_size=P, device_pages=8, write_policy="none"), _admitted, _prefetch_state, id="lease-prefetch"
+            CacheConfig(page_size=P, device_pages=8, write_policy="none"),
+            _admitted,
+            _prefetch_state,
+            id="lease-prefetch",
         ),
         pytest.param(
             CacheConfig(page_size=P, device_pages=8, host_pages=1, write_policy="write_through"),
