@@ -33,28 +33,29 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "completions applied although queue digests differ",
         "tpcache/core/round.py",
-        '            self._close(f"{q} queues differ across ranks", report)\n            return\n',
-        '            self._close(f"{q} queues differ across ranks", report)\n',
+        '            self._close(f"{QUEUE_OF[kind]} queues differ across ranks", report)\n            return\n',
+        '            self._close(f"{QUEUE_OF[kind]} queues differ across ranks", report)\n',
     ),
     (
         "device page left out of the state digest",
-        "tpcache/core/ledger.py",
+        "tpcache/core/accounting.py",
         "        node.device_page,\n",
         "0,\n",
     ),
-    ("hits left out of the state digest", "tpcache/core/ledger.py", "        node.hits,\n", "0,\n"),
-    ("host slot left out of the state digest", "tpcache/core/ledger.py", "        node.host_slot,\n", "0,\n"),
+    ("hits left out of the state digest", "tpcache/core/accounting.py", "        node.hits,\n", "0,\n"),
+    ("host slot left out of the state digest", "tpcache/core/accounting.py", "        node.host_slot,\n", "0,\n"),
     (
         "insert adopts pages below a page still loading",
         "tpcache/core/inserts.py",
-        "            if node is not None and node.device_state == DeviceState.LOADING:\n                break\n",
+        "            if node.device_state == DeviceState.LOADING:\n"
+        "                loading = True\n                break\n",
         "",
     ),
     (
         "LRU tie-break takes the shallowest page",
-        "tpcache/core/eviction.py",
-        "        return (node.last_access, -node.depth, node.hash)",
-        "        return (node.last_access, node.depth, node.hash)",
+        "tpcache/core/candidates.py",
+        "        return node.last_access << 128 | (_DEPTH - node.depth) << 64 | node.hash",
+        "        return node.last_access << 128 | node.depth << 64 | node.hash",
     ),
     (
         "health bits ignored",
@@ -65,12 +66,12 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "shared-memory all-reduce returns the rank's own vector",
         "tpcache/comm/shm.py",
-        "        return elementwise_min([values.tolist(), *peers.values()])",
-        "        return values.tolist()",
+        "        return elementwise_min([values, *peers.values()])",
+        "        return values",
     ),
     (
         "a device page is not re-offered when a host-only page below it changes",
-        "tpcache/core/eviction.py",
+        "tpcache/core/candidates.py",
         "        if parent is not node.parent and parent.device_state == DeviceState.VALID:",
         "        if False:",
     ),
@@ -95,15 +96,16 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "the component record left out of the state digest",
-        "tpcache/core/ledger.py",
+        "tpcache/core/accounting.py",
         '        packed += array("q", node.comp).tobytes()',
         "        pass",
     ),
     (
         "a lease released while a load still writes into its component slots",
         "tpcache/core/loads.py",
-        "full_index=full_index, parts=parts)\n            self.book.wait_for(lease, op.op_id)",
-        "full_index=full_index, parts=parts)",
+        "        if op is not None:\n            self.book.wait_for(lease, op.op_id)\n",
+        "        if op is not None:\n            if plan is None:\n"
+        "                self.book.wait_for(lease, op.op_id)\n",
     ),
     (
         "a component copy that failed on some rank becomes valid",
