@@ -19,7 +19,7 @@ from tpcache.core.round import Round
 from tpcache.core.tiers import HostState
 from tpcache.engine.driver import Driver, GroupBroken
 from tpcache.testing.ops import tokens_for
-from tpcache.testing.sim import DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
+from tpcache.testing.sim import DIVERGENCES, NEXT_DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
 
 BATCHES = 20
 PER_BATCH = 60  # 20 x 60 = 1,200 seeded schedules per CI run
@@ -150,6 +150,24 @@ def test_every_kind_of_divergence_closes_every_rank_in_its_round(what, caplog):
     sim.round()
     assert all(r.core.closed for r in sim.ranks), sim.log
     assert what in " ".join(sim.log) or "state_digest" in " ".join(sim.log)
+
+
+@pytest.mark.parametrize("what", NEXT_DIVERGENCES)
+def test_a_divergence_in_what_comes_next_closes_every_rank_in_its_round(what, caplog):
+    """One rank differs in no page, only in what it would do next: its retention cap, the device
+    pages a lease holds, a lease's admission state, or which page its backlog backs up first."""
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=2, diverge_at=4, diverge=what), host_pages=2, retention_cap_tokens=8)
+    _traffic(sim, 2)
+    sim.apply_ops([("lock", (7, 7), 0), ("admit", (8, 8), 0)])
+    for rank in sim.ranks:  # the locked request's pages, allocated on every rank
+        rank.driver.apply(rank.core.alloc, rank.leases[0][0], 2)
+    sim.apply_ops([("lock", (1, 2, 3, 4), 1), ("insert", 1)])  # more pages than host slots: a backlog
+    sim.round()
+    assert not any(r.core.closed for r in sim.ranks)
+    sim.round()
+    assert f"diverges in {what}" in " ".join(sim.log), sim.log
+    assert all("state_digest differs" in (r.core.closed_reason or "") for r in sim.ranks), sim.log
 
 
 def test_a_sequence_mismatch_closes():
