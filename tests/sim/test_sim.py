@@ -170,6 +170,27 @@ def test_a_divergence_in_what_comes_next_closes_every_rank_in_its_round(what, ca
     assert all("state_digest differs" in (r.core.closed_reason or "") for r in sim.ranks), sim.log
 
 
+def test_a_flush_waits_until_the_ranks_hold_the_same_leases(caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=0), ranks=2)
+    _traffic(sim, 2)
+    victim = sim.victim
+    extra, _ = victim.core.lock(tokens_for((6, 6), 4, 0))  # behind the sequencer's back: one rank only
+    sim.excused = True
+    sim.round()
+    assert all(r.core.closed for r in sim.ranks)
+    sim.apply_ops([("flush",)])  # every rank releases the leases it knows of: the victim keeps one more
+    for _ in range(3):
+        sim.round()
+    assert all(r.core.closed for r in sim.ranks), sim.log  # a flush now would keep that lease on one rank
+    assert all(r.driver.round.mismatch_counts.get("leases", 0) == 3 for r in sim.ranks)
+    victim.core.release(extra)
+    for _ in range(3):
+        sim.round()
+    assert not any(r.core.closed for r in sim.ranks)
+    _traffic(sim, 2, start=2)  # serves again, and stays open
+
+
 def test_a_sequence_mismatch_closes():
     sim = _cluster(Faults(max_delay=0))
     _traffic(sim, 2)
@@ -253,9 +274,11 @@ def test_a_dead_rank_closes_the_survivors_for_good(shm, caplog):
         sim.close()
 
 
-def test_unhealthy_io_closes_every_rank_and_an_agreed_flush_reopens(caplog):
+@pytest.mark.parametrize("everywhere", [False, True], ids=["one-rank", "every-rank-alike"])
+def test_unhealthy_io_closes_every_rank_and_an_agreed_flush_reopens(everywhere, caplog):
+    """One rank unhealthy, or every rank with the same health bits (the ranks agree, on unhealthy)."""
     caplog.set_level(logging.CRITICAL)
-    sim = _cluster(Faults(max_delay=1, unhealthy_at=4))
+    sim = _cluster(Faults(max_delay=1, unhealthy_at=4, unhealthy_everywhere=everywhere))
     _traffic(sim, 4)
     assert all("unhealthy" in (r.core.closed_reason or "") for r in sim.ranks)
     sim.apply_ops([("flush",)])

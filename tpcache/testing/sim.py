@@ -87,6 +87,7 @@ class Faults:
     plan_diverge_at: int | None = None  # round from which one rank's plans always diverge
     kill_at: int | None = None  # round at which one rank dies
     unhealthy_at: int | None = None  # round at which one rank's I/O reports itself unhealthy
+    unhealthy_everywhere: bool = False  # ... every rank's I/O at once (the same health bits on all)
     prepare_fail_at: int | None = None  # round at which one rank cannot prepare its vector
     commit_fail_at: int | None = None  # round at which one rank's commit raises
     shm: bool = False  # exchange vectors through a real shared-memory segment
@@ -373,8 +374,9 @@ class SimCluster:
             self.log.append(f"round {now}: rank {victim.rank} prepares a different plan")
             plan.digest ^= 1
         if f.unhealthy_at == now:
-            self.log.append(f"round {now}: rank {victim.rank}'s I/O reports unhealthy")
-            victim.io.unhealthy = True
+            for rank in self.live if f.unhealthy_everywhere else [victim]:
+                self.log.append(f"round {now}: rank {rank.rank}'s I/O reports unhealthy")
+                rank.io.unhealthy = True
         if f.prepare_fail_at == now:
             self.log.append(f"round {now}: rank {victim.rank} cannot prepare")
             victim.io.fail_landed = True
