@@ -12,6 +12,7 @@ chooses another (``native``: what the C path alone catches).
     python scripts/mutants.py --only 3   # one of them
     python scripts/mutants.py --rings tests/sim --json   # what the simulator alone catches
     python scripts/mutants.py --tree-core native         # the rings on the native core
+    python scripts/mutants.py --baseline                 # first: the rings pass without a mutant
 """
 
 from __future__ import annotations
@@ -213,6 +214,29 @@ def tree_core_for(path: str, choice: str) -> str:
     return "reference" if path.endswith(".py") else "native"
 
 
+def run_rings(dest: Path, core: str, workers: int, rings: list[str]) -> tuple[list[str], int, float]:
+    """Run the rings in ``dest`` on the tree core ``core``: (FAILED lines, exit status, seconds)."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", str(workers)]
+    env = {**os.environ, "TPCACHE_TREE_CORE": core}
+    proc = subprocess.run([*cmd, *rings], cwd=dest, capture_output=True, text=True, env=env)
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+    return failed, proc.returncode, round(time.perf_counter() - start, 1)
+
+
+def baseline(cores: set[str], workers: int, rings: list[str]) -> list[str]:
+    """The rings on the unmutated tree, on each tree core the mutants run on: what fails there
+    (a mutant "killed" by a test that fails anyway proves nothing)."""
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="tpcache-baseline-") as tmp:
+        copy_tree(Path(tmp))
+        for core in sorted(cores):
+            failed, returncode, _ = run_rings(Path(tmp), core, workers, rings)
+            if returncode != 0:
+                problems.append(f"unmutated, on the {core} tree core: {' '.join(failed[:1]) or f'exit {returncode}'}")
+    return problems
+
+
 def run_mutant(index: int, workers: int, rings: list[str], tree_core: str = "auto") -> dict[str, object]:
     what, path, old, new = MUTANTS[index]
     core = tree_core_for(path, tree_core)
@@ -223,13 +247,8 @@ def run_mutant(index: int, workers: int, rings: list[str], tree_core: str = "aut
         if source.count(old) != 1:
             return {"mutant": index, "what": what, "result": "not applicable (text not found once)"}
         (dest / path).write_text(source.replace(old, new))
-        start = time.perf_counter()
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", str(workers)]
-        env = {**os.environ, "TPCACHE_TREE_CORE": core}
-        proc = subprocess.run([*cmd, *rings], cwd=dest, capture_output=True, text=True, env=env)
-        seconds = round(time.perf_counter() - start, 1)
-        failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
-        result = "killed" if failed else "SURVIVED" if proc.returncode == 0 else "error"
+        failed, returncode, seconds = run_rings(dest, core, workers, rings)
+        result = "killed" if failed else "SURVIVED" if returncode == 0 else "error"
         return {
             "mutant": index,
             "what": what,
@@ -251,9 +270,17 @@ def main() -> int:
         default="auto",
         help="the tree core the rings run on (auto: reference for a mutant of a Python file)",
     )
+    ap.add_argument("--baseline", action="store_true", help="first check the rings pass on the unmutated tree")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rows = [run_mutant(i, args.workers, args.rings, args.tree_core) for i in (args.only or range(len(MUTANTS)))]
+    chosen = args.only or range(len(MUTANTS))
+    if args.baseline:
+        problems = baseline({tree_core_for(MUTANTS[i][1], args.tree_core) for i in chosen}, args.workers, args.rings)
+        for line in problems:
+            print(f"the rings fail without a mutant: {line}")
+        if problems:
+            return 2
+    rows = [run_mutant(i, args.workers, args.rings, args.tree_core) for i in chosen]
     if args.json:
         print(json.dumps({"mutants": rows, "survived": sum(r["result"] != "killed" for r in rows)}))
     else:
