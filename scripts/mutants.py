@@ -6,7 +6,8 @@ survives is a promise no fast test holds.
 
 A mutant of a Python file runs the rings on the ``reference`` tree core (``TPCACHE_TREE_CORE``), so
 the mutated Python is what runs where the native core has the same code in C; ``--tree-core``
-chooses another (``native``: what the C path alone catches).
+chooses another (``native``: what the C path alone catches). A mutant of a native source rebuilds
+the copy's extensions and runs the rings on the ``native`` core.
 
     python scripts/mutants.py            # every mutant
     python scripts/mutants.py --only 3   # one of them
@@ -188,6 +189,13 @@ MUTANTS: list[tuple[str, str, str, str]] = [
         "            clear = values[self._at_health] == 0\n",
         "            clear = True\n",
     ),
+    # the native core's own copy of a promise
+    (
+        "a lease's pages left out of its record, in the native core",
+        "tpcache/core/_account.c",
+        "    write64(buf + 32, (uint64_t)pages);\n",
+        "    write64(buf + 32, 0);\n",
+    ),
 ]
 
 
@@ -212,6 +220,18 @@ def tree_core_for(path: str, choice: str) -> str:
     if choice != "auto":
         return choice
     return "reference" if path.endswith(".py") else "native"
+
+
+def rebuild(dest: Path, path: str) -> bool:
+    """Build the extensions of the copy again after a mutant of the native source ``path``. Its
+    folder's built extensions are removed first: an optional extension that fails to build must
+    not leave the unmutated one in place. Returns whether they were all built again."""
+    built = list((dest / path).parent.glob("*.so"))
+    for so in built:
+        so.unlink()
+    cmd = [sys.executable, "-c", "from setuptools import setup; setup()", "build_ext", "--inplace", "-q"]
+    subprocess.run(cmd, cwd=dest, capture_output=True, text=True)
+    return all(so.exists() for so in built)
 
 
 def run_rings(dest: Path, core: str, workers: int, rings: list[str]) -> tuple[list[str], int, float]:
@@ -247,6 +267,8 @@ def run_mutant(index: int, workers: int, rings: list[str], tree_core: str = "aut
         if source.count(old) != 1:
             return {"mutant": index, "what": what, "result": "not applicable (text not found once)"}
         (dest / path).write_text(source.replace(old, new))
+        if not path.endswith(".py") and not rebuild(dest, path):
+            return {"mutant": index, "what": what, "result": "error (the mutated extension did not build)"}
         failed, returncode, seconds = run_rings(dest, core, workers, rings)
         result = "killed" if failed else "SURVIVED" if returncode == 0 else "error"
         return {
