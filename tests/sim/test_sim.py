@@ -19,7 +19,7 @@ from tpcache.core.round import Round
 from tpcache.core.tiers import HostState
 from tpcache.engine.driver import Driver, GroupBroken
 from tpcache.testing.ops import tokens_for
-from tpcache.testing.sim import DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
+from tpcache.testing.sim import DIVERGENCES, NEXT_DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
 
 BATCHES = 20
 PER_BATCH = 60  # 20 x 60 = 1,200 seeded schedules per CI run
@@ -152,6 +152,45 @@ def test_every_kind_of_divergence_closes_every_rank_in_its_round(what, caplog):
     assert what in " ".join(sim.log) or "state_digest" in " ".join(sim.log)
 
 
+@pytest.mark.parametrize("what", NEXT_DIVERGENCES)
+def test_a_divergence_in_what_comes_next_closes_every_rank_in_its_round(what, caplog):
+    """One rank differs in no page, only in what it would do next: its retention cap, the device
+    pages a lease holds, a lease's admission state, or which page its backlog backs up first."""
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=2, diverge_at=4, diverge=what), host_pages=2, retention_cap_tokens=8)
+    _traffic(sim, 2)
+    sim.apply_ops([("lock", (7, 7), 0), ("admit", (8, 8), 0)])
+    for rank in sim.ranks:  # the locked request's pages, allocated on every rank
+        rank.driver.apply(rank.core.alloc, rank.leases[0][0], 2)
+    sim.apply_ops([("lock", (1, 2, 3, 4), 1), ("insert", 1)])  # more pages than host slots: a backlog
+    sim.round()
+    assert not any(r.core.closed for r in sim.ranks)
+    sim.round()
+    assert f"diverges in {what}" in " ".join(sim.log), sim.log
+    assert all("state_digest differs" in (r.core.closed_reason or "") for r in sim.ranks), sim.log
+
+
+def test_a_flush_waits_until_the_ranks_hold_the_same_leases(caplog):
+    caplog.set_level(logging.CRITICAL)
+    sim = _cluster(Faults(max_delay=0), ranks=2)
+    _traffic(sim, 2)
+    victim = sim.victim
+    extra, _ = victim.core.lock(tokens_for((6, 6), 4, 0))  # behind the sequencer's back: one rank only
+    sim.excused = True
+    sim.round()
+    assert all(r.core.closed for r in sim.ranks)
+    sim.apply_ops([("flush",)])  # every rank releases the leases it knows of: the victim keeps one more
+    for _ in range(3):
+        sim.round()
+    assert all(r.core.closed for r in sim.ranks), sim.log  # a flush now would keep that lease on one rank
+    assert all(r.driver.round.mismatch_counts.get("leases", 0) == 3 for r in sim.ranks)
+    victim.core.release(extra)
+    for _ in range(3):
+        sim.round()
+    assert not any(r.core.closed for r in sim.ranks)
+    _traffic(sim, 2, start=2)  # serves again, and stays open
+
+
 def test_a_sequence_mismatch_closes():
     sim = _cluster(Faults(max_delay=0))
     _traffic(sim, 2)
@@ -235,9 +274,11 @@ def test_a_dead_rank_closes_the_survivors_for_good(shm, caplog):
         sim.close()
 
 
-def test_unhealthy_io_closes_every_rank_and_an_agreed_flush_reopens(caplog):
+@pytest.mark.parametrize("everywhere", [False, True], ids=["one-rank", "every-rank-alike"])
+def test_unhealthy_io_closes_every_rank_and_an_agreed_flush_reopens(everywhere, caplog):
+    """One rank unhealthy, or every rank with the same health bits (the ranks agree, on unhealthy)."""
     caplog.set_level(logging.CRITICAL)
-    sim = _cluster(Faults(max_delay=1, unhealthy_at=4))
+    sim = _cluster(Faults(max_delay=1, unhealthy_at=4, unhealthy_everywhere=everywhere))
     _traffic(sim, 4)
     assert all("unhealthy" in (r.core.closed_reason or "") for r in sim.ranks)
     sim.apply_ops([("flush",)])

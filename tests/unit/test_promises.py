@@ -232,3 +232,126 @@ def test_a_rank_that_gave_up_on_a_round_and_its_late_peer_both_close_for_good():
     finally:
         for c in group:
             c.close()
+
+
+# ---------------------------------------------------------------- divergences the round must see
+
+
+def _diverged(config: CacheConfig, setup, diverge) -> list[CacheCore]:
+    """Two ranks run ``setup`` alike, then rank 1 alone suffers ``diverge`` (state changed behind
+    the operations' back, as a bug or a lost update would); one round runs. Returns the cores."""
+    cores, rounds = _two_ranks(config)
+    held = [setup(core) for core in cores]
+    assert cores[0].state_digest() == cores[1].state_digest()
+    diverge(cores[1], held[1])
+    reduced = elementwise_min([r.prepare(0, {}, 0, True) for r in rounds])
+    for r in rounds:
+        r.commit(reduced)
+    return cores
+
+
+def _alloc_two(core: CacheCore) -> int:
+    lease, _ = core.lock(toks(1))
+    core.alloc(lease, 2)
+    return lease
+
+
+def _other_page(core: CacheCore, lease_id: int) -> None:
+    """The lease holds another device page than its peer's lease (same count, same clock)."""
+    pages = core.lease(lease_id).pages
+    pages.remove(pages[-1])
+    pages.append(max(pages) + 3)
+    core.book.refresh(core.lease(lease_id))
+
+
+def _admitted(core: CacheCore) -> int:
+    lease, _ = core.admit(toks(1, 2), prefetch=False)
+    return lease
+
+
+def _admission_deferred(core: CacheCore, lease_id: int) -> None:
+    core.lease(lease_id).admission.deferrals += 1  # one rank deferred the request once more
+    core.book.refresh(core.lease(lease_id))
+
+
+def _prefetch_state(core: CacheCore, lease_id: int) -> None:
+    from tpcache.core.records import PrefetchState
+
+    lease = core.lease(lease_id)
+    lease.prefetch = PrefetchState(lease.tokens, status="done")  # one rank believes a storage lookup ran
+    core.book.refresh(lease)
+
+
+def _backlogged(core: CacheCore) -> None:
+    cached(core, toks(1, 2, 3))
+    assert len(core.backup_backlog) >= 2  # one host slot: the other pages wait for one
+
+
+def _backlog_reordered(core: CacheCore, _held) -> None:
+    backlog = core.backup_backlog
+    first = next(iter(backlog))
+    backlog[first] = backlog.pop(first)  # the same pages wait, in another order: another page goes next
+
+
+@pytest.mark.parametrize(
+    "config,setup,diverge",
+    [
+        pytest.param(
+            CacheConfig(page_size=P, device_pages=8, write_policy="none"),
+            lambda core: cached(core, toks(1, 2)),
+            lambda core, _: setattr(core.evictor, "retention_cap_tokens", 2),
+            id="retention-cap",
+        ),
+        pytest.param(
+            CacheConfig(page_size=P, device_pages=8, write_policy="none"), _alloc_two, _other_page, id="lease-pages"
+        ),
+        pytest.param(
+            CacheConfig(page_size=P, device_pages=8, write_policy="none"),
+            _admitted,
+            _admission_deferred,
+            id="lease-admission",
+        ),
+        pytest.param(
+            CacheConfig(page_size=P, device_pages=8, write_policy="none"),
+            _admitted,
+            _prefetch_state,
+            id="lease-prefetch",
+        ),
+        pytest.param(
+            CacheConfig(page_size=P, device_pages=8, host_pages=1, write_policy="write_through"),
+            _backlogged,
+            _backlog_reordered,
+            id="backup-backlog",
+        ),
+    ],
+)
+def test_state_that_decides_what_comes_next_is_in_the_state_digest(config, setup, diverge):
+    """Ranks that differ in the retention cap (which pages stay), a lease's pages or its admission
+    and prefetch state (what the request gets), or the backup backlog (which page is backed up
+    next) would act differently while open: the round's state digest sees it and both close."""
+    for core in _diverged(config, setup, diverge):
+        assert core.closed and "state_digest differs" in core.closed_reason
+
+
+def test_a_health_bit_every_rank_reports_alike_still_closes_every_rank():
+    cores, rounds = _two_ranks(CacheConfig(page_size=P, device_pages=8))
+    vectors = [r.prepare(0, {}, 1, True) for r in rounds]
+    assert vectors[0] == vectors[1]  # unanimous: the bits agree, and they say unhealthy
+    reduced = elementwise_min(vectors)
+    for core, rnd in zip(cores, rounds, strict=True):
+        report = rnd.commit(reduced)
+        assert core.closed and "unhealthy" in core.closed_reason and "health" in report.mismatches
+
+
+def test_a_flush_waits_while_the_ranks_hold_different_leases():
+    cores, rounds = _two_ranks(CacheConfig(page_size=P, device_pages=8, write_policy="none"))
+    for core in cores:
+        cached(core, toks(1))
+    cores[1].lock(toks(1))  # rank 1 holds a lease rank 0 does not: a flush would keep it on one rank only
+    for core in cores:
+        core.request_flush()
+    reduced = elementwise_min([r.prepare(0, {}, 0, True) for r in rounds])
+    for core, rnd in zip(cores, rounds, strict=True):
+        report = rnd.commit(reduced)
+        assert not report.flushed and "leases" in report.mismatches
+        assert core.closed and core.tree.nodes  # nothing dropped: the cache stays closed until the leases agree

@@ -47,6 +47,7 @@ from tpcache.core import (
     CacheClosed,
     CacheConfig,
     CacheCore,
+    Lease,
     MatchResult,
     OpKind,
     Transfer,
@@ -66,6 +67,10 @@ GARBAGE = -1  # what a slot holds after a failed or torn copy
 DIVERGENCES = ("clock", "stamp", "hits", "device_page", "host_slot", "storage", "lease", "queue", "state_vector")
 # in a component's data of one node (a configuration without components diverges in its clock instead)
 PART_DIVERGENCES = ("part_slot", "part_host_slot", "part_stamp", "part_storage")
+# in what decides what happens next outside the nodes: the retention cap, which device pages a lease
+# holds, a lease's admission or prefetch state, the order of the backup backlog (asked for by tests;
+# seeded schedules draw from the kinds above)
+NEXT_DIVERGENCES = ("retention_cap", "lease_pages", "lease_state", "backlog")
 HYBRIDS = ("swa", "mamba", "both")
 
 
@@ -82,6 +87,7 @@ class Faults:
     plan_diverge_at: int | None = None  # round from which one rank's plans always diverge
     kill_at: int | None = None  # round at which one rank dies
     unhealthy_at: int | None = None  # round at which one rank's I/O reports itself unhealthy
+    unhealthy_everywhere: bool = False  # ... every rank's I/O at once (the same health bits on all)
     prepare_fail_at: int | None = None  # round at which one rank cannot prepare its vector
     commit_fail_at: int | None = None  # round at which one rank's commit raises
     shm: bool = False  # exchange vectors through a real shared-memory segment
@@ -368,8 +374,9 @@ class SimCluster:
             self.log.append(f"round {now}: rank {victim.rank} prepares a different plan")
             plan.digest ^= 1
         if f.unhealthy_at == now:
-            self.log.append(f"round {now}: rank {victim.rank}'s I/O reports unhealthy")
-            victim.io.unhealthy = True
+            for rank in self.live if f.unhealthy_everywhere else [victim]:
+                self.log.append(f"round {now}: rank {rank.rank}'s I/O reports unhealthy")
+                rank.io.unhealthy = True
         if f.prepare_fail_at == now:
             self.log.append(f"round {now}: rank {victim.rank} cannot prepare")
             victim.io.fail_landed = True
@@ -588,8 +595,42 @@ def diverge(core: CacheCore, what: str, rng: random.Random) -> str:
     if what == "lease" and idle:
         core.book.release(rng.choice(idle))  # released here only, behind the sequencer's back
         return "lease"
+    done = _diverge_next(core, what, idle, rng) if what in NEXT_DIVERGENCES else None
+    if done:
+        return done
     led.tick()
     return "clock"
+
+
+def _diverge_next(core: CacheCore, what: str, idle: list[Lease], rng: random.Random) -> str | None:
+    """A divergence outside the nodes that changes no page now, only what comes next."""
+    if what == "retention_cap":  # as generous as before: nothing is evicted by it now
+        cap = core.retention_cap_tokens
+        core.evictor.retention_cap_tokens = -1 if cap >= 0 else 1 << 40
+        return what
+    holding = [x for x in idle if x.pages]
+    fresh = core.device.try_alloc(1) if what == "lease_pages" and holding else None
+    if fresh:  # the lease holds another free device page than on the other ranks
+        lease = rng.choice(holding)
+        old = lease.pages[-1]
+        lease.pages.remove(old)
+        lease.pages.append(fresh[0])
+        core.device.free([old])
+        core.book.refresh(lease)
+        return what
+    phased = [x for x in idle if x.admission is not None or x.prefetch is not None]
+    if what == "lease_state" and phased:
+        lease = rng.choice(phased)
+        state = lease.admission if lease.admission is not None else lease.prefetch
+        state.deferrals += 1  # type: ignore[union-attr]
+        core.book.refresh(lease)
+        return what
+    backlog = core.ledger.backup_backlog
+    if what == "backlog" and len(backlog) >= 2:  # the same pages wait, another goes first
+        first = next(iter(backlog))
+        backlog[first] = backlog.pop(first)
+        return what
+    return None
 
 
 def _diverge_part(core: CacheCore, what: str, rng: random.Random) -> str:
