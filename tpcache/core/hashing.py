@@ -70,8 +70,13 @@ def iter_pages(token_bytes: bytes, page_size: int) -> Iterator[bytes]:
 
 def hash_chain(token_bytes: bytes, page_size: int, namespace: str) -> list[int]:
     """The hash of every full page, each covering all pages before it."""
-    seed = namespace_seed(namespace)
-    h = root_hash(namespace)
+    return extend_chain(root_hash(namespace), token_bytes, page_size, namespace_seed(namespace))
+
+
+def extend_chain(parent_hash: int, token_bytes: bytes, page_size: int, seed: int) -> list[int]:
+    """``hash_chain`` of the full pages that follow the page hashed ``parent_hash`` (the root's
+    hash for the first page): the hash of each, in order."""
+    h = parent_hash
     out = []
     for page in iter_pages(token_bytes, page_size):
         h = page_hash(h, page, seed)

@@ -113,7 +113,7 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         self.kv_spec = groups[0].kv_cache_spec if groups else None
         self.total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-        self.unshared_reason = unshared_reason(vllm_config)
+        self.unshared_reason = unshared_reason(vllm_config, len(groups))
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.metrics: Any = None
@@ -334,10 +334,6 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 raise KVLayoutError("vLLM gave no KV cache spec")
             if self.unshared_reason:
                 raise KVLayoutError(self.unshared_reason)
-            if len(self.groups) > 1:
-                raise KVLayoutError(
-                    f"a model with {len(self.groups)} KV cache groups (sliding-window layers) keeps the per-rank layout"
-                )
             spec = self.kv_spec
             model_layout, view = model_page_view(
                 kv_caches, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size, spec.dtype

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from typing import Any
 
 from tpcache.core.feed import HOST, STORAGE, Changes
-from tpcache.core.hashing import as_token_bytes, namespace_seed, page_hash, root_hash
+from tpcache.core.hashing import as_token_bytes, extend_chain, namespace_seed, root_hash
 from tpcache.events.publisher import RoundStream
 from tpcache.integrations.vllm.messages import LOOKUP, SAVE
 
@@ -136,11 +136,13 @@ class BlockEvents:
         n = min(len(vllm_hashes), len(tokens) // size)
         if n <= len(chain):
             return
-        h = chain[-1] if chain else self.root
+        start = len(chain)
+        new = extend_chain(
+            chain[-1] if chain else self.root, as_token_bytes(tokens[start * size : n * size]), size, self.seed
+        )
+        chain += new
         blocks = self.blocks
-        for i in range(len(chain), n):
-            h = page_hash(h, as_token_bytes(tokens[i * size : (i + 1) * size]), self.seed)
-            chain.append(h)
+        for i, h in enumerate(new, start):
             known = blocks.get(h)
             if known is None:
                 blocks[h] = [vllm_hashes[i]]

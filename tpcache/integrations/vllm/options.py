@@ -262,11 +262,14 @@ def model_identity(vllm_config: Any) -> tuple[str, str]:
     return f"vllm-{digest}", words
 
 
-def unshared_reason(vllm_config: Any) -> str:
-    """Why the storage tier cannot take the model's shard layout under this vLLM configuration, or ""."""
+def unshared_reason(vllm_config: Any, num_groups: int) -> str:
+    """Why the storage tier cannot take the model's shard layout under this vLLM configuration
+    (``num_groups``: vLLM's KV cache groups), or ""."""
     pc = vllm_config.parallel_config
     if getattr(pc, "pipeline_parallel_size", 1) > 1:
         return "pipeline stages under vLLM keep the per-rank layout"
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
         return "context-parallel ranks each hold some of a page's tokens, not whole KV heads"
+    if num_groups > 1:
+        return f"a model with {num_groups} KV cache groups (sliding-window layers) keeps the per-rank layout"
     return ""
