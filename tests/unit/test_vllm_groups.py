@@ -126,3 +126,15 @@ def test_a_worker_saves_up_to_a_freed_window_block_and_reports_a_failed_hybrid_l
     result = worker.run_step(StepOps(3, [(LOAD, "b", 0, [[1, 2], [4, 5]])]))  # the injected failure
     assert result.finished_recving == {"b"} and result.failed_recving == {"b"} and not result.invalid_blocks
     cache.close()
+
+
+def test_more_groups_and_blocks_than_a_63_bit_page_id_names_are_refused_in_one_line() -> None:
+    from tpcache.io.engine_kv import EngineKV
+    from tpcache.io.errors import KVLayoutError
+
+    blocks = 1 << 16  # four groups of 2**16 blocks: page ids up to 2**64
+    parts = [torch.zeros(blocks, 1) for _ in range(4)]
+    assert EngineKV(parts[:3], groups=[0, 1, 2]).num_groups == 3  # 2**48 ids: served
+    with pytest.raises(KVLayoutError, match="4 KV cache groups of 65536 blocks") as err:
+        EngineKV(parts, groups=[0, 1, 2, 3])
+    assert "\n" not in str(err.value)

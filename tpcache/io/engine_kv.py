@@ -73,6 +73,11 @@ class EngineKV:
         if len(self.groups) != len(self.parts) or any(g < 0 for g in self.groups):
             raise KVLayoutError(f"engine KV groups {self.groups}: not one group per part ({len(self.parts)} parts)")
         self.num_groups = max(self.groups) + 1
+        if self.num_blocks**self.num_groups > 1 << 63:
+            raise KVLayoutError(
+                f"{self.num_groups} KV cache groups of {self.num_blocks} blocks: a page names one block of every "
+                "group in a 63-bit id, which this many blocks overflow (fewer groups or blocks are served)"
+            )
         self.nullable = frozenset(nullable)
 
     def page_id(self, blocks: Sequence[int]) -> int:
