@@ -164,7 +164,10 @@ def run_local(config: ServiceConfig | Resolved, nproc: int) -> int:
     signal.signal(signal.SIGTERM, forward)
     stop_deadline: float | None = None
     leader_died: int | None = None
-    while any(proc.poll() is None for proc in procs):
+
+    def leader_killed() -> bool:
+        """Whether rank 0 was killed (not stopped by a forwarded signal); says so once."""
+        nonlocal leader_died
         code = procs[0].poll()
         if not forwarded and leader_died is None and code is not None and code < 0:
             leader_died = -code
@@ -174,6 +177,11 @@ def run_local(config: ServiceConfig | Resolved, nproc: int) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            return True
+        return False
+
+    while any(proc.poll() is None for proc in procs):
+        if leader_killed():
             forward(signal.SIGTERM, None)
         if forwarded and stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_GRACE_S
@@ -182,6 +190,7 @@ def run_local(config: ServiceConfig | Resolved, nproc: int) -> int:
                 if proc.poll() is None:
                     proc.kill()
         time.sleep(0.1)
+    leader_killed()  # the followers may all have exited on their own before the loop saw rank 0 die
     codes = [int(proc.returncode) for proc in procs]
     if leader_died is not None:
         return EXIT_LEADER_GONE
