@@ -145,6 +145,9 @@ def test_tpcache_counts_reach_vllms_own_metrics(runs: dict[str, Any]) -> None:
         assert end.get("vllm:tpcache_closes_total", 0) == 0
     fresh = runs["fresh"]["metrics"]
     assert fresh["vllm:tpcache_hit_tokens_total/storage"] > 0
+    # vLLM's KV events are on in both engines: the pages tpcache named under vLLM's block hashes
+    for engine, metrics in (("conn", end), ("fresh", fresh)):
+        assert metrics["vllm:tpcache_event_pages_mapped_total"] > 0, engine
 
 
 def test_vllm_with_the_connector_exits_within_its_grace_period(runs: dict[str, Any]) -> None:

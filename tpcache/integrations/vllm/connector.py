@@ -210,7 +210,10 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> TPCacheStats | None:
         """The scheduler side's counts, or (TP rank 0 only: the others agree) the worker's."""
         if self.scheduler is not None:
-            return self._increments.take(self.scheduler.counters)
+            totals = dict(self.scheduler.counters)
+            if self.events is not None:
+                totals.update({f"event_{k}": v for k, v in self.events.counters.items()})
+            return self._increments.take(totals)
         if self.worker is None or self.worker.cache.rank != 0:
             return None
         return self._increments.take(self.worker.totals())

@@ -7,6 +7,8 @@ count here is an increment since the last collection:
 
 - the scheduler side counts what vLLM was told: tokens it loads from tpcache by tier, lookups,
   preemptions, and what a preempted request got back from tpcache or computed again;
+- the scheduler side also counts, with vLLM's ``kv_events_config`` on, how tpcache's pages were
+  named in vLLM's KV events (``event_pages_*``: mapped, and what the bounded map forgot or could not map);
 - the workers count copies and closes. Those are agreed by every rank (a page counts as loaded
   once it landed on every rank), so only TP rank 0 reports them: each is counted once per engine.
 """
@@ -33,6 +35,9 @@ COUNTERS: dict[str, str] = {
     "storage_written_pages": "Pages written to tpcache's storage tier",
     "host_evicted_pages": "Pages evicted from tpcache's host tier",
     "closes": "Times the cache closed (it serves misses until the ranks reopen it)",
+    "event_pages_mapped": "tpcache pages named in vLLM's KV events under vLLM's block hash",
+    "event_pages_forgotten": "tpcache pages whose vLLM block hash the bounded event map let go (oldest first)",
+    "event_pages_unmapped": "tpcache page changes left out of vLLM's KV events (no vLLM block hash known)",
 }
 
 HIT_TIERS = {"hit_tokens_host": "host", "hit_tokens_storage": "storage"}
