@@ -13,6 +13,7 @@ import protocol as p
 from tests.service.checks import cache_round_trip, fresh_tokens
 from tests.service.harness import Service
 from tpcache.client import AsyncClient
+from tpcache.testing.procs import stop
 
 # One worker runs the whole module, so its shared service starts once (under --dist loadgroup the
 # module's tests would otherwise be spread over both workers, each starting its own).
@@ -110,8 +111,8 @@ def test_pipelined_requests_share_rounds(service: Service) -> None:
         before = c.stats().values["rounds"]
         # Rank 0 is paused while the burst arrives (a busy leader, made deterministic): when it
         # resumes, every request is waiting and they share rounds.
-        os.kill(service.pids[0], signal.SIGSTOP)
         try:
+            stop(service.pids[0])
             ids = c.submit_many(p.MatchRequest(tokens=tokens) for _ in range(n))
             time.sleep(0.2)
         finally:

@@ -21,6 +21,7 @@ import protocol as p
 from launcher.local import free_port
 from tests.service.checks import cache_round_trip, fresh_tokens
 from tests.service.harness import REPO, pid_alive, repo_env, running_service, wait_for
+from tpcache.testing.procs import stop
 
 pytestmark = pytest.mark.multiprocess
 
@@ -153,8 +154,8 @@ def test_stop_answers_requests_in_flight_and_leaves_nothing_behind(tmp_path: Pat
         pids = service.pids
         with service.client(timeout_s=60) as c:
             cache_round_trip(service)
-            os.kill(pids[1], signal.SIGSTOP)
             try:
+                stop(pids[1])
                 stats = c.submit(p.StatsRequest())
                 queued = c.submit_many([p.MatchRequest(tokens=fresh_tokens(8)) for _ in range(64)])
                 os.kill(pids[0], signal.SIGTERM)

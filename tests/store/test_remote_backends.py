@@ -3,9 +3,7 @@ reads, values that are not this key's page are counted misses, never served."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +16,7 @@ from tests.store.conftest import BACKENDS, store_url
 from tpcache.io.storage import StorageBackend, StorageClosedError, StorageKey, StorageKeyError, open_storage
 from tpcache.io.storage.buffers import StorageBufferError, byte_view
 from tpcache.io.storage.record import HEADER_SIZE, encode_header, payload_checksum
+from tpcache.testing.procs import stopped
 from tpcache.testing.servers import MooncakeStore, RedisServer
 
 pytestmark = pytest.mark.xdist_group("store")
@@ -309,12 +308,9 @@ def test_a_stalled_segment_holder_fails_direct_reads_after_the_client_is_renewed
         log: list[str] = []
         old = b._store = _Watched(b._store, log)  # type: ignore[attr-defined]
         out = [bytearray(b"\xee" * big) for _ in keys]
-        os.kill(own_store.holder_pid, signal.SIGSTOP)
-        try:
+        with stopped(own_store.holder_pid):
             assert b.get(keys, out) == [False, False]
             assert log == ["closed"] and b._store not in (old, None)  # type: ignore[attr-defined]
-        finally:
-            os.kill(own_store.holder_pid, signal.SIGCONT)
         assert out == [bytearray(big)] * 2
         s = b.stats()
         assert (s["misses_io_error"], s["client_renewals"]) == (2, 1)
@@ -356,22 +352,13 @@ def test_a_killed_segment_holder_fails_direct_reads_then_reads_work_again(
 # ---- stalled (stopped, not dead) stores: one deadline, then calls fail fast
 
 
-@contextlib.contextmanager
-def _stopped(pid: int) -> Iterator[None]:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
 def _fails_fast_then_recovers(b: StorageBackend, keys: list[StorageKey], pages: list[bytes], pid: int) -> None:
     """With the store stopped, the first call is abandoned at its deadline and every later one fails
     without waiting (one deadline in all); once it runs again, calls work again."""
     untouched = bytearray(b"\xee" * len(pages[0]))
     out = [bytearray(untouched) for _ in keys]
     before = b.stats()["deadline_exceeded"]
-    with _stopped(pid):
+    with stopped(pid):
         assert b.get(keys, out) == [False] * len(keys)
         assert b.exists(keys) == [False] * len(keys)
         assert b.put(keys, pages) == [False] * len(keys)

@@ -3,14 +3,13 @@ deadline has passed, and later lookups do not wait at all."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from tests.service.checks import fresh_tokens
 from tests.service.harness import running_service
+from tpcache.testing.procs import stopped
 from tpcache.testing.servers import RedisServer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("store")]
@@ -24,16 +23,12 @@ def test_a_lock_on_a_stalled_store_answers_after_one_deadline(tmp_path: Path) ->
         args += ("--storage-url", server.url + "?deadline=1&retry_s=30")
         with running_service(tmp_path / "service", *args) as service, service.client(timeout_s=20.0) as c:
             looked = c.stats().values.get("storage_lookups", 0)
-            os.kill(server.pid, signal.SIGSTOP)
-            try:
-                # Each lookup would wait for the store; the client gives up after 5 s: the first
-                # costs the deadline (1 s), the rest fail fast (retry_s 30 keeps the store marked).
-                with service.client(timeout_s=5.0) as quick:
-                    for _ in range(3):
-                        missed = quick.lock(fresh_tokens(4 * 4))
-                        assert missed.storage_pages == 0
-                        quick.release(missed.lease)
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
+            # Each lookup would wait for the store; the client gives up after 5 s: the first
+            # costs the deadline (1 s), the rest fail fast (retry_s 30 keeps the store marked).
+            with stopped(server.pid), service.client(timeout_s=5.0) as quick:
+                for _ in range(3):
+                    missed = quick.lock(fresh_tokens(4 * 4))
+                    assert missed.storage_pages == 0
+                    quick.release(missed.lease)
             assert c.stats().values["storage_lookups"] >= looked + 3  # each lock looked in the store
             assert service.proc.poll() is None
