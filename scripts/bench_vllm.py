@@ -15,6 +15,17 @@ over the whole workload (median of ``--runs`` passes with their spread), hit tok
 the with/without ratios, and per request the cached/computed split of its prompt on each engine and
 whether the two engines generated the same tokens (bf16 numerics may differ where the split does).
 The floor is vLLM without tpcache, measured in the same run.
+
+Two more figures say whether the model is one a cache can speed up, and what tpcache costs:
+
+- ``prefill_to_copy``: the time to prefill one page (a fresh prompt on the engine without tpcache,
+  per page of it) against the time to copy one page of this rank's KV into vLLM's blocks (torch's
+  ``index_copy_`` into a block of every layer, as a load does). A cache lowers time to first token
+  only where this is well above 1; the TTFT ratio can then approach the prefill-token ratio.
+- ``connector_cpu``: with tpcache, the worker CPU time spent in the connector's hooks and in
+  tpcache's own threads, against the worker's CPU time per engine step
+  (``tpcache.integrations.vllm.timing``), per rank, median of the passes.
+  ``--workload zero-hit`` sends prompts that share nothing, so tpcache only saves: its pure cost.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tpcache.testing.vllm_env import VLLM_CPU_ENV  # noqa: E402
 
+PAGE_TOKENS = 32  # vLLM's block size here, and tpcache's page
 ENV = {**VLLM_CPU_ENV, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the result
 
 
@@ -62,11 +74,14 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
         return blocks[h]
 
     limit = args.max_model_len - args.max_tokens
+    fresh = random.Random(args.seed + 1)
     prompts = []
     for req in gen.requests():
         if req.input_length > limit:
             continue  # a conversation past the context ends there
         tokens = [t for h in req.hash_ids for t in block(h)][: req.input_length]
+        if args.workload == "zero-hit":  # the same lengths, nothing shared: no hit anywhere
+            tokens = [fresh.randrange(3, args.vocab) for _ in tokens]
         prompts.append(tokens)
         if len(prompts) == args.requests:
             break
@@ -87,6 +102,55 @@ def tier_stats(llm: Any) -> dict[str, int]:
     return {"tpcache_host": loaded - min(loaded, from_storage), "tpcache_storage": min(loaded, from_storage)}
 
 
+def prefill_seconds_per_page(llm: Any, args: argparse.Namespace) -> float:
+    """Median wall time to prefill one 32-token page: fresh prompts of half the context, one at a
+    time, one token generated (vLLM's own cache misses: every prompt is new)."""
+    from vllm import SamplingParams
+
+    rng = random.Random(args.seed + 2)
+    n = args.max_model_len // 2
+    one = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=1)
+    llm.generate([{"prompt_token_ids": [5] * 64}], one, use_tqdm=False)  # warm
+    times = []
+    for _ in range(5):
+        prompt = [rng.randrange(3, args.vocab) for _ in range(n)]
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        times.append((time.perf_counter() - start) / (n / PAGE_TOKENS))
+    return statistics.median(times)
+
+
+def copy_seconds_per_page(args: argparse.Namespace) -> float:
+    """Median time to copy one page of one rank's KV (bf16, every layer, K and V) from host memory
+    into a block of vLLM's per-layer KV tensors, as a load does (``index_copy_`` per layer)."""
+    import torch
+
+    heads = max(1, args.kv_heads // args.tp)
+    blocks, head_dim = 64, args.hidden // args.heads
+    caches = [torch.zeros(2, blocks, PAGE_TOKENS, heads, head_dim, dtype=torch.bfloat16) for _ in range(args.layers)]
+    page = torch.randn(args.layers, 2, 1, PAGE_TOKENS, heads, head_dim).to(torch.bfloat16)
+    times = []
+    for i in range(200):
+        target = torch.tensor([i % blocks])
+        start = time.perf_counter()
+        for layer, cache in enumerate(caches):
+            cache.index_copy_(1, target, page[layer])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[20:])
+
+
+def connector_cpu(llm: Any) -> dict[str, Any]:
+    """Per rank: the connector's CPU (hooks + tpcache's threads) against the worker's step CPU."""
+    from tpcache.integrations.vllm.timing import timing_stats
+
+    ranks = []
+    for s in llm.collective_rpc(timing_stats):
+        spent = sum(s["hook_cpu_s"].values()) + s["threads_cpu_s"]
+        ranks.append({**s, "share": spent / s["step_cpu_s"] if s["step_cpu_s"] else None})
+    shares = [r["share"] for r in ranks if r["share"] is not None]
+    return {"share": max(shares) if shares else 0.0, "ranks": ranks}
+
+
 def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], tpcache: bool) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -95,7 +159,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
         "skip_tokenizer_init": True,
         "enforce_eager": True,
         "dtype": "bfloat16",
-        "block_size": 32,
+        "block_size": PAGE_TOKENS,
         "tensor_parallel_size": args.tp,
         "max_model_len": args.max_model_len,
         "num_gpu_blocks_override": args.vllm_blocks,
@@ -104,21 +168,28 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
     }
     if tpcache:
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "TPCacheConnector",
-            "kv_connector_module_path": "tpcache.integrations.vllm",
+            "kv_connector": "TimedTPCacheConnector",  # the connector, its hooks timed
+            "kv_connector_module_path": "tpcache.integrations.vllm.timing",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"host_pages": args.host_pages},
         }
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=args.max_tokens)
     passes = []
+    prefill_page_s = None
     try:
+        if not tpcache:
+            prefill_page_s = prefill_seconds_per_page(llm, args)
         for _ in range(args.runs):
             # Each pass starts cold: vLLM's own cache empty, and tpcache's (an agreed flush, done by
             # the next engine step).
             llm.reset_prefix_cache(reset_connector=tpcache)
             llm.generate([{"prompt_token_ids": [5, 5]}], params, use_tqdm=False)
             before = tier_stats(llm) if tpcache else {}
+            if tpcache:
+                from tpcache.integrations.vllm.timing import reset_timing
+
+                llm.collective_rpc(reset_timing)
             ttft: list[float] = []
             computed = cached = 0
             outputs: list[list[int]] = []
@@ -139,6 +210,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
             seconds = time.perf_counter() - start
             after = tier_stats(llm) if tpcache else {}
             tiers = {k: after[k] - before[k] for k in after}
+            cpu = connector_cpu(llm) if tpcache else None
             passes.append(
                 {
                     "seconds": seconds,
@@ -150,6 +222,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
                     "outputs": outputs,
                     "cached_per_request": split,
                     "tiers": tiers,
+                    "connector_cpu": cpu,
                 }
             )
     finally:
@@ -157,7 +230,16 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
         del llm
     rps = [p["requests_per_s"] for p in passes]
     best = passes[len(passes) // 2]
+    shares = [p["connector_cpu"]["share"] for p in passes if p["connector_cpu"]]
     return {
+        "prefill_seconds_per_page": prefill_page_s,
+        "connector_cpu": None
+        if not shares
+        else {
+            "share_of_step_cpu": statistics.median(shares),
+            "spread": [min(shares), max(shares)],
+            "passes": [p["connector_cpu"] for p in passes],
+        },
         "requests_per_s": statistics.median(rps),
         "requests_per_s_spread": [min(rps), max(rps)],
         "prefill_tokens_computed": statistics.median(p["prefill_tokens_computed"] for p in passes),
@@ -187,6 +269,12 @@ def main() -> int:
     ap.add_argument("--host-pages", type=int, default=4096, help="tpcache host pages per rank")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--workload",
+        choices=["conversation", "zero-hit"],
+        default="conversation",
+        help="zero-hit: the same prompt lengths with nothing shared (tpcache's cost alone)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     for name, value in ENV.items():
@@ -196,6 +284,8 @@ def main() -> int:
     from tpcache.testing.tiny_model import make_tiny_llama
 
     prompts = workload(args)
+    if not prompts:
+        ap.error(f"no request of the workload fits --max-model-len {args.max_model_len}: raise it")
     with tempfile.TemporaryDirectory(prefix="tpcache-bench-vllm-") as tmp:
         model = make_tiny_llama(
             Path(tmp) / "model",
@@ -211,6 +301,7 @@ def main() -> int:
             # a different prefill chunking could flip); the tests use a sharper one on purpose.
             std=args.hidden**-0.5,
         )
+        copy_page_s = copy_seconds_per_page(args)
         without = run_engine(args, model, prompts, tpcache=False)
         with_tp = run_engine(args, model, prompts, tpcache=True)
     plain, cached = without.pop("outputs"), with_tp.pop("outputs")
@@ -233,6 +324,9 @@ def main() -> int:
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "vllm_blocks": args.vllm_blocks,
+        "workload": args.workload,
+        "prefill_to_copy": without["prefill_seconds_per_page"] / copy_page_s,
+        "copy_seconds_per_page": copy_page_s,
         "without_tpcache": without,
         "with_tpcache": with_tp,
         "tokens_identical": identical,
@@ -256,6 +350,12 @@ def main() -> int:
                 f"tokens match: {req['tokens_match']}"
             )
         r = result["ratios"]
+        share = with_tp["connector_cpu"]
+        print(
+            f"prefill of a page x{result['prefill_to_copy']:.1f} its copy; connector CPU "
+            f"{100 * share['share_of_step_cpu']:.2f}% of the step's (spread "
+            f"{100 * share['spread'][0]:.2f}-{100 * share['spread'][1]:.2f}%)"
+        )
         print(
             f"{len(prompts)} requests, TP={args.tp}: prefill computed x{r['prefill_tokens_computed']:.2f}, "
             f"TTFT p50 x{r['ttft_p50']}, requests/s x{r['requests_per_s']:.2f}, tokens identical: {identical}"
