@@ -171,7 +171,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
             "kv_connector": "TimedTPCacheConnector",  # the connector, its hooks timed
             "kv_connector_module_path": "tpcache.integrations.vllm.timing",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"host_pages": args.host_pages},
+            "kv_connector_extra_config": {"host_pages": args.host_pages, **json.loads(args.connector_options)},
         }
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=args.max_tokens)
@@ -274,6 +274,9 @@ def main() -> int:
         choices=["conversation", "zero-hit"],
         default="conversation",
         help="zero-hit: the same prompt lengths with nothing shared (tpcache's cost alone)",
+    )
+    ap.add_argument(
+        "--connector-options", default="{}", help="more connector settings, as JSON (e.g. '{\"copy_by_layer\": false}')"
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
