@@ -245,7 +245,7 @@ class TPCache(Operations):
         (with components: ``wait`` for all of them)."""
         pages = self.driver.apply(self.core.load, lease)
         handles, parts = self.shell.handles, self.shell.part_handles
-        ops = self.core.lease(lease).ops
+        ops = self.core.lease_ops(lease)
         return LoadResult(
             pages, [handles[op] for op in ops if op in handles], [h for op in ops for h in parts.get(op, ())]
         )
@@ -340,7 +340,7 @@ class TPCache(Operations):
             evictable_device_tokens=core.evictable_device_tokens,
             protected_device_tokens=core.protected_device_tokens,
             retention_cap_tokens=core.retention_cap_tokens,
-            leases=len(core.leases),
+            leases=core.lease_count(),
             storage_start_errors=self.shell.storage_errors,
             closed=int(core.closed),
             mismatches=dict(self.round.mismatch_counts),
