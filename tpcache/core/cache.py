@@ -13,6 +13,7 @@ applier per op kind), ``prefetch`` (storage prefetch's state machine), ``outbox`
 Ready/Advance), ``loads`` (load-back). A hybrid model's components (SWA pages, Mamba states) add
 ``components`` (their records and pools), ``part_eviction`` and ``hybrid`` (where they change an
 operation: the hit rule of ``hitrule``, window-only stamps, out-of-window release, chunk sizes).
+Code outside the core reads its state only through ``queries`` (plain values), inherited here.
 
 Invariants (checked by ``invariants.check``):
 - a node resident on a tier has its parent resident on that tier, or on device for a host copy;

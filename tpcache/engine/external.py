@@ -23,6 +23,7 @@ from tpcache.comm.collective import Collective
 from tpcache.core import CacheConfig, CacheCore, Transfer
 from tpcache.core.hashing import TokenIds
 from tpcache.engine.driver import Driver
+from tpcache.engine.sequenced import Op
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.engine.tpcache import KV_FORMAT_VERSION, TPCache
 from tpcache.io.engine_kv import AfterCopy, CopyHook, EngineKV, EngineTransfer, HoldHook
@@ -89,11 +90,11 @@ class EngineCache(TPCache):
 
     def save(self, lease: int, tokens: TokenIds, blocks: Sequence[int]) -> Transfer | None:
         """Back up the full pages of ``tokens`` not cached yet from the engine's ``blocks``."""
-        return self.driver.apply(self.core.save, lease, tokens, list(blocks))
+        return self.driver.apply(Op("save", (lease, tokens, list(blocks))))
 
     def load_into(self, lease: int, first_page: int, blocks: Sequence[int]) -> Transfer | None:
         """Copy pages ``first_page..`` of the lease's hit into the engine's ``blocks``."""
-        return self.driver.apply(self.core.load_into, lease, first_page, list(blocks))
+        return self.driver.apply(Op("load_into", (lease, first_page, list(blocks))))
 
     def hit_pages(self, lease: int) -> int:
         """The lease's hit in pages: leading host pages it holds (pure; agreed once a round passed open)."""

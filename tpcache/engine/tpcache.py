@@ -23,6 +23,7 @@ from tpcache.comm.parallel import GroupShapeError, ParallelGroup
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.round import RoundReport
 from tpcache.engine.driver import Driver, Operations
+from tpcache.engine.sequenced import Op
 from tpcache.engine.shell import PartIO, Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout
 from tpcache.io.storage import StorageBackend, StorageWorker, open_storage
@@ -243,7 +244,7 @@ class TPCache(Operations):
     def load(self, lease: int) -> LoadResult:
         """Start loading the lease's host hits to device; wait per layer on the result's handles
         (with components: ``wait`` for all of them)."""
-        pages = self.driver.apply(self.core.load, lease)
+        pages = self.driver.apply(Op("load", (lease,)))
         handles, parts = self.shell.handles, self.shell.part_handles
         ops = self.core.lease_ops(lease)
         return LoadResult(
