@@ -159,7 +159,10 @@ CORE_HARNESS = ("tpcache/core/", "tpcache/testing/", "tpcache/replay.py")
 # What the core keeps to itself: its tree, its queues of ops in flight, its ledger and outbox, and
 # (on the core) its lease table and lease records. Outside code asks ``queries.Queries`` instead.
 CORE_INTERNALS = ("tree", "inflight", "ledger", "outbox")
-CORE_RECORDS = ("leases", "lease", "book")  # checked on ``core`` and ``<x>.core`` only: a service has a book too
+# Checked on ``core`` and ``<x>.core`` only (a service has a lease book too): its lease records and the
+# layers it is composed of.
+CORE_RECORDS = ("leases", "lease", "book", "backup", "staging", "admitter", "evictor", "part_evictor", "hybrid")
+CORE_RECORDS += ("prefetcher", "loader", "inserter", "completions", "engine_pages", "candidates", "device", "host")
 # A node's field names that nothing else uses (a request's ``tokens`` or a digest's ``record`` are
 # other objects' fields as well, so those common names are left out).
 NODE_COMMON_NAMES = {"parent", "children", "tokens", "hash", "depth", "hits", "record", "run"}
@@ -212,7 +215,9 @@ def test_the_check_of_core_state_reads_finds_them():
         "ops = self.tp.core.lease(lease).ops\n"
         "alive = lease in core.leases\n"
         "valid = nodes[0].device_valid and nodes[0].device_page\n"
-        "fine = h.book.drop(lease), body.tokens, item.record\n"
+        "fine = h.book.drop(lease), body.tokens, item.record, tp.device, self.tp.host_pool\n"
+        "down = core.backup.storage_down\n"
     )
     found = sorted(hit.partition(":")[2] for hit in _core_state_reads(sample, "sample.py", _node_fields()))
-    assert found == ["1 .tree", "2 .inflight", "3 .lease", "4 .leases", "5 .device_page", "5 .device_valid"], found
+    expected = ["1 .tree", "2 .inflight", "3 .lease", "4 .leases", "5 .device_page", "5 .device_valid", "7 .backup"]
+    assert found == expected, found

@@ -36,7 +36,7 @@ def test_queries_follow_a_request_through_backup_eviction_and_load():
     (backup,) = core.outbox.inflight[OpKind.BACKUP]
     assert core.op_in_flight(OpKind.BACKUP, backup.op_id) and not core.op_in_flight(OpKind.LOAD, backup.op_id)
     assert [core.host_filling(toks(1, 2, 3), i) for i in range(4)] == [True, True, True, False]
-    assert core.valid_device_pages() == set(pages)
+    assert core.valid_device_pages() == set(pages) and core.pages_in_use() == (3, 3, 0)  # host slots being written
     assert core.device_valid_prefix(lease, 8) == tuple(pages) and core.device_valid_prefix(lease, 2) == tuple(pages[:2])
     core.release(lease)
     drain(core)
@@ -70,4 +70,7 @@ def test_prefetch_progress_names_the_prefetch_state():
     assert core.prefetch(lease)  # nothing cached: look both pages up in storage
     assert core.prefetch_progress(lease) == PrefetchProgress("querying", 0, 0, 0, 0)
     assert core.ops_in_flight_by_kind() == {"STORAGE_QUERY": 1}
+    assert not core.storage_down() and core.admission_queue() == []
+    admitted, _ = core.admit(toks(5, 6))
+    assert core.admission_queue() == [admitted]
     assert _plain(tuple(core.prefetch_progress(lease)))

@@ -21,10 +21,14 @@ from tpcache.core.records import OpKind
 from tpcache.core.tiers import DeviceState, HostState
 
 if TYPE_CHECKING:
+    from tpcache.core.admission import Admitter
+    from tpcache.core.allocator import HostAllocator, PageAllocator
+    from tpcache.core.backup import Backup
     from tpcache.core.feed import ChangeFeed
     from tpcache.core.leases import Leases
     from tpcache.core.ledger import Ledger
     from tpcache.core.outbox import Outbox
+    from tpcache.core.staging import Staging
     from tpcache.core.tree import RadixTree
 
 
@@ -45,6 +49,11 @@ class Queries:
     book: Leases
     outbox: Outbox
     ledger: Ledger
+    backup: Backup
+    staging: Staging
+    admitter: Admitter
+    device: PageAllocator
+    host: HostAllocator
 
     # ------------------------------------------------------------------ the cache as a whole
 
@@ -65,6 +74,20 @@ class Queries:
         """Whether op ``op_id`` of ``kind`` is still in flight (issued, not yet retired). Op ids
         are never reused, an agreed flush included, so an op it dropped answers False."""
         return any(op.op_id == op_id for op in self.outbox.inflight[kind])
+
+    def pages_in_use(self) -> tuple[int, int, int]:
+        """(device pages, host pages holding cached KV, host slots staging a copy) in use. In buffer
+        mode every host slot in use stages a copy and none is a cached page."""
+        host = self.host.used
+        return (self.device.used, 0, host) if self.staging.enabled else (self.device.used, host, 0)
+
+    def storage_down(self) -> bool:
+        """Whether the storage tier is off on every rank (agreed in a round: a miss, never a wait)."""
+        return self.backup.storage_down
+
+    def admission_queue(self) -> list[int]:
+        """Leases waiting for admission (queued or parked), oldest first: the order to materialize them in."""
+        return self.admitter.queue()
 
     def lease_count(self) -> int:
         """Leases alive, those parked until copies into their pages land included."""

@@ -261,7 +261,7 @@ class Operations:
 
     def admission_queue(self) -> list[int]:
         """Leases waiting for admission, oldest first (pure)."""
-        return self.core.admitter.queue()
+        return self.core.admission_queue()
 
     def release(self, lease: int) -> bool:
         """Finish or abort a request. Parked until copies into its pages land."""

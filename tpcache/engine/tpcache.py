@@ -324,20 +324,20 @@ class TPCache(Operations):
             "transport": self.collective.name,
             "disabled_features": sorted(self.round.disabled),
             "broken": self.driver.broken or "",
-            "storage_down": self.core.backup.storage_down,  # agreed: storage is off on every rank
+            "storage_down": self.core.storage_down(),  # agreed: storage is off on every rank
         }
 
     def stats(self) -> dict[str, Any]:
         core = self.core
         out: dict[str, Any] = dict(vars(core.stats))
+        device, host, staging = core.pages_in_use()
         out.update(
             rounds=self.round.number,
             seq=self.seq,
             digest=core.digest.value,
-            device_pages_used=core.device.used,
-            # buffer mode: every host slot in use stages a copy; none is a cached page
-            host_pages_used=0 if core.staging.enabled else core.host.used,
-            host_staging_pages_used=core.host.used if core.staging.enabled else 0,
+            device_pages_used=device,
+            host_pages_used=host,
+            host_staging_pages_used=staging,
             evictable_device_tokens=core.evictable_device_tokens,
             protected_device_tokens=core.protected_device_tokens,
             retention_cap_tokens=core.retention_cap_tokens,
