@@ -6,6 +6,11 @@ the op's handler here; because the core is deterministic, every rank computes th
 result body, a ``Deferred`` finished after the batch's round committed (step, flush, stats), or a
 ``Watch`` the leader answers once a storage prefetch lets it go.
 
+What the group sequences is data throughout: the request itself (a batch entry), and the engine's
+ops a handler applies for it (``tpcache.engine.sequenced.Op``). The callables here (handlers,
+``Deferred.finish``, ``Watch.reply``) only shape a rank's outcome into a reply; none enters the
+sequence.
+
 Adding an op: declare its request and result bodies (and its route) in protocol/messages.py, and
 write its handler here, with the hooks it needs (``Op``): a ``precheck`` that refuses before
 sequencing, the size of a large reply, and for a gathered op what a follower sends back
