@@ -95,7 +95,7 @@ def core_cost(pages: int, page: int, runs: int, n: int = 2000) -> dict[str, Any]
         core = CacheCore(CacheConfig(page_size=page, device_pages=8 * pages, host_pages=16 * pages))
         pub = None
         if on:
-            core.ledger.feed = feed = ChangeFeed()
+            core.feed = feed = ChangeFeed()
             identity = {"incarnation": 1, "page_size": page}
             pub = EventPublisher(
                 zmq.Context.instance(), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", identity, page_size=page

@@ -18,8 +18,18 @@ from tpcache.core import CacheConfig, CacheCore, backend
 from tpcache.core.round import Round
 from tpcache.core.tiers import HostState
 from tpcache.engine.driver import Driver, GroupBroken
+from tpcache.engine.sequenced import Op
 from tpcache.testing.ops import tokens_for
-from tpcache.testing.sim import DIVERGENCES, NEXT_DIVERGENCES, Faults, SimCluster, SimFailure, diverge, run_schedule
+from tpcache.testing.sim import (
+    DIVERGENCES,
+    FORGET,
+    NEXT_DIVERGENCES,
+    Faults,
+    SimCluster,
+    SimFailure,
+    diverge,
+    run_schedule,
+)
 
 BATCHES = 20
 PER_BATCH = 60  # 20 x 60 = 1,200 seeded schedules per CI run
@@ -161,7 +171,7 @@ def test_a_divergence_in_what_comes_next_closes_every_rank_in_its_round(what, ca
     _traffic(sim, 2)
     sim.apply_ops([("lock", (7, 7), 0), ("admit", (8, 8), 0)])
     for rank in sim.ranks:  # the locked request's pages, allocated on every rank
-        rank.driver.apply(rank.core.alloc, rank.leases[0][0], 2)
+        rank.alloc(rank.leases[0][0], 2)
     sim.apply_ops([("lock", (1, 2, 3, 4), 1), ("insert", 1)])  # more pages than host slots: a backlog
     sim.round()
     assert not any(r.core.closed for r in sim.ranks)
@@ -194,7 +204,7 @@ def test_a_flush_waits_until_the_ranks_hold_the_same_leases(caplog):
 def test_a_sequence_mismatch_closes():
     sim = _cluster(Faults(max_delay=0))
     _traffic(sim, 2)
-    sim.ranks[0].driver.apply(lambda: None)  # rank 0 applied one request more than the others
+    sim.ranks[0].driver.apply(Op(FORGET, (0, False)))  # rank 0 applied one request more than the others
     sim.excused = True
     sim.round()
     assert all("seq differs" in (r.core.closed_reason or "") for r in sim.ranks)
@@ -346,3 +356,39 @@ def test_completions_apply_only_as_agreed():
     for rank in sim.ranks:
         assert all(n.host_state == HostState.VALID for n in rank.match(path).nodes)
     assert len({r.core.digest.value for r in sim.ranks}) == 1
+
+
+def _traced_run() -> dict[int, list[list]]:
+    """A short schedule (locks, inserts, admissions in phases, a forced eviction, a flush) on three
+    ranks, with each rank's driver recording the ops it applies."""
+    sim = _cluster(Faults(max_delay=2), host_pages=6)
+    traces: dict[int, list[list]] = {r.rank: [] for r in sim.ranks}
+    for rank in sim.ranks:
+        rank.driver.trace = lambda op, out=traces[rank.rank]: out.append(op.plain())
+    _traffic(sim, 5)
+    sim.apply_ops([("admit", (1, 2, 3), 0), ("admit", (4, 4), 0), ("admissions",), ("evict", 2)])
+    sim.round()
+    sim.apply_ops([("admissions",), ("flush",)])
+    for _ in range(3):
+        sim.round()
+    _traffic(sim, 2, start=5)
+    assert not any(r.core.closed for r in sim.ranks), sim.log
+    return traces
+
+
+def test_every_rank_applies_the_same_ops_and_they_are_plain_data():
+    """Sequenced ops are data: each rank's applied sequence is a list of [kind, args] that msgpack
+    carries unchanged, the same on every rank, and the same again when the schedule is run again."""
+    import msgpack
+
+    from tpcache.engine.sequenced import APPLY
+
+    traces = _traced_run()
+    first = traces[0]
+    assert all(trace == first for trace in traces.values())
+    kinds = [kind for kind, _ in first]
+    assert set(kinds) <= set(APPLY)
+    for kind in ("lock", "alloc", "insert", "release", "admit", "materialize", "commit", "request_flush", FORGET):
+        assert kind in kinds, kinds
+    assert msgpack.unpackb(msgpack.packb(first), strict_map_key=False) == first
+    assert _traced_run() == traces

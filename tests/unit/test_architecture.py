@@ -1,6 +1,7 @@
 """The layering the design promises, checked from the source: no import cycles, a core with no
 threads, clocks, sockets or torch.distributed, core modules small enough to read, and native sources
-(C files and headers) small, in extensions of a bounded size, with no include cycle."""
+(C files and headers) small, in extensions of a bounded size, with no include cycle; and code outside
+the core reading its state only through its named queries."""
 
 import ast
 from pathlib import Path
@@ -148,3 +149,75 @@ def test_native_headers_include_no_cycle():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+# ----------------------------------------------------------------------------- the core's state, from outside
+
+# Code that drives a bare core in place of the driver and checks its internals: the simulator's and
+# the tests' harness, and the trace replay (a benchmark of the core alone).
+CORE_HARNESS = ("tpcache/core/", "tpcache/testing/", "tpcache/replay.py")
+# What the core keeps to itself: its tree, its queues of ops in flight, its ledger and outbox, and
+# (on the core) its lease table and lease records. Outside code asks ``queries.Queries`` instead.
+CORE_INTERNALS = ("tree", "inflight", "ledger", "outbox")
+# Checked on ``core`` and ``<x>.core`` only (a service has a lease book too): its lease records and the
+# layers it is composed of.
+CORE_RECORDS = ("leases", "lease", "book", "backup", "staging", "admitter", "evictor", "part_evictor", "hybrid")
+CORE_RECORDS += ("prefetcher", "loader", "inserter", "completions", "engine_pages", "candidates", "device", "host")
+# A node's field names that nothing else uses (a request's ``tokens`` or a digest's ``record`` are
+# other objects' fields as well, so those common names are left out).
+NODE_COMMON_NAMES = {"parent", "children", "tokens", "hash", "depth", "hits", "record", "run"}
+
+
+def _node_fields() -> set[str]:
+    from tpcache.core.tree import PyNode
+
+    properties = {name for name, value in vars(PyNode).items() if isinstance(value, property)}
+    return (set(PyNode.__slots__) | properties) - NODE_COMMON_NAMES
+
+
+def _on_core(value: ast.expr) -> bool:
+    name = value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else ""
+    return name == "core"
+
+
+def _core_state_reads(source: str, name: str, node_fields: set[str]) -> list[str]:
+    """``name:line .attr`` of every read of the core's own state in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        internal = node.attr in CORE_INTERNALS or node.attr in node_fields
+        if internal or node.attr in CORE_RECORDS and _on_core(node.value):
+            found.append(f"{name}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_code_outside_the_core_reads_its_state_only_through_queries():
+    """The service, the engine, the integrations and the event stream never read the core's tree,
+    a node's fields, its queues of ops in flight or its lease records: only the core's named
+    queries, which return plain values (``tpcache.core.queries``)."""
+    node_fields = _node_fields()
+    assert {"device_state", "device_page", "host_state", "device_valid"} <= node_fields
+    files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    checked = [p for p in files if not str(p.relative_to(REPO)).startswith(CORE_HARNESS)]
+    assert any("service" in p.parts for p in checked) and any("integrations" in p.parts for p in checked)
+    found = [hit for p in checked for hit in _core_state_reads(p.read_text(), str(p.relative_to(REPO)), node_fields)]
+    assert not found, "reads of the core's own state outside it (add a query to tpcache/core/queries.py): " + (
+        "; ".join(found)
+    )
+
+
+def test_the_check_of_core_state_reads_finds_them():
+    """The check above catches each kind of read it promises to (the service's old forms among them)."""
+    sample = (
+        "nodes = tp.core.tree.walk(tokens).nodes\n"
+        "busy = any(self.cache.core.inflight.values())\n"
+        "ops = self.tp.core.lease(lease).ops\n"
+        "alive = lease in core.leases\n"
+        "valid = nodes[0].device_valid and nodes[0].device_page\n"
+        "fine = h.book.drop(lease), body.tokens, item.record, tp.device, self.tp.host_pool\n"
+        "down = core.backup.storage_down\n"
+    )
+    found = sorted(hit.partition(":")[2] for hit in _core_state_reads(sample, "sample.py", _node_fields()))
+    expected = ["1 .tree", "2 .inflight", "3 .lease", "4 .leases", "5 .device_page", "5 .device_valid", "7 .backup"]
+    assert found == expected, found

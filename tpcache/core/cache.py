@@ -13,6 +13,7 @@ applier per op kind), ``prefetch`` (storage prefetch's state machine), ``outbox`
 Ready/Advance), ``loads`` (load-back). A hybrid model's components (SWA pages, Mamba states) add
 ``components`` (their records and pools), ``part_eviction`` and ``hybrid`` (where they change an
 operation: the hit rule of ``hitrule``, window-only stamps, out-of-window release, chunk sizes).
+Code outside the core reads its state only through ``queries`` (plain values), inherited here.
 
 Invariants (checked by ``invariants.check``):
 - a node resident on a tier has its parent resident on that tier, or on device for a host copy;
@@ -43,6 +44,7 @@ from tpcache.core.loads import Loader
 from tpcache.core.outbox import Outbox
 from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.prefetch import Prefetcher
+from tpcache.core.queries import Queries
 from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready, Stats, Transfer
 from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState
@@ -51,7 +53,7 @@ from tpcache.core.tree import Node, RadixTree
 _NO_BACKLOG = mix_ids([])
 
 
-class CacheCore:
+class CacheCore(Queries):
     def __init__(self, config: CacheConfig) -> None:
         config.validate()
         self.config = config
@@ -206,11 +208,6 @@ class CacheCore:
         """Per component, (page index, device slot) of the component data the lease holds on
         device (its hit's window and state, what it inserted), in page order. Pure."""
         return {} if self.hybrid is None else self.hybrid.part_slots(self.lease(lease_id))
-
-    def prefetch_status(self, lease_id: int) -> tuple[str, int]:
-        """(status, pages landed in host) of the lease's prefetch. Pure."""
-        state = self.lease(lease_id).prefetch
-        return ("none", 0) if state is None else (state.status, state.ready_pages)
 
     def admissible(self, lease_id: int, policy: str = "best_effort", timeout_rounds: int = 8) -> bool:
         """Whether the lease's request may be admitted under the prefetch stop policy. Pure."""

@@ -1,5 +1,8 @@
 """The driver: the one loop that applies sequenced operations to the core and runs the round.
 
+Sequenced operations are data (``sequenced.Op``: a kind and plain arguments), applied through one
+dispatch table (``sequenced.APPLY``); ``trace`` sees each before it is applied.
+
 ``TPCache`` (embedded in an engine's TP workers and in the service's rank processes) and the
 simulator all run this code; the simulator replaces only the I/O (``IO``) and the exchange of
 vectors. A step is split in two halves around that exchange:
@@ -27,6 +30,7 @@ from tpcache.core import Admitted, CacheClosed, CacheCore, MatchResult, Material
 from tpcache.core.hashing import TokenIds
 from tpcache.core.lookup import lookup
 from tpcache.core.round import Round, RoundReport
+from tpcache.engine.sequenced import APPLY, Op
 
 log = logging.getLogger("tpcache.driver")
 
@@ -79,23 +83,30 @@ class Driver:
         self.seq = 0  # sequenced operations applied since the start or the last agreed flush
         self.health_bits = 0  # the driver's own: a commit that raised
         self.on_released: Callable[[list[int]], None] | None = None  # leases whose release finished
+        self.trace: Callable[[Op], None] | None = None  # sees each op before it is applied (a debug hook)
 
     @property
     def broken(self) -> str | None:
         return self.round.broken
 
-    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one sequenced operation of the core (every rank runs the same ones, in order)."""
+    def apply(self, op: Op) -> Any:
+        """Apply one sequenced operation to the core (every rank applies the same ones, in order);
+        returns the core's answer."""
+        fn = APPLY.get(op.kind)
+        if fn is None:
+            raise ValueError(f"no sequenced op {op.kind!r} (the kinds: {', '.join(APPLY)})")
         self.seq += 1  # counted even when the op raises: every rank raises alike
+        if self.trace is not None:
+            self.trace(op)
         try:
-            return fn(*args)
+            return fn(self, *op.args)
         finally:
             self._act()
 
     def request_flush(self) -> None:
         if self.broken is not None:
             raise GroupBroken(f"the round's collective failed ({self.broken}); restart the group to reopen the cache")
-        self.apply(self.core.request_flush)
+        self.apply(Op("request_flush"))
 
     # ------------------------------------------------------------------ the round
 
@@ -168,12 +179,12 @@ class Operations:
 
     def lock(self, tokens: TokenIds) -> tuple[int, MatchResult]:
         """Match and pin the cached prefix for a request; returns (lease id, match)."""
-        return self.driver.apply(self.core.lock, tokens)
+        return self.driver.apply(Op("lock", (tokens,)))
 
     def alloc(self, lease: int, num_pages: int, component: int | str = 0) -> list[int]:
         """Device pages for the lease to compute KV into (evicting unpinned cache pages); with a
         ``component`` ("swa", "mamba" or its index), slots of that component's device pool."""
-        return self.driver.apply(self.core.alloc, lease, num_pages, self._component(component))
+        return self.driver.apply(Op("alloc", (lease, num_pages, self._component(component))))
 
     def insert(
         self,
@@ -184,7 +195,7 @@ class Operations:
     ) -> tuple[int, int]:
         """Cache the full pages of ``tokens`` whose KV is in ``device_pages``; ``parts``: per
         component, the slot holding each page's data of that component (-1: none)."""
-        return self.driver.apply(self.core.insert, lease, tokens, list(device_pages), self._by_index(parts))
+        return self.driver.apply(Op("insert", (lease, tokens, list(device_pages), self._by_index(parts))))
 
     def append(
         self,
@@ -197,7 +208,7 @@ class Operations:
         ``append`` cached (a running request's new pages, given alone); ``device_pages[i]`` holds
         page i of ``tokens``. Costs what it adds. ``NoCursor`` (a ValueError) when the lease's
         sequence cannot be continued (see ``CacheCore.append``): call ``insert`` with all of it."""
-        return self.driver.apply(self.core.append, lease, tokens, list(device_pages), self._by_index(parts))
+        return self.driver.apply(Op("append", (lease, tokens, list(device_pages), self._by_index(parts))))
 
     def chunk_tokens(self, lease: int, start: int, want: int) -> int:
         """How many tokens of a prefill chunk starting at ``start`` the pools take now (pure)."""
@@ -216,13 +227,13 @@ class Operations:
 
     def load(self, lease: int) -> Any:
         """Start loading the lease's host hits to device; returns the prefix's device pages."""
-        return self.driver.apply(self.core.load, lease)
+        return self.driver.apply(Op("load", (lease,)))
 
     def prefetch(self, lease: int, read: bool = True) -> bool:
         """Look the continuation of the lease's tokens up in storage; read the agreed hit to host
         (``read=False``: only agree on the hit). Follow with ``prefetch_status``/``admissible``,
         then ``load``."""
-        return self.driver.apply(self.core.prefetch, lease, read)
+        return self.driver.apply(Op("prefetch", (lease, read)))
 
     def prefetch_status(self, lease: int) -> tuple[str, int]:
         return self.core.prefetch_status(lease)
@@ -234,7 +245,7 @@ class Operations:
     def admit(self, tokens: TokenIds, prefetch: bool = True) -> tuple[int, MatchResult]:
         """Open a request for admission in phases (``select``, ``materialize``, ``commit``): its
         prefix is pinned and, with a storage tier, its rest looked up; no hit is counted yet."""
-        return self.driver.apply(self.core.admit, tokens, prefetch)
+        return self.driver.apply(Op("admit", (tokens, prefetch)))
 
     def select(self, lease: int) -> Shape:
         """The prefill shape the request would be admitted with now (pure; allocates nothing)."""
@@ -242,26 +253,26 @@ class Operations:
 
     def materialize(self, lease: int, planned: Shape) -> Materialized:
         """Bring the planned hit to device: "ready", "again" (keep it queued) or "short" (select again)."""
-        return self.driver.apply(self.core.materialize, lease, planned)
+        return self.driver.apply(Op("materialize", (lease, planned)))
 
     def commit(self, lease: int) -> Admitted:
         """Admit the request with the delivered hit; only now is the hit counted."""
-        return self.driver.apply(self.core.commit, lease)
+        return self.driver.apply(Op("commit", (lease,)))
 
     def admission_queue(self) -> list[int]:
         """Leases waiting for admission, oldest first (pure)."""
-        return self.core.admitter.queue()
+        return self.core.admission_queue()
 
     def release(self, lease: int) -> bool:
         """Finish or abort a request. Parked until copies into its pages land."""
-        return self.driver.apply(self.core.release, lease)
+        return self.driver.apply(Op("release", (lease,)))
 
     def set_retention_cap(self, tokens: int) -> None:
-        self.driver.apply(self.core.set_retention_cap, tokens)
+        self.driver.apply(Op("set_retention_cap", (tokens,)))
 
     def set_mirror_release(self, enabled: bool) -> None:
         """Switch mirror release on or off; sequenced, so every rank switches at once."""
-        self.driver.apply(self.driver.round.set_feature, "mirror_release", enabled)
+        self.driver.apply(Op("set_feature", ("mirror_release", enabled)))
 
     def request_flush(self) -> None:
         """Ask for an agreed flush (raises ``GroupBroken`` if the round's collective failed)."""

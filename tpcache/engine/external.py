@@ -21,9 +21,9 @@ import xxhash
 
 from tpcache.comm.collective import Collective
 from tpcache.core import CacheConfig, CacheCore, Transfer
-from tpcache.core.hashing import TokenIds, as_token_bytes
-from tpcache.core.tiers import HostState
+from tpcache.core.hashing import TokenIds
 from tpcache.engine.driver import Driver
+from tpcache.engine.sequenced import Op
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.engine.tpcache import KV_FORMAT_VERSION, TPCache
 from tpcache.io.engine_kv import AfterCopy, CopyHook, EngineKV, EngineTransfer, HoldHook
@@ -90,11 +90,11 @@ class EngineCache(TPCache):
 
     def save(self, lease: int, tokens: TokenIds, blocks: Sequence[int]) -> Transfer | None:
         """Back up the full pages of ``tokens`` not cached yet from the engine's ``blocks``."""
-        return self.driver.apply(self.core.save, lease, tokens, list(blocks))
+        return self.driver.apply(Op("save", (lease, tokens, list(blocks))))
 
     def load_into(self, lease: int, first_page: int, blocks: Sequence[int]) -> Transfer | None:
         """Copy pages ``first_page..`` of the lease's hit into the engine's ``blocks``."""
-        return self.driver.apply(self.core.load_into, lease, first_page, list(blocks))
+        return self.driver.apply(Op("load_into", (lease, first_page, list(blocks))))
 
     def hit_pages(self, lease: int) -> int:
         """The lease's hit in pages: leading host pages it holds (pure; agreed once a round passed open)."""
@@ -103,11 +103,10 @@ class EngineCache(TPCache):
     def filling(self, tokens: TokenIds, page: int) -> bool:
         """Whether page ``page`` of ``tokens`` is being copied into host (a save or another
         request's storage read) and may become a hit shortly. Pure."""
-        nodes = self.core.tree.walk(as_token_bytes(tokens)).nodes
-        return page < len(nodes) and nodes[page].host_state == HostState.WRITING
+        return self.core.host_filling(tokens, page)
 
     def lease_alive(self, lease: int) -> bool:
-        return lease in self.core.leases
+        return self.core.has_lease(lease)
 
     def outcome(self, op: Transfer | None) -> int | None:
         """Pages of ``op`` agreed landed on every rank; None while it is still in flight. An op an
@@ -116,4 +115,4 @@ class EngineCache(TPCache):
             return 0
         if op.acked >= 0:
             return op.acked
-        return None if any(o is op for o in self.core.inflight[op.kind]) else 0
+        return None if self.core.op_in_flight(op.kind, op.op_id) else 0

@@ -23,6 +23,7 @@ from tpcache.comm.parallel import GroupShapeError, ParallelGroup
 from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.round import RoundReport
 from tpcache.engine.driver import Driver, Operations
+from tpcache.engine.sequenced import Op
 from tpcache.engine.shell import PartIO, Shell, storage_key_factory
 from tpcache.io.kv_pool import DevicePool, HostPool, KVLayout
 from tpcache.io.storage import StorageBackend, StorageWorker, open_storage
@@ -243,9 +244,9 @@ class TPCache(Operations):
     def load(self, lease: int) -> LoadResult:
         """Start loading the lease's host hits to device; wait per layer on the result's handles
         (with components: ``wait`` for all of them)."""
-        pages = self.driver.apply(self.core.load, lease)
+        pages = self.driver.apply(Op("load", (lease,)))
         handles, parts = self.shell.handles, self.shell.part_handles
-        ops = self.core.lease(lease).ops
+        ops = self.core.lease_ops(lease)
         return LoadResult(
             pages, [handles[op] for op in ops if op in handles], [h for op in ops for h in parts.get(op, ())]
         )
@@ -323,24 +324,24 @@ class TPCache(Operations):
             "transport": self.collective.name,
             "disabled_features": sorted(self.round.disabled),
             "broken": self.driver.broken or "",
-            "storage_down": self.core.backup.storage_down,  # agreed: storage is off on every rank
+            "storage_down": self.core.storage_down(),  # agreed: storage is off on every rank
         }
 
     def stats(self) -> dict[str, Any]:
         core = self.core
         out: dict[str, Any] = dict(vars(core.stats))
+        device, host, staging = core.pages_in_use()
         out.update(
             rounds=self.round.number,
             seq=self.seq,
             digest=core.digest.value,
-            device_pages_used=core.device.used,
-            # buffer mode: every host slot in use stages a copy; none is a cached page
-            host_pages_used=0 if core.staging.enabled else core.host.used,
-            host_staging_pages_used=core.host.used if core.staging.enabled else 0,
+            device_pages_used=device,
+            host_pages_used=host,
+            host_staging_pages_used=staging,
             evictable_device_tokens=core.evictable_device_tokens,
             protected_device_tokens=core.protected_device_tokens,
             retention_cap_tokens=core.retention_cap_tokens,
-            leases=len(core.leases),
+            leases=core.lease_count(),
             storage_start_errors=self.shell.storage_errors,
             closed=int(core.closed),
             mismatches=dict(self.round.mismatch_counts),

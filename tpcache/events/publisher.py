@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from tpcache.core.feed import ChangeFeed, Changes, on_tiers
+from tpcache.core.feed import ChangeFeed, Changes
 from tpcache.events import wire
 
 log = logging.getLogger("tpcache.events")
@@ -272,14 +272,14 @@ class RoundStream:
         self.publisher = publisher
         self.feed = ChangeFeed()
         self.closed = False  # the last batch told subscribers the cache is closed (all cleared)
-        core.ledger.feed = self.feed
+        core.feed = self.feed
 
     def after_round(self, core: Any) -> None:
         """Publish what changed since the last round. A closed cache serves no hit: it is published
         as all cleared, and once it reopens (an agreed flush) as cleared plus what it then holds."""
         feed = self.feed
-        if core.ledger.feed is not feed:  # the core was rebuilt: start its stream over from what it holds
-            core.ledger.feed = feed
+        if core.feed is not feed:  # the core was rebuilt: start its stream over from what it holds
+            core.feed = feed
             feed.drain()
             self.publisher.publish(_everything(core))
             return
@@ -300,7 +300,7 @@ class RoundStream:
 
 
 def _everything(core: Any) -> Changes:
-    tiers = on_tiers(core.tree.nodes.values())
+    tiers = core.tier_hashes()
     out = Changes(cleared=True)
     for tier, hashes in enumerate(tiers):
         out.stored[tier].extend(sorted(hashes))

@@ -34,9 +34,10 @@ from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"
 # TPCACHE_* variables that are not settings: the launcher's hand-over to its ranks, a transport
-# switch and the tests' fault injection (TPCACHE_FAULT_*).
+# switch, a debug trace of the sequenced ops and the tests' fault injection (TPCACHE_FAULT_*).
 RESOLVED_ENV = "TPCACHE_RESOLVED_CONFIG"
-INTERNAL_ENV = frozenset((RESOLVED_ENV, "TPCACHE_NO_FUTEX", LISTEN_FD_ENV))
+TRACE_OPS_ENV = "TPCACHE_TRACE_OPS"  # a folder: every rank writes the ops it applies to rank<r>.ops there
+INTERNAL_ENV = frozenset((RESOLVED_ENV, "TPCACHE_NO_FUTEX", LISTEN_FD_ENV, TRACE_OPS_ENV))
 INTERNAL_ENV_PREFIXES = ("TPCACHE_FAULT_",)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TRANSPORTS = ("auto", "shm", "torch")

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import protocol as p
-from tpcache.core import OpKind, UnknownLease
-from tpcache.core.tiers import DeviceState
+from tpcache.core import UnknownLease
 from tpcache.engine import TPCache
 from tpcache.service.buffers import StagedBuffer
 from tpcache.service.config import ServiceConfig, format_kv_layout
@@ -139,8 +138,7 @@ class RankHandler:
             if staged is not None:
                 staged.close()
             return p.RegisterBuffersResult(0)
-        core = self.tp.core
-        if core.leases or len(core.tree.nodes) > 1 or any(core.inflight.values()):
+        if not self.tp.core.is_empty():
             if staged is not None:
                 staged.close()
             raise p.InvalidArgument("register buffers before the first insert: the cache is not empty")
@@ -162,10 +160,15 @@ class RankHandler:
         pool.check_pages(pages, "page_ids")
         return pages
 
-    def leased(self, lease: int, ctx: Ctx) -> Any:
-        """The core's lease ``lease`` if ``ctx``'s connection owns it; else NOT_FOUND."""
+    def leased(self, lease: int, ctx: Ctx) -> None:
+        """NOT_FOUND unless ``ctx``'s connection owns ``lease``."""
         self.book.check(lease, ctx.conn)
-        return self.tp.core.lease(lease)
+
+    def lease_pages(self, lease: int, ctx: Ctx) -> tuple[int, ...]:
+        """The device pages ``lease`` allocated and still holds, if ``ctx``'s connection owns it; else
+        NOT_FOUND."""
+        self.book.check(lease, ctx.conn)
+        return self.tp.core.lease_pages(lease)
 
     def expire(self, leases: list[int]) -> None:
         """Release leases the leader found abandoned (their connection left, or they sat idle past
@@ -197,7 +200,7 @@ class RankHandler:
         waiting = status == "querying" and watch.policy != "timeout"  # the hit is not agreed yet
         if not now and (waiting or not self.tp.admissible(lease, watch.policy, watch.timeout_rounds)):
             return None
-        state = self.tp.core.lease(lease).prefetch
+        state = self.tp.core.prefetch_progress(lease)
         assert state is not None
         # The agreed storage hit, from where the first lookup started (a retry asks from where the
         # pages that landed end), and why the pages read to host fall short of it.
@@ -219,15 +222,13 @@ class RankHandler:
 
     def loading(self, lease: int) -> bool:
         """Whether a load the lease waits for (its own, or one it shares) is still in flight."""
-        core = self.tp.core
-        loads = {op.op_id for op in core.inflight[OpKind.LOAD]}
-        return any(op in loads for op in core.lease(lease).ops)
+        return self.tp.core.lease_loading(lease)
 
     def landed(self, lease: int, pages: list[int]) -> list[int]:
         """The leading ``pages`` (a load's, in the lease's page order) that are device-valid now."""
-        nodes = self.tp.core.tree.walk(self.tp.core.lease(lease).tokens).nodes
+        valid = self.tp.core.device_valid_prefix(lease, len(pages))
         n = 0
-        while n < len(pages) and n < len(nodes) and nodes[n].device_valid and nodes[n].device_page == pages[n]:
+        while n < len(valid) and valid[n] == pages[n]:
             n += 1
         return pages[:n]
 
@@ -244,8 +245,7 @@ class RankHandler:
 
     def valid_pages(self) -> set[int]:
         """Device pages that hold agreed cached KV (VALID in the tree)."""
-        valid = DeviceState.VALID
-        return {n.device_page for n in self.tp.core.tree.nodes.values() if n.device_state == valid}
+        return self.tp.core.valid_device_pages()
 
     def close(self) -> None:
         for staged in self.staged.values():

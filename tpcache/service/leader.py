@@ -221,7 +221,7 @@ class Leader:
 
     def _copies_in_flight(self) -> bool:
         tp = self.h.tp
-        return any(tp.core.inflight.values()) and not tp.collective.closed
+        return tp.core.ops_in_flight() > 0 and not tp.collective.closed
 
     def _poll_timeout_ms(self) -> int:
         if self.internal or self.carry is not None:

@@ -6,6 +6,11 @@ the op's handler here; because the core is deterministic, every rank computes th
 result body, a ``Deferred`` finished after the batch's round committed (step, flush, stats), or a
 ``Watch`` the leader answers once a storage prefetch lets it go.
 
+What the group sequences is data throughout: the request itself (a batch entry), and the engine's
+ops a handler applies for it (``tpcache.engine.sequenced.Op``). The callables here (handlers,
+``Deferred.finish``, ``Watch.reply``) only shape a rank's outcome into a reply; none enters the
+sequence.
+
 Adding an op: declare its request and result bodies (and its route) in protocol/messages.py, and
 write its handler here, with the hooks it needs (``Op``): a ``precheck`` that refuses before
 sequencing, the size of a large reply, and for a gathered op what a follower sends back
@@ -53,7 +58,8 @@ class RankHandler(Protocol):
     def settings(self) -> dict[str, Any]: ...
     def stats_values(self) -> dict[str, Any]: ...
     def pages(self, page_ids: Any) -> list[int]: ...
-    def leased(self, lease: int, ctx: Ctx) -> Any: ...
+    def leased(self, lease: int, ctx: Ctx) -> None: ...
+    def lease_pages(self, lease: int, ctx: Ctx) -> tuple[int, ...]: ...
     def start_prefetch(self, lease: int, read: bool = True) -> bool: ...
     def valid_pages(self) -> set[int]: ...
 
@@ -220,8 +226,8 @@ def _match(h: RankHandler, body: p.MatchRequest, ctx: Ctx) -> p.Body | Watch:
 
 def prefetch_base(h: RankHandler, lease: int) -> int:
     """Where the lease's prefetch, just started, looks storage up from (its first missing page)."""
-    state = h.tp.core.lease(lease).prefetch
-    return 0 if state is None else state.start
+    progress = h.tp.core.prefetch_progress(lease)
+    return 0 if progress is None else progress.start
 
 
 def _lock_precheck(h: RankHandler, body: p.LockRequest) -> None:
@@ -419,7 +425,7 @@ def _put_pages(h: RankHandler, body: p.PutPagesRequest, ctx: Ctx) -> p.Body:
     the lease allocated and has not inserted: cached bytes never change through the protocol."""
     assert body.lease is not None  # precheck
     pages = h.pages(body.page_ids)
-    owned = set(h.leased(body.lease, ctx).pages)
+    owned = set(h.lease_pages(body.lease, ctx))
     foreign = [page for page in pages if page not in owned]
     if foreign:
         raise p.InvalidArgument(f"put_pages: page {foreign[0]} is not a page lease {body.lease} allocated and holds")
@@ -459,7 +465,7 @@ def _get_pages(h: RankHandler, body: p.GetPagesRequest, ctx: Ctx) -> p.Body:
     """This rank's share; the leader joins every rank's, rank-major (as put_pages takes them).
     Only pages cached and agreed (VALID) while the cache is open, or held by the caller's lease."""
     pages = h.pages(body.page_ids)
-    owned = set(h.leased(body.lease, ctx).pages) if body.lease is not None else set()
+    owned = set(h.lease_pages(body.lease, ctx)) if body.lease is not None else set()
     if any(page not in owned for page in pages):
         if h.tp.core.closed:
             raise p.CacheClosed(f"the cache is closed ({h.tp.core.closed_reason}): cached pages are not served")

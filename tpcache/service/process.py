@@ -40,6 +40,7 @@ from tpcache.core import backend
 from tpcache.service.channels import Channels
 from tpcache.service.config import (
     DEFAULT,
+    TRACE_OPS_ENV,
     ConfigError,
     Resolved,
     ServiceConfig,
@@ -142,10 +143,13 @@ def agree(config: ServiceConfig, problem: str | None) -> str | None:
 
 
 def build_cache(config: ServiceConfig, collective: Any, device: Any, pool: Any = None, storage: Any = None) -> Any:
+    """This rank's cache; with ``TPCACHE_TRACE_OPS`` set, its driver appends every op it applies to
+    ``rank<r>.ops`` in that folder (``tpcache.engine.sequenced.read_ops`` reads it)."""
     from tpcache.engine import TPCache
+    from tpcache.engine.sequenced import OpLog
 
     world = collective.world_size
-    return TPCache(
+    tp = TPCache(
         config.cache_config(),
         collective,
         group=config.group(world),
@@ -155,6 +159,10 @@ def build_cache(config: ServiceConfig, collective: Any, device: Any, pool: Any =
         storage=storage,
         round_timeout_s=config.round_timeout_s,
     )
+    trace = os.environ.get(TRACE_OPS_ENV)
+    if trace:
+        tp.driver.trace = OpLog(Path(trace) / f"rank{collective.rank}.ops")
+    return tp
 
 
 def open_model_storage(config: ServiceConfig, shard: Any, world: int) -> Any:

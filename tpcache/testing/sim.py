@@ -60,6 +60,7 @@ from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.engine.driver import Driver, Operations
+from tpcache.engine.sequenced import Op, register
 from tpcache.testing.admissions import admission_step, buffer_config, buffer_violations
 from tpcache.testing.ops import apply, evict, random_op, tokens_for
 
@@ -72,6 +73,10 @@ PART_DIVERGENCES = ("part_slot", "part_host_slot", "part_stamp", "part_storage")
 # seeded schedules draw from the kinds above)
 NEXT_DIVERGENCES = ("retention_cap", "lease_pages", "lease_state", "backlog")
 HYBRIDS = ("swa", "mamba", "both")
+
+# The simulator's own sequenced op: forget up to n pages on device (and on host) on every rank.
+FORGET = "sim.forget"
+register(FORGET, lambda driver, n, host: evict(driver.core, n, host))
 
 
 class SimFailure(AssertionError):
@@ -300,7 +305,7 @@ class SimCluster:
                     rank.waiting.clear()
                     rank.request_flush()
                 elif op[0] in ("evict", "demote"):  # test-only sequenced ops: forget pages on every rank
-                    rank.driver.apply(evict, rank.core, op[1], op[0] == "evict")
+                    rank.driver.apply(Op(FORGET, (op[1], op[0] == "evict")))
                 elif op[0] == "admit":
                     tokens = tokens_for(op[1], self.config.page_size, op[2])
                     with contextlib.suppress(CacheClosed):

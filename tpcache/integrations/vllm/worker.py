@@ -251,7 +251,7 @@ class WorkerSide:
             "loads": list(self.loads),
             "sending": list(self.sending),
             "copies_in_flight": sorted(self.cache.shell.running),
-            "ops_to_agree": {k.name: len(q) for k, q in self.cache.core.inflight.items() if q},
+            "ops_to_agree": self.cache.core.ops_in_flight_by_kind(),
             "closed": self.cache.core.closed_reason,
         }
 
@@ -265,7 +265,7 @@ class WorkerSide:
         """Nothing waits for a later round: no copy in flight, no lookup, load or release to report."""
         if self.loads or self.sending or any(not s.reported for s in self.requests.values()):
             return False
-        return not any(self.cache.core.inflight.values()) or self.cache.core.closed
+        return not self.cache.core.ops_in_flight() or self.cache.core.closed
 
     def totals(self) -> dict[str, int]:
         """Running totals of the counts this rank reports to vLLM's stats (cheap: no copies)."""
@@ -284,7 +284,7 @@ class WorkerSide:
         out.update(self.counters)
         out["requests"] = len(self.requests)
         waiting = sum(not s.reported for s in self.requests.values())
-        in_flight = sum(map(len, self.cache.core.inflight.values()))
+        in_flight = self.cache.core.ops_in_flight()
         out["pending"] = in_flight + len(self.loads) + len(self.sending) + waiting
         out["host_pages"] = self.cache.config.host_pages
         out["page_size"] = self.page_size
