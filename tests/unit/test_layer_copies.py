@@ -138,6 +138,26 @@ def test_checked_copies_are_compared_after_they_landed() -> None:
     transfer.close()
 
 
+def test_a_checked_load_read_before_it_landed_is_caught() -> None:
+    # Negative control of the check: the destination is zeroed when a checked load starts, so a
+    # layer read before its copy landed differs from the host page, whatever the block held before.
+    gate = Gate(hold=(H2D, 1))
+    layers, transfer = make(layer_delay=gate)
+    transfer.check = True
+    transfer._host.fill_(-1.0)
+    transfer.begin_step()
+    transfer.submit_load(1, [4], [6])
+    transfer.wait_layer(0)
+    (op,) = transfer._step.loads
+    assert transfer.kv.layer_equal(transfer._host, op.plan, 0)
+    assert not transfer.kv.layer_equal(transfer._host, op.plan, 1)  # not landed: zeros, not the page
+    assert layers[1][6].eq(0).all()
+    gate.release.set()
+    transfer.end_step()
+    assert transfer.counters["check_failures"] == 0 and transfer.counters["checked_layers"] == LAYERS
+    transfer.close()
+
+
 def test_consecutive_blocks_and_slots_are_copied_as_runs() -> None:
     t = torch.tensor
     assert _runs(t([4, 5, 6]), t([0, 1, 2])) == [(4, 0, 3)]
