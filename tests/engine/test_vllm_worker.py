@@ -13,16 +13,31 @@ from tpcache.integrations.vllm.worker import WorkerSide
 PAGE = 16
 
 
-def run_steps(schedule: dict[int, list[tuple]], steps: int, arm: dict[int, dict] | None = None) -> list[Any]:
+def run_steps(
+    schedule: dict[int, list[tuple]], steps: int, arm: dict[int, dict] | None = None, layered: bool = False
+) -> list[Any]:
+    """Each rank's reports per step. ``layered``: copies by layer, driven as vLLM's hooks drive them
+    (the operations applied, then per layer: wait for its loads, hand it over for its saves)."""
+
     def body(rank: int, collective: Any) -> list[dict[str, Any]]:
         faults = FaultPlan({}, rank)
         hooks = {"before_copy": faults.before_copy, "after_copy": faults.after_copy, "hold": faults.hold}
-        worker = WorkerSide(make(engine_kv(rank), collective, **hooks), faults=faults)
+        cache = make(engine_kv(rank), collective, layered=layered, layer_delay=faults.layer_delay, **hooks)
+        faults.transfer = cache.transfer
+        worker = WorkerSide(cache, faults=faults)
         out = []
         for step in range(steps):
             if arm and step in arm:
                 faults.arm(arm[step])
-            result = worker.run_step(StepOps(step, schedule.get(step, [])))
+            meta = StepOps(step, schedule.get(step, []))
+            if layered:
+                worker.begin_step(meta)
+                for layer in range(cache.engine_kv.num_layers):
+                    worker.wait_layer(layer)
+                    worker.layer_computed(layer)
+                result = worker.end_step()
+            else:
+                result = worker.run_step(meta)
             out.append(
                 {
                     "hits": dict(result.report.hits),
@@ -32,6 +47,7 @@ def run_steps(schedule: dict[int, list[tuple]], steps: int, arm: dict[int, dict]
                     "closed": worker.cache.core.closed,
                     "digest": worker.cache.core.digest.value,
                     "leases": len(worker.cache.core.leases),
+                    "copies": dict(cache.transfer.counters),
                 }
             )
         return out
@@ -60,6 +76,26 @@ def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> Non
         assert steps[4]["recv"] == ["b"] and steps[4]["invalid"] == []
         assert steps[5]["sent"] == ["b"] and steps[6]["leases"] == 0
     assert [s["digest"] for s in ranks[0]] == [s["digest"] for s in ranks[1]]
+
+
+def test_copies_by_layer_on_a_slow_rank_report_what_whole_copies_report() -> None:
+    schedule = {
+        0: [(LOOKUP, "a", toks(1, 2, 3))],
+        1: [(SAVE, "a", [], 3, [[0, 1, 2]])],
+        2: [(RELEASE, "a", True)],
+        3: [(LOOKUP, "b", toks(1, 2, 3, 4))],
+        4: [(LOAD, "b", 1, [[7, 8]])],
+        5: [(RELEASE, "b", True)],
+    }
+    whole = run_steps(schedule, 7)
+    layered = run_steps(schedule, 7, arm={0: {"delay_copies": {"rank": 1, "seconds": 0.01}}}, layered=True)
+    for a, b in zip(whole, layered, strict=True):
+        assert [{k: v for k, v in s.items() if k != "copies"} for s in a] == [
+            {k: v for k, v in s.items() if k != "copies"} for s in b
+        ]
+    copies = [r[-1]["copies"] for r in layered]
+    assert all(c["save_layers_by_hook"] > 0 and c["check_failures"] == 0 for c in copies), copies
+    assert copies[1]["checked_layers"] == copies[1]["layer_copies"] > 0, copies  # the slow rank checked each
 
 
 def test_a_load_failing_on_one_rank_is_invalid_on_every_rank() -> None:

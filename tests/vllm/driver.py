@@ -15,6 +15,9 @@ their ``__main__``): one ``import vllm`` serves them all. Steps:
     {"op": "arm", "spec": {...}}            faults on the workers (tpcache.integrations.vllm.faults)
     {"op": "abort", "name": N, "prompts": [...], "max_tokens": K, "steps": S}
                                             add the prompts, run S engine steps, abort them all
+    {"op": "staggered", "name": N, "first": [ids], "first_tokens": K1, "prompts": [...], "max_tokens": K,
+     "steps": S}                            add ``first``, run S engine steps, then add the prompts (their
+                                            loads then run beside ``first``'s forward passes)
     {"op": "settle"}                        wait until every worker holds no lease and nothing is pending
     {"op": "stats", "name": N}              every worker's tpcache statistics
     {"op": "metrics", "name": N}            vLLM's Prometheus samples of tpcache and preemptions
@@ -130,6 +133,33 @@ def _abort(llm: Any, prompts: list[list[int]], max_tokens: int, steps: int) -> d
             break
         engine.step()
     return {"finished_before_abort": finished}
+
+
+def _staggered(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """One request running first, the prompts added after ``steps`` engine steps; their outputs."""
+    engine = llm.llm_engine
+    name = step["name"]
+    engine.add_request(f"{name}-first", {"prompt_token_ids": step["first"]}, _sampling(step["first_tokens"]))
+    done: dict[str, Any] = {}
+
+    def collect() -> None:
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+
+    for _ in range(step["steps"]):
+        collect()
+    ids = [f"{name}-{i}" for i in range(len(step["prompts"]))]
+    for rid, p in zip(ids, step["prompts"], strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, _sampling(step["max_tokens"]))
+    for _ in range(10_000):  # bounded
+        if not engine.has_unfinished_requests():
+            break
+        collect()
+    return {
+        "tokens": [list(done[r].outputs[0].token_ids) for r in ids],
+        "cached": [done[r].num_cached_tokens or 0 for r in ids],
+    }
 
 
 def _corrupt(spec: dict[str, Any]) -> int:
@@ -296,6 +326,8 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
                 out[name] = llm.collective_rpc(arm_faults, args=(step["spec"],))
             elif op == "abort":
                 out[name] = _abort(llm, step["prompts"], step["max_tokens"], step["steps"])
+            elif op == "staggered":
+                out[name] = _staggered(llm, {**step, "name": name})
             elif op == "settle":
                 out[name] = _settle(llm)
             elif op == "stats":

@@ -10,8 +10,8 @@ The Llama plan (one per TP size): three engines run one after another on a rando
 2. ``conn``: vLLM with tpcache (host tier and a storage directory), its stats loggers on, and fewer
    KV blocks than the multi-turn workload needs: the batch, the batch again after
    ``reset_prefix_cache``, the conversations, long decodes that vLLM preempts, then faults armed on
-   one rank at run time; at TP=2 it is given the time to shut down cleanly. vLLM's KV events are on:
-   the driver reads its ZMQ stream;
+   one rank at run time, then copies by layer on a slow copy thread; at TP=2 it is given the time
+   to shut down cleanly. vLLM's KV events are on: the driver reads its ZMQ stream;
 3. ``fresh``: a new vLLM on the same storage directory, after the last rank's stored copy of one
    page of two prompts was damaged: hits come from storage and stop where a rank has no good copy
    (vLLM's KV events on here too).
@@ -109,7 +109,26 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
             reset,
             {**gen, "name": "batch_after_divergence"},
         ]
-    conn_steps += [{"op": "settle", "name": "settled"}, {"op": "metrics", "name": "metrics_end"}]
+    conn_steps += [
+        # copies by layer on a slow copy thread (the last rank's): the batch's loads start while
+        # another request's forward passes run, and every copy is checked once it landed
+        {"op": "settle", "name": "settled_before_delay"},
+        {"op": "arm", "spec": {"delay_copies": {"rank": last, "seconds": 0.02}}},
+        reset,
+        {
+            "op": "staggered",
+            "name": "batch_delayed",
+            "first": _ids(random.Random(7), 2 * BLOCK + 5),
+            "first_tokens": 24,
+            "prompts": p["batch"],
+            "max_tokens": 8,
+            "steps": 3,
+        },
+        {"op": "stats", "name": "stats_delayed"},
+        {"op": "arm", "spec": {}},
+        {"op": "settle", "name": "settled"},
+        {"op": "metrics", "name": "metrics_end"},
+    ]
     ref_steps = [
         {**gen, "name": "batch"},
         conversation,

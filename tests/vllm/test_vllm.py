@@ -106,6 +106,24 @@ def test_a_divergence_on_one_rank_closes_then_reopens(runs: dict[str, Any]) -> N
     assert tokens(runs, "conn", "batch_after_divergence") == tokens(runs, "ref", "batch")
 
 
+def test_copies_by_layer_on_a_slow_copy_thread_land_before_they_are_read_or_reused(runs: dict[str, Any]) -> None:
+    """The last rank's copy thread sleeps before every layer. Its loads' blocks are zeroed when the
+    load starts and compared with the host pages when ``wait_for_layer_load`` returns (before the
+    attention layer reads them); its saves' host pages are zeroed when the save starts and compared
+    with the blocks when ``wait_for_save`` returns (before vLLM may reuse the blocks)."""
+    assert tokens(runs, "conn", "batch_delayed") == tokens(runs, "ref", "batch")
+    assert all(c >= 3 * BLOCK for c in runs["conn"]["batch_delayed"]["cached"])  # loaded from tpcache
+    before = [s["copies"] for s in runs["conn"]["settled_before_delay"]]
+    after = [s["copies"] for s in runs["conn"]["stats_delayed"]]
+    copies = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]  # this step's
+    assert all(c["check_failures"] == 0 for c in copies), copies
+    last = copies[-1]
+    # every layer the last rank copied was checked; a forward pass waited on a load's layer
+    assert last["checked_layers"] == last["layer_copies"] > 0 and last["load_layer_waits"] > 0, last
+    # saves started when vLLM handed their layer over, during the forward pass, on every rank
+    assert all(c["save_layers_by_hook"] > 0 for c in copies), copies
+
+
 def test_nothing_stays_held(runs: dict[str, Any]) -> None:
     for engine in ("conn", "fresh"):
         settled = runs[engine]["settled"]

@@ -26,7 +26,7 @@ from tpcache.engine.driver import Driver
 from tpcache.engine.sequenced import Op
 from tpcache.engine.shell import Shell, storage_key_factory
 from tpcache.engine.tpcache import KV_FORMAT_VERSION, TPCache
-from tpcache.io.engine_kv import AfterCopy, CopyHook, EngineKV, EngineTransfer, HoldHook
+from tpcache.io.engine_kv import AfterCopy, CopyHook, EngineKV, EngineTransfer, HoldHook, LayerDelay
 from tpcache.io.kv_pool import HostPool, KVLayout
 from tpcache.io.storage import StorageBackend, StorageWorker
 
@@ -52,10 +52,14 @@ class EngineCache(TPCache):
         before_copy: CopyHook = None,
         after_copy: AfterCopy = None,
         hold: HoldHook = None,
+        layered: bool = False,
+        layer_delay: LayerDelay = None,
     ) -> None:
         """``kv_layout`` describes one host page (this rank's shard of one engine block over every
         layer); ``engine_format`` names the engine's byte order (part of every storage key).
-        ``before_copy``, ``after_copy``, ``hold``: test hooks of the transfer (``tpcache.io.engine_kv``)."""
+        ``layered``: copies issued inside an engine step go by layer (``EngineTransfer``).
+        ``before_copy``, ``after_copy``, ``hold``, ``layer_delay``: test hooks of the transfer
+        (``tpcache.io.engine_kv``)."""
         if config.device_pages != 0:
             raise ValueError("an engine-owned cache has no device tier of its own: set device_pages=0")
         if config.host_pages <= 0:
@@ -76,8 +80,15 @@ class EngineCache(TPCache):
         self.engine_kv = engine_kv
         self.host_pool = HostPool(kv_layout, config.host_pages, "page_first")
         transfer: Any = EngineTransfer(
-            engine_kv, self.host_pool, before_copy=before_copy, after_copy=after_copy, hold=hold
+            engine_kv,
+            self.host_pool,
+            before_copy=before_copy,
+            after_copy=after_copy,
+            hold=hold,
+            layered=layered,
+            layer_delay=layer_delay,
         )
+        self.transfer: EngineTransfer = transfer
         worker = key_of = None
         if storage is not None:
             worker = StorageWorker(storage)

@@ -118,6 +118,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self.metrics: Any = None
         self._result: StepResult | None = None
+        self._begun = False  # this step's operations were applied
+        self._layers: dict[str, int] = {}  # attention layer name -> its index in the engine KV
         self._increments = Increments()  # vLLM's stats: what moved since the last collection
         self.events: kv_events.BlockEvents | None = None  # tpcache's tiers in vLLM's KV events (scheduler)
         self._changes: kv_events.ChangeCollector | None = None  # the rounds' changes (worker, TP rank 0)
@@ -293,7 +295,12 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             before_copy=faults.before_copy,
             after_copy=faults.after_copy,
             hold=faults.hold,
+            layered=opts.copy_by_layer,
+            layer_delay=faults.layer_delay,
         )
+        faults.transfer = cache.transfer
+        cache.transfer.check = "delay_copies" in faults.spec
+        self._layers = {name: i for i, name in enumerate(kv_caches)}
         self.worker = WorkerSide(
             cache, lookup_timeout_rounds=opts.lookup_timeout_rounds, reopen=opts.reopen, faults=faults
         )
@@ -370,26 +377,45 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._result = None
+        self._begun = False
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return  # loads are asynchronous: issued with the step's other operations in wait_for_save
+        self._begin()  # the step's loads start (already, where a layer hook came first)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        self._begin()
+        layer = self._layers.get(layer_name)
+        if layer is not None and self.worker is not None:
+            self.worker.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saves copy whole blocks after the forward pass, in wait_for_save
+        self._begin()
+        layer = self._layers.get(layer_name)
+        if layer is not None and self.worker is not None:
+            self.worker.layer_computed(layer)  # the copy of this layer's blocks starts
 
     def wait_for_save(self) -> None:
         self._step()
+
+    def _begin(self) -> None:
+        """Apply this step's operations, once, at the step's first hook."""
+        if self._begun or self.worker is None:
+            return
+        self._begun = True
+        meta = self._connector_metadata if isinstance(self._connector_metadata, StepOps) else None
+        try:
+            self.worker.begin_step(meta)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take vLLM down with it
+            log.exception("tpcache: applying the step's operations failed on this rank; the cache closes")
+            self.worker.fail(f"engine step failed: {exc}")
 
     def _step(self) -> StepResult:
         """This step's round, run once (the first hook of the step after the forward calls it)."""
         if self._result is None:
             assert self.worker is not None, "register_kv_caches was not called"
-            meta = self._connector_metadata if isinstance(self._connector_metadata, StepOps) else None
+            self._begin()
             try:
-                self._result = self.worker.run_step(meta)
+                self._result = self.worker.end_step()
             except Exception as exc:  # noqa: BLE001 - a bug here must not take vLLM down with it
                 log.exception("tpcache: engine step failed on this rank; the cache closes")
                 self.worker.fail(f"engine step failed: {exc}")

@@ -11,6 +11,10 @@ a disagreement the round has to catch:
   show that the model's tokens do depend on the loaded KV (a negative control); with
   ``"group": G``, only the blocks of vLLM's KV cache group G (one component's bytes; ``"sliding"``:
   the sliding-window groups);
+- ``{"delay_copies": {"rank": R, "seconds": T}}``: rank R's copy thread sleeps T seconds before
+  each layer it copies (a slow copy within a step), and checks the bytes of every copy once it
+  landed: a load's layer before vLLM's forward pass reads it, a save before the step ends (the
+  transfer's ``checked_layers`` and ``check_failures`` counters);
 - ``{"diverge": {"rank": R, "step": S}}``: S engine steps after arming, rank R applies one
   operation the other ranks do not (an extra lookup), so the ranks' trees differ.
 """
@@ -29,6 +33,7 @@ KNOWN = {
     "hold_loads": ("rank", "steps"),
     "diverge": ("rank", "step"),
     "scramble_loads": ("rank", "count"),
+    "delay_copies": ("rank", "seconds"),
 }
 OPTIONAL = {"scramble_loads": ("group",)}
 
@@ -41,6 +46,7 @@ class FaultPlan:
     def __init__(self, spec: Mapping[str, Any], rank: int) -> None:
         self.rank = rank
         self.kv: EngineKV | None = None  # the engine's blocks, for scramble_loads
+        self.transfer: Any = None  # the engine's transfer (EngineTransfer), for delay_copies
         self.step = 0  # the worker's engine step, advanced by the worker
         self.arm(spec)
 
@@ -56,6 +62,13 @@ class FaultPlan:
         self._failed = 0
         self._scrambled = 0
         self._issued: dict[int, int] = {}  # op id -> step it was issued at
+        if self.transfer is not None:
+            self.transfer.check = "delay_copies" in self.spec
+
+    def layer_delay(self, direction: str, layer: int) -> float:
+        """Seconds the copy thread waits before copying one layer (``delay_copies``)."""
+        delay = self.spec.get("delay_copies")
+        return float(delay["seconds"]) if delay is not None else 0.0
 
     def before_copy(self, op_id: int, direction: str) -> None:
         fail = self.spec.get("fail_loads")

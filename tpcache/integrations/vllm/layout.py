@@ -77,6 +77,7 @@ def engine_kv_from_vllm(
         raise KVLayoutError("vLLM registered no KV cache tensors")
     parts: list[torch.Tensor] = []
     groups: list[int] = []
+    layers: list[int] = []  # each part's layer, in kv_caches order (the connector's layer index)
     formats: list[str] = []
     per_layer = None
     for name, tensor in kv_caches.items():
@@ -84,6 +85,7 @@ def engine_kv_from_vllm(
             raise KVLayoutError(f"layer {name} is in no KV cache group")
         layer, fmt = layer_parts(tensor, num_blocks)
         groups += [group_of[name] if group_of is not None else 0] * len(layer)
+        layers += [len(formats)] * len(layer)
         elems = sum(int(p.shape[1]) for p in layer)
         if per_layer is not None and elems != per_layer:
             raise KVLayoutError(f"layer {name} holds {elems} elements per block, others {per_layer}")
@@ -99,7 +101,7 @@ def engine_kv_from_vllm(
     # The host page holds the same number of elements as one block over every layer.
     layout = KVLayout(len(kv_caches), 1, per_layer // (2 * block_size), dtype, block_size)
     nullable = [g for g, s in enumerate(sliding) if s]
-    return EngineKV(parts, groups, nullable), layout, f"vllm{formats[0]}{dtype}"
+    return EngineKV(parts, groups, nullable, layers), layout, f"vllm{formats[0]}{dtype}"
 
 
 def page_ids(kv: EngineKV, blocks: Sequence[Sequence[int]], *, save: bool) -> list[int]:

@@ -59,6 +59,11 @@ class ConnectorOptions:
         "environment variable TPCACHE_TREE_CORE of vLLM's processes; empty: whatever that chose",
     )
     reopen: bool = _opt(True, "after the cache fails closed, reopen it by an agreed flush (all ranks together)")
+    copy_by_layer: bool = _opt(
+        True,
+        "copy by attention layer during vLLM's forward pass (a copy thread; a side CUDA stream on a GPU); "
+        "false: every copy after the forward pass",
+    )
     fault_injection: dict = field(
         default_factory=dict, metadata={"help": "tests only: faults to inject (tpcache.integrations.vllm.faults)"}
     )

@@ -1,16 +1,21 @@
 """The worker side of the connector: one tpcache rank per vLLM worker (TP rank).
 
-Once per engine step, in ``wait_for_save`` (every worker calls it every step, empty steps included,
-after the forward pass), the worker applies the step's ``StepOps`` in order to its ``EngineCache``
-(lookups, loads, saves, releases: the same sequenced operations on every rank) and then runs exactly
-one round. What it reports for the step is read from the state that round agreed:
+Once per engine step, at the step's first connector hook (``wait_for_layer_load`` of the first
+attention layer when vLLM runs a forward pass, else ``start_load_kv`` or ``wait_for_save``), the
+worker applies the step's ``StepOps`` in order to its ``EngineCache`` (lookups, loads, saves,
+releases: the same sequenced operations on every rank). The copies they issue go by layer: a load's
+layers are copied from then on and each is waited for before vLLM's attention reads that layer; a
+save's layer starts when vLLM hands the layer over (``save_kv_layer``), every layer it did not hand
+over at ``wait_for_save``. ``wait_for_save`` (every worker calls it every step, empty steps included,
+after the forward pass) waits for every copy of the step and then runs exactly one round. What it
+reports for the step is read from the state that round agreed:
 
 - a lookup's hit (the pages its lease holds on host, storage prefetch included) once its prefetch
   is done or timed out; a closed cache reports 0;
 - a load as finished once its outcome is agreed; pages past the agreed count, or every page when
   the cache closed first, are invalid blocks, which vLLM recomputes;
 - a finished request as done sending once its lease is released, which waits for every copy of its
-  blocks to be agreed (or at once when the cache is closed: copies are synchronous, none is left
+  blocks to be agreed (or at once when the cache is closed: no copy outlives its step, none is left
   running into the blocks).
 
 After the cache fails closed the worker asks for an agreed flush (every rank does so in the same
@@ -91,8 +96,15 @@ class WorkerSide:
 
     def run_step(self, meta: StepOps | None) -> StepResult:
         """Apply the step's operations, run the round, collect what it agreed."""
+        self.begin_step(meta)
+        return self.end_step()
+
+    def begin_step(self, meta: StepOps | None) -> None:
+        """Apply the step's operations (at the step's first connector hook: before vLLM's forward
+        pass where it calls one there). Copies they issue from now until ``end_step`` go by layer."""
         if self.faults is not None:
             self.faults.step = self.steps
+        self.cache.transfer.begin_step()
         for op in meta.ops if meta is not None else ():
             try:
                 self._apply(op)
@@ -100,6 +112,19 @@ class WorkerSide:
                 pass  # a closed cache serves misses; loads that could not start are failed below
             except Exception:  # noqa: BLE001 - a bad op must not kill the worker; the round checks ranks agree
                 log.exception("tpcache: could not apply %s for request %s", op[0], op[1])
+
+    def layer_computed(self, layer: int) -> None:
+        """vLLM wrote this step's KV of attention layer ``layer``: its saves start."""
+        self.cache.transfer.layer_computed(layer)
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once this step's loads landed layer ``layer``."""
+        self.cache.transfer.wait_layer(layer)
+
+    def end_step(self) -> StepResult:
+        """Wait for every copy of the step (saves of layers vLLM did not hand over start now), then
+        run the step's one round and collect what it agreed."""
+        self.cache.transfer.end_step()
         if self.faults is not None and self.faults.diverges_now():
             log.warning("tpcache: injecting a divergence on rank %d at step %d", self.cache.rank, self.steps)
             self.cache.release(self.cache.lock([0] * self.page_size)[0])
@@ -295,4 +320,5 @@ class WorkerSide:
         out["drained"] = int(self.cache.shell.drained())
         out["copies_in_flight"] = sorted(self.cache.shell.running)  # op ids not finished on this rank
         out["storage"] = self.cache.storage.stats() if self.cache.storage is not None else {}
+        out["copies"] = dict(self.cache.transfer.counters)  # copies by layer (tpcache.io.engine_kv)
         return out
