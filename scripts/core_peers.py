@@ -53,10 +53,12 @@ cannot read 0 by never collecting.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -330,6 +332,11 @@ def say(reply: dict[str, Any]) -> int:
     return 0
 
 
+def die_with_parent() -> None:
+    """In a worker before it starts (Linux): the kernel kills it when the benchmark's process ends."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Worker:
     """A cache's process, started at once; ``ask`` sends a command and waits for its answer."""
 
@@ -343,9 +350,8 @@ class Worker:
         env.setdefault("PYTHONHASHSEED", "0")  # vLLM's non-crypto hashes and the dict's hash() alike each run
         self.engine, self.log = engine, tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- closed in close()
         argv = [python, str(Path(__file__).resolve()), "--worker", engine, trace, str(limit)]
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": self.log}
+        self.proc = subprocess.Popen(argv, **pipes, text=True, env=env, preexec_fn=die_with_parent)
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -452,10 +458,11 @@ def run(args: Any) -> dict[str, Any]:
                 "engines": summarize(engines, passes),
             }
             print_table(ps, out, sys.stderr)
+        gc_caches = args.gc_caches or engines
         if args.gc_pages:
             out["gc"] = {
                 "pages": args.gc_pages,
-                "engines": {e: workers[e].ask(op="gc", pages=args.gc_pages) for e in engines},
+                "engines": {e: workers[e].ask(op="gc", pages=args.gc_pages) for e in engines if e in gc_caches},
             }
             print_gc(out["gc"], sys.stderr)
     finally:
