@@ -400,12 +400,17 @@ def run_peers(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per case (--peers: passes per cache)")
     ap.add_argument("--requests", type=int, default=20, help="requests per timed cycle")
     ap.add_argument("--step-pages", type=int, default=625_000)
     ap.add_argument("--steps", type=int, default=5, help="engine steps timed in a row (medians reported)")
     ap.add_argument("--json", action="store_true")
-    peers = ap.add_argument_group("--peers", "the core beside vLLM and SGLang on a trace (scripts/core_peers.py)")
+    peers = ap.add_argument_group(
+        "--peers",
+        "the core beside vLLM and SGLang on a trace: every cache holds --cache-tokens worth of pages, starts "
+        "each pass empty, serves the same requests one at a time and hits at most the prompt less one token; "
+        "passes interleaved (--repeats), thread CPU time (scripts/core_peers.py says more)",
+    )
     peers.add_argument("--peers", nargs="*", choices=["vllm", "sglang"], help="the peers to run (none named: both)")
     peers.add_argument("--trace", default=str(TRACE), help="a Mooncake-format trace (default: %(default)s)")
     peers.add_argument("--trace-requests", type=int, default=3000, help="its first N requests are the stream")
@@ -417,6 +422,11 @@ def main() -> int:
     peers.add_argument("--sglang-python", default=str(SGLANG_PYTHON), help="the interpreter with SGLang")
     args = ap.parse_args()
     if args.peers is not None:
+        for name in ("repeats", "trace_requests", "cache_tokens"):
+            if getattr(args, name) < 1:
+                ap.error(f"--{name.replace('_', '-')} must be at least 1")
+        if min(args.page_sizes) < 1 or args.cache_tokens < max(args.page_sizes):
+            ap.error("--page-sizes must be at least 1 and --cache-tokens at least the largest page size")
         return run_peers(args)
     print(f"resource: max RSS before {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB", file=sys.stderr)
     cases, memory = cycle_cases(args.sizes, args.repeats, args.requests)
