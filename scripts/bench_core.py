@@ -3,6 +3,10 @@
 
     python scripts/bench_core.py --json
     python scripts/bench_core.py --sizes 10000 100000 --repeats 3
+    python scripts/bench_core.py --peers --trace ../shared/data/mooncake/conversation_trace.jsonl
+
+``--peers [vllm] [sglang]`` measures instead the core beside vLLM's KVCacheManager and SGLang's
+RadixCache on one request stream (both when no name is given; scripts/core_peers.py says how).
 
 The floor is the prefix cache an engine writes for itself (vLLM v1 style): a page is keyed by the
 hash of its parent's key and its tokens, a dict maps keys to page ids, pages carry a reference
@@ -52,6 +56,9 @@ from tpcache.replay import drain  # noqa: E402
 
 PAGE = 16
 CONTEXT_PAGES = 140
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACE = os.path.join(os.path.dirname(REPO), "shared", "data", "mooncake", "conversation_trace.jsonl")
+SGLANG_PYTHON = os.path.join(REPO, ".venv-sglang", "bin", "python")
 
 
 class DictPrefixCache:
@@ -376,15 +383,51 @@ class gc_pauses:
         gc.callbacks.remove(self._cb)
 
 
+def run_peers(args: argparse.Namespace) -> int:
+    """``--peers``: one line naming the peer and why when one cannot run (exit 2)."""
+    import core_peers
+
+    args.peers = args.peers or list(core_peers.PEERS)
+    try:
+        out = core_peers.run(args)
+    except core_peers.PeerError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(json.dumps({"peers": out}) if args.json else json.dumps({"peers": out}, indent=2))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per case (--peers: passes per cache)")
     ap.add_argument("--requests", type=int, default=20, help="requests per timed cycle")
     ap.add_argument("--step-pages", type=int, default=625_000)
     ap.add_argument("--steps", type=int, default=5, help="engine steps timed in a row (medians reported)")
     ap.add_argument("--json", action="store_true")
+    peers = ap.add_argument_group(
+        "--peers",
+        "the core beside vLLM and SGLang on a trace: every cache holds --cache-tokens worth of pages, starts "
+        "each pass empty, serves the same requests one at a time and hits at most the prompt less one token; "
+        "passes interleaved (--repeats), thread CPU time (scripts/core_peers.py says more)",
+    )
+    peers.add_argument("--peers", nargs="*", choices=["vllm", "sglang"], help="the peers to run (none named: both)")
+    peers.add_argument("--trace", default=str(TRACE), help="a Mooncake-format trace (default: %(default)s)")
+    peers.add_argument("--trace-requests", type=int, default=3000, help="its first N requests are the stream")
+    peers.add_argument("--page-sizes", type=int, nargs="+", default=[16, 512])
+    peers.add_argument("--cache-tokens", type=int, default=3_000_000, help="every cache holds this many tokens' pages")
+    peers.add_argument("--gc-pages", type=int, default=1_000_000, help="cached pages for the GC figure (0: none)")
+    peers.add_argument("--gc-caches", nargs="+", choices=["native", "reference", "dict", "vllm", "sglang"])
+    peers.add_argument("--vllm-python", default=sys.executable, help="the interpreter with vLLM")
+    peers.add_argument("--sglang-python", default=str(SGLANG_PYTHON), help="the interpreter with SGLang")
     args = ap.parse_args()
+    if args.peers is not None:
+        for name in ("repeats", "trace_requests", "cache_tokens"):
+            if getattr(args, name) < 1:
+                ap.error(f"--{name.replace('_', '-')} must be at least 1")
+        if min(args.page_sizes) < 1 or args.cache_tokens < max(args.page_sizes):
+            ap.error("--page-sizes must be at least 1 and --cache-tokens at least the largest page size")
+        return run_peers(args)
     print(f"resource: max RSS before {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB", file=sys.stderr)
     cases, memory = cycle_cases(args.sizes, args.repeats, args.requests)
     insert = insert_cost(args.repeats)
