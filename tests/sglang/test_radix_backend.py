@@ -1,12 +1,14 @@
-"""``--radix-cache-backend tpcache`` with a real SGLang 0.5.23 engine on CPU (TP=1): SGLang's KV
-pool as tpcache's device tier.
+"""``--radix-cache-backend tpcache`` with real SGLang 0.5.23 engines on CPU (TP=1 and TP=2): SGLang's
+KV pool as tpcache's device tier, one tpcache rank per TP scheduler.
 
 The same prompts go to plain SGLang (its own radix cache) and to SGLang with tpcache's backend: a
 prompt, one sharing its first two pages, the first again, then a flood of other prompts larger
-than the KV pool (so the cache must evict and hand pages back to SGLang's allocator), then the
-first again. Every prompt's tokens are the same in both engines, and tpcache serves the prefix
-hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every step,
-which hold the cache's evictable and protected sizes against SGLang's allocator.
+than the KV pool (so the cache must evict and hand pages back to SGLang's allocator), the first
+again, and a last prompt twice (its second run hits: the ranks' cache stayed open through every
+round, since a cache that closes on a disagreement serves misses). Every prompt's tokens are the
+same in both engines, and tpcache serves the prefix hits SGLang's own cache serves. Both engines run
+SGLang's strict memory checks after every step, which hold the cache's evictable and protected
+sizes against SGLang's allocator.
 
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
 The venv's tpcache may have been installed before that entry point existed, so the test puts a
@@ -53,7 +55,8 @@ def _prompts() -> list[list[int]]:
     first = [(7 * j + 13) % 500 + 3 for j in range(70)]
     sharing = first[:40] + [(11 * j + 5) % 500 + 3 for j in range(30)]
     flood = [[(17 * i + 29 * j + 1) % 500 + 3 for j in range(70)] for i in range(1, 9)]
-    return [first, sharing, first, *flood, first]
+    last = [(5 * j + 2) % 500 + 3 for j in range(70)]
+    return [first, sharing, first, *flood, first, last, last]
 
 
 def _plugin_dist(workdir: Path) -> Path:
@@ -85,12 +88,16 @@ def run_engine(workdir: Path, name: str, spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    workdir = Path(tmp_path_factory.mktemp("sglang_radix"))
-    model = make_tiny_llama(workdir / "model")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(Path(tmp_path_factory.mktemp("sglang_radix_model")))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model: Path) -> dict:
+    workdir = Path(tmp_path_factory.mktemp(f"sglang_radix_tp{request.param}"))
     spec = {
         "model": str(model),
-        "tp": 1,
+        "tp": request.param,
         "page_size": PAGE,
         "cache": "radix",
         "max_total_tokens": POOL_TOKENS,
@@ -114,7 +121,8 @@ def test_prefix_hits_are_served_from_sglangs_pool(served: dict) -> None:
     assert hits[:3] == plain[:3] == [0, 2 * PAGE, 4 * PAGE]
     # The flood (8 prompts of 5 pages into a 32-page pool) made the cache evict the first
     # prompt's pages and give them back to SGLang's allocator, which served the flood with them.
-    assert hits[-1] < 4 * PAGE
+    assert hits[-3] < 4 * PAGE
+    assert hits[-2:] == plain[-2:] == [0, 4 * PAGE]
 
 
 def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
