@@ -139,3 +139,97 @@ def test_a_flush_hands_every_cached_page_back() -> None:
     assert c.engine_pages.drain() == [3, 5, 7]
     assert c.device.used == 0 and c.match(toks(1)).device_pages == 0
     check(c)
+
+
+class Engine:
+    """An engine's page allocator (SGLang's KV pool): pages 1 .. n, the last freed reused first."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n, 0, -1))
+
+    def alloc(self, k: int) -> list[int]:
+        out = self.free[len(self.free) - k :][::-1]
+        del self.free[len(self.free) - k :]
+        return out
+
+    def give_back(self, pages: list[int]) -> None:
+        assert not set(pages) & set(self.free), "a page handed back twice"
+        self.free.extend(pages)
+
+
+def _schedule(seed: int, stats: dict[str, int], ranks: int = 2, ops: int = 60) -> None:
+    """Random requests on ``ranks`` cores, each under its own engine allocator, every op applied
+    to all: the same pages come back in the same order everywhere, and every page is either free
+    in the engine or cached in the core, never both, never lost."""
+    import random
+
+    rng = random.Random(seed)
+    pages = PAGES - 1
+    policy = rng.choice(["lru", "lfu", "fifo"])
+    cores = [core(eviction_policy=policy) for _ in range(ranks)]
+    engines = [Engine(pages) for _ in range(ranks)]
+    running: list[int] = []  # leases of running requests (the same ids on every rank)
+
+    def on_all(fn) -> list:  # type: ignore[no-untyped-def]
+        out = [fn(c, e) for c, e in zip(cores, engines, strict=True)]
+        assert all(o == out[0] for o in out), f"seed {seed}: ranks differ: {out}"
+        return out
+
+    for _ in range(ops):
+        kind = rng.random()
+        if kind < 0.6:
+            tokens = toks(*(rng.randrange(3) * 10 + i for i in range(rng.randint(1, 5))))
+            need_pages = len(tokens) // PAGE
+
+            twins = 2 if rng.random() < 0.3 else 1  # requests for the same tokens, both locked first
+
+            def request(
+                c: CacheCore, e: Engine, tokens: list[int] = tokens, n: int = need_pages, twins: int = twins
+            ) -> list:
+                locked = [c.lock(tokens) for _ in range(twins)]
+                out = []
+                for lease, m in locked:
+                    short = n - m.device_pages - len(e.free)
+                    if short > 0:
+                        c.evict_device(short)
+                        e.give_back(c.engine_pages.drain())
+                    if n - m.device_pages > len(e.free):
+                        c.release(lease)
+                        e.give_back(c.engine_pages.drain())
+                        out.append((lease, None))
+                        continue
+                    given = m.device_page_ids + e.alloc(n - m.device_pages)
+                    left = c.engine_pages.adopt(lease, tokens, given)
+                    e.give_back(left)
+                    out.append((lease, left))
+                return out
+
+            for lease, left in on_all(request)[0]:
+                stats["left"] += len(left or [])
+                if left is not None and rng.random() < 0.5:
+                    running.append(lease)
+                elif left is not None:
+                    on_all(lambda c, e, lease=lease: (c.release(lease), e.give_back(c.engine_pages.drain()))[1])
+        elif kind < 0.85 and running:
+            lease = running.pop(rng.randrange(len(running)))
+            on_all(lambda c, e, lease=lease: (c.release(lease), e.give_back(c.engine_pages.drain()))[1])
+        else:
+            k = rng.randint(1, 4)
+            on_all(lambda c, e, k=k: (c.evict_device(k), e.give_back(drained := c.engine_pages.drain()), drained)[2])
+        stats["evicted"] = sum(c.stats.device_evicted_pages for c in cores[:1])
+        for c, e in zip(cores, engines, strict=True):
+            check(c)
+            assert len(e.free) + c.device.used == pages, f"seed {seed}: a page was lost or held twice"
+            assert not any(c.device.is_owned(p) for p in e.free)
+        assert len({c.state_digest() for c in cores}) == 1
+        assert len({tuple(e.free) for e in engines}) == 1
+
+
+def test_random_schedules_agree_and_lose_no_page() -> None:
+    totals = {"left": 0, "evicted": 0}
+    for seed in range(25):
+        stats = {"left": 0, "evicted": 0}
+        _schedule(seed, stats)
+        totals = {k: totals[k] + stats[k] for k in totals}
+    # The schedules did exercise what they check: pages cached twice and pages evicted.
+    assert totals["left"] > 0 and totals["evicted"] > 0, totals
