@@ -2,13 +2,13 @@
 KV pool as tpcache's device tier, one tpcache rank per TP scheduler.
 
 The same prompts go to plain SGLang (its own radix cache) and to SGLang with tpcache's backend: a
-prompt, one sharing its first two pages, the first again, then a flood of other prompts larger
-than the KV pool (so the cache must evict and hand pages back to SGLang's allocator), the first
-again, and a last prompt twice (its second run hits: the ranks' cache stayed open through every
-round, since a cache that closes on a disagreement serves misses). Every prompt's tokens are the
-same in both engines, and tpcache serves the prefix hits SGLang's own cache serves. Both engines run
-SGLang's strict memory checks after every step, which hold the cache's evictable and protected
-sizes against SGLang's allocator.
+prompt, one sharing its first two pages, the first again, then a flood of other prompts larger than
+the KV pool (so the cache must evict and hand pages back to SGLang's allocator), the first again,
+and a last prompt twice (its second run hits: the ranks' cache stayed open through every round,
+since a cache that closes on a disagreement serves misses); then SGLang flushes its cache and the
+same prompts run again. Every prompt's tokens are the same in both engines, and tpcache serves the
+prefix hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every
+step, which hold the cache's evictable and protected sizes against SGLang's allocator.
 
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
 The venv's tpcache may have been installed before that entry point existed, so the test puts a
@@ -103,10 +103,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "max_total_tokens": POOL_TOKENS,
         "prompts": _prompts(),
         "max_new_tokens": 8,
+        "second_pass": True,
     }
-    (plain,) = run_engine(workdir, "plain", spec)["passes"]
-    (ours,) = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"})["passes"]
-    return {"plain": plain, "tpcache": ours}
+    plain = run_engine(workdir, "plain", spec)["passes"]
+    ours = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"})["passes"]
+    return {"plain": plain[0], "tpcache": ours[0], "plain_again": plain[1], "tpcache_again": ours[1]}
 
 
 def test_tokens_are_the_same_as_plain_sglangs(served: dict) -> None:
@@ -123,6 +124,15 @@ def test_prefix_hits_are_served_from_sglangs_pool(served: dict) -> None:
     # prompt's pages and give them back to SGLang's allocator, which served the flood with them.
     assert hits[-3] < 4 * PAGE
     assert hits[-2:] == plain[-2:] == [0, 4 * PAGE]
+
+
+def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> None:
+    # SGLang's flush_cache is an agreed flush of tpcache's ranks: the prompts served again miss
+    # where they missed the first time and hit as they did, with the same tokens.
+    again = served["tpcache_again"]
+    assert again["outputs"] == served["tpcache"]["outputs"]
+    assert [c["total"] for c in again["cached"]] == [c["total"] for c in served["plain_again"]["cached"]]
+    assert again["cached"][0]["total"] == 0
 
 
 def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
