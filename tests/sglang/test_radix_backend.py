@@ -4,9 +4,10 @@ KV pool as tpcache's device tier, one tpcache rank per TP scheduler.
 The same prompts go to plain SGLang (its own radix cache) and to SGLang with tpcache's backend: a
 prompt, one sharing its first two pages, the first again, then a flood of other prompts larger than
 the KV pool (so the cache must evict and hand pages back to SGLang's allocator), the first again,
-and a last prompt twice (its second run hits: the ranks' cache stayed open through every round,
-since a cache that closes on a disagreement serves misses); then SGLang flushes its cache and the
-same prompts run again. Every prompt's tokens are the same in both engines, and tpcache serves the
+and a last prompt twice (at TP=1 its second run hits: the cache stayed open through every round; at
+TP=2 rank 1 is made to apply one operation rank 0 does not when it caches that prompt, and the
+second run misses: the round closed the cache); then SGLang flushes its cache, which reopens it,
+and the same prompts run again. Every prompt's tokens are the same in both engines, and tpcache serves the
 prefix hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every
 step, which hold the cache's evictable and protected sizes against SGLang's allocator.
 
@@ -31,7 +32,7 @@ if importlib.util.find_spec("sglang") is None:
         allow_module_level=True,
     )
 
-from tpcache.integrations.sglang.options import refusal
+from tpcache.integrations.sglang.options import parse_faults, refusal
 from tpcache.testing.child import run_in_own_session
 from tpcache.testing.tiny_model import make_tiny_llama
 
@@ -55,8 +56,10 @@ def _prompts() -> list[list[int]]:
     first = [(7 * j + 13) % 500 + 3 for j in range(70)]
     sharing = first[:40] + [(11 * j + 5) % 500 + 3 for j in range(30)]
     flood = [[(17 * i + 29 * j + 1) % 500 + 3 for j in range(70)] for i in range(1, 9)]
-    last = [(5 * j + 2) % 500 + 3 for j in range(70)]
-    return [first, sharing, first, *flood, first, last, last]
+    return [first, sharing, first, *flood, first, LAST, LAST]
+
+
+LAST = [(5 * j + 2) % 500 + 3 for j in range(70)]
 
 
 def _plugin_dist(workdir: Path) -> Path:
@@ -73,11 +76,11 @@ def _plugin_dist(workdir: Path) -> Path:
     return dist.parent
 
 
-def run_engine(workdir: Path, name: str, spec: dict) -> dict:
+def run_engine(workdir: Path, name: str, spec: dict, **env_more: str) -> dict:
     spec_file, out_file, log_file = workdir / f"{name}.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
     spec_file.write_text(json.dumps(spec))
     path = [str(_plugin_dist(workdir / name)), str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **STRICT_CHECKS}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **STRICT_CHECKS, **env_more}
     code = run_in_own_session(
         [sys.executable, str(DRIVER), str(spec_file), str(out_file)], log_file, env, ENGINE_TIMEOUT_S, workdir
     )
@@ -106,8 +109,19 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "second_pass": True,
     }
     plain = run_engine(workdir, "plain", spec)["passes"]
-    ours = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"})["passes"]
-    return {"plain": plain[0], "tpcache": ours[0], "plain_again": plain[1], "tpcache_again": ours[1]}
+    # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
+    # its first token): the round that follows must close the cache on both ranks.
+    fault = json.dumps({"diverge": {"rank": 1, "first_token": LAST[0]}}) if request.param == 2 else ""
+    ours = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"}, TPCACHE_SGLANG_FAULTS=fault)["passes"]
+    log = (workdir / "tpcache.log").read_text(errors="replace")
+    return {
+        "tp": request.param,
+        "plain": plain[0],
+        "tpcache": ours[0],
+        "plain_again": plain[1],
+        "tpcache_again": ours[1],
+        "fault_fired": log.count("test fault: this rank applies an operation the others do not"),
+    }
 
 
 def test_tokens_are_the_same_as_plain_sglangs(served: dict) -> None:
@@ -123,12 +137,26 @@ def test_prefix_hits_are_served_from_sglangs_pool(served: dict) -> None:
     # The flood (8 prompts of 5 pages into a 32-page pool) made the cache evict the first
     # prompt's pages and give them back to SGLang's allocator, which served the flood with them.
     assert hits[-3] < 4 * PAGE
-    assert hits[-2:] == plain[-2:] == [0, 4 * PAGE]
+    assert plain[-2:] == [0, 4 * PAGE]
+    if served["tp"] == 1:
+        # The last prompt's second run hits: the cache stayed open through every round.
+        assert hits[-2:] == [0, 4 * PAGE]
+
+
+def test_a_divergence_on_one_rank_closes_the_cache_and_tokens_stay_the_same(served: dict) -> None:
+    if served["tp"] == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    assert served["fault_fired"] == 1
+    # Rank 1 applied an operation rank 0 did not while caching the last prompt: the next round
+    # closed the cache on both ranks, so the last prompt's second run is a miss (plain SGLang
+    # hits it) and computes the same tokens.
+    assert [c["total"] for c in served["tpcache"]["cached"]][-1] == 0
+    assert served["tpcache"]["outputs"] == served["plain"]["outputs"]
 
 
 def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> None:
-    # SGLang's flush_cache is an agreed flush of tpcache's ranks: the prompts served again miss
-    # where they missed the first time and hit as they did, with the same tokens.
+    # SGLang's flush_cache is an agreed flush of tpcache's ranks (at TP=2 it reopens the cache the
+    # divergence closed): the prompts served again hit and miss as plain SGLang's, same tokens.
     again = served["tpcache_again"]
     assert again["outputs"] == served["tpcache"]["outputs"]
     assert [c["total"] for c in again["cached"]] == [c["total"] for c in served["plain_again"]["cached"]]
@@ -151,3 +179,12 @@ def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
         reason = refusal(**{**ok, **change})
         assert reason is not None and words in reason and "\n" not in reason
         assert reason.startswith("--radix-cache-backend tpcache")
+
+
+def test_the_test_fault_setting_is_checked() -> None:
+    assert parse_faults("") == {}
+    assert parse_faults('{"diverge": {"rank": 1, "first_token": 5}}') == {"rank": 1, "first_token": 5}
+    for text in ("{", '{"crash": {}}', '{"diverge": {"rank": 1}}', '{"diverge": {"rank": -1, "first_token": 5}}'):
+        with pytest.raises(ValueError, match="TPCACHE_SGLANG_FAULTS") as err:
+            parse_faults(text)
+        assert "\n" not in str(err.value)

@@ -19,6 +19,7 @@ the cache (no hit, nothing inserted).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from tpcache.core import CacheClosed, CacheConfig
 from tpcache.core.hashing import as_token_bytes
-from tpcache.integrations.sglang.options import refusal
+from tpcache.integrations.sglang.options import FAULTS_ENV, parse_faults, refusal
 
 log = logging.getLogger("tpcache.sglang")
 
@@ -73,11 +74,15 @@ def build(ctx: Any) -> TPCacheRadix:
     )
     if reason is not None:
         raise ValueError(reason)
+    fault = parse_faults(os.environ.get(FAULTS_ENV, ""))
     from tpcache.comm import make_collective
 
     group = ctx.tp_group.cpu_group if ctx.tp_group is not None else None
     collective = make_collective("auto", group=group)
-    return TPCacheRadix(params, collective, policy)
+    cache = TPCacheRadix(params, collective, policy)
+    if fault and fault["rank"] == ctx.tp_rank:
+        cache.diverge_after = fault["first_token"]
+    return cache
 
 
 class TPCacheRadix(BasePrefixCache):
@@ -103,6 +108,7 @@ class TPCacheRadix(BasePrefixCache):
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root_node = ROOT
         self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0}
+        self.diverge_after: int | None = None  # test fault (options.parse_faults): this rank only
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -194,6 +200,11 @@ class TPCacheRadix(BasePrefixCache):
         if left:
             self.stats["duplicate_pages"] += len(left)
             self._free_pages(left)
+        if self.diverge_after is not None and token_ids[0] == self.diverge_after:
+            self.diverge_after = None  # once: an operation the other ranks do not apply
+            log.warning("tpcache: test fault: this rank applies an operation the others do not")
+            self.rank.release(self.rank.lock(data)[0])
+            self._give_back()
         found = self.rank.match(data)
         cached = tuple(found.device_page_ids)
         protected = req.kv.cache_protected_len
