@@ -9,6 +9,10 @@ empties SGLang's device and host tiers (``flush_cache``, which leaves the store 
 serves the prompts again. It shuts the engine down and writes what each prompt produced and where
 its cached prefix came from, per pass.
 
+With ``"cache": "radix"`` the engine runs without HiCache: SGLang's own radix cache, or with
+``radix_backend`` the prefix cache registered under that name (``--radix-cache-backend``), and
+no store; ``max_total_tokens`` sizes its KV pool.
+
 Settings SGLang needs on a CPU-only machine (a test setup, not a deployment): the CPU engine
 (``SGLANG_USE_CPU_ENGINE=1``), torch-native attention, one core per TP rank, and for HiCache the
 ``direct`` host<->device copy with the layer-first host layout (the shims in ``shims/`` say why).
@@ -50,6 +54,22 @@ def _wait_store_settled(url: str) -> None:
 
 
 def engine_args(spec: dict) -> dict:
+    base = {
+        "model_path": spec["model"],
+        "tp_size": spec["tp"],
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "attention_backend": "torch_native",
+        "skip_tokenizer_init": True,
+        "page_size": spec["page_size"],
+        "max_total_tokens": spec.get("max_total_tokens", 4096),
+        "mem_fraction_static": 0.05,
+        "disable_cuda_graph": True,
+        "random_seed": 0,
+        "log_level": "warning",
+    }
+    if spec.get("cache") == "radix":
+        return {**base, "radix_cache_backend": spec.get("radix_backend")}
     extra = {
         "backend_name": "tpcache",
         "module_path": "tpcache.integrations.sglang.storage",
@@ -60,18 +80,7 @@ def engine_args(spec: dict) -> dict:
         "prefetch_threshold": spec["page_size"],
     }
     return {
-        "model_path": spec["model"],
-        "tp_size": spec["tp"],
-        "device": "cpu",
-        "dtype": "bfloat16",
-        "attention_backend": "torch_native",
-        "skip_tokenizer_init": True,
-        "page_size": spec["page_size"],
-        "max_total_tokens": 4096,
-        "mem_fraction_static": 0.05,
-        "disable_cuda_graph": True,
-        "random_seed": 0,
-        "log_level": "warning",
+        **base,
         "enable_hierarchical_cache": True,
         "hicache_ratio": 2,
         "hicache_io_backend": "direct",
@@ -96,7 +105,8 @@ def main(spec_path: str, out_path: str) -> None:
     passes = []
     try:
         passes.append(_serve(engine, spec))
-        _wait_store_settled(spec["storage_url"])
+        if spec.get("storage_url"):
+            _wait_store_settled(spec["storage_url"])
         if spec.get("second_pass"):
             if not engine.flush_cache().success:
                 raise SystemExit("SGLang refused to flush its cache")
@@ -116,6 +126,7 @@ def _serve(engine, spec: dict) -> dict:
         outputs.append(out["output_ids"])
         details = out["meta_info"].get("cached_tokens_details") or {}
         cached.append({k: details.get(k, 0) for k in ("device", "host", "storage")})
+        cached[-1]["total"] = out["meta_info"].get("cached_tokens", 0)
     return {"outputs": outputs, "cached": cached}
 
 

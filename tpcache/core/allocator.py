@@ -156,3 +156,66 @@ def reference_take(
         pages.extend(range(fresh, fresh + new))
         fresh += new
     return pages, fresh
+
+
+class AdoptedPages(PageAllocator):
+    """A device tier whose pages belong to an engine's own allocator (SGLang's KV pool).
+
+    The core never hands a page out here: pages enter when an insert adopts the pages an engine
+    wrote (``take``), and leave when eviction or a lease's release frees them. A freed page goes to
+    ``returned``, in the order the core freed it, for the engine to take back (``drain``): the same
+    order on every rank, since the core's decisions depend only on the sequence of operations.
+    ``available`` is 0 (nothing to hand out); ``used`` counts the pages the core holds.
+    """
+
+    def __init__(self, num_pages: int, name: str = "device") -> None:
+        super().__init__(num_pages, name)
+        self._fresh = num_pages  # no never-used pages: every id is the engine's until taken
+        self._owned = bytearray(num_pages)
+
+    @property
+    def available(self) -> int:
+        return 0
+
+    @property
+    def used(self) -> int:
+        return self._owned.count(1)
+
+    @property
+    def returned(self) -> list[int]:
+        """Pages freed and not yet drained, oldest first (read-only view: ``drain`` takes them)."""
+        return list(self._free)
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        raise ValueError("with device_adopt the engine allocates device pages; give them to adopt")
+
+    def take(self, pages: list[int]) -> None:
+        for p in pages:
+            if not 0 <= p < self.num_pages or self.is_owned(p):
+                raise ValueError(f"{self.name} pool: page {p} cannot be taken")
+        if self._free and not set(pages).isdisjoint(self._free):
+            raise ValueError(f"{self.name} pool: a page the engine has not taken back yet was given again")
+        for p in pages:
+            self._owned[p] = 1
+
+    def untake(self, pages: list[int]) -> None:
+        """Give pages back without freeing them: the engine still owns them (not ``returned``)."""
+        for p in pages:
+            if not self.is_owned(p):
+                raise ValueError(f"{self.name} pool: page {p} given back but not held")
+            self._owned[p] = 0
+
+    def free_all(self, pages: list[int]) -> None:
+        """Put pages on ``returned`` that this pool never held (those of a dropped tree after a reset)."""
+        self._free.extend(pages)
+
+    def drain(self) -> list[int]:
+        """The freed pages, in the order they were freed; the engine owns them again."""
+        out = list(self._free)
+        self._free.clear()
+        return out
+
+    def check(self) -> None:
+        free = self._free
+        if len(set(free)) != len(free) or any(self.is_owned(p) or not 0 <= p < self.num_pages for p in free):
+            raise AssertionError(f"{self.name} pool: a returned page is held, out of range or returned twice")

@@ -76,7 +76,7 @@ class CacheCore(Queries):
         self.staging = Staging(self.ledger)
         self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher, self.staging)
         self.admitter = Admitter(config, led, self.book, self.outbox, self.loader, self.prefetcher, closed)
-        self.engine_pages = EnginePages(self.ledger, self.book, self.outbox, self.evictor)
+        self.engine_pages = EnginePages(led, self.book, self.outbox, self.evictor, self.inserter, self._live)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
         self.flush_requested = False
@@ -392,8 +392,7 @@ class CacheCore(Queries):
 
     def close(self, reason: str) -> None:
         """Fail closed: serve misses, refuse writes, start no copies. Only an agreed flush reopens."""
-        if self.closed_reason is None:
-            self.closed_reason = reason
+        self.closed_reason = reason if self.closed_reason is None else self.closed_reason
         self.backup.enabled = False
 
     def reset(self, next_op: int, next_lease: int) -> None:
@@ -403,11 +402,12 @@ class CacheCore(Queries):
         runtime retention cap, and every live lease with the pages it allocated, since the engine
         may still be writing KV into them; those pages are freed by the lease's own release."""
         cap, kept, feed = self.evictor.retention_cap_tokens, self.book.kept(), self.ledger.feed
-        self.tree.dispose()  # the old tree goes now, not at the collection that finds the old core
+        gone = self.engine_pages.drop_tree()  # now, not at the collection that finds the old core
         self.__init__(self.config)  # type: ignore[misc]
         self.ledger.feed = feed.clear() if feed is not None else None  # its next drain says: cleared
         self.book.next_lease, self.outbox.next_op, self.evictor.retention_cap_tokens = next_lease, next_op, cap
         self.book.take_back(kept)
+        self.engine_pages.hand_back(gone)
 
     def _engine_op(self, lease_id: int, blocks: list[int]) -> tuple[Lease, list[int]]:
         self._refuse_if_closed()

@@ -71,6 +71,10 @@ class CacheConfig:
     mamba_state_bytes: int = 0
     mamba_device_states: int = 0
     mamba_host_states: int = 0
+    # The device tier's pages belong to the engine's allocator (SGLang's KV pool): inserts adopt the
+    # pages the engine wrote (``adopt``), eviction hands page ids back (``AdoptedPages.drain``), and
+    # the core allocates none. ``device_pages`` bounds the page ids.
+    device_adopt: bool = False
 
     def validate(self) -> None:
         backend.require()  # TPCACHE_TREE_CORE=native where it was not built: one line, no core
@@ -109,6 +113,16 @@ class CacheConfig:
             raise ValueError("mamba_every must be -1 (end of each insert), 0 (none) or k >= 1; pool sizes >= 0")
         if self.mamba_every and not self.mamba_device_states:
             raise ValueError("a Mamba component needs mamba_device_states > 0")
+        if self.device_adopt:
+            self._validate_adopt()
+
+    def _validate_adopt(self) -> None:
+        if self.device_pages <= 0:
+            raise ValueError("device_adopt needs device_pages > 0 (the engine's page ids are 0 .. device_pages-1)")
+        if self.host_pages or self.storage:
+            raise ValueError("device_adopt serves a device tier alone for now: set host_pages=0 and storage=False")
+        if self.components():
+            raise ValueError("device_adopt serves full-attention models only (no swa_window, no mamba_every)")
 
     def components(self) -> tuple[ComponentSpec, ...]:
         """The components beside full attention, in a fixed order (index 1, 2, ...)."""

@@ -14,6 +14,11 @@ and the engine's blocks never enter the tree. Two sequenced operations move KV a
   storage prefetch) into engine blocks with one LOAD op. Nothing in the tree changes; the op's
   ``acked`` (set by the agreed completion) tells the engine how many leading pages it may use.
 
+Adopted device pages (``CacheConfig.device_adopt``, SGLang's KV pool) are the other way an engine
+owns device pages: the core keeps a device tier, but its pages are the engine's (``AdoptedPages``).
+``adopt`` inserts the pages a request computed into, taking them from the engine; eviction, releases
+and a flush give page ids back, drained by the engine in the order the core freed them (``drain``).
+
 Both ops carry ``engine_pages=True`` (their device side is the engine's block ids) and the lease
 waits for them: a lease is released only once every copy into or out of its blocks is agreed
 complete, which is when the engine may reuse them. The host slots a load reads are held by the
@@ -22,10 +27,13 @@ lease's own pins; the slots a save writes belong to its WRITING nodes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from tpcache.core.allocator import AdoptedPages
 from tpcache.core.config import CacheConfig
 from tpcache.core.eviction import Evictor
+from tpcache.core.hashing import TokenIds, as_token_bytes
+from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
@@ -58,11 +66,88 @@ def check_blocks(blocks: Sequence[int]) -> list[int]:
 
 
 class EnginePages:
-    def __init__(self, ledger: Ledger, leases: Leases, outbox: Outbox, evictor: Evictor) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        leases: Leases,
+        outbox: Outbox,
+        evictor: Evictor,
+        inserter: Inserter,
+        live: Callable[[int], Lease],
+    ) -> None:
         self.ledger = ledger
         self.leases = leases
         self.outbox = outbox
         self.evictor = evictor
+        self.inserter = inserter
+        self.live = live  # the core's live-lease lookup: refuses a closed cache or a lease being released
+        self.adopted = ledger.device if isinstance(ledger.device, AdoptedPages) else None
+
+    # ------------------------------------------------------------------ adopted device pages
+
+    def adopt(self, lease_id: int, tokens: TokenIds, pages: Sequence[int]) -> list[int]:
+        """``insert`` the full pages of ``tokens``, whose KV the engine wrote into its ``pages`` (page
+        i of the tokens in ``pages[i]``; ids past the full pages are ignored). A page the cache holds
+        must be the page of the cached node at that position; every other page is taken from the
+        engine and inserted as ``insert`` does. Returns the pages given that were not adopted (the
+        tree has them under other pages), in order: they stay the engine's. A refused call
+        changes nothing."""
+        lease = self.live(lease_id)
+        dev = self.adopted
+        if dev is None:
+            raise ValueError("adopt needs device_adopt (the engine's pages as the device tier); use alloc and insert")
+        data = as_token_bytes(tokens)
+        walk = self.ledger.tree.walk(data)
+        n = walk.num_pages
+        given = list(pages)[:n]
+        if len(given) < n:
+            raise ValueError(f"adopt needs a device page for each of {n} full pages, got {len(given)}")
+        nodes = walk.nodes
+        for i, p in enumerate(given):
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < dev.num_pages:
+                raise ValueError(f"pages must be ints in 0 .. {dev.num_pages - 1} (device_pages), found {p!r}")
+            if dev.is_owned(p) and not (i < len(nodes) and nodes[i].on_device and nodes[i].device_page == p):
+                raise ValueError(f"page {p} is cached at another position of the tree; it cannot hold page {i}")
+        foreign = [p for p in given if not dev.is_owned(p)]
+        if len(set(foreign)) != len(foreign):
+            raise ValueError("pages name a page twice")
+        dev.take(foreign)
+        lease.pages.extend(foreign)
+        try:
+            self.inserter.insert(lease, data, given)
+        finally:
+            left = set(lease.pages).intersection(foreign)
+            if left:  # not adopted (or a refused insert): the engine's again, not freed
+                lease.pages.discard(left)
+                dev.untake([p for p in foreign if p in left])
+                self.leases.refresh(lease)
+        return [p for p in foreign if p in left]
+
+    def drain(self) -> list[int]:
+        """Adopted pages freed since the last drain, in the order the core freed them (alike on
+        every rank); the engine owns them again. Without ``device_adopt``: none."""
+        return self.adopted.drain() if self.adopted is not None else []
+
+    def drop_tree(self) -> list[int]:
+        """Dispose of the tree (a reset); returns the adopted pages it held and those freed but not
+        drained yet, in page order: the engine gets them back from the next core (``hand_back``)."""
+        out: list[int] = []
+        if self.adopted is not None:
+            out = self.adopted.drain()
+            stack = list(self.ledger.tree.root.children.values())
+            while stack:
+                node = stack.pop()
+                if node.on_device:
+                    out.append(node.device_page)
+                stack.extend(node.children.values())
+        self.ledger.tree.dispose()
+        return sorted(out)
+
+    def hand_back(self, pages: list[int]) -> None:
+        if pages and self.adopted is not None:
+            self.adopted.free_all(pages)
+
+    # ------------------------------------------------------------------ copies to engine blocks
 
     def hit_nodes(self, lease: Lease) -> list[Node]:
         """The leading pages of the lease's tokens that are host-VALID and pinned by the lease. Pure."""

@@ -25,7 +25,7 @@ from tpcache.core.accounting import (
     touch_nodes,
     unresident,
 )
-from tpcache.core.allocator import HostAllocator, PageAllocator
+from tpcache.core.allocator import AdoptedPages, HostAllocator, PageAllocator
 from tpcache.core.backend import NATIVE
 from tpcache.core.components import (
     DEV,
@@ -68,7 +68,7 @@ class Ledger:
         self.config = config
         self.page_size = config.page_size
         self.tree = tree
-        self.device = PageAllocator(config.device_pages, "device")
+        self.device = (AdoptedPages if config.device_adopt else PageAllocator)(config.device_pages, "device")
         self.host = HostAllocator(config.host_pages, "host")
         self.candidates = candidates
         self.digest = Digest()

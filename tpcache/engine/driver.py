@@ -197,6 +197,22 @@ class Operations:
         component, the slot holding each page's data of that component (-1: none)."""
         return self.driver.apply(Op("insert", (lease, tokens, list(device_pages), self._by_index(parts))))
 
+    def adopt(self, lease: int, tokens: TokenIds, device_pages: Sequence[int]) -> list[int]:
+        """With ``device_adopt`` (the engine's allocator owns the device pages): cache the full
+        pages of ``tokens`` whose KV the engine wrote into ``device_pages``; returns the pages not
+        adopted (cached already under another page), which stay the engine's."""
+        return self.driver.apply(self.core.engine_pages.adopt, lease, tokens, list(device_pages))
+
+    def evict_device(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` unpinned device pages, least valuable first; returns how many.
+        With ``device_adopt`` the freed page ids wait in ``drain_returned``."""
+        return self.driver.apply(self.core.evict_device, num_pages)
+
+    def drain_returned(self) -> list[int]:
+        """With ``device_adopt``: the device pages freed since the last drain, in the order freed
+        (alike on every rank); the engine owns them again."""
+        return self.core.engine_pages.drain()
+
     def append(
         self,
         lease: int,

@@ -1,0 +1,190 @@
+"""``--radix-cache-backend tpcache`` with real SGLang 0.5.23 engines on CPU (TP=1 and TP=2): SGLang's
+KV pool as tpcache's device tier, one tpcache rank per TP scheduler.
+
+The same prompts go to plain SGLang (its own radix cache) and to SGLang with tpcache's backend: a
+prompt, one sharing its first two pages, the first again, then a flood of other prompts larger than
+the KV pool (so the cache must evict and hand pages back to SGLang's allocator), the first again,
+and a last prompt twice (at TP=1 its second run hits: the cache stayed open through every round; at
+TP=2 rank 1 is made to apply one operation rank 0 does not when it caches that prompt, and the
+second run misses: the round closed the cache); then SGLang flushes its cache, which reopens it,
+and the same prompts run again. Every prompt's tokens are the same in both engines, and tpcache serves the
+prefix hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every
+step, which hold the cache's evictable and protected sizes against SGLang's allocator.
+
+SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
+The venv's tpcache may have been installed before that entry point existed, so the test puts a
+``tpcache`` dist-info made from pyproject.toml's entry points ahead of it on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip(
+        "SGLang is not installed here: the SGLang ring runs in .venv-sglang (make setup-sglang)",
+        allow_module_level=True,
+    )
+
+from tpcache.integrations.sglang.options import parse_faults, refusal
+from tpcache.testing.child import run_in_own_session
+from tpcache.testing.tiny_model import make_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("driver.py")
+SHIMS = Path(__file__).with_name("shims")
+PAGE = 16
+POOL_TOKENS = 512  # 32 pages: the flood below needs more, so the cache must evict
+ENGINE_TIMEOUT_S = 420
+# SGLang's own checks, after every scheduler step: free + evictable + protected + held by requests
+# == the pool (the cache's sizes against SGLang's allocator), and no page both free and in use.
+# When idle: the same without requests, as an error instead of a warning.
+STRICT_CHECKS = {
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1",
+}
+
+
+def _prompts() -> list[list[int]]:
+    first = [(7 * j + 13) % 500 + 3 for j in range(70)]
+    sharing = first[:40] + [(11 * j + 5) % 500 + 3 for j in range(30)]
+    flood = [[(17 * i + 29 * j + 1) % 500 + 3 for j in range(70)] for i in range(1, 9)]
+    return [first, sharing, first, *flood, first, LAST, LAST]
+
+
+LAST = [(5 * j + 2) % 500 + 3 for j in range(70)]
+
+
+def _plugin_dist(workdir: Path) -> Path:
+    """A directory holding a ``tpcache`` dist-info with pyproject.toml's entry points."""
+    import tomllib  # Python 3.11 on (SGLang's venv)
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    points = project["entry-points"]["sglang.srt.plugins"]
+    dist = workdir / "dist" / f"tpcache-{project['version']}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tpcache\nVersion: {project['version']}\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in points.items())
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{lines}")
+    return dist.parent
+
+
+def run_engine(workdir: Path, name: str, spec: dict, **env_more: str) -> dict:
+    spec_file, out_file, log_file = workdir / f"{name}.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
+    spec_file.write_text(json.dumps(spec))
+    path = [str(_plugin_dist(workdir / name)), str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **STRICT_CHECKS, **env_more}
+    code = run_in_own_session(
+        [sys.executable, str(DRIVER), str(spec_file), str(out_file)], log_file, env, ENGINE_TIMEOUT_S, workdir
+    )
+    if code != 0 or not out_file.exists():
+        tail = log_file.read_bytes()[-6000:].decode(errors="replace")
+        raise AssertionError(f"the SGLang engine {name!r} failed ({code}); the end of its log:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(Path(tmp_path_factory.mktemp("sglang_radix_model")))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model: Path) -> dict:
+    workdir = Path(tmp_path_factory.mktemp(f"sglang_radix_tp{request.param}"))
+    spec = {
+        "model": str(model),
+        "tp": request.param,
+        "page_size": PAGE,
+        "cache": "radix",
+        "max_total_tokens": POOL_TOKENS,
+        "prompts": _prompts(),
+        "max_new_tokens": 8,
+        "second_pass": True,
+    }
+    plain = run_engine(workdir, "plain", spec)["passes"]
+    # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
+    # its first token): the round that follows must close the cache on both ranks.
+    fault = json.dumps({"diverge": {"rank": 1, "first_token": LAST[0]}}) if request.param == 2 else ""
+    ours = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"}, TPCACHE_SGLANG_FAULTS=fault)["passes"]
+    log = (workdir / "tpcache.log").read_text(errors="replace")
+    return {
+        "tp": request.param,
+        "plain": plain[0],
+        "tpcache": ours[0],
+        "plain_again": plain[1],
+        "tpcache_again": ours[1],
+        "fault_fired": log.count("test fault: this rank applies an operation the others do not"),
+    }
+
+
+def test_tokens_are_the_same_as_plain_sglangs(served: dict) -> None:
+    assert served["tpcache"]["outputs"] == served["plain"]["outputs"]
+
+
+def test_prefix_hits_are_served_from_sglangs_pool(served: dict) -> None:
+    hits = [c["total"] for c in served["tpcache"]["cached"]]
+    plain = [c["total"] for c in served["plain"]["cached"]]
+    # The second prompt shares two full pages with the first; the first again hits all of its
+    # full pages but the one holding its last token's successor (SGLang matches at most len - 1).
+    assert hits[:3] == plain[:3] == [0, 2 * PAGE, 4 * PAGE]
+    # The flood (8 prompts of 5 pages into a 32-page pool) made the cache evict the first
+    # prompt's pages and give them back to SGLang's allocator, which served the flood with them.
+    assert hits[-3] < 4 * PAGE
+    assert plain[-2:] == [0, 4 * PAGE]
+    if served["tp"] == 1:
+        # The last prompt's second run hits: the cache stayed open through every round.
+        assert hits[-2:] == [0, 4 * PAGE]
+
+
+def test_a_divergence_on_one_rank_closes_the_cache_and_tokens_stay_the_same(served: dict) -> None:
+    if served["tp"] == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    assert served["fault_fired"] == 1
+    # Rank 1 applied an operation rank 0 did not while caching the last prompt: the next round
+    # closed the cache on both ranks, so the last prompt's second run is a miss (plain SGLang
+    # hits it) and computes the same tokens.
+    assert [c["total"] for c in served["tpcache"]["cached"]][-1] == 0
+    assert served["tpcache"]["outputs"] == served["plain"]["outputs"]
+
+
+def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> None:
+    # SGLang's flush_cache is an agreed flush of tpcache's ranks (at TP=2 it reopens the cache the
+    # divergence closed): the prompts served again hit and miss as plain SGLang's, same tokens.
+    again = served["tpcache_again"]
+    assert again["outputs"] == served["tpcache"]["outputs"]
+    assert [c["total"] for c in again["cached"]] == [c["total"] for c in served["plain_again"]["cached"]]
+    assert again["cached"][0]["total"] == 0
+
+
+def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
+    ok = {"hybrid_swa": False, "hybrid_ssm": False, "page_size": 16, "eagle": False, "hicache": False}
+    ok.update(disabled=False, eviction_policy="lru")
+    assert refusal(**ok) is None
+    for change, words in [
+        ({"hybrid_swa": True}, "sliding-window layers"),
+        ({"hybrid_ssm": True}, "Mamba layers"),
+        ({"page_size": 1}, "--page-size > 1"),
+        ({"eagle": True}, "EAGLE"),
+        ({"hicache": True}, "--enable-hierarchical-cache"),
+        ({"disabled": True}, "--disable-radix-cache"),
+        ({"eviction_policy": "slru"}, "--radix-eviction-policy slru"),
+    ]:
+        reason = refusal(**{**ok, **change})
+        assert reason is not None and words in reason and "\n" not in reason
+        assert reason.startswith("--radix-cache-backend tpcache")
+
+
+def test_the_test_fault_setting_is_checked() -> None:
+    assert parse_faults("") == {}
+    assert parse_faults('{"diverge": {"rank": 1, "first_token": 5}}') == {"rank": 1, "first_token": 5}
+    for text in ("{", '{"crash": {}}', '{"diverge": {"rank": 1}}', '{"diverge": {"rank": -1, "first_token": 5}}'):
+        with pytest.raises(ValueError, match="TPCACHE_SGLANG_FAULTS") as err:
+            parse_faults(text)
+        assert "\n" not in str(err.value)

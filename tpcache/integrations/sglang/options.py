@@ -1,0 +1,59 @@
+"""What ``--radix-cache-backend tpcache`` serves of SGLang's configuration (pure: no SGLang import)."""
+
+from __future__ import annotations
+
+POLICIES = ("lru", "lfu", "fifo")
+
+
+def refusal(
+    *,
+    hybrid_swa: bool,
+    hybrid_ssm: bool,
+    page_size: int,
+    eagle: bool,
+    hicache: bool,
+    disabled: bool,
+    eviction_policy: str,
+) -> str | None:
+    """Why this backend cannot serve SGLang's configuration, in one line (None: it can)."""
+    flag = "--radix-cache-backend tpcache"
+    if hybrid_swa or hybrid_ssm:
+        kind = "sliding-window" if hybrid_swa else "Mamba"
+        return f"{flag} serves full-attention models only; this model has {kind} layers (use SGLang's own cache)"
+    if page_size <= 1:
+        return f"{flag} needs --page-size > 1 (a tpcache page is a run of SGLang KV indices; 16 is typical)"
+    if eagle:
+        return f"{flag} does not serve EAGLE speculative decoding (bigram keys) yet"
+    if hicache:
+        return f"{flag} replaces HiCache: drop --enable-hierarchical-cache"
+    if disabled:
+        return f"{flag} is a prefix cache: drop --disable-radix-cache"
+    if eviction_policy not in POLICIES:
+        return f"{flag} evicts by {', '.join(POLICIES)}; got --radix-eviction-policy {eviction_policy}"
+    return None
+
+
+FAULTS_ENV = "TPCACHE_SGLANG_FAULTS"
+
+
+def parse_faults(text: str) -> dict[str, int]:
+    """The test-only fault of ``TPCACHE_SGLANG_FAULTS`` (empty: none): ``{"diverge": {"rank": R,
+    "first_token": T}}`` makes TP rank R, once, apply one operation the other ranks do not (an
+    extra lock and release) right after it caches a request whose tokens start with T, so the
+    ranks' trees differ and the next round must close the cache. Mistakes: one line."""
+    import json
+
+    if not text.strip():
+        return {}
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{FAULTS_ENV} is not JSON: {exc}") from None
+    if not isinstance(spec, dict) or set(spec) != {"diverge"} or not isinstance(spec["diverge"], dict):
+        raise ValueError(f'{FAULTS_ENV} must be {{"diverge": {{"rank": R, "first_token": T}}}}, got {text!r}')
+    fault = spec["diverge"]
+    if set(fault) != {"rank", "first_token"} or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fault.values()
+    ):
+        raise ValueError(f"{FAULTS_ENV}: diverge needs exactly rank and first_token, ints >= 0, got {fault!r}")
+    return dict(fault)
