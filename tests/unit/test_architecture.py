@@ -164,8 +164,9 @@ CORE_INTERNALS = ("tree", "inflight", "ledger", "outbox")
 CORE_RECORDS = ("leases", "lease", "book", "backup", "staging", "admitter", "evictor", "part_evictor", "hybrid")
 CORE_RECORDS += ("prefetcher", "loader", "inserter", "completions", "engine_pages", "candidates", "device", "host")
 # A node's field names that nothing else uses (a request's ``tokens`` or a digest's ``record`` are
-# other objects' fields as well, so those common names are left out).
-NODE_COMMON_NAMES = {"parent", "children", "tokens", "hash", "depth", "hits", "record", "run"}
+# other objects' fields as well, so those common names are left out; so are a tensor's ``device``
+# and the ``node_id`` of SGLang's lock receipts).
+NODE_COMMON_NAMES = {"parent", "children", "tokens", "hash", "depth", "hits", "record", "run", "device", "node_id"}
 
 
 def _node_fields() -> set[str]:

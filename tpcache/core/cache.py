@@ -33,6 +33,7 @@ from tpcache.core.backup import Backup, MirrorRelease
 from tpcache.core.completions import Completions
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
+from tpcache.core.engine_ops import EngineOps
 from tpcache.core.eviction import Candidates, Evictor
 from tpcache.core.external import EnginePages, check_blocks, require_engine_mode
 from tpcache.core.hashing import TokenIds, as_token_bytes
@@ -53,7 +54,7 @@ from tpcache.core.tree import Node, RadixTree
 _NO_BACKLOG = mix_ids([])
 
 
-class CacheCore(Queries):
+class CacheCore(Queries, EngineOps):
     def __init__(self, config: CacheConfig) -> None:
         config.validate()
         self.config = config
@@ -319,17 +320,6 @@ class CacheCore(Queries):
         self.book.refresh(lease)
         return started
 
-    def save(self, lease_id: int, tokens: TokenIds, blocks: list[int]) -> Transfer | None:
-        """Engine-owned device pages: back up the pages of ``tokens`` the cache lacks from the
-        engine's ``blocks`` (``external.py``)."""
-        lease, blocks = self._engine_op(lease_id, blocks)
-        return self.engine_pages.save(lease, as_token_bytes(tokens), blocks)
-
-    def load_into(self, lease_id: int, first_page: int, blocks: list[int]) -> Transfer | None:
-        """Engine-owned device pages: copy pages of the lease's hit into the engine's ``blocks``."""
-        lease, blocks = self._engine_op(lease_id, blocks)
-        return self.engine_pages.load_into(lease, first_page, blocks)
-
     def hit_pages(self, lease_id: int) -> int:
         """Leading pages of the lease's tokens it holds on host (its hit, prefetched pages included). Pure."""
         return len(self.engine_pages.hit_nodes(self.lease(lease_id)))
@@ -392,7 +382,8 @@ class CacheCore(Queries):
 
     def close(self, reason: str) -> None:
         """Fail closed: serve misses, refuse writes, start no copies. Only an agreed flush reopens."""
-        self.closed_reason = reason if self.closed_reason is None else self.closed_reason
+        if self.closed_reason is None:
+            self.closed_reason = reason
         self.backup.enabled = False
 
     def reset(self, next_op: int, next_lease: int) -> None:

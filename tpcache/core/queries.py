@@ -81,6 +81,11 @@ class Queries:
         host = self.host.used
         return (self.device.used, 0, host) if self.staging.enabled else (self.device.used, host, 0)
 
+    def adopted_pages(self) -> tuple[int, ...]:
+        """With ``device_adopt``: the engine's pages the device tier holds now, in page order."""
+        dev = self.device
+        return tuple(p for p in range(dev.num_pages) if dev.is_owned(p))
+
     def storage_down(self) -> bool:
         """Whether the storage tier is off on every rank (agreed in a round: a miss, never a wait)."""
         return self.backup.storage_down

@@ -201,17 +201,17 @@ class Operations:
         """With ``device_adopt`` (the engine's allocator owns the device pages): cache the full
         pages of ``tokens`` whose KV the engine wrote into ``device_pages``; returns the pages not
         adopted (cached already under another page), which stay the engine's."""
-        return self.driver.apply(self.core.engine_pages.adopt, lease, tokens, list(device_pages))
+        return self.driver.apply(Op("adopt", (lease, tokens, list(device_pages))))
 
     def evict_device(self, num_pages: int) -> int:
         """Free up to ``num_pages`` unpinned device pages, least valuable first; returns how many.
         With ``device_adopt`` the freed page ids wait in ``drain_returned``."""
-        return self.driver.apply(self.core.evict_device, num_pages)
+        return self.driver.apply(Op("evict_device", (num_pages,)))
 
     def drain_returned(self) -> list[int]:
         """With ``device_adopt``: the device pages freed since the last drain, in the order freed
         (alike on every rank); the engine owns them again."""
-        return self.core.engine_pages.drain()
+        return self.driver.apply(Op("drain_returned"))
 
     def append(
         self,

@@ -54,6 +54,9 @@ APPLY: dict[str, Callable[..., Any]] = {
     "set_retention_cap": lambda d, tokens: d.core.set_retention_cap(tokens),
     "set_feature": lambda d, name, enabled: d.round.set_feature(name, enabled),
     "request_flush": lambda d: d.core.request_flush(),
+    "evict_device": lambda d, pages: d.core.evict_device(pages),
+    "adopt": lambda d, lease, tokens, pages: d.core.adopt(lease, tokens, pages),
+    "drain_returned": lambda d: d.core.drain_returned(),
 }
 
 

@@ -256,16 +256,14 @@ class TPCacheRadix(BasePrefixCache):
         return self.protected_size()
 
     def total_size(self) -> int:
-        return self.rank.core.device.used * self.page_size
+        return self.rank.core.pages_in_use()[0] * self.page_size
 
     def cached_pages(self) -> int:
         """tpcache's device tier: SGLang pages the tree holds now."""
-        return self.rank.core.device.used
+        return self.rank.core.pages_in_use()[0]
 
     def all_values_flatten(self) -> torch.Tensor:
-        dev = self.rank.core.device
-        pages = [p for p in range(dev.num_pages) if dev.is_owned(p)]
-        return self.path_device_indices(Prefix(b"", tuple(pages)))
+        return self.path_device_indices(Prefix(b"", self.rank.core.adopted_pages()))
 
     def pretty_print(self) -> None:
         print(f"tpcache: {self.total_size()} tokens cached on device; {self.rank.health()}")
