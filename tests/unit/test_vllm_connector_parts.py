@@ -116,3 +116,21 @@ def test_options_take_the_service_names_and_checks() -> None:
     ]:
         with pytest.raises(ConfigError, match=match):
             ConnectorOptions.from_extra_config(bad)
+
+
+def test_copy_by_layer_is_true_false_or_auto_and_auto_follows_where_the_kv_is() -> None:
+    import torch
+
+    from tpcache.integrations.vllm.connector import copies_by_layer
+
+    assert ConnectorOptions.from_extra_config({}).copy_by_layer == "auto"
+    for value in (True, False, "auto"):
+        assert ConnectorOptions.from_extra_config({"copy_by_layer": value}).copy_by_layer == value
+    for bad in ("on", 1, None):
+        with pytest.raises(ConfigError, match='copy_by_layer must be true, false or "auto"'):
+            ConnectorOptions.from_extra_config({"copy_by_layer": bad})
+    cpu = {"layers.0": torch.zeros(2, 4)}
+    assert copies_by_layer("auto", cpu) is False  # a copy thread would only compete with the forward's threads
+    assert copies_by_layer(True, cpu) is True and copies_by_layer(False, cpu) is False
+    if torch.cuda.is_available():
+        assert copies_by_layer("auto", {"layers.0": torch.zeros(2, 4, device="cuda")}) is True

@@ -146,7 +146,9 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
             # 20 blocks of 32 tokens: less than the four conversations need together
             {
                 "name": "conn",
-                "connector": connector,
+                # copies by layer on a copy thread (on CPU "auto" copies after the forward pass,
+                # as "fresh" does): both paths serve the same prompts
+                "connector": {**connector, "copy_by_layer": True},
                 "num_gpu_blocks_override": 20,
                 "log_stats": True,
                 "kv_events": True,  # vLLM's KV events, tpcache's tiers among them

@@ -295,7 +295,7 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             before_copy=faults.before_copy,
             after_copy=faults.after_copy,
             hold=faults.hold,
-            layered=opts.copy_by_layer,
+            layered=copies_by_layer(opts.copy_by_layer, kv_caches),
             layer_delay=faults.layer_delay,
         )
         faults.transfer = cache.transfer
@@ -459,6 +459,15 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def copies_by_layer(setting: bool | str, kv_caches: dict[str, torch.Tensor]) -> bool:
+    """``copy_by_layer``'s value for this worker: "auto" is true where vLLM's KV is on a GPU (a side
+    stream overlaps the copies with the forward pass) and false on CPU, where a copy thread only
+    competes with the forward pass's own threads for the same cores."""
+    if isinstance(setting, bool):
+        return setting
+    return any(t.is_cuda for t in kv_caches.values())
 
 
 def worker_stats(worker: Any = None) -> dict[str, Any]:

@@ -59,10 +59,10 @@ class ConnectorOptions:
         "environment variable TPCACHE_TREE_CORE of vLLM's processes; empty: whatever that chose",
     )
     reopen: bool = _opt(True, "after the cache fails closed, reopen it by an agreed flush (all ranks together)")
-    copy_by_layer: bool = _opt(
-        True,
-        "copy by attention layer during vLLM's forward pass (a copy thread; a side CUDA stream on a GPU); "
-        "false: every copy after the forward pass",
+    copy_by_layer: bool | str = _opt(
+        "auto",
+        "true: copy by attention layer during vLLM's forward pass (a copy thread; a side CUDA stream on a "
+        "GPU); false: every copy after the forward pass; auto: true where vLLM's KV is on a GPU, false on CPU",
     )
     fault_injection: dict = field(
         default_factory=dict, metadata={"help": "tests only: faults to inject (tpcache.integrations.vllm.faults)"}
@@ -78,6 +78,13 @@ class ConnectorOptions:
             raise ConfigError(f"kv_connector_extra_config: unknown option(s) {unknown}; known: {sorted(fields)}")
         values: dict[str, Any] = {}
         for name, value in extra.items():
+            if name == "copy_by_layer" and not isinstance(value, bool) and value != "auto":
+                raise ConfigError(
+                    f'kv_connector_extra_config: copy_by_layer must be true, false or "auto", got {value!r}'
+                )
+            if name == "copy_by_layer":
+                values[name] = value
+                continue
             kind = dict if name == "fault_injection" else type(fields[name].default)
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
