@@ -300,7 +300,10 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         )
         faults.transfer = cache.transfer
         cache.transfer.check = "delay_copies" in faults.spec
-        self._layers = {name: i for i, name in enumerate(kv_caches)}
+        # Copies by layer: the step's operations are applied at its first hook, a save's layer starts
+        # at save_kv_layer. Otherwise (none here) they are applied in wait_for_save, after the
+        # forward pass has written the KV the step's saves copy.
+        self._layers = {name: i for i, name in enumerate(kv_caches)} if cache.transfer.layered else {}
         self.worker = WorkerSide(
             cache, lookup_timeout_rounds=opts.lookup_timeout_rounds, reopen=opts.reopen, faults=faults
         )
@@ -380,15 +383,20 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._begun = False
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._begin()  # the step's loads start (already, where a layer hook came first)
+        if self._layers:
+            self._begin()  # the step's loads start (already, where a layer hook came first)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._layers:
+            return
         self._begin()
         layer = self._layers.get(layer_name)
         if layer is not None and self.worker is not None:
             self.worker.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if not self._layers:
+            return
         self._begin()
         layer = self._layers.get(layer_name)
         if layer is not None and self.worker is not None:
