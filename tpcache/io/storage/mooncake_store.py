@@ -399,6 +399,48 @@ class MooncakeBackend(RemoteBackend):
                 else:
                     sink(i, None, _miss_reason(code))
 
+    def _put_records(self, names: list[str], records: list[bytes]) -> list[str | None]:
+        """The records copied into the staging buffer, one ``batch_upsert_from`` per chunk."""
+        reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+        for chunk in self._plan([len(r) for r in records]):
+            todo = []
+            for i, off in chunk:
+                if off < 0:
+                    reasons[i] = PUT_TOO_LARGE
+                    continue
+                self._view[off : off + len(records[i])] = records[i]
+                todo.append((i, off))
+            if todo:
+                codes = self._connected().batch_upsert_from(
+                    [names[i] for i, _ in todo],
+                    [self._base + off for _, off in todo],
+                    [len(records[i]) for i, _ in todo],
+                )
+                self._outcomes([i for i, _ in todo], codes, reasons)
+        return reasons
+
+    def _get_records(self, names: list[str], sizes: list[int], take: Any) -> None:
+        """Whole values into the staging buffer, one ``batch_get_into`` per chunk, each run handed to
+        ``take`` (which copies the payloads out and checks them there)."""
+        for chunk in self._plan(sizes):
+            for i, off in chunk:
+                if off < 0:
+                    take(i, [None], [MISS_FOREIGN])  # no record of this key is ever stored this large
+            todo = [(i, off) for i, off in chunk if off >= 0]
+            if not todo:
+                continue
+            codes = list(
+                self._connected().batch_get_into(
+                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
+                )
+            )
+            self._check_reachable(codes)
+            at = dict(zip((i for i, _ in todo), codes, strict=True))
+            for start, run in _runs(todo):
+                got = [at[i] for i in range(start, start + len(run))]
+                values = [self._view[off : off + c] if c >= 0 else None for off, c in zip(run, got, strict=True)]
+                take(start, values, [None if c >= 0 else _miss_reason(c) for c in got])
+
     def _delete(self, names: list[str]) -> list[bool]:
         codes = list(self._connected().batch_remove(names, True))
         self._check_reachable(codes)
@@ -427,6 +469,17 @@ def _addresses(views: list[memoryview], least: int | None) -> dict[int, int]:
         if len(view) >= least and (addr := address_of(view)) is not None:
             found[i] = addr
     return found
+
+
+def _runs(todo: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """``(index, offset)`` pairs as runs of consecutive indexes: ``(first index, offsets)``."""
+    runs: list[tuple[int, list[int]]] = []
+    for i, off in todo:
+        if runs and runs[-1][0] + len(runs[-1][1]) == i:
+            runs[-1][1].append(off)
+        else:
+            runs.append((i, [off]))
+    return runs
 
 
 def _miss_reason(code: int) -> str:
