@@ -83,6 +83,12 @@ def test_records_and_pages_equal_the_python_paths(shape: tuple) -> None:
     flats = [store._flat(p, writable=False) for p in data]
     places = store._places_of(len(data))
     assert RECORD.encode_records(echoes, flats, places, store._geometry) == records
+    # into one buffer at given offsets, as a transfer buffer is filled
+    sizes = [len(r) for r in records]
+    at = np.cumsum([0, *[s + 7 for s in sizes[:-1]]]).astype(np.int64)
+    out = bytearray(int(at[-1]) + sizes[-1])
+    assert RECORD.encode_records(echoes, flats, places, store._geometry, out, at.tobytes()) is None
+    assert [bytes(out[a : a + s]) for a, s in zip(at, sizes, strict=True)] == records
     # read back into pages as the Python path assembles them, checked in place or first copied
     for stable in (True, False):
         outs = [torch.full((store.layout.page_bytes,), 0xAA, dtype=torch.uint8) for _ in data]
@@ -169,6 +175,12 @@ def test_bad_places_sizes_and_geometries_are_refused_before_anything_is_written(
     ]:
         with pytest.raises((ValueError, TypeError)):
             RECORD.scatter_check(records, echoes, [bytearray(page)], store._places_of(1), geometry, True)
+    size = sum(len(r) for r in records)
+    at = np.cumsum([0, *[len(r) for r in records[:-1]]]).astype(np.int64)
+    for out, where in ((bytearray(size - 1), at), (bytearray(size), at[:-1]), (bytearray(size), at - 1)):
+        with pytest.raises(ValueError):  # a record that would not fit the buffer, or no place for one
+            RECORD.encode_records(echoes, [bytes(page)], store._places_of(1), g, out, where.tobytes())
+        assert out == bytearray(len(out))
     with pytest.raises(ValueError):  # one value per echo
         RECORD.scatter_check(records[:-1], echoes, [bytearray(page)], store._places_of(1), g, True)
     with pytest.raises(BufferError):  # pages are writable for a read

@@ -8,9 +8,10 @@
  * ``geometry = (width, n0, s0, n1, s1, n2, s2, n3, s3)``. Shard i lives in page ``places[2i]`` at
  * byte offset ``places[2i + 1]`` (``places``: int64 values in a bytes-like).
  *
- * encode_records(echoes, pages, places, geometry) -> list of bytes
+ * encode_records(echoes, pages, places, geometry, out=None, out_offsets=None)
  *     Each shard as a whole record (header, key echo, payload gathered from the page), written
- *     without a storage key (seq 0).
+ *     without a storage key (seq 0): as a list of bytes, or into the writable buffer ``out`` at
+ *     ``out_offsets[i]`` (int64 values; every record must fit) and None is returned.
  * scatter_check(values, echoes, pages, places, geometry, stable) -> bytes of codes
  *     For each store value: CHECK_OK (0) when it is a live record of ``echoes[i]`` holding a payload
  *     of the geometry's size whose header checks, and the payload, copied into the page, hashes to
@@ -262,13 +263,50 @@ static void write_record(const Batch *b, Py_ssize_t i, unsigned char *r) {
     put64(r + 36, header_xxh(r, e->buf, e->len));
 }
 
+/* Records into ``out`` at ``at`` (int64 offsets): -1 with an exception set if one would not fit. */
+static int encode_into(const Batch *b, PyObject *out, PyObject *at) {
+    Py_buffer ob, oo;
+    if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE) < 0) {
+        return -1;
+    }
+    if (PyObject_GetBuffer(at, &oo, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&ob);
+        return -1;
+    }
+    int ok = oo.len / 8 == b->n && oo.len % 8 == 0;
+    for (Py_ssize_t i = 0; ok && i < b->n; i++) {
+        int64_t off;
+        memcpy(&off, (const char *)oo.buf + 8 * i, 8);
+        ok = off >= 0 && off <= ob.len && ob.len - off >= HEADER_SIZE + b->echoes[i].len + b->g.payload;
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < b->n; i++) {
+            int64_t off;
+            memcpy(&off, (const char *)oo.buf + 8 * i, 8);
+            write_record(b, i, (unsigned char *)ob.buf + off);
+        }
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_SetString(PyExc_ValueError, "out_offsets must hold one int64 per shard, each record inside out");
+    }
+    PyBuffer_Release(&oo);
+    PyBuffer_Release(&ob);
+    return ok ? 0 : -1;
+}
+
 static PyObject *encode_records(PyObject *self, PyObject *args) {
-    PyObject *echoes, *pages, *places, *geometry;
+    PyObject *echoes, *pages, *places, *geometry, *out = Py_None, *at = Py_None;
     Batch b;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOO", &echoes, &pages, &places, &geometry) ||
+    if (!PyArg_ParseTuple(args, "OOOO|OO", &echoes, &pages, &places, &geometry, &out, &at) ||
         take(&b, echoes, pages, places, geometry, 0) < 0) {
         return NULL;
+    }
+    if (out != Py_None) {
+        int rc = encode_into(&b, out, at);
+        release(&b);
+        return rc < 0 ? NULL : Py_NewRef(Py_None);
     }
     PyObject *result = PyList_New(b.n);
     for (Py_ssize_t i = 0; result != NULL && i < b.n; i++) {

@@ -52,8 +52,10 @@ import ipaddress
 import mmap
 import os
 import socket
+from array import array
 from typing import Any
 
+from tpcache.core.backend import RECORD as _native  # None: the shard layout takes the Python path
 from tpcache.io.storage.base import (
     MISS_FOREIGN,
     MISS_IO_ERROR,
@@ -399,9 +401,25 @@ class MooncakeBackend(RemoteBackend):
                 else:
                     sink(i, None, _miss_reason(code))
 
-    def _put_records(self, names: list[str], records: list[bytes]) -> list[str | None]:
-        """The records copied into the staging buffer, one ``batch_upsert_from`` per chunk."""
+    def _records(self, echoes: list[bytes], pages: list[Any], places: bytes, geometry: tuple, sizes: list[int]) -> Any:
+        """Straight into the staging buffer when the batch fits it and no abandoned call still uses
+        it (the offsets, as ``_Staged``), else one bytes object each."""
+        chunks = self._plan(sizes)
+        if len(chunks) > 1 or any(off < 0 for _, off in chunks[0]) or not self._idle():
+            return super()._records(echoes, pages, places, geometry, sizes)
+        offsets = [off for _, off in chunks[0]]
+        _native.encode_records(echoes, pages, places, geometry, self._view, array("q", offsets))
+        return _Staged(offsets, sizes)
+
+    def _put_records(self, names: list[str], records: Any) -> list[str | None]:
+        """One ``batch_upsert_from`` of records already in the staging buffer, or the records
+        copied into it, one ``batch_upsert_from`` per chunk."""
         reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+        if isinstance(records, _Staged):
+            addresses = [self._base + off for off in records.offsets]
+            codes = self._connected().batch_upsert_from(names, addresses, records.sizes)
+            self._outcomes(list(range(len(names))), codes, reasons)
+            return reasons
         for chunk in self._plan([len(r) for r in records]):
             todo = []
             for i, off in chunk:
@@ -469,6 +487,15 @@ def _addresses(views: list[memoryview], least: int | None) -> dict[int, int]:
         if len(view) >= least and (addr := address_of(view)) is not None:
             found[i] = addr
     return found
+
+
+class _Staged:
+    """Records a put gathered straight into the staging buffer: their offsets and lengths there."""
+
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets: list[int], sizes: list[int]) -> None:
+        self.offsets, self.sizes = offsets, sizes
 
 
 def _runs(todo: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:

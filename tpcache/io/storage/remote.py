@@ -220,9 +220,18 @@ class RemoteBackend(StorageBackend):
 
     # Whole records (the shard layout's native path, ``put_shards``/``get_shards``): a store that
     # implements these two serves it; each is called with the lock held, like the primitives above.
-    def _put_records(self, names: list[str], records: list[bytes]) -> list[str | None]:
-        """Store each whole record ``records[i]`` under ``names[i]``, replacing any value; None or a
-        put-failure reason per key."""
+    def _records(self, echoes: list[bytes], pages: list[Any], places: bytes, geometry: tuple, sizes: list[int]) -> Any:
+        """The batch's records for ``_put_records``, gathered from the caller's pages (on the
+        caller's thread, lock held): by default one bytes object each."""
+        return _native.encode_records(echoes, pages, places, geometry)
+
+    def _idle(self) -> bool:
+        """Whether no call abandoned at its deadline is still running (the transfer buffers are free)."""
+        return self._stuck is None or self._stuck.done.is_set()
+
+    def _put_records(self, names: list[str], records: Any) -> list[str | None]:
+        """Store each whole record of ``records`` (``_records``') under ``names[i]``, replacing any
+        value; None or a put-failure reason per key."""
         raise NotImplementedError
 
     def _get_records(self, names: list[str], sizes: list[int], take: Any) -> None:
@@ -374,15 +383,17 @@ class RemoteBackend(StorageBackend):
         model shard key's encoding, checked by its maker). Counted as ``put`` counts."""
         names = self._names(echoes)
         payload = _payload_len(geometry)
-        # Gathered and checksummed here, while the caller still owns its pages: a call abandoned at
-        # its deadline stores these bytes or nothing, never what a reused page holds later.
-        records = _native.encode_records(echoes, pages, places, geometry)
+        sizes = [HEADER_SIZE + len(e) + payload for e in echoes]
         with self._lock:
             self._check_open()
             self._counters.add("puts", len(names))
             reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
             if names and self._reachable():
                 try:
+                    # Gathered and checksummed on this thread, while the caller still owns its
+                    # pages: a call abandoned at its deadline stores these bytes or nothing, never
+                    # what a reused page holds later.
+                    records = self._records(echoes, pages, places, geometry, sizes)
                     reasons = self._call(self._put_records, names, records)
                 except StoreUnavailable:
                     self._unreachable()
