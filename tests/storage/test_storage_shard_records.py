@@ -181,6 +181,12 @@ def test_bad_places_sizes_and_geometries_are_refused_before_anything_is_written(
         with pytest.raises(ValueError):  # a record that would not fit the buffer, or no place for one
             RECORD.encode_records(echoes, [bytes(page)], store._places_of(1), g, out, where.tobytes())
         assert out == bytearray(len(out))
+    for bad_page in ((0, page), (1 << 40, -1), (1,), ("a", page)):  # a tensor's (address, bytes) form
+        with pytest.raises((ValueError, TypeError)):
+            RECORD.scatter_check(records, echoes, [bad_page], store._places_of(1), g, True)
+    short = torch.zeros(page - 1, dtype=torch.uint8)  # a page of another size is refused before any call
+    with pytest.raises(ValueError):
+        store._flat(short, writable=True)
     with pytest.raises(ValueError):  # one value per echo
         RECORD.scatter_check(records[:-1], echoes, [bytearray(page)], store._places_of(1), g, True)
     with pytest.raises(BufferError):  # pages are writable for a read

@@ -223,7 +223,19 @@ static int take(Batch *b, PyObject *echoes, PyObject *pages, PyObject *places, P
         return -1;
     }
     for (Py_ssize_t i = 0; i < b->npages; i++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(pages, i), &b->pages[i], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        PyObject *page = PyList_GET_ITEM(pages, i);
+        if (PyTuple_Check(page)) { /* (address, bytes): a CPU tensor's memory, which its caller keeps */
+            Py_ssize_t addr;
+            if (!PyArg_ParseTuple(page, "nn;a page is a bytes-like or (address, bytes)", &addr, &b->pages[i].len) ||
+                addr <= 0 || b->pages[i].len < 0) {
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_ValueError, "a page's address and length must be positive");
+                }
+                release(b);
+                return -1;
+            }
+            b->pages[i].buf = (void *)(uintptr_t)addr; /* obj stays NULL: nothing to release */
+        } else if (PyObject_GetBuffer(page, &b->pages[i], writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
             b->pages[i].obj = NULL;
             release(b);
             return -1;

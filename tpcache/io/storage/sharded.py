@@ -288,16 +288,19 @@ class ShardedStorage(StorageBackend):
         return geometry, [base + l0 * st[0] + h0 * st[3] for l0, _, h0, _ in self._ranges]
 
     def _flat(self, buf: Any, writable: bool) -> Any:
-        """A page buffer's bytes as one flat bytes-like (the native path's pages): a numpy view of a
-        tensor (cheaper to make than ``byte_view``'s), else ``byte_view``."""
+        """A page buffer for the native path: a CPU tensor as ``(address, bytes)`` (its caller keeps
+        it for the call; the cheapest form to take), anything else as ``byte_view``'s flat view."""
         if isinstance(buf, torch.Tensor):
-            check_tensor(buf, writable)  # the same checks as every backend: CPU, contiguous
-            view = buf.reshape(-1).view(torch.uint8).numpy()
+            if not buf.is_cpu or not buf.is_contiguous() or (writable and buf.requires_grad):
+                check_tensor(buf, writable)  # raises the same error as every backend
+            n = buf.nbytes
+            flat: Any = (buf.data_ptr(), n)
         else:
-            view = byte_view(buf, writable=writable)
-        if len(view) != self.layout.page_bytes:
-            raise ValueError(f"a page buffer of {len(view)} bytes; this rank's pages are {self.layout.page_bytes}")
-        return view
+            flat = byte_view(buf, writable=writable)
+            n = len(flat)
+        if n != self.layout.page_bytes:
+            raise ValueError(f"a page buffer of {n} bytes; this rank's pages are {self.layout.page_bytes}")
+        return flat
 
     def _native_for(self) -> Any:
         """The inner store when it serves the native path now (see ``RemoteBackend.shard_records``)."""
@@ -429,7 +432,10 @@ class ShardedStorage(StorageBackend):
             mine = ok[i * per : (i + 1) * per]
             results.append(mine == full)
             if mine != full:
-                memoryview(flat).cast("B")[:] = bytes(len(flat))  # never leave a partial set in the caller's buffer
+                if isinstance(flat, tuple):  # never leave a partial set in the caller's buffer
+                    ctypes.memset(flat[0], 0, flat[1])
+                else:
+                    flat[:] = bytes(len(flat))
                 partial += 1 in mine
         self._counters.add("page_gets", len(flats))
         self._counters.add("page_hits", sum(results))
