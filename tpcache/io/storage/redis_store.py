@@ -102,6 +102,10 @@ class RedisBackend(RemoteBackend):
             self._client.close()
             raise StorageError(f"the Redis server at {where} refused us: {exc}") from None
 
+    def _shard_names(self, echoes: list[bytes]) -> list[Any]:
+        prefix = self._prefix.encode("utf-8")  # the bytes the client sends for the str name
+        return [prefix + e for e in echoes]
+
     def _rounds(self, sizes: list[int]) -> list[range]:
         out: list[range] = []
         start = total = 0

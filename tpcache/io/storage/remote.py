@@ -253,6 +253,10 @@ class RemoteBackend(StorageBackend):
     def _names(self, echoes: list[bytes]) -> list[str]:
         return [self._prefix + e.decode("ascii") for e in echoes]
 
+    def _shard_names(self, echoes: list[bytes]) -> list[Any]:
+        """The store names of shard keys for ``_put_records``/``_get_records``: ``_names``' by default."""
+        return self._names(echoes)
+
     def _check_open(self) -> None:
         if self._closed:
             raise StorageClosedError(f"{self.describe()} is closed")
@@ -381,7 +385,7 @@ class RemoteBackend(StorageBackend):
         """Store shard i of the batch, gathered from ``pages`` (``_record.encode_records``: ``places``
         and ``geometry`` say where its rows are), as the record of the key echo ``echoes[i]`` (a
         model shard key's encoding, checked by its maker). Counted as ``put`` counts."""
-        names = self._names(echoes)
+        names = self._shard_names(echoes)
         payload = _payload_len(geometry)
         sizes = [HEADER_SIZE + len(e) + payload for e in echoes]
         with self._lock:
@@ -406,7 +410,7 @@ class RemoteBackend(StorageBackend):
         per shard: 1 when verified there. A shard not verified is a counted miss, as ``get``'s; its
         rows hold zeros or what was there before (the caller clears the page of a shard it lacks)."""
         n = len(echoes)
-        names = self._names(echoes)
+        names = self._shard_names(echoes)
         payload = _payload_len(geometry)
         sizes = [HEADER_SIZE + len(e) + payload for e in echoes]
         done = bytearray(n)  # 1: verified, 2: a miss counted
