@@ -77,6 +77,11 @@ def test_the_native_and_python_paths_read_each_others_pages_and_a_bad_shard_miss
         grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         assert grew["misses_corrupt"] == 1 and grew["misses_missing"] == 1 and grew["page_partial"] == 2
         assert grew["hits"] == 10 and grew["page_hits"] == 1
+        # Written again, a damaged or lost shard is replaced (the store keeps the last write).
+        assert store.put(keys(2, 0), native_pages[:2]) == [True, True]
+        again = [torch.zeros(LAYOUT.page_bytes, dtype=torch.uint8) for _ in range(2)]
+        assert store.get(keys(2, 0), again) == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(again, native_pages, strict=False))
     finally:
         store.close()
 

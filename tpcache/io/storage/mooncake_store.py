@@ -3,7 +3,10 @@
 Small reads and writes go through a staging buffer registered with the store
 (``register_buffer``): ``batch_get_into`` reads values into it, ``batch_upsert_from`` writes the
 records packed in it. A staged read is verified after its payload is copied out to the caller's
-buffer, never in the staging buffer, where a transfer the store gave up on may still land.
+buffer, never in the staging buffer, where a transfer the store gave up on may still land. The shard layout's records are
+gathered straight into the staging buffer on the caller's thread (``_records``) and written with
+``batch_put_from`` where the store has no value for the key yet (``batch_is_exist``; a value written
+by put reads faster than one written by upsert) and ``batch_upsert_from`` where it has one.
 
 Large pages (``direct_get_bytes``/``direct_put_bytes`` and up, TCP) skip the copy:
 
@@ -416,9 +419,23 @@ class MooncakeBackend(RemoteBackend):
         copied into it, one ``batch_upsert_from`` per chunk."""
         reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
         if isinstance(records, _Staged):
-            addresses = [self._base + off for off in records.offsets]
-            codes = self._connected().batch_upsert_from(names, addresses, records.sizes)
-            self._outcomes(list(range(len(names))), codes, reasons)
+            # Keys the store does not have are put (a value written by put reads faster than one
+            # written by upsert), the others upserted (put keeps an existing value); a key another
+            # writer creates between the two calls keeps that writer's value, verified like any other.
+            exist = list(self._connected().batch_is_exist(names))
+            self._check_reachable(exist)
+            for put, idx in (
+                (True, [i for i, c in enumerate(exist) if c == 0]),
+                (False, [i for i, c in enumerate(exist) if c != 0]),
+            ):
+                if idx:
+                    call = self._connected().batch_put_from if put else self._connected().batch_upsert_from
+                    codes = call(
+                        [names[i] for i in idx],
+                        [self._base + records.offsets[i] for i in idx],
+                        [records.sizes[i] for i in idx],
+                    )
+                    self._outcomes(idx, codes, reasons)
             return reasons
         for chunk in self._plan([len(r) for r in records]):
             todo = []
