@@ -3,10 +3,11 @@
 Small reads and writes go through a staging buffer registered with the store
 (``register_buffer``): ``batch_get_into`` reads values into it, ``batch_upsert_from`` writes the
 records packed in it. A staged read is verified after its payload is copied out to the caller's
-buffer, never in the staging buffer, where a transfer the store gave up on may still land. The shard layout's records are
-gathered straight into the staging buffer on the caller's thread (``_records``) and written with
-``batch_put_from`` where the store has no value for the key yet (``batch_is_exist``; a value written
-by put reads faster than one written by upsert) and ``batch_upsert_from`` where it has one.
+buffer, never in the staging buffer, where a transfer the store gave up on may still land. The
+shard layout's records are gathered straight into the staging buffer on the caller's thread
+(``_records``) and written with ``batch_put_from`` where the store has no value for the key yet
+(``batch_is_exist``; a value written by put reads faster than one written by upsert) and
+``batch_upsert_from`` where it has one.
 
 Large pages (``direct_get_bytes``/``direct_put_bytes`` and up, TCP) skip the copy:
 
