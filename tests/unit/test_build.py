@@ -29,6 +29,8 @@ def test_without_a_compiler_the_build_succeeds_and_says_why_per_extension(tmp_pa
         "tpcache: building without tpcache.io._rowcopy (no working C compiler (unix)); page copies use torch instead",
         "tpcache: building without tpcache.core._node (no working C compiler (unix)); the reference tree core "
         "runs instead",
+        "tpcache: building without tpcache.io._record (no working C compiler (unix)); the shard layout checks its "
+        "records in Python instead",
         "tpcache: building without protocol._speedups (no working C compiler (unix)); the codec checks ids in "
         "Python instead",
     ]

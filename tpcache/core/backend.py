@@ -55,6 +55,8 @@ NAME, NATIVE, ROWCOPY, WHY, REFUSED = _choose(os.environ.get(ENV, "").strip().lo
 BUILT = NATIVE is not None or _load("tpcache.core._node")[0] is not None
 DEFAULT = "native" if BUILT else "reference"
 DEFAULT_WHY = "the default where built" if BUILT else WHY
+# The shard layout's records gathered and checked in C, under the native core where built; None: Python.
+RECORD = _load("tpcache.io._record")[0] if NATIVE is not None else None
 
 
 def require(value: str | None = None, setting: str = "tree_core") -> None:

@@ -3,7 +3,11 @@
 Small reads and writes go through a staging buffer registered with the store
 (``register_buffer``): ``batch_get_into`` reads values into it, ``batch_upsert_from`` writes the
 records packed in it. A staged read is verified after its payload is copied out to the caller's
-buffer, never in the staging buffer, where a transfer the store gave up on may still land.
+buffer, never in the staging buffer, where a transfer the store gave up on may still land. The
+shard layout's records are gathered straight into the staging buffer on the caller's thread
+(``_records``) and written with ``batch_put_from`` where the store has no value for the key yet
+(``batch_is_exist``; a value written by put reads faster than one written by upsert) and
+``batch_upsert_from`` where it has one.
 
 Large pages (``direct_get_bytes``/``direct_put_bytes`` and up, TCP) skip the copy:
 
@@ -52,8 +56,10 @@ import ipaddress
 import mmap
 import os
 import socket
+from array import array
 from typing import Any
 
+from tpcache.core.backend import RECORD as _native  # None: the shard layout takes the Python path
 from tpcache.io.storage.base import (
     MISS_FOREIGN,
     MISS_IO_ERROR,
@@ -399,6 +405,82 @@ class MooncakeBackend(RemoteBackend):
                 else:
                     sink(i, None, _miss_reason(code))
 
+    def _records(self, echoes: list[bytes], pages: list[Any], places: bytes, geometry: tuple, sizes: list[int]) -> Any:
+        """Straight into the staging buffer when the batch fits it and no abandoned call still uses
+        it (the offsets, as ``_Staged``), else one bytes object each."""
+        chunks = self._plan(sizes)
+        if len(chunks) > 1 or any(off < 0 for _, off in chunks[0]) or not self._idle():
+            return super()._records(echoes, pages, places, geometry, sizes)
+        offsets = [off for _, off in chunks[0]]
+        _native.encode_records(echoes, pages, places, geometry, self._view, array("q", offsets))
+        return _Staged(offsets, sizes)
+
+    def _put_records(self, names: list[str], records: Any) -> list[str | None]:
+        """One ``batch_upsert_from`` of records already in the staging buffer, or the records
+        copied into it, one ``batch_upsert_from`` per chunk."""
+        reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+        if isinstance(records, _Staged):
+            # Keys the store does not have are put (a value written by put reads faster than one
+            # written by upsert), the others upserted (put keeps an existing value); a key another
+            # writer creates between the two calls keeps that writer's value, verified like any other.
+            exist = list(self._connected().batch_is_exist(names))
+            self._check_reachable(exist)
+            for put, idx in (
+                (True, [i for i, c in enumerate(exist) if c == 0]),
+                (False, [i for i, c in enumerate(exist) if c != 0]),
+            ):
+                if idx:
+                    call = self._connected().batch_put_from if put else self._connected().batch_upsert_from
+                    codes = call(
+                        [names[i] for i in idx],
+                        [self._base + records.offsets[i] for i in idx],
+                        [records.sizes[i] for i in idx],
+                    )
+                    self._outcomes(idx, codes, reasons)
+            return reasons
+        for chunk in self._plan([len(r) for r in records]):
+            todo = []
+            for i, off in chunk:
+                if off < 0:
+                    reasons[i] = PUT_TOO_LARGE
+                    continue
+                self._view[off : off + len(records[i])] = records[i]
+                todo.append((i, off))
+            if todo:
+                codes = self._connected().batch_upsert_from(
+                    [names[i] for i, _ in todo],
+                    [self._base + off for _, off in todo],
+                    [len(records[i]) for i, _ in todo],
+                )
+                self._outcomes([i for i, _ in todo], codes, reasons)
+        return reasons
+
+    def _get_records(self, names: list[str], sizes: list[int], take: Any) -> None:
+        """Whole values into the staging buffer, one ``batch_get_into`` per chunk, each run handed to
+        ``take`` (which copies the payloads out and checks them there)."""
+        for chunk in self._plan(sizes):
+            for i, off in chunk:
+                if off < 0:
+                    take(i, [None], [MISS_FOREIGN])  # no record of this key is ever stored this large
+            todo = [(i, off) for i, off in chunk if off >= 0]
+            if not todo:
+                continue
+            codes = list(
+                self._connected().batch_get_into(
+                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
+                )
+            )
+            self._check_reachable(codes)
+            view = self._view
+            if len(todo) == len(chunk) and min(codes) >= 0:  # the common case: one run, every value read
+                take(todo[0][0], [view[off : off + c] for (_, off), c in zip(todo, codes, strict=True)], None)
+                continue
+            at = dict(zip((i for i, _ in todo), codes, strict=True))
+            for start, run in _runs(todo):
+                got = [at[i] for i in range(start, start + len(run))]
+                values = [self._view[off : off + c] if c >= 0 else None for off, c in zip(run, got, strict=True)]
+                take(start, values, [None if c >= 0 else _miss_reason(c) for c in got])
+
     def _delete(self, names: list[str]) -> list[bool]:
         codes = list(self._connected().batch_remove(names, True))
         self._check_reachable(codes)
@@ -427,6 +509,26 @@ def _addresses(views: list[memoryview], least: int | None) -> dict[int, int]:
         if len(view) >= least and (addr := address_of(view)) is not None:
             found[i] = addr
     return found
+
+
+class _Staged:
+    """Records a put gathered straight into the staging buffer: their offsets and lengths there."""
+
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets: list[int], sizes: list[int]) -> None:
+        self.offsets, self.sizes = offsets, sizes
+
+
+def _runs(todo: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """``(index, offset)`` pairs as runs of consecutive indexes: ``(first index, offsets)``."""
+    runs: list[tuple[int, list[int]]] = []
+    for i, off in todo:
+        if runs and runs[-1][0] + len(runs[-1][1]) == i:
+            runs[-1][1].append(off)
+        else:
+            runs.append((i, [off]))
+    return runs
 
 
 def _miss_reason(code: int) -> str:

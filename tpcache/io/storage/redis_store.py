@@ -57,6 +57,7 @@ class RedisBackend(RemoteBackend):
     """
 
     scheme = "redis"
+    _stable_values = True  # MGET's values are bytes objects of this process
 
     def __init__(
         self,
@@ -101,6 +102,10 @@ class RedisBackend(RemoteBackend):
             self._client.close()
             raise StorageError(f"the Redis server at {where} refused us: {exc}") from None
 
+    def _shard_names(self, echoes: list[bytes]) -> list[Any]:
+        prefix = self._prefix.encode("utf-8")  # the bytes the client sends for the str name
+        return [prefix + e for e in echoes]
+
     def _rounds(self, sizes: list[int]) -> list[range]:
         out: list[range] = []
         start = total = 0
@@ -129,13 +134,20 @@ class RedisBackend(RemoteBackend):
         return [r == 1 for r in replies]
 
     def _put(self, names: list[str], heads: list[bytes], payloads: list[memoryview]) -> list[str | None]:
-        reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
         sizes = [len(h) + len(p) for h, p in zip(heads, payloads, strict=True)]
+        return self._set(names, sizes, lambda idx: [b"".join((heads[i], payloads[i])) for i in idx])
+
+    def _put_records(self, names: list[str], records: list[bytes]) -> list[str | None]:
+        return self._set(names, [len(r) for r in records], lambda idx: records[idx.start : idx.stop])
+
+    def _set(self, names: list[str], sizes: list[int], values: Any) -> list[str | None]:
+        """``SET`` of each key's record (``values(idx)``: the records of a round's keys)."""
+        reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
         for idx in self._rounds(sizes):
 
             def fill(pipe: Any, idx: range = idx) -> None:
-                for i in idx:
-                    pipe.set(names[i], b"".join((heads[i], payloads[i])))
+                for name, value in zip(names[idx.start : idx.stop], values(idx), strict=True):
+                    pipe.set(name, value)
 
             for i, reply in zip(idx, self._run(fill), strict=True):
                 if reply is True:
@@ -158,6 +170,14 @@ class RedisBackend(RemoteBackend):
                     sink(i, reply, None)
                 else:
                     sink(i, None, MISS_FOREIGN)
+
+    def _get_records(self, names: list[str], sizes: list[int], take: Any) -> None:
+        for idx in self._rounds(sizes):
+            (replies,) = self._run(lambda p, idx=idx: p.mget(names[idx.start : idx.stop]))
+            if not isinstance(replies, list) or len(replies) != len(idx):  # an error reply for the command
+                take(idx.start, [None] * len(idx), [MISS_IO_ERROR] * len(idx))
+            else:  # a reply that is not a bytes value (None: no such key) takes the caller's Python check
+                take(idx.start, replies, None)
 
     def _delete(self, names: list[str]) -> list[bool]:
         replies = self._run(lambda p: [p.delete(n) for n in names])

@@ -39,9 +39,12 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from tpcache.core.backend import RECORD as _native  # None: the shard layout takes the Python path
 from tpcache.io.storage.base import (
     MISS_CORRUPT,
+    MISS_FOREIGN,
     MISS_IO_ERROR,
+    MISS_MISSING,
     MISS_UNAUTHENTICATED,
     PUT_IO_ERROR,
     StorageBackend,
@@ -211,6 +214,32 @@ class RemoteBackend(StorageBackend):
     @abstractmethod
     def _delete(self, names: list[str]) -> list[bool]: ...
 
+    # Whether ``_get_records`` hands ``take`` values that nothing else can write (bytes objects)
+    # rather than views of a transfer buffer.
+    _stable_values = False
+
+    # Whole records (the shard layout's native path, ``put_shards``/``get_shards``): a store that
+    # implements these two serves it; each is called with the lock held, like the primitives above.
+    def _records(self, echoes: list[bytes], pages: list[Any], places: bytes, geometry: tuple, sizes: list[int]) -> Any:
+        """The batch's records for ``_put_records``, gathered from the caller's pages (on the
+        caller's thread, lock held): by default one bytes object each."""
+        return _native.encode_records(echoes, pages, places, geometry)
+
+    def _idle(self) -> bool:
+        """Whether no call abandoned at its deadline is still running (the transfer buffers are free)."""
+        return self._stuck is None or self._stuck.done.is_set()
+
+    def _put_records(self, names: list[str], records: Any) -> list[str | None]:
+        """Store each whole record of ``records`` (``_records``') under ``names[i]``, replacing any
+        value; None or a put-failure reason per key."""
+        raise NotImplementedError
+
+    def _get_records(self, names: list[str], sizes: list[int], take: Any) -> None:
+        """Fetch each value and hand runs of them to ``take(start, values, reasons)``: ``values[j]``
+        is key ``start + j``'s whole value (valid only during the call) or None with ``reasons[j]``
+        (``reasons`` may be None when every value is given)."""
+        raise NotImplementedError
+
     @abstractmethod
     def _close(self) -> None: ...
 
@@ -223,6 +252,10 @@ class RemoteBackend(StorageBackend):
 
     def _names(self, echoes: list[bytes]) -> list[str]:
         return [self._prefix + e.decode("ascii") for e in echoes]
+
+    def _shard_names(self, echoes: list[bytes]) -> list[Any]:
+        """The store names of shard keys for ``_put_records``/``_get_records``: ``_names``' by default."""
+        return self._names(echoes)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -268,13 +301,16 @@ class RemoteBackend(StorageBackend):
                     reasons = self._call(self._put, self._names(echoes), heads, views)
                 except StoreUnavailable:
                     self._unreachable()
-            written = [len(v) for r, v in zip(reasons, views, strict=True) if r is None]
-            self._counters.add("put_ok", len(written))
-            self._counters.add("bytes_written", sum(written))
-            for reason in reasons:
-                if reason is not None:
-                    self._counters.put_failure(reason)
+            self._count_puts(reasons, [len(v) for v in views])
         return [r is None for r in reasons]
+
+    def _count_puts(self, reasons: list[str | None], sizes: list[int]) -> None:
+        written = [n for r, n in zip(reasons, sizes, strict=True) if r is None]
+        self._counters.add("put_ok", len(written))
+        self._counters.add("bytes_written", sum(written))
+        for reason in reasons:
+            if reason is not None:
+                self._counters.put_failure(reason)
 
     def get(self, keys: Sequence[StorageKey], out: Sequence[Any]) -> list[bool]:
         echoes = self._echoes(check_pairs(keys, out, "output buffers"))
@@ -333,6 +369,101 @@ class RemoteBackend(StorageBackend):
             self._counters.add("bytes_read", sum(len(views[i]) for i in hits))
         return [bool(r) for r in results]
 
+    # ---- the shard layout's native path ------------------------------------------------------
+    @property
+    def shard_records(self) -> bool:
+        """Whether ``put_shards``/``get_shards`` serve this instance: the native record code is built,
+        the store implements whole records, and no storage key is set (a MAC is checked in Python)."""
+        return (
+            _native is not None
+            and self.record_mac is None
+            and type(self)._put_records is not RemoteBackend._put_records
+            and type(self)._get_records is not RemoteBackend._get_records
+        )
+
+    def put_shards(self, echoes: list[bytes], pages: list[memoryview], places: bytes, geometry: tuple) -> list[bool]:
+        """Store shard i of the batch, gathered from ``pages`` (``_record.encode_records``: ``places``
+        and ``geometry`` say where its rows are), as the record of the key echo ``echoes[i]`` (a
+        model shard key's encoding, checked by its maker). Counted as ``put`` counts."""
+        names = self._shard_names(echoes)
+        payload = _payload_len(geometry)
+        sizes = [HEADER_SIZE + len(e) + payload for e in echoes]
+        with self._lock:
+            self._check_open()
+            self._counters.add("puts", len(names))
+            reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
+            if names and self._reachable():
+                try:
+                    # Gathered and checksummed on this thread, while the caller still owns its
+                    # pages: a call abandoned at its deadline stores these bytes or nothing, never
+                    # what a reused page holds later.
+                    records = self._records(echoes, pages, places, geometry, sizes)
+                    reasons = self._call(self._put_records, names, records)
+                except StoreUnavailable:
+                    self._unreachable()
+            self._count_puts(reasons, [payload] * len(names))
+        return [r is None for r in reasons]
+
+    def get_shards(self, echoes: list[bytes], pages: list[memoryview], places: bytes, geometry: tuple) -> bytearray:
+        """Read shard i of the batch, the record of the key echo ``echoes[i]``, checked and copied into
+        ``pages`` where ``places`` and ``geometry`` say (``_record.scatter_check``). Returns one byte
+        per shard: 1 when verified there. A shard not verified is a counted miss, as ``get``'s; its
+        rows hold zeros or what was there before (the caller clears the page of a shard it lacks)."""
+        n = len(echoes)
+        names = self._shard_names(echoes)
+        payload = _payload_len(geometry)
+        sizes = [HEADER_SIZE + len(e) + payload for e in echoes]
+        done = bytearray(n)  # 1: verified, 2: a miss counted
+        guard = _Guard()
+        stable = self._stable_values  # bytes objects: checked where they are, not copied first
+
+        def take(start: int, values: list[Any], reasons: list[str | None] | None) -> None:
+            with guard.lock:
+                if not guard.awaited:  # abandoned at its deadline: the caller's pages are not ours
+                    return
+                stop = start + len(values)
+                where = places[16 * start : 16 * stop]
+                codes = _native.scatter_check(values, echoes[start:stop], pages, where, geometry, stable)
+                if codes.count(0) == len(codes):  # the common case: every record verified
+                    done[start:stop] = b"\x01" * len(codes)
+                    return
+                for j, code in enumerate(codes):
+                    if code == 0:
+                        done[start + j] = 1
+                    else:
+                        done[start + j] = 2
+                        value = values[j]
+                        if code == 1:
+                            reason = MISS_CORRUPT
+                        elif value is None:
+                            reason = reasons[j] if reasons is not None and reasons[j] else MISS_MISSING
+                        elif not isinstance(value, (bytes, bytearray, memoryview)):
+                            reason = MISS_FOREIGN
+                        else:
+                            try:  # the Python check names why the native one refused it
+                                check_value(value, echoes[start + j], payload)
+                                reason = MISS_CORRUPT
+                            except RecordError as exc:
+                                reason = exc.reason
+                        self._counters.miss(reason)
+
+        with self._lock:
+            self._check_open()
+            self._counters.add("gets", n)
+            if n and self._reachable():
+                try:
+                    self._call(self._get_records, names, sizes, take, guard=guard)
+                except StoreUnavailable:
+                    self._unreachable()
+            with guard.lock:
+                guard.awaited = False  # a late answer of an abandoned call is dropped from here on
+            hits = done.count(1)
+            for _ in range(n - hits - done.count(2)):
+                self._counters.miss(MISS_IO_ERROR)
+            self._counters.add("hits", hits)
+            self._counters.add("bytes_read", hits * payload)
+        return done.replace(b"\x02", b"\x00")
+
     def delete(self, keys: Sequence[StorageKey]) -> list[bool]:
         names = self._names(self._echoes(check_keys(keys)))
         with self._lock:
@@ -363,3 +494,9 @@ class RemoteBackend(StorageBackend):
             if self._store_thread is not None:
                 self._store_thread.stop()
             self._close()
+
+
+def _payload_len(geometry: tuple) -> int:
+    """Bytes of one shard's payload: ``width * n0 * n1 * n2 * n3`` of a ``_record`` geometry."""
+    width, *rest = geometry
+    return width * rest[0] * rest[2] * rest[4] * rest[6]

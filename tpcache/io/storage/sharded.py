@@ -239,6 +239,10 @@ class ShardedStorage(StorageBackend):
             fields = dict(template.__dict__)
             # A shard key's encoding is its template's with the page hash last (16 hex digits).
             self._templates.append((fields, template.encode()[:-16]))
+        # The shard keys' encodings without the page hash, as bytes (the native path's key echoes).
+        self._echo_prefixes = [prefix.encode("ascii") for _, prefix in self._templates]
+        self._geometry, self._offsets = self._shard_rows()
+        self._places: dict[int, bytes] = {}
         self._counters = StorageCounters(0)
         self._names = ("page_gets", "page_hits", "page_partial", "page_puts", "page_put_ok")
         for name in self._names:
@@ -262,6 +266,68 @@ class ShardedStorage(StorageBackend):
             put(k, "__dict__", d)
             out.append(k)
         return out
+
+    def _shard_rows(self) -> tuple[tuple[int, ...] | None, list[int]]:
+        """Where a shard's rows lie in a page, for the native path (``_record``): its geometry (row
+        bytes, then counts and byte strides of heads, layers, K/V and tokens, outermost first) and
+        each shard's byte offset in the page, in key order; None where the page's byte order has
+        rows that are not contiguous or strides that are negative. A page view is strides over a
+        page's bytes, the same for every page, so one probe page gives them."""
+        probe = torch.empty(self.layout.page_bytes, dtype=torch.uint8)
+        page = self._view(probe) if self._view is not None else probe.view(self._shape)
+        st = page.stride()
+        if page.dim() != 5 or st[4] != 1 or min(st) < 0:
+            return None, []
+        base = page.data_ptr() - probe.data_ptr()
+        width, ps = self._shape[4], self._shape[2]
+        dims = [(self.model.heads_per_shard, st[3]), (self.model.layers_per_shard, st[0]), (2, st[1]), (ps, st[2])]
+        while dims[-1][0] > 1 and dims[-1][1] == width:  # rows that follow each other are one longer row
+            width *= dims.pop()[0]
+            dims.insert(0, (1, 0))
+        geometry = (width, *(x for d in dims for x in d))
+        return geometry, [base + l0 * st[0] + h0 * st[3] for l0, _, h0, _ in self._ranges]
+
+    def _flat(self, buf: Any, writable: bool) -> Any:
+        """A page buffer for the native path: a CPU tensor as ``(address, bytes)`` (its caller keeps
+        it for the call; the cheapest form to take), anything else as ``byte_view``'s flat view."""
+        if isinstance(buf, torch.Tensor):
+            if not buf.is_cpu or not buf.is_contiguous() or (writable and buf.requires_grad):
+                check_tensor(buf, writable)  # raises the same error as every backend
+            n = buf.nbytes
+            flat: Any = (buf.data_ptr(), n)
+        else:
+            flat = byte_view(buf, writable=writable)
+            n = len(flat)
+        if n != self.layout.page_bytes:
+            raise ValueError(f"a page buffer of {n} bytes; this rank's pages are {self.layout.page_bytes}")
+        return flat
+
+    def _native_for(self) -> Any:
+        """The inner store when it serves the native path now (see ``RemoteBackend.shard_records``)."""
+        if self._geometry is not None and getattr(self._inner, "shard_records", False):
+            return self._inner
+        return None
+
+    def _echoes(self, keys: list[StorageKey]) -> list[bytes]:
+        """The key echoes of every page's shards, in key order (``shard_keys``' encodings)."""
+        for key in keys:
+            if key.layers is not None:
+                raise StorageKeyError("the shard layout takes a rank's page key, not a model shard key")
+        prefixes = self._echo_prefixes
+        return [p + b"%016x" % key.page_hash for key in keys for p in prefixes]
+
+    def _places_of(self, pages: int) -> bytes:
+        """``(page index, byte offset)`` of every shard of ``pages`` pages, as int64 pairs."""
+        places = self._places.get(pages)
+        if places is None:
+            per = len(self._offsets)
+            pairs = np.empty((pages * per, 2), dtype=np.int64)
+            pairs[:, 0] = np.repeat(np.arange(pages, dtype=np.int64), per)
+            pairs[:, 1] = np.tile(np.asarray(self._offsets, dtype=np.int64), pages)
+            places = pairs.tobytes()
+            if len(self._places) < 64:
+                self._places[pages] = places
+        return places
 
     def _page(self, buf: Any, writable: bool) -> torch.Tensor:
         if isinstance(buf, torch.Tensor):
@@ -333,6 +399,11 @@ class ShardedStorage(StorageBackend):
 
     def get(self, keys: Sequence[StorageKey], out: Sequence[Any]) -> list[bool]:
         ks = check_pairs(keys, out, "output buffers")
+        native = self._native_for()
+        if native is not None:
+            flats = [self._flat(b, writable=True) for b in out]
+            ok = native.get_shards(self._echoes(ks), flats, self._places_of(len(ks)), self._geometry)
+            return self._got(flats, bytes(ok))
         pages = [self._page(b, writable=True) for b in out]
         per = len(self._ranges)
         staging = _staging("get", (len(ks), per, self.model.shard_bytes))
@@ -350,8 +421,37 @@ class ShardedStorage(StorageBackend):
             results.append(all(ok))
         return results
 
+    def _got(self, flats: list[Any], ok: bytes) -> list[bool]:
+        """Each page's verdict from its shards' (``ok``: 1 a verified shard); a page that lacks one
+        is zero-filled (its other shards' rows may already be in it)."""
+        per = len(self._ranges)
+        full = b"\x01" * per
+        results = []
+        partial = 0
+        for i, flat in enumerate(flats):
+            mine = ok[i * per : (i + 1) * per]
+            results.append(mine == full)
+            if mine != full:
+                if isinstance(flat, tuple):  # never leave a partial set in the caller's buffer
+                    ctypes.memset(flat[0], 0, flat[1])
+                else:
+                    flat[:] = bytes(len(flat))
+                partial += 1 in mine
+        self._counters.add("page_gets", len(flats))
+        self._counters.add("page_hits", sum(results))
+        self._counters.add("page_partial", partial)
+        return results
+
     def put(self, keys: Sequence[StorageKey], pages: Sequence[Any]) -> list[bool]:
         ks = check_pairs(keys, pages, "pages")
+        native = self._native_for()
+        if native is not None:
+            flats = [self._flat(p, writable=False) for p in pages]
+            stored = native.put_shards(self._echoes(ks), flats, self._places_of(len(ks)), self._geometry)
+            done = self._per_page(stored, len(ks))
+            self._counters.add("page_puts", len(ks))
+            self._counters.add("page_put_ok", sum(all(d) for d in done))
+            return [all(d) for d in done]
         shards = self._split([self._page(p, writable=False) for p in pages])
         done = self._per_page(self._inner.put(self._all_keys(ks), shards), len(ks))
         self._counters.add("page_puts", len(ks))
