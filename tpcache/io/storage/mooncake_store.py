@@ -350,6 +350,17 @@ class MooncakeBackend(RemoteBackend):
         self._get_staged([i for i in range(len(names)) if i not in placed], names, sizes, sink)
         self._get_placed(placed, names, sizes, sink, out)
 
+    def _read_into_staging(self, todo: list[tuple[int, int]], names: list[str], sizes: list[int]) -> list[int]:
+        """One ``batch_get_into`` of the keys ``todo`` names ((key index, staging offset)) into the
+        staging buffer: per key the bytes read, or Mooncake's error code."""
+        codes = list(
+            self._connected().batch_get_into(
+                [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
+            )
+        )
+        self._check_reachable(codes)
+        return codes
+
     def _get_staged(self, idx: list[int], names: list[str], sizes: list[int], sink: Sink) -> None:
         """Whole values into the staging buffer, one ``batch_get_into`` per chunk; ``sink`` copies
         each payload out and checks it there."""
@@ -362,12 +373,7 @@ class MooncakeBackend(RemoteBackend):
                     todo.append((idx[j], off))
             if not todo:
                 continue
-            codes = list(
-                self._connected().batch_get_into(
-                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
-                )
-            )
-            self._check_reachable(codes)
+            codes = self._read_into_staging(todo, names, sizes)
             for (i, off), code in zip(todo, codes, strict=True):
                 if code >= 0:
                     sink(i, self._view[off : off + code], None)
@@ -465,12 +471,7 @@ class MooncakeBackend(RemoteBackend):
             todo = [(i, off) for i, off in chunk if off >= 0]
             if not todo:
                 continue
-            codes = list(
-                self._connected().batch_get_into(
-                    [names[i] for i, _ in todo], [self._base + off for _, off in todo], [sizes[i] for i, _ in todo]
-                )
-            )
-            self._check_reachable(codes)
+            codes = self._read_into_staging(todo, names, sizes)
             view = self._view
             if len(todo) == len(chunk) and min(codes) >= 0:  # the common case: one run, every value read
                 take(todo[0][0], [view[off : off + c] for (_, off), c in zip(todo, codes, strict=True)], None)
