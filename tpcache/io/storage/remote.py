@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tpcache.core.backend import RECORD as _native  # None: the shard layout takes the Python path
@@ -292,16 +292,24 @@ class RemoteBackend(StorageBackend):
             encode_header(e, 0, len(v), payload_checksum(v), mac=mac.sign(e, v) if mac is not None else b"")
             for e, v in zip(echoes, views, strict=True)
         ]
+        return self._put_batch(
+            [len(v) for v in views], lambda: self._call(self._put, self._names(echoes), heads, views)
+        )
+
+    def _put_batch(self, sizes: list[int], store: Callable[[], list[str | None]]) -> list[bool]:
+        """A put of ``len(sizes)`` records of these payload sizes: ``store()`` (called with the lock
+        held, unless the store is closed or marked unreachable) gives a put-failure reason or None
+        per record. Counted; True where stored."""
         with self._lock:
             self._check_open()
-            self._counters.add("puts", len(views))
-            reasons: list[str | None] = [PUT_IO_ERROR] * len(views)
-            if views and self._reachable():
+            self._counters.add("puts", len(sizes))
+            reasons: list[str | None] = [PUT_IO_ERROR] * len(sizes)
+            if sizes and self._reachable():
                 try:
-                    reasons = self._call(self._put, self._names(echoes), heads, views)
+                    reasons = store()
                 except StoreUnavailable:
                     self._unreachable()
-            self._count_puts(reasons, [len(v) for v in views])
+            self._count_puts(reasons, sizes)
         return [r is None for r in reasons]
 
     def _count_puts(self, reasons: list[str | None], sizes: list[int]) -> None:
@@ -388,21 +396,15 @@ class RemoteBackend(StorageBackend):
         names = self._shard_names(echoes)
         payload = _payload_len(geometry)
         sizes = [HEADER_SIZE + len(e) + payload for e in echoes]
-        with self._lock:
-            self._check_open()
-            self._counters.add("puts", len(names))
-            reasons: list[str | None] = [PUT_IO_ERROR] * len(names)
-            if names and self._reachable():
-                try:
-                    # Gathered and checksummed on this thread, while the caller still owns its
-                    # pages: a call abandoned at its deadline stores these bytes or nothing, never
-                    # what a reused page holds later.
-                    records = self._records(echoes, pages, places, geometry, sizes)
-                    reasons = self._call(self._put_records, names, records)
-                except StoreUnavailable:
-                    self._unreachable()
-            self._count_puts(reasons, [payload] * len(names))
-        return [r is None for r in reasons]
+
+        def store() -> list[str | None]:
+            # Gathered and checksummed on this thread, while the caller still owns its pages: a call
+            # abandoned at its deadline stores these bytes or nothing, never what a reused page
+            # holds later.
+            records = self._records(echoes, pages, places, geometry, sizes)
+            return self._call(self._put_records, names, records)
+
+        return self._put_batch([payload] * len(names), store)
 
     def get_shards(self, echoes: list[bytes], pages: list[memoryview], places: bytes, geometry: tuple) -> bytearray:
         """Read shard i of the batch, the record of the key echo ``echoes[i]``, checked and copied into
