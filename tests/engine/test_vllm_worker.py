@@ -59,16 +59,19 @@ def run_steps(
     return results
 
 
+# A request saves three pages and finishes; a second one hits them and loads them.
+SAVE_THEN_LOAD = {
+    0: [(LOOKUP, "a", toks(1, 2, 3))],
+    1: [(SAVE, "a", [], 3, [[0, 1, 2]])],
+    2: [(RELEASE, "a", True)],
+    3: [(LOOKUP, "b", toks(1, 2, 3, 4))],
+    4: [(LOAD, "b", 1, [[7, 8]])],
+    5: [(RELEASE, "b", True)],
+}
+
+
 def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> None:
-    schedule = {
-        0: [(LOOKUP, "a", toks(1, 2, 3))],
-        1: [(SAVE, "a", [], 3, [[0, 1, 2]])],
-        2: [(RELEASE, "a", True)],
-        3: [(LOOKUP, "b", toks(1, 2, 3, 4))],
-        4: [(LOAD, "b", 1, [[7, 8]])],
-        5: [(RELEASE, "b", True)],
-    }
-    ranks = run_steps(schedule, 7)
+    ranks = run_steps(SAVE_THEN_LOAD, 7)
     for steps in ranks:
         assert steps[0]["hits"] == {"a": (0, 0)}
         assert steps[2]["sent"] == ["a"]
@@ -79,16 +82,8 @@ def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> Non
 
 
 def test_copies_by_layer_on_a_slow_rank_report_what_whole_copies_report() -> None:
-    schedule = {
-        0: [(LOOKUP, "a", toks(1, 2, 3))],
-        1: [(SAVE, "a", [], 3, [[0, 1, 2]])],
-        2: [(RELEASE, "a", True)],
-        3: [(LOOKUP, "b", toks(1, 2, 3, 4))],
-        4: [(LOAD, "b", 1, [[7, 8]])],
-        5: [(RELEASE, "b", True)],
-    }
-    whole = run_steps(schedule, 7)
-    layered = run_steps(schedule, 7, arm={0: {"delay_copies": {"rank": 1, "seconds": 0.01}}}, layered=True)
+    whole = run_steps(SAVE_THEN_LOAD, 7)
+    layered = run_steps(SAVE_THEN_LOAD, 7, arm={0: {"delay_copies": {"rank": 1, "seconds": 0.01}}}, layered=True)
     for a, b in zip(whole, layered, strict=True):
         assert [{k: v for k, v in s.items() if k != "copies"} for s in a] == [
             {k: v for k, v in s.items() if k != "copies"} for s in b
