@@ -16,9 +16,6 @@ module.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,39 +28,21 @@ if importlib.util.find_spec("sglang") is None:
 
 import xxhash
 
+from tests.sglang.engines import run_engine
 from tpcache.io.storage.keys import StorageKey
 from tpcache.io.storage.record import HEADER_SIZE, decode_header, read_key_echo
-from tpcache.testing.child import run_in_own_session
 from tpcache.testing.servers import RedisServer
 from tpcache.testing.tiny_model import make_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("driver.py")
-SHIMS = Path(__file__).with_name("shims")
 PAGE = 16
 TP = 2
 DAMAGED_PROMPT, DAMAGED_PAGE, DAMAGED_RANK = 1, 2, 1
-ENGINE_TIMEOUT_S = 420
 
 
 def _prompts() -> list[list[int]]:
     # Three prompts of 70 tokens that share no first page: 4 full pages each (SGLang matches at
     # most all but the last token, so 64 tokens can come from the cache).
     return [[(7 * i + 13 * j) % 500 + 3 for j in range(70)] for i in range(1, 4)]
-
-
-def run_engine(workdir: Path, name: str, spec: dict) -> dict:
-    spec_file, out_file, log_file = workdir / f"{name}.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec_file.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    # Its own session: a timeout takes the engine's scheduler processes too.
-    code = run_in_own_session(
-        [sys.executable, str(DRIVER), str(spec_file), str(out_file)], log_file, env, ENGINE_TIMEOUT_S, workdir
-    )
-    if code != 0 or not out_file.exists():
-        tail = log_file.read_bytes()[-6000:].decode(errors="replace")
-        raise AssertionError(f"the SGLang engine {name!r} failed ({code}); the end of its log:\n{tail}")
-    return json.loads(out_file.read_text())
 
 
 def damage_record(store: Path, rank: int, sglang_key: str) -> int:

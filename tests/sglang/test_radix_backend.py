@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,16 +30,13 @@ if importlib.util.find_spec("sglang") is None:
         allow_module_level=True,
     )
 
+from tests.sglang import engines
+from tests.sglang.engines import ROOT
 from tpcache.integrations.sglang.options import parse_faults, refusal
-from tpcache.testing.child import run_in_own_session
 from tpcache.testing.tiny_model import make_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("driver.py")
-SHIMS = Path(__file__).with_name("shims")
 PAGE = 16
 POOL_TOKENS = 512  # 32 pages: the flood below needs more, so the cache must evict
-ENGINE_TIMEOUT_S = 420
 # SGLang's own checks, after every scheduler step: free + evictable + protected + held by requests
 # == the pool (the cache's sizes against SGLang's allocator), and no page both free and in use.
 # When idle: the same without requests, as an error instead of a warning.
@@ -77,17 +72,10 @@ def _plugin_dist(workdir: Path) -> Path:
 
 
 def run_engine(workdir: Path, name: str, spec: dict, **env_more: str) -> dict:
-    spec_file, out_file, log_file = workdir / f"{name}.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    spec_file.write_text(json.dumps(spec))
-    path = [str(_plugin_dist(workdir / name)), str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **STRICT_CHECKS, **env_more}
-    code = run_in_own_session(
-        [sys.executable, str(DRIVER), str(spec_file), str(out_file)], log_file, env, ENGINE_TIMEOUT_S, workdir
+    """An engine with tpcache's plugin entry point on its path and SGLang's strict checks on."""
+    return engines.run_engine(
+        workdir, name, spec, path=[_plugin_dist(workdir / name)], env={**STRICT_CHECKS, **env_more}
     )
-    if code != 0 or not out_file.exists():
-        tail = log_file.read_bytes()[-6000:].decode(errors="replace")
-        raise AssertionError(f"the SGLang engine {name!r} failed ({code}); the end of its log:\n{tail}")
-    return json.loads(out_file.read_text())
 
 
 @pytest.fixture(scope="module")
