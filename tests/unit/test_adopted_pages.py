@@ -21,7 +21,8 @@ def toks(*pages: int) -> list[int]:
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"host_pages": 8}, "set host_pages=0 and storage=False"),
+        ({"storage": True}, "set storage=False"),
+        ({"host_pages": 8, "write_policy": "write_back"}, "write_through or write_through_selective"),
         ({"device_pages": 0}, "device_adopt needs device_pages > 0"),
         ({"swa_window": 8, "swa_device_pages": 4}, "full-attention models only"),
     ],
@@ -233,3 +234,44 @@ def test_random_schedules_agree_and_lose_no_page() -> None:
         totals = {k: totals[k] + stats[k] for k in totals}
     # The schedules did exercise what they check: pages cached twice and pages evicted.
     assert totals["left"] > 0 and totals["evicted"] > 0, totals
+
+
+def test_a_host_tier_keeps_evicted_pages_and_a_load_adopts_them_into_the_engines_pages() -> None:
+    ranks = [core(host_pages=16), core(host_pages=16)]
+    seen = []
+    for c in ranks:
+        lease, _ = c.lock(toks(1, 2, 3))
+        c.engine_pages.adopt(lease, toks(1, 2, 3), [4, 5, 6])
+        (backup,) = c.ready().transfers  # write-through: the adopted pages are copied to host
+        c.advance()
+        assert backup.kind.name == "BACKUP" and backup.device_pages == [4, 5, 6]
+        assert c.evict_device(3) == 0  # the copy in flight protects its pages
+        c.complete(backup.kind)
+        c.release(lease)
+        check(c)
+        assert c.evict_device(2) == 2 and c.engine_pages.drain() == [6, 5]
+        hit = c.match(toks(1, 2, 3))
+        assert (hit.device_pages, hit.host_pages) == (1, 2)
+        lease, _ = c.lock(toks(1, 2, 3))
+        before = c.state_digest()
+        with pytest.raises(ValueError, match="holds 2 host-only pages after its 1 device pages; cannot load 3"):
+            c.engine_pages.load_adopted(lease, [7, 8, 9])
+        with pytest.raises(ValueError, match="page 4 is cached at another position"):
+            c.engine_pages.load_adopted(lease, [4, 8])
+        assert c.state_digest() == before
+        load = c.engine_pages.load_adopted(lease, [8, 7])
+        assert load is not None and load.engine_pages and load.device_pages == [8, 7]
+        assert list(c.match(toks(1, 2, 3)).device_page_ids) == [4, 8, 7]
+        assert c.evict_device(3) == 0  # the lease pins the loaded pages
+        check(c)
+        c.release(lease)  # parked until the load is agreed landed
+        assert c.evict_device(3) == 0
+        c.ready()
+        c.advance()
+        c.complete(load.kind)
+        check(c)
+        assert c.evict_device(3) == 3
+        seen.append((c.engine_pages.drain(), c.state_digest()))
+        check(c)
+    assert seen[0] == seen[1]
+    assert sorted(seen[0][0]) == [4, 7, 8]

@@ -119,8 +119,13 @@ class CacheConfig:
     def _validate_adopt(self) -> None:
         if self.device_pages <= 0:
             raise ValueError("device_adopt needs device_pages > 0 (the engine's page ids are 0 .. device_pages-1)")
-        if self.host_pages or self.storage:
-            raise ValueError("device_adopt serves a device tier alone for now: set host_pages=0 and storage=False")
+        if self.storage:
+            raise ValueError("device_adopt serves the device and host tiers for now: set storage=False")
+        if self.host_pages and (self.host_mode != "cache" or self.write_policy == "write_back"):
+            raise ValueError(
+                "device_adopt backs pages up to host as they are cached: host_mode 'cache' with "
+                "write_through or write_through_selective"
+            )
         if self.components():
             raise ValueError("device_adopt serves full-attention models only (no swa_window, no mamba_every)")
 

@@ -45,6 +45,11 @@ class EngineOps:
         engine's (``EnginePages.adopt``)."""
         return self.engine_pages.adopt(lease_id, tokens, pages)
 
+    def load_adopted(self, lease_id: int, pages: Sequence[int]) -> Transfer | None:
+        """With ``device_adopt`` and a host tier: copy the lease's host-only hit into the engine's
+        ``pages`` and adopt them there (``EnginePages.load_adopted``)."""
+        return self.engine_pages.load_adopted(lease_id, pages)
+
     def drain_returned(self) -> list[int]:
         """With ``device_adopt``: the device pages freed since the last drain, in the order freed
         (alike on every rank); the engine owns them again."""

@@ -38,7 +38,7 @@ from tpcache.core.leases import Leases
 from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, OpKind, Transfer
-from tpcache.core.tiers import HostState
+from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.tree import Node
 
 
@@ -122,6 +122,44 @@ class EnginePages:
                 dev.untake([p for p in foreign if p in left])
                 self.leases.refresh(lease)
         return [p for p in foreign if p in left]
+
+    def load_adopted(self, lease_id: int, pages: Sequence[int]) -> Transfer | None:
+        """With ``device_adopt`` and a host tier: bring the lease's host hit back into the engine's
+        ``pages`` (page i of the hit's host-only part into ``pages[i]``) and adopt them there.
+
+        The hit's host-only pages are those that follow its leading device pages, host-VALID and
+        pinned by the lease (its ``lock``). The nodes are adopted as ``adopt`` would adopt pages the
+        engine computed, and one LOAD op copies their host slots into ``pages``; the lease keeps the
+        slots pinned and its release waits for the op. The engine's copy of such an op lands before
+        its submit returns (``EngineTransfer`` outside a step), so the engine checks it landed on its
+        rank before it reads the pages (and stops, never reading them, where it did not); the round
+        then retires the op like any other. A refused call changes nothing."""
+        lease = self.live(lease_id)
+        if self.adopted is None or not self.ledger.host.num_pages:
+            raise ValueError("load_adopted needs device_adopt and a host tier (host_pages > 0)")
+        given = list(pages)
+        if not given:
+            return None
+        nodes = self.ledger.tree.walk(lease.tokens).nodes
+        first = 0
+        while first < len(nodes) and nodes[first].device_state == DeviceState.VALID:
+            first += 1
+        pinned = {n.node_id for n in lease.host_nodes}
+        tail = nodes[first : first + len(given)]
+        if len(tail) < len(given) or any(
+            n.host_state != HostState.VALID or n.on_device or n.node_id not in pinned for n in tail
+        ):
+            held = next((i for i, n in enumerate(tail) if n.host_state != HostState.VALID or n.on_device), len(tail))
+            raise ValueError(
+                f"lease {lease_id} holds {held} host-only pages after its {first} device pages; cannot load {len(given)}"
+            )
+        step = self.ledger.page_size * 4
+        prefix = [n.device_page for n in nodes[:first]]
+        left = self.adopt(lease_id, lease.tokens[: (first + len(given)) * step], prefix + given)
+        if left:  # cannot happen: every page was off device
+            raise RuntimeError(f"load_adopted left pages {left} unadopted")
+        self.ledger.stats.loads_issued_pages += len(given)
+        return self._issue(lease, OpKind.LOAD, tail, given)
 
     def drain(self) -> list[int]:
         """Adopted pages freed since the last drain, in the order the core freed them (alike on

@@ -203,6 +203,11 @@ class Operations:
         adopted (cached already under another page), which stay the engine's."""
         return self.driver.apply(Op("adopt", (lease, tokens, list(device_pages))))
 
+    def load_adopted(self, lease: int, pages: Sequence[int]) -> Transfer | None:
+        """With ``device_adopt`` and a host tier: copy the lease's host-only hit into the engine's
+        ``pages`` (allocated by the engine) and adopt them; returns the LOAD op (None: no pages)."""
+        return self.driver.apply(Op("load_adopted", (lease, list(pages))))
+
     def evict_device(self, num_pages: int) -> int:
         """Free up to ``num_pages`` unpinned device pages, least valuable first; returns how many.
         With ``device_adopt`` the freed page ids wait in ``drain_returned``."""

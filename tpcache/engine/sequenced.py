@@ -56,6 +56,7 @@ APPLY: dict[str, Callable[..., Any]] = {
     "request_flush": lambda d: d.core.request_flush(),
     "evict_device": lambda d, pages: d.core.evict_device(pages),
     "adopt": lambda d, lease, tokens, pages: d.core.adopt(lease, tokens, pages),
+    "load_adopted": lambda d, lease, pages: d.core.load_adopted(lease, pages),
     "drain_returned": lambda d: d.core.drain_returned(),
 }
 
