@@ -1,15 +1,17 @@
 """``--radix-cache-backend tpcache`` with real SGLang 0.5.23 engines on CPU (TP=1 and TP=2): SGLang's
 KV pool as tpcache's device tier, one tpcache rank per TP scheduler.
 
-The same prompts go to plain SGLang (its own radix cache) and to SGLang with tpcache's backend: a
-prompt, one sharing its first two pages, the first again, then a flood of other prompts larger than
-the KV pool (so the cache must evict and hand pages back to SGLang's allocator), the first again,
+The same prompts go to plain SGLang (its own radix cache) and to SGLang with tpcache's backend and
+a host tier: a prompt, one sharing its first two pages, the first again, then a flood of other
+prompts larger than the KV pool (so the cache must evict and hand pages back to SGLang's allocator),
+the first two prompts again (plain SGLang evicted them; tpcache loads them back from its host tier),
 and a last prompt twice (at TP=1 its second run hits: the cache stayed open through every round; at
 TP=2 rank 1 is made to apply one operation rank 0 does not when it caches that prompt, and the
-second run misses: the round closed the cache); then SGLang flushes its cache, which reopens it,
-and the same prompts run again. Every prompt's tokens are the same in both engines, and tpcache serves the
-prefix hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every
-step, which hold the cache's evictable and protected sizes against SGLang's allocator.
+second run misses: the round closed the cache); then SGLang flushes its cache, which empties both
+tiers and reopens it, and the same prompts run again. Every prompt's tokens are the same in both
+engines; tpcache serves the prefix hits SGLang's own cache serves, and after the flood those its
+host tier kept. Both engines run SGLang's strict memory checks after every step, which hold the
+cache's evictable and protected sizes against SGLang's allocator.
 
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
 The venv's tpcache may have been installed before that entry point existed, so the test puts a
@@ -32,11 +34,12 @@ if importlib.util.find_spec("sglang") is None:
 
 from tests.sglang import engines
 from tests.sglang.engines import ROOT
-from tpcache.integrations.sglang.options import parse_faults, refusal
+from tpcache.integrations.sglang.options import parse_faults, parse_host_pages, refusal
 from tpcache.testing.tiny_model import make_tiny_llama
 
 PAGE = 16
 POOL_TOKENS = 512  # 32 pages: the flood below needs more, so the cache must evict
+HOST_PAGES = 128  # tpcache's host tier: every page the prompts below cache fits
 # SGLang's own checks, after every scheduler step: free + evictable + protected + held by requests
 # == the pool (the cache's sizes against SGLang's allocator), and no page both free and in use.
 # When idle: the same without requests, as an error instead of a warning.
@@ -51,10 +54,11 @@ def _prompts() -> list[list[int]]:
     first = [(7 * j + 13) % 500 + 3 for j in range(70)]
     sharing = first[:40] + [(11 * j + 5) % 500 + 3 for j in range(30)]
     flood = [[(17 * i + 29 * j + 1) % 500 + 3 for j in range(70)] for i in range(1, 9)]
-    return [first, sharing, first, *flood, first, LAST, LAST]
+    return [first, sharing, first, *flood, first, sharing, LAST, LAST]
 
 
 LAST = [(5 * j + 2) % 500 + 3 for j in range(70)]
+AFTER_FLOOD = 11  # the first prompt again after the flood, then the one sharing its first pages
 
 
 def _plugin_dist(workdir: Path) -> Path:
@@ -100,7 +104,13 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
     # its first token): the round that follows must close the cache on both ranks.
     fault = json.dumps({"diverge": {"rank": 1, "first_token": LAST[0]}}) if request.param == 2 else ""
-    ours = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"}, TPCACHE_SGLANG_FAULTS=fault)["passes"]
+    ours = run_engine(
+        workdir,
+        "tpcache",
+        {**spec, "radix_backend": "tpcache"},
+        TPCACHE_SGLANG_FAULTS=fault,
+        TPCACHE_SGLANG_HOST_PAGES=str(HOST_PAGES),
+    )["passes"]
     log = (workdir / "tpcache.log").read_text(errors="replace")
     return {
         "tp": request.param,
@@ -122,13 +132,28 @@ def test_prefix_hits_are_served_from_sglangs_pool(served: dict) -> None:
     # The second prompt shares two full pages with the first; the first again hits all of its
     # full pages but the one holding its last token's successor (SGLang matches at most len - 1).
     assert hits[:3] == plain[:3] == [0, 2 * PAGE, 4 * PAGE]
-    # The flood (8 prompts of 5 pages into a 32-page pool) made the cache evict the first
-    # prompt's pages and give them back to SGLang's allocator, which served the flood with them.
-    assert hits[-3] < 4 * PAGE
+    assert hits[3:AFTER_FLOOD] == plain[3:AFTER_FLOOD] == [0] * 8  # the flood: new prompts
     assert plain[-2:] == [0, 4 * PAGE]
     if served["tp"] == 1:
         # The last prompt's second run hits: the cache stayed open through every round.
         assert hits[-2:] == [0, 4 * PAGE]
+
+
+def test_after_a_flood_the_first_prompts_are_served_from_the_host_tier(served: dict) -> None:
+    hits = [c["total"] for c in served["tpcache"]["cached"]][AFTER_FLOOD : AFTER_FLOOD + 2]
+    plain = [c["total"] for c in served["plain"]["cached"]][AFTER_FLOOD : AFTER_FLOOD + 2]
+    # The flood (8 prompts of 5 pages into a 32-page pool) made both caches evict the first two
+    # prompts' pages from SGLang's pool. Plain SGLang computes the first prompt again (and the
+    # second then hits the two pages the first put back); tpcache kept every page on host and
+    # loads them back into SGLang's pool: both hit all their full pages but the last token's.
+    assert plain[0] < PAGE and plain[1] <= 2 * PAGE
+    assert hits == [4 * PAGE, 4 * PAGE]
+    # SGLang counts what came from the host tier: all of the first prompt's hit; of the second,
+    # the two pages past those the first prompt's load put back in SGLang's pool.
+    host = [c["host"] for c in served["tpcache"]["cached"]][AFTER_FLOOD : AFTER_FLOOD + 2]
+    assert host == [4 * PAGE, 2 * PAGE]
+    # Beyond what SGLang alone gets on the same steps, with the same tokens (checked above).
+    assert hits[0] - plain[0] > 3 * PAGE and hits[1] - plain[1] >= 2 * PAGE
 
 
 def test_a_divergence_on_one_rank_closes_the_cache_and_tokens_stay_the_same(served: dict) -> None:
@@ -143,11 +168,13 @@ def test_a_divergence_on_one_rank_closes_the_cache_and_tokens_stay_the_same(serv
 
 
 def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> None:
-    # SGLang's flush_cache is an agreed flush of tpcache's ranks (at TP=2 it reopens the cache the
-    # divergence closed): the prompts served again hit and miss as plain SGLang's, same tokens.
+    # SGLang's flush_cache is an agreed flush of tpcache's ranks, which empties its device and host
+    # tiers (at TP=2 it reopens the cache the divergence closed): the prompts served again hit
+    # as in the first pass, the last one's second run included, with the same tokens.
     again = served["tpcache_again"]
     assert again["outputs"] == served["tpcache"]["outputs"]
-    assert [c["total"] for c in again["cached"]] == [c["total"] for c in served["plain_again"]["cached"]]
+    first = [c["total"] for c in served["tpcache"]["cached"]]
+    assert [c["total"] for c in again["cached"]] == [*first[:-1], 4 * PAGE]
     assert again["cached"][0]["total"] == 0
 
 
@@ -167,6 +194,14 @@ def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
         reason = refusal(**{**ok, **change})
         assert reason is not None and words in reason and "\n" not in reason
         assert reason.startswith("--radix-cache-backend tpcache")
+
+
+def test_the_host_tier_setting_is_checked() -> None:
+    assert parse_host_pages("") == 0 and parse_host_pages(" 256 ") == 256
+    for text in ("-1", "1.5", "lots"):
+        with pytest.raises(ValueError, match="TPCACHE_SGLANG_HOST_PAGES must be a whole number") as err:
+            parse_host_pages(text)
+        assert "\n" not in str(err.value)
 
 
 def test_the_test_fault_setting_is_checked() -> None:

@@ -151,7 +151,8 @@ class EnginePages:
         ):
             held = next((i for i, n in enumerate(tail) if n.host_state != HostState.VALID or n.on_device), len(tail))
             raise ValueError(
-                f"lease {lease_id} holds {held} host-only pages after its {first} device pages; cannot load {len(given)}"
+                f"lease {lease_id} holds {held} host-only pages after its {first} device pages; "
+                f"cannot load {len(given)}"
             )
         step = self.ledger.page_size * 4
         prefix = [n.device_page for n in nodes[:first]]

@@ -1,7 +1,8 @@
 """EngineCache: one tpcache rank under an engine that owns its device KV blocks (vLLM's block pool).
 
 The rank holds the host tier (L2) and, optionally, the storage tier (L3); the engine's blocks stay
-the engine's. It is a ``TPCache`` whose core has no device tier and whose transfer engine copies
+the engine's (or, with ``device_adopt``, the engine's pages are the core's device tier: SGLang's KV
+pool). It is a ``TPCache`` whose core has no device tier of its own and whose transfer engine copies
 between host slots and the block ids the engine names (``tpcache.io.engine_kv``). Everything
 else is the embedded cache as it is: the same sequenced operations, one round per ``step()``,
 fail-closed on any disagreement.
@@ -60,8 +61,11 @@ class EngineCache(TPCache):
         ``layered``: copies issued inside an engine step go by layer (``EngineTransfer``).
         ``before_copy``, ``after_copy``, ``hold``, ``layer_delay``: test hooks of the transfer
         (``tpcache.io.engine_kv``)."""
-        if config.device_pages != 0:
-            raise ValueError("an engine-owned cache has no device tier of its own: set device_pages=0")
+        if config.device_pages != 0 and not config.device_adopt:
+            raise ValueError(
+                "an engine-owned cache has no device tier of its own: set device_pages=0 (or device_adopt "
+                "to make the engine's pages the device tier)"
+            )
         if config.host_pages <= 0:
             raise ValueError("an engine-owned cache needs a host tier: set host_pages > 0")
         if kv_layout.page_size != config.page_size:

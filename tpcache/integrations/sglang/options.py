@@ -57,3 +57,21 @@ def parse_faults(text: str) -> dict[str, int]:
     ):
         raise ValueError(f"{FAULTS_ENV}: diverge needs exactly rank and first_token, ints >= 0, got {fault!r}")
     return dict(fault)
+
+
+HOST_ENV = "TPCACHE_SGLANG_HOST_PAGES"
+
+
+def parse_host_pages(text: str) -> int:
+    """``TPCACHE_SGLANG_HOST_PAGES``: the size of tpcache's host tier, in pages of ``--page-size``
+    tokens (0 or unset: no host tier). Mistakes: one line."""
+    text = text.strip()
+    if not text:
+        return 0
+    try:
+        pages = int(text)
+    except ValueError:
+        pages = -1
+    if pages < 0:
+        raise ValueError(f"{HOST_ENV} must be a whole number of pages >= 0 (0: no host tier), got {text!r}")
+    return pages

@@ -10,7 +10,16 @@ a sequenced operation or a pure query of the core; the round runs once per sched
 batch (``flush_pending_backups``, which SGLang calls after each batch), on SGLang's TP CPU group
 (shared memory when the ranks share a host). tpcache adds no other collective.
 
-Served: full-attention models, page size > 1, the device tier. Refused at start, in one line:
+With a host tier (``TPCACHE_SGLANG_HOST_PAGES`` > 0), every page the tree adopts is copied to host
+(write-through: the core's backups, each rank copying its own shard out of SGLang's KV buffers), so a
+page evicted from SGLang's pool stays cached on host. A match whose tail is on host only returns
+that tail as SGLang's ``host_hit_length``; SGLang's admission then calls ``init_load_back``, which
+takes pages from SGLang's allocator (evicting as SGLang would), copies the host pages into them
+before it returns (an agreed, sequenced ``load_adopted``: the same on every rank) and adopts them,
+so the request's forward reads them as any cached prefix. A load that cannot be served (its pages
+changed, or no pages to load into) is a miss: the request computes those tokens.
+
+Served: full-attention models, page size > 1, the device and host tiers. Refused at start, in one line:
 SGLang's hybrid caches (sliding-window, Mamba), page size 1, EAGLE's bigram keys, HiCache, a
 disabled radix cache. Requests with an ``extra_key`` (LoRA) or a ``cache_salt`` are served without
 the cache (no hit, nothing inserted).
@@ -31,6 +40,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     MatchPrefixParams,
     MatchResult,
     TreeLock,
@@ -38,7 +48,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from tpcache.core import CacheClosed, CacheConfig
 from tpcache.core.hashing import as_token_bytes
-from tpcache.integrations.sglang.options import FAULTS_ENV, parse_faults, refusal
+from tpcache.integrations.sglang.options import FAULTS_ENV, HOST_ENV, parse_faults, parse_host_pages, refusal
 
 log = logging.getLogger("tpcache.sglang")
 
@@ -75,18 +85,45 @@ def build(ctx: Any) -> TPCacheRadix:
     if reason is not None:
         raise ValueError(reason)
     fault = parse_faults(os.environ.get(FAULTS_ENV, ""))
+    host_pages = parse_host_pages(os.environ.get(HOST_ENV, ""))
     from tpcache.comm import make_collective
 
     group = ctx.tp_group.cpu_group if ctx.tp_group is not None else None
     collective = make_collective("auto", group=group)
-    cache = TPCacheRadix(params, collective, policy)
+    cache = TPCacheRadix(params, collective, policy, host_pages=host_pages)
     if fault and fault["rank"] == ctx.tp_rank:
         cache.diverge_after = fault["first_token"]
     return cache
 
 
+def engine_kv_of(pool: Any, page_size: int) -> tuple[Any, Any, str]:
+    """SGLang's MHA KV pool as tpcache's ``EngineKV`` (each layer's K and V buffers, one row per
+    page), the ``KVLayout`` of one host page (this rank's shard of a page over every layer) and the
+    byte format's name. Any other pool: one line."""
+    from tpcache.io.engine_kv import EngineKV
+    from tpcache.io.kv_pool import KVLayout
+
+    k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+    heads, dim, v_dim = (getattr(pool, a, None) for a in ("head_num", "head_dim", "v_head_dim"))
+    num_tokens = int(getattr(pool, "size", 0)) + page_size
+    usable = (
+        isinstance(k, list) and isinstance(v, list) and k and len(k) == len(v) and dim == v_dim
+        and all(t.is_contiguous() and t.dim() == 3 and t.shape[0] == num_tokens for t in (*k, *v))
+    )  # fmt: skip
+    if not usable:
+        raise ValueError(
+            f"{HOST_ENV} needs SGLang's MHA KV pool ([tokens, heads, head_dim] K and V buffers per layer, "
+            f"equal K and V head sizes); this engine has {type(pool).__name__}: set {HOST_ENV}=0"
+        )
+    pages = num_tokens // page_size
+    parts = [buf.view(pages, -1) for pair in zip(k, v, strict=True) for buf in pair]
+    layers = [i // 2 for i in range(len(parts))]
+    layout = KVLayout(len(k), int(heads), int(dim), k[0].dtype, page_size)
+    return EngineKV(parts, layers=layers), layout, f"sglang-mha-{k[0].dtype}"
+
+
 class TPCacheRadix(BasePrefixCache):
-    def __init__(self, params: Any, collective: Any, eviction_policy: str = "lru") -> None:
+    def __init__(self, params: Any, collective: Any, eviction_policy: str = "lru", host_pages: int = 0) -> None:
         from tpcache.engine.tpcache import TPCache
 
         self.disable = False
@@ -99,15 +136,21 @@ class TPCacheRadix(BasePrefixCache):
             page_size=ps,
             device_pages=allocator.size // ps + 1,
             device_adopt=True,
-            host_pages=0,
+            host_pages=host_pages,
             eviction_policy=eviction_policy,
         )
-        self.rank = TPCache(self.config, collective)
+        if host_pages:
+            from tpcache.engine.external import EngineCache
+
+            kv, layout, fmt = engine_kv_of(allocator.get_kvcache(), ps)
+            self.rank: Any = EngineCache(self.config, collective, kv, layout, engine_format=fmt)
+        else:
+            self.rank = TPCache(self.config, collective)
         dev = allocator.device
         self.device = torch.device(dev) if isinstance(dev, str | torch.device) else torch.device("cpu")
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root_node = ROOT
-        self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0}
+        self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0, "loaded_pages": 0}
         self.diverge_after: int | None = None  # test fault (options.parse_faults): this rank only
 
     # ------------------------------------------------------------------ lifecycle
@@ -136,19 +179,67 @@ class TPCacheRadix(BasePrefixCache):
         return as_token_bytes(ids[:n]) if n else None
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The device prefix (``last_device_node``) and, past it, the pages on host only
+        (``best_match_node``, ``host_hit_length``), which ``init_load_back`` brings back."""
         data = self._tokens(params.key)
-        handle = ROOT
+        handle = best = ROOT
         if data is not None:
             found = self.rank.match(data)
+            step = self.page_size * 4
             if found.device_pages:
-                pages = tuple(found.device_page_ids)
-                handle = Prefix(data[: len(pages) * self.page_size * 4], pages)
+                handle = best = Prefix(data[: found.device_pages * step], tuple(found.device_page_ids))
+            if found.host_pages:
+                best = Prefix(data[: (found.device_pages + found.host_pages) * step], handle.pages)
         return MatchResult(
             device_prefix_len=len(handle.pages) * self.page_size,
             last_device_node=handle,
-            last_host_node=handle,
-            best_match_node=handle,
+            last_host_node=best,
+            best_match_node=best,
+            host_hit_length=(len(best.tokens) - len(handle.tokens)) // 4,
         )
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Prefix]:
+        """SGLang admits a request whose match has a host-only tail: take pages for it from SGLang's
+        allocator, copy the host pages into them and adopt them (a sequenced ``load_adopted``), all
+        before returning; returns (tokens loaded, the new match). A tail that changed since the
+        match, or no pages to load into, loads nothing: the request computes those tokens."""
+        req, best, ps = params.req, params.best_match_node, self.page_size
+        current = req.last_node
+        n = int(params.host_hit_length) // ps
+        if n <= 0 or type(best) is not Prefix:
+            return 0, current
+        try:
+            lease, found = self.rank.lock(best.tokens)
+        except CacheClosed:
+            return 0, current
+        try:
+            if tuple(found.device_page_ids) != best.pages or found.host_pages < n:
+                return 0, current  # evicted meanwhile: a miss, never other KV
+            allocator = self.token_to_kv_pool_allocator
+            need = n * ps
+            if allocator.available_size() < need:
+                self.evict(EvictParams(num_tokens=need - allocator.available_size()))
+            index = allocator.alloc(need) if allocator.available_size() >= need else None
+            if index is None:
+                return 0, current
+            pages = (index[::ps].to(torch.int64) // ps).tolist()
+            try:
+                op = self.rank.load_adopted(lease, pages)
+            except CacheClosed:
+                allocator.free(index)
+                return 0, current
+            if self.rank.shell.landed().get(op.op_id) != n:
+                raise RuntimeError(
+                    f"tpcache: copying {n} pages from the host tier into SGLang's KV pool failed on this rank; "
+                    "stopping rather than serving KV that is not there"
+                )
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the forward may run on another stream
+            self.stats["loaded_pages"] += n
+            return need, Prefix(best.tokens, best.pages + tuple(pages))
+        finally:
+            self.rank.release(lease)  # the pins stay until the load is agreed; the admission locks it
+            self._give_back()
 
     def inc_lock_ref(self, node: Prefix) -> IncLockRefResult:
         lease, found = self.rank.lock(node.tokens)
