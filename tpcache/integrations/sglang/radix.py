@@ -225,9 +225,11 @@ class TPCacheRadix(BasePrefixCache):
             pages = (index[::ps].to(torch.int64) // ps).tolist()
             try:
                 op = self.rank.load_adopted(lease, pages)
-            except CacheClosed:
+            except BaseException as exc:  # refused (nothing changed): the pages are SGLang's again
                 allocator.free(index)
-                return 0, current
+                if isinstance(exc, CacheClosed):
+                    return 0, current
+                raise
             if self.rank.shell.landed().get(op.op_id) != n:
                 raise RuntimeError(
                     f"tpcache: copying {n} pages from the host tier into SGLang's KV pool failed on this rank; "
