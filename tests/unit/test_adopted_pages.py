@@ -158,16 +158,28 @@ class Engine:
         self.free.extend(pages)
 
 
-def _schedule(seed: int, stats: dict[str, int], ranks: int = 2, ops: int = 60) -> None:
+def _settle(c: CacheCore) -> None:
+    """A round where every copy in flight landed on every rank: each is agreed complete."""
+    for _ in range(2):
+        if c.has_ready():
+            c.ready()
+            c.advance()
+        for kind, ops in c.inflight.items():
+            while ops:
+                c.complete(kind)
+
+
+def _schedule(seed: int, stats: dict[str, int], ranks: int = 2, ops: int = 60, host: int = 0) -> None:
     """Random requests on ``ranks`` cores, each under its own engine allocator, every op applied
     to all: the same pages come back in the same order everywhere, and every page is either free
-    in the engine or cached in the core, never both, never lost."""
+    in the engine or cached in the core, never both, never lost. With a ``host`` tier, pages are
+    backed up as they are cached and a request may load its host hit into pages of its engine."""
     import random
 
     rng = random.Random(seed)
     pages = PAGES - 1
     policy = rng.choice(["lru", "lfu", "fifo"])
-    cores = [core(eviction_policy=policy) for _ in range(ranks)]
+    cores = [core(eviction_policy=policy, host_pages=host) for _ in range(ranks)]
     engines = [Engine(pages) for _ in range(ranks)]
     running: list[int] = []  # leases of running requests (the same ids on every rank)
 
@@ -183,23 +195,40 @@ def _schedule(seed: int, stats: dict[str, int], ranks: int = 2, ops: int = 60) -
             need_pages = len(tokens) // PAGE
 
             twins = 2 if rng.random() < 0.3 else 1  # requests for the same tokens, both locked first
+            load = rng.random() < 0.7
 
             def request(
-                c: CacheCore, e: Engine, tokens: list[int] = tokens, n: int = need_pages, twins: int = twins
+                c: CacheCore,
+                e: Engine,
+                tokens: list[int] = tokens,
+                n: int = need_pages,
+                twins: int = twins,
+                load: bool = load,
             ) -> list:
                 locked = [c.lock(tokens) for _ in range(twins)]
                 out = []
                 for lease, m in locked:
-                    short = n - m.device_pages - len(e.free)
+                    cached = m.device_page_ids
+                    hit = c.match(tokens)  # a twin's load may have brought pages back meanwhile
+                    if load and hit.host_pages and hit.device_page_ids == cached:
+                        if hit.host_pages > len(e.free):
+                            c.evict_device(hit.host_pages - len(e.free))
+                            e.give_back(c.engine_pages.drain())
+                        if hit.host_pages <= len(e.free):
+                            loaded = e.alloc(hit.host_pages)
+                            c.engine_pages.load_adopted(lease, loaded)
+                            cached = cached + loaded
+                            stats["loaded"] += len(loaded)
+                    short = n - len(cached) - len(e.free)
                     if short > 0:
                         c.evict_device(short)
                         e.give_back(c.engine_pages.drain())
-                    if n - m.device_pages > len(e.free):
+                    if n - len(cached) > len(e.free):
                         c.release(lease)
                         e.give_back(c.engine_pages.drain())
                         out.append((lease, None))
                         continue
-                    given = m.device_page_ids + e.alloc(n - m.device_pages)
+                    given = cached + e.alloc(n - len(cached))
                     left = c.engine_pages.adopt(lease, tokens, given)
                     e.give_back(left)
                     out.append((lease, left))
@@ -217,6 +246,8 @@ def _schedule(seed: int, stats: dict[str, int], ranks: int = 2, ops: int = 60) -
         else:
             k = rng.randint(1, 4)
             on_all(lambda c, e, k=k: (c.evict_device(k), e.give_back(drained := c.engine_pages.drain()), drained)[2])
+        if host and rng.random() < 0.5:  # a round: the copies in flight are agreed landed
+            on_all(lambda c, e: (_settle(c), e.give_back(drained := c.engine_pages.drain()), drained)[2])
         stats["evicted"] = sum(c.stats.device_evicted_pages for c in cores[:1])
         for c, e in zip(cores, engines, strict=True):
             check(c)
@@ -226,14 +257,16 @@ def _schedule(seed: int, stats: dict[str, int], ranks: int = 2, ops: int = 60) -
         assert len({tuple(e.free) for e in engines}) == 1
 
 
-def test_random_schedules_agree_and_lose_no_page() -> None:
-    totals = {"left": 0, "evicted": 0}
+@pytest.mark.parametrize("host", [0, 12], ids=["device", "host"])
+def test_random_schedules_agree_and_lose_no_page(host: int) -> None:
+    totals = {"left": 0, "evicted": 0, "loaded": 0}
     for seed in range(25):
-        stats = {"left": 0, "evicted": 0}
-        _schedule(seed, stats)
+        stats = {"left": 0, "evicted": 0, "loaded": 0}
+        _schedule(seed, stats, host=host)
         totals = {k: totals[k] + stats[k] for k in totals}
-    # The schedules did exercise what they check: pages cached twice and pages evicted.
+    # The schedules did exercise what they check: pages cached twice, evicted, loaded from host.
     assert totals["left"] > 0 and totals["evicted"] > 0, totals
+    assert (totals["loaded"] > 0) == bool(host), totals
 
 
 def test_a_host_tier_keeps_evicted_pages_and_a_load_adopts_them_into_the_engines_pages() -> None:
