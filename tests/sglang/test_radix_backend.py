@@ -211,3 +211,31 @@ def test_the_test_fault_setting_is_checked() -> None:
         with pytest.raises(ValueError, match="TPCACHE_SGLANG_FAULTS") as err:
             parse_faults(text)
         assert "\n" not in str(err.value)
+
+
+def test_a_host_page_is_one_page_of_sglangs_kv_pool_over_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(engines.SHIMS))  # SGLang's pool module imports what the shims stand in for
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from tpcache.integrations.sglang.radix import engine_kv_of
+    from tpcache.io.kv_pool import HostPool
+
+    pool = MHATokenToKVPool(
+        size=4 * PAGE, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8, layer_num=3, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    for buf in (*pool.k_buffer, *pool.v_buffer):
+        buf.copy_(torch.randn(buf.shape, generator=generator))
+    kv, layout, _ = engine_kv_of(pool, PAGE)
+    host = kv.check_host(HostPool(layout, 2, "page_first"))
+    before = [buf.clone() for buf in (*pool.k_buffer, *pool.v_buffer)]
+    kv.save(host, [2], [1])  # page 2 (tokens 32..47 of every layer's K and V) -> host slot 1
+    kv.load(host, [1], [4])  # -> page 4
+    for buf, old in zip((*pool.k_buffer, *pool.v_buffer), before, strict=True):
+        assert torch.equal(buf[4 * PAGE : 5 * PAGE], old[2 * PAGE : 3 * PAGE])
+        assert torch.equal(buf[: 4 * PAGE], old[: 4 * PAGE])  # nothing else was written
+    with pytest.raises(ValueError, match="TPCACHE_SGLANG_HOST_PAGES needs SGLang's MHA KV pool") as err:
+        engine_kv_of(object(), PAGE)
+    assert "\n" not in str(err.value)
