@@ -146,10 +146,9 @@ class EnginePages:
             first += 1
         pinned = {n.node_id for n in lease.host_nodes}
         tail = nodes[first : first + len(given)]
-        if len(tail) < len(given) or any(
-            n.host_state != HostState.VALID or n.on_device or n.node_id not in pinned for n in tail
-        ):
-            held = next((i for i, n in enumerate(tail) if n.host_state != HostState.VALID or n.on_device), len(tail))
+        ready = [n.host_state == HostState.VALID and not n.on_device and n.node_id in pinned for n in tail]
+        held = ready.index(False) if False in ready else len(tail)
+        if held < len(given):
             raise ValueError(
                 f"lease {lease_id} holds {held} host-only pages after its {first} device pages; "
                 f"cannot load {len(given)}"
