@@ -7,7 +7,8 @@ the KV pool (so the cache must evict and hand pages back to SGLang's allocator),
 and a last prompt twice (at TP=1 its second run hits: the cache stayed open through every round; at
 TP=2 rank 1 is made to apply one operation rank 0 does not when it caches that prompt, and the
 second run misses: the round closed the cache); then SGLang flushes its cache, which reopens it,
-and the same prompts run again. Every prompt's tokens are the same in both engines, and tpcache serves the
+and the same prompts run again. At TP=2 rank 1's scheduler then SIGKILLs itself mid-step, and rank
+0's round ends the engine with an error naming it. Every prompt's tokens are the same in both engines, and tpcache serves the
 prefix hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every
 step, which hold the cache's evictable and protected sizes against SGLang's allocator.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,7 @@ def _prompts() -> list[list[int]]:
 
 
 LAST = [(5 * j + 2) % 500 + 3 for j in range(70)]
+KILL = [1, *LAST[1:]]  # the only prompt starting with token 1
 
 
 def _plugin_dist(workdir: Path) -> Path:
@@ -71,10 +74,15 @@ def _plugin_dist(workdir: Path) -> Path:
     return dist.parent
 
 
-def run_engine(workdir: Path, name: str, spec: dict, **env_more: str) -> dict:
+def run_engine(workdir: Path, name: str, spec: dict, ends_in_error: bool = False, **env_more: str) -> dict:
     """An engine with tpcache's plugin entry point on its path and SGLang's strict checks on."""
     return engines.run_engine(
-        workdir, name, spec, path=[_plugin_dist(workdir / name)], env={**STRICT_CHECKS, **env_more}
+        workdir,
+        name,
+        spec,
+        path=[_plugin_dist(workdir / name)],
+        env={**STRICT_CHECKS, **env_more},
+        ends_in_error=ends_in_error,
     )
 
 
@@ -98,16 +106,27 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     }
     plain = run_engine(workdir, "plain", spec)["passes"]
     # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
-    # its first token): the round that follows must close the cache on both ranks.
-    fault = json.dumps({"diverge": {"rank": 1, "first_token": LAST[0]}}) if request.param == 2 else ""
-    ours = run_engine(workdir, "tpcache", {**spec, "radix_backend": "tpcache"}, TPCACHE_SGLANG_FAULTS=fault)["passes"]
+    # its first token): the round that follows must close the cache on both ranks. After both
+    # passes, rank 1's scheduler SIGKILLs itself while it caches one more prompt, mid-step: rank 0's
+    # round must end the engine with an error naming rank 1.
+    faults = {"diverge": {"rank": 1, "first_token": LAST[0]}, "kill": {"rank": 1, "first_token": KILL[0]}}
+    tp2 = request.param == 2
+    ours = run_engine(
+        workdir,
+        "tpcache",
+        {**spec, "radix_backend": "tpcache", **({"last_prompt": KILL} if tp2 else {})},
+        ends_in_error=tp2,
+        TPCACHE_SGLANG_FAULTS=json.dumps(faults) if tp2 else "",
+    )
     log = (workdir / "tpcache.log").read_text(errors="replace")
     return {
+        "log": log,
+        "exit_code": ours.get("exit_code"),
         "tp": request.param,
         "plain": plain[0],
-        "tpcache": ours[0],
+        "tpcache": ours["passes"][0],
         "plain_again": plain[1],
-        "tpcache_again": ours[1],
+        "tpcache_again": ours["passes"][1],
         "fault_fired": log.count("test fault: this rank applies an operation the others do not"),
     }
 
@@ -151,6 +170,20 @@ def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> Non
     assert again["cached"][0]["total"] == 0
 
 
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(served: dict) -> None:
+    if served["tp"] == 1:
+        pytest.skip("no other rank to lose")
+    # Rank 1's scheduler SIGKILLed itself mid-step, after both passes; rank 0's round found its
+    # process gone, and the error it raised made SGLang stop the engine (no hang: the driver would
+    # have timed out instead). The error is one line and names rank 1 and its pid.
+    pids = re.findall(r"test fault: TP scheduler pid (\d+) kills itself", served["log"])
+    assert len(pids) == 1
+    assert served["exit_code"] != 0
+    lines = [line for line in served["log"].splitlines() if "GroupBroken: tpcache: a TP rank died" in line]
+    assert lines and all(f"rank(s) [1] will not arrive (rank 1 (pid {pids[0]}) exited)" in line for line in lines)
+    assert "restart the engine" in lines[-1]
+
+
 def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
     ok = {"hybrid_swa": False, "hybrid_ssm": False, "page_size": 16, "eagle": False, "hicache": False}
     ok.update(disabled=False, eviction_policy="lru")
@@ -171,8 +204,11 @@ def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
 
 def test_the_test_fault_setting_is_checked() -> None:
     assert parse_faults("") == {}
-    assert parse_faults('{"diverge": {"rank": 1, "first_token": 5}}') == {"rank": 1, "first_token": 5}
-    for text in ("{", '{"crash": {}}', '{"diverge": {"rank": 1}}', '{"diverge": {"rank": -1, "first_token": 5}}'):
+    assert parse_faults('{"diverge": {"rank": 1, "first_token": 5}}') == {"diverge": {"rank": 1, "first_token": 5}}
+    both = '{"diverge": {"rank": 1, "first_token": 5}, "kill": {"rank": 0, "first_token": 6}}'
+    assert parse_faults(both) == {"diverge": {"rank": 1, "first_token": 5}, "kill": {"rank": 0, "first_token": 6}}
+    bad = ("{", "{}", '{"crash": {}}', '{"diverge": {"rank": 1}}', '{"kill": {"rank": -1, "first_token": 5}}')
+    for text in bad:
         with pytest.raises(ValueError, match="TPCACHE_SGLANG_FAULTS") as err:
             parse_faults(text)
         assert "\n" not in str(err.value)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from tpcache.core import CacheClosed, CacheConfig
 from tpcache.core.hashing import as_token_bytes
+from tpcache.engine.driver import GroupBroken
 from tpcache.integrations.sglang.options import FAULTS_ENV, parse_faults, refusal
 
 log = logging.getLogger("tpcache.sglang")
@@ -74,14 +76,13 @@ def build(ctx: Any) -> TPCacheRadix:
     )
     if reason is not None:
         raise ValueError(reason)
-    fault = parse_faults(os.environ.get(FAULTS_ENV, ""))
+    faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
     from tpcache.comm import make_collective
 
     group = ctx.tp_group.cpu_group if ctx.tp_group is not None else None
     collective = make_collective("auto", group=group)
     cache = TPCacheRadix(params, collective, policy)
-    if fault and fault["rank"] == ctx.tp_rank:
-        cache.diverge_after = fault["first_token"]
+    cache.faults = {kind: f["first_token"] for kind, f in faults.items() if f["rank"] == ctx.tp_rank}
     return cache
 
 
@@ -108,7 +109,7 @@ class TPCacheRadix(BasePrefixCache):
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root_node = ROOT
         self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0}
-        self.diverge_after: int | None = None  # test fault (options.parse_faults): this rank only
+        self.faults: dict[str, int] = {}  # test faults of this rank (options.parse_faults): kind -> first token
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,9 +122,14 @@ class TPCacheRadix(BasePrefixCache):
         self.rank.drain_returned()
 
     def flush_pending_backups(self) -> None:
-        """Called by SGLang's scheduler once after each batch: tpcache's round for this step."""
+        """Called by SGLang's scheduler once after each batch: tpcache's round for this step. A round
+        whose collective failed (a rank died or stopped answering) ends this scheduler: its TP group
+        cannot run another step, and SGLang's scheduler stops the engine on the error."""
         self.rank.step()
         self.stats["rounds"] += 1
+        if self.rank.driver.broken is not None:
+            why = self.rank.driver.broken
+            raise GroupBroken(f"tpcache: a TP rank died or stopped answering ({why}); restart the engine")
         self._give_back()
 
     # ------------------------------------------------------------------ matching and locks
@@ -200,8 +206,11 @@ class TPCacheRadix(BasePrefixCache):
         if left:
             self.stats["duplicate_pages"] += len(left)
             self._free_pages(left)
-        if self.diverge_after is not None and token_ids[0] == self.diverge_after:
-            self.diverge_after = None  # once: an operation the other ranks do not apply
+        if self.faults.get("kill") == token_ids[0]:
+            log.warning("tpcache: test fault: TP scheduler pid %d kills itself", os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.get("diverge") == token_ids[0]:
+            del self.faults["diverge"]  # once: an operation the other ranks do not apply
             log.warning("tpcache: test fault: this rank applies an operation the others do not")
             self.rank.release(self.rank.lock(data)[0])
             self._give_back()
