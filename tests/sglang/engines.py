@@ -17,6 +17,21 @@ SHIMS = Path(__file__).with_name("shims")
 ENGINE_TIMEOUT_S = 420
 
 
+def plugin_dist(directory: Path) -> Path:
+    """A directory to put on ``PYTHONPATH`` holding a ``tpcache`` dist-info with pyproject.toml's entry
+    points: SGLang then finds tpcache's plugin even where the installed tpcache predates it."""
+    import tomllib  # Python 3.11 on (SGLang's venv)
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    points = project["entry-points"]["sglang.srt.plugins"]
+    dist = directory / "dist" / f"tpcache-{project['version']}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tpcache\nVersion: {project['version']}\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in points.items())
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{lines}")
+    return dist.parent
+
+
 def run_engine(
     workdir: Path,
     name: str,

@@ -7,9 +7,10 @@ the KV pool (so the cache must evict and hand pages back to SGLang's allocator),
 and a last prompt twice (at TP=1 its second run hits: the cache stayed open through every round; at
 TP=2 rank 1 is made to apply one operation rank 0 does not when it caches that prompt, and the
 second run misses: the round closed the cache); then SGLang flushes its cache, which reopens it,
-and the same prompts run again. At TP=2 rank 1's scheduler then SIGKILLs itself mid-step, and rank
-0's round ends the engine with an error naming it. Every prompt's tokens are the same in both engines, and tpcache serves the
-prefix hits SGLang's own cache serves. Both engines run SGLang's strict memory checks after every
+and the same prompts run again, then the first prompt with cache salts. At TP=2 rank 1's scheduler
+then SIGKILLs itself mid-step, and rank 0's round ends the engine with an error naming it. Every
+prompt's tokens are the same in both engines, and tpcache serves the prefix hits SGLang's own cache
+serves. Both engines run SGLang's strict memory checks after every
 step, which hold the cache's evictable and protected sizes against SGLang's allocator.
 
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
@@ -33,7 +34,6 @@ if importlib.util.find_spec("sglang") is None:
     )
 
 from tests.sglang import engines
-from tests.sglang.engines import ROOT
 from tpcache.integrations.sglang.options import parse_faults, refusal
 from tpcache.testing.tiny_model import make_tiny_llama
 
@@ -60,27 +60,13 @@ LAST = [(5 * j + 2) % 500 + 3 for j in range(70)]
 KILL = [1, *LAST[1:]]  # the only prompt starting with token 1
 
 
-def _plugin_dist(workdir: Path) -> Path:
-    """A directory holding a ``tpcache`` dist-info with pyproject.toml's entry points."""
-    import tomllib  # Python 3.11 on (SGLang's venv)
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    points = project["entry-points"]["sglang.srt.plugins"]
-    dist = workdir / "dist" / f"tpcache-{project['version']}.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tpcache\nVersion: {project['version']}\n")
-    lines = "".join(f"{name} = {value}\n" for name, value in points.items())
-    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{lines}")
-    return dist.parent
-
-
 def run_engine(workdir: Path, name: str, spec: dict, ends_in_error: bool = False, **env_more: str) -> dict:
     """An engine with tpcache's plugin entry point on its path and SGLang's strict checks on."""
     return engines.run_engine(
         workdir,
         name,
         spec,
-        path=[_plugin_dist(workdir / name)],
+        path=[engines.plugin_dist(workdir / name)],
         env={**STRICT_CHECKS, **env_more},
         ends_in_error=ends_in_error,
     )
@@ -103,6 +89,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "prompts": _prompts(),
         "max_new_tokens": 8,
         "second_pass": True,
+        # Then the first prompt with cache salts: "a", "b", "a" again, and none.
+        "salted": [[_prompts()[0], salt] for salt in ("a", "b", "a", None)],
     }
     plain = run_engine(workdir, "plain", spec)["passes"]
     # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
@@ -127,6 +115,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "tpcache": ours["passes"][0],
         "plain_again": plain[1],
         "tpcache_again": ours["passes"][1],
+        "plain_salted": plain[2],
+        "tpcache_salted": ours["passes"][2],
         "fault_fired": log.count("test fault: this rank applies an operation the others do not"),
     }
 
@@ -168,6 +158,14 @@ def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> Non
     assert again["outputs"] == served["tpcache"]["outputs"]
     assert [c["total"] for c in again["cached"]] == [c["total"] for c in served["plain_again"]["cached"]]
     assert again["cached"][0]["total"] == 0
+
+
+def test_a_cache_salt_shares_pages_only_with_the_same_salt(served: dict) -> None:
+    # The first prompt is cached without a salt; with salt "a" it misses, with "b" it misses again,
+    # with "a" again it hits the pages cached under "a", and without a salt it hits its own pages.
+    hits = [c["total"] for c in served["tpcache_salted"]["cached"]]
+    assert hits == [c["total"] for c in served["plain_salted"]["cached"]] == [0, 0, 4 * PAGE, 4 * PAGE]
+    assert served["tpcache_salted"]["outputs"] == [served["plain"]["outputs"][0]] * 4
 
 
 def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(served: dict) -> None:

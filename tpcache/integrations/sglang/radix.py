@@ -12,8 +12,8 @@ batch (``flush_pending_backups``, which SGLang calls after each batch), on SGLan
 
 Served: full-attention models, page size > 1, the device tier. Refused at start, in one line:
 SGLang's hybrid caches (sliding-window, Mamba), page size 1, EAGLE's bigram keys, HiCache, a
-disabled radix cache. Requests with an ``extra_key`` (LoRA) or a ``cache_salt`` are served without
-the cache (no hit, nothing inserted).
+disabled radix cache. Requests with an ``extra_key`` (LoRA) or a ``cache_salt`` match only pages
+cached under the same ones (``keys.Namespaces``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from tpcache.core import CacheClosed, CacheConfig
 from tpcache.core.hashing import as_token_bytes
 from tpcache.engine.driver import GroupBroken
+from tpcache.integrations.sglang.keys import Namespaces
 from tpcache.integrations.sglang.options import FAULTS_ENV, parse_faults, refusal
 
 log = logging.getLogger("tpcache.sglang")
@@ -82,6 +83,7 @@ def build(ctx: Any) -> TPCacheRadix:
     group = ctx.tp_group.cpu_group if ctx.tp_group is not None else None
     collective = make_collective("auto", group=group)
     cache = TPCacheRadix(params, collective, policy)
+    cache.namespaces = Namespaces(cache.page_size, int(ctx.model_config.vocab_size))
     cache.faults = {kind: f["first_token"] for kind, f in faults.items() if f["rank"] == ctx.tp_rank}
     return cache
 
@@ -109,6 +111,7 @@ class TPCacheRadix(BasePrefixCache):
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root_node = ROOT
         self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0}
+        self.namespaces: Namespaces | None = None  # keys of requests with an extra_key or cache_salt
         self.faults: dict[str, int] = {}  # test faults of this rank (options.parse_faults): kind -> first token
 
     # ------------------------------------------------------------------ lifecycle
@@ -135,11 +138,18 @@ class TPCacheRadix(BasePrefixCache):
     # ------------------------------------------------------------------ matching and locks
 
     def _tokens(self, key: Any) -> bytes | None:
-        if key.is_bigram or key.extra_key is not None or key.cache_salt is not None:
-            return None  # namespaced keys: served without the cache (first stage)
-        ids = key.raw_token_ids()
+        if key.is_bigram:
+            return None
+        return self._key(key.raw_token_ids(), key.extra_key, key.cache_salt)
+
+    def _key(self, ids: Any, extra_key: str | None, cache_salt: str | None) -> bytes | None:
+        """The tree key of the whole pages of ``ids``, in the request's namespace (None: uncached)."""
         n = len(ids) // self.page_size * self.page_size
-        return as_token_bytes(ids[:n]) if n else None
+        if not n:
+            return None
+        if extra_key is None and not cache_salt:
+            return as_token_bytes(ids[:n])
+        return self.namespaces.key(ids[:n], extra_key, cache_salt or None) if self.namespaces else None
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         data = self._tokens(params.key)
@@ -188,12 +198,10 @@ class TPCacheRadix(BasePrefixCache):
         ps = self.page_size
         token_ids = req.full_untruncated_fill_ids[:up_to]
         ours = type(req.last_node) is Prefix and req.lock is not None
-        if not ours or req.extra_key is not None or req.cache_salt is not None:
+        data = self._key(token_ids, req.extra_key, req.cache_salt) if ours else None
+        if data is None:
             return
-        n = len(token_ids) // ps
-        if n == 0:
-            return
-        data = as_token_bytes(token_ids[: n * ps])
+        n = len(data) // (4 * ps)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         pages = (row[: n * ps : ps].to(torch.int64) // ps).tolist()
         lease = req.lock.receipt.node_id
