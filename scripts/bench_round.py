@@ -20,7 +20,11 @@ it times, on the same processes:
   before the exchange adds to a round's wall time (on shared memory, one for one);
 - on each transport, the raw all-reduce after the same untimed request as a round with work (on a
   cache of its own, whose untimed round before the request commits the last one's backup): the
-  same gap between calls without the round, since gloo's latency moves with that gap.
+  same gap between calls without the round, since gloo's latency moves with that gap;
+- with ``--sglang`` (run it with SGLang's interpreter, ``.venv-sglang/bin/python``): SGLang's own
+  per-step synchronisation on its floor, ``broadcast_pyobj`` of an empty list from rank 0 on the
+  gloo group (what every TP scheduler runs each step to share the step's new requests, also when
+  there are none).
 
 Prints rank 0's numbers (p50 of wall time per call): round_us_p50/p99 and ratio (empty round /
 raw all-reduce), work_round_us_p50/p99 and work_ratio (round with work / raw all-reduce), the
@@ -31,7 +35,9 @@ included), work_same_gap_ratio / gloo_work_same_gap_ratio: the round with work o
 all-reduce after the same request (not the issue's floor: that is the plain raw all-reduce above),
 and work_gap_raw_ratio / gloo_work_gap_raw_ratio: that raw all-reduce over the plain one, what the
 request before a round costs the exchange alone (a round with work, which adds its own prepare and
-commit to it, cannot come under this ratio).
+commit to it, cannot come under this ratio). With ``--sglang`` also sglang_broadcast_us_p50, the
+spread (min, max) of the per-block p50s of it and of the empty and work rounds, and
+sglang_broadcast_ratio / sglang_work_broadcast_ratio (an empty / work round over the broadcast).
 """
 
 from __future__ import annotations
@@ -109,6 +115,28 @@ class GapRaw:
         self.work.request()
 
 
+def _block_p50s_us(samples: list[float], blocks: int) -> list[float]:
+    size = max(1, len(samples) // blocks)
+    return [percentile_us(samples[i : i + size]) for i in range(0, len(samples) - size + 1, size)]
+
+
+def percentile_us(samples: list[float]) -> float:
+    from tpcache.comm.benchutil import percentile
+
+    return round(percentile(samples, 0.5) * 1e6, 2)
+
+
+def _sglang_floor(samples: dict[str, list[float]], s: dict[str, dict], opts: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's empty-step broadcast against tpcache's rounds: p50s, and the spread of per-block p50s."""
+    out: dict[str, Any] = {"sglang_broadcast_us_p50": s["sglang_broadcast"]["p50_us"]}
+    for name in ("sglang_broadcast", "round", "work_round"):
+        blocks = _block_p50s_us(samples[name], opts["blocks"])
+        out[f"{name}_us_block_p50_spread"] = [min(blocks), max(blocks)]
+    out["sglang_broadcast_ratio"] = round(s["round"]["p50_us"] / s["sglang_broadcast"]["p50_us"], 3)
+    out["sglang_work_broadcast_ratio"] = round(s["work_round"]["p50_us"] / s["sglang_broadcast"]["p50_us"], 3)
+    return out
+
+
 def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: Any) -> None:
     import torch.distributed as dist
 
@@ -134,8 +162,15 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
     gloo_gap = GapRaw(TPCache(config, gloo.collective), 4 << 20, allreduce_fn(gloo.collective, vector))
     calls_before = fast.collective.calls
     rounds_before = fast.round.number + gap.work.tp.round.number
+    extra = {}
+    if opts["sglang"]:
+        from sglang.srt.utils import broadcast_pyobj
+
+        group = dist.group.WORLD  # gloo, as SGLang's TP CPU group
+        extra["sglang_broadcast"] = lambda: broadcast_pyobj([], rank, group, src=0)
     samples = interleaved(
         {
+            **extra,
             "round": fast.step,
             "work_round": (work.request, work.step),
             "raw": raw,
@@ -193,6 +228,7 @@ def rank_main(rank: int, world: int, port: int, opts: dict[str, Any], results: A
                 "gloo_work_same_gap_ratio": round(s["gloo_work_round"]["p50_us"] / s["gloo_gap_raw"]["p50_us"], 3),
                 "gloo_work_gap_raw_ratio": round(s["gloo_gap_raw"]["p50_us"] / s["gloo_raw"]["p50_us"], 3),
                 "open": not fast.core.closed and not gloo.core.closed,
+                **(_sglang_floor(samples, s, opts) if opts["sglang"] else {}),
             }
         )
     dist.barrier()
@@ -212,10 +248,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=10, help="interleaved blocks per measurement")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--busy-us", type=float, default=40.0, help="busy loop before the busy_raw all-reduce")
+    parser.add_argument("--sglang", action="store_true", help="also time SGLang's broadcast_pyobj of an empty list")
     parser.add_argument("--json", action="store_true", help="print one JSON object on one line")
     args = parser.parse_args()
 
-    opts = {k: getattr(args, k) for k in ("rounds", "transport", "blocks", "warmup", "busy_us")}
+    opts = {k: getattr(args, k) for k in ("rounds", "transport", "blocks", "warmup", "busy_us", "sglang")}
     from tpcache.comm.benchutil import run_ranks
 
     report = run_ranks(rank_main, args.world_size, opts)

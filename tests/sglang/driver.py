@@ -6,7 +6,9 @@ the tpcache store (``storage_url``) and the prompts (token ids); the driver serv
 at a time with greedy sampling and waits until the store has taken every write the engine started
 (a file store's segments or a Redis store's key count stop changing). With ``second_pass`` it then
 empties SGLang's device and host tiers (``flush_cache``, which leaves the store as it is) and
-serves the prompts again. It shuts the engine down and writes what each prompt produced and where
+serves the prompts again. ``salted`` prompts (``[prompt, cache_salt]`` pairs) make one more pass.
+A ``last_prompt`` is served after that (after the output is written:
+a test fault may end the engine on it). It shuts the engine down and writes what each prompt produced and where
 its cached prefix came from, per pass.
 
 With ``"cache": "radix"`` the engine runs without HiCache: SGLang's own radix cache, or with
@@ -111,17 +113,25 @@ def main(spec_path: str, out_path: str) -> None:
             if not engine.flush_cache().success:
                 raise SystemExit("SGLang refused to flush its cache")
             passes.append(_serve(engine, spec))
+        if spec.get("salted"):
+            # Prompts with a cache salt each (None: no salt), after the passes, in a pass of their own.
+            prompts = [p for p, _ in spec["salted"]]
+            passes.append(_serve(engine, {**spec, "prompts": prompts}, [salt for _, salt in spec["salted"]]))
+        Path(out_path).write_text(json.dumps({"passes": passes, "start_s": start_s}))
+        if spec.get("last_prompt"):
+            # A prompt that may end the engine (a test fault): what came before is written already.
+            _serve(engine, {**spec, "prompts": [spec["last_prompt"]]})
     finally:
         engine.shutdown()
-    Path(out_path).write_text(json.dumps({"passes": passes, "start_s": start_s}))
 
 
-def _serve(engine, spec: dict) -> dict:
+def _serve(engine, spec: dict, salts: list | None = None) -> dict:
     outputs, cached = [], []
-    for prompt in spec["prompts"]:
+    for i, prompt in enumerate(spec["prompts"]):
         (out,) = engine.generate(
             input_ids=[prompt],
             sampling_params={"temperature": 0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True},
+            cache_salt=None if salts is None or salts[i] is None else [salts[i]],
         )
         outputs.append(out["output_ids"])
         details = out["meta_info"].get("cached_tokens_details") or {}

@@ -8,10 +8,12 @@ the first two prompts again (plain SGLang evicted them; tpcache loads them back 
 and a last prompt twice (at TP=1 its second run hits: the cache stayed open through every round; at
 TP=2 rank 1 is made to apply one operation rank 0 does not when it caches that prompt, and the
 second run misses: the round closed the cache); then SGLang flushes its cache, which empties both
-tiers and reopens it, and the same prompts run again. Every prompt's tokens are the same in both
-engines; tpcache serves the prefix hits SGLang's own cache serves, and after the flood those its
-host tier kept. Both engines run SGLang's strict memory checks after every step, which hold the
-cache's evictable and protected sizes against SGLang's allocator.
+tiers and reopens it, and the same prompts run again, then the first prompt with cache salts. At
+TP=2 rank 1's scheduler then SIGKILLs itself mid-step, and rank 0's round ends the engine with an
+error naming it. Every prompt's tokens are the same in both engines; tpcache serves the prefix hits
+SGLang's own cache serves, and after the flood those its host tier kept. Both engines run SGLang's
+strict memory checks after every step, which hold the cache's evictable and protected sizes
+against SGLang's allocator.
 
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
 The venv's tpcache may have been installed before that entry point existed, so the test puts a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,6 @@ if importlib.util.find_spec("sglang") is None:
     )
 
 from tests.sglang import engines
-from tests.sglang.engines import ROOT
 from tpcache.integrations.sglang.options import parse_faults, parse_host_pages, refusal
 from tpcache.testing.tiny_model import make_tiny_llama
 
@@ -59,26 +61,18 @@ def _prompts() -> list[list[int]]:
 
 LAST = [(5 * j + 2) % 500 + 3 for j in range(70)]
 AFTER_FLOOD = 11  # the first prompt again after the flood, then the one sharing its first pages
+KILL = [1, *LAST[1:]]  # the only prompt starting with token 1
 
 
-def _plugin_dist(workdir: Path) -> Path:
-    """A directory holding a ``tpcache`` dist-info with pyproject.toml's entry points."""
-    import tomllib  # Python 3.11 on (SGLang's venv)
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    points = project["entry-points"]["sglang.srt.plugins"]
-    dist = workdir / "dist" / f"tpcache-{project['version']}.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tpcache\nVersion: {project['version']}\n")
-    lines = "".join(f"{name} = {value}\n" for name, value in points.items())
-    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{lines}")
-    return dist.parent
-
-
-def run_engine(workdir: Path, name: str, spec: dict, **env_more: str) -> dict:
+def run_engine(workdir: Path, name: str, spec: dict, ends_in_error: bool = False, **env_more: str) -> dict:
     """An engine with tpcache's plugin entry point on its path and SGLang's strict checks on."""
     return engines.run_engine(
-        workdir, name, spec, path=[_plugin_dist(workdir / name)], env={**STRICT_CHECKS, **env_more}
+        workdir,
+        name,
+        spec,
+        path=[engines.plugin_dist(workdir / name)],
+        env={**STRICT_CHECKS, **env_more},
+        ends_in_error=ends_in_error,
     )
 
 
@@ -99,25 +93,35 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "prompts": _prompts(),
         "max_new_tokens": 8,
         "second_pass": True,
+        # Then the first prompt with cache salts: "a", "b", "a" again, and none.
+        "salted": [[_prompts()[0], salt] for salt in ("a", "b", "a", None)],
     }
     plain = run_engine(workdir, "plain", spec)["passes"]
     # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
-    # its first token): the round that follows must close the cache on both ranks.
-    fault = json.dumps({"diverge": {"rank": 1, "first_token": LAST[0]}}) if request.param == 2 else ""
+    # its first token): the round that follows must close the cache on both ranks. After both
+    # passes, rank 1's scheduler SIGKILLs itself while it caches one more prompt, mid-step: rank 0's
+    # round must end the engine with an error naming rank 1.
+    faults = {"diverge": {"rank": 1, "first_token": LAST[0]}, "kill": {"rank": 1, "first_token": KILL[0]}}
+    tp2 = request.param == 2
     ours = run_engine(
         workdir,
         "tpcache",
-        {**spec, "radix_backend": "tpcache"},
-        TPCACHE_SGLANG_FAULTS=fault,
+        {**spec, "radix_backend": "tpcache", **({"last_prompt": KILL} if tp2 else {})},
+        ends_in_error=tp2,
+        TPCACHE_SGLANG_FAULTS=json.dumps(faults) if tp2 else "",
         TPCACHE_SGLANG_HOST_PAGES=str(HOST_PAGES),
-    )["passes"]
+    )
     log = (workdir / "tpcache.log").read_text(errors="replace")
     return {
+        "log": log,
+        "exit_code": ours.get("exit_code"),
         "tp": request.param,
         "plain": plain[0],
-        "tpcache": ours[0],
+        "tpcache": ours["passes"][0],
         "plain_again": plain[1],
-        "tpcache_again": ours[1],
+        "tpcache_again": ours["passes"][1],
+        "plain_salted": plain[2],
+        "tpcache_salted": ours["passes"][2],
         "fault_fired": log.count("test fault: this rank applies an operation the others do not"),
     }
 
@@ -178,6 +182,28 @@ def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> Non
     assert again["cached"][0]["total"] == 0
 
 
+def test_a_cache_salt_shares_pages_only_with_the_same_salt(served: dict) -> None:
+    # The first prompt is cached without a salt; with salt "a" it misses, with "b" it misses again,
+    # with "a" again it hits the pages cached under "a", and without a salt it hits its own pages.
+    hits = [c["total"] for c in served["tpcache_salted"]["cached"]]
+    assert hits == [c["total"] for c in served["plain_salted"]["cached"]] == [0, 0, 4 * PAGE, 4 * PAGE]
+    assert served["tpcache_salted"]["outputs"] == [served["plain"]["outputs"][0]] * 4
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(served: dict) -> None:
+    if served["tp"] == 1:
+        pytest.skip("no other rank to lose")
+    # Rank 1's scheduler SIGKILLed itself mid-step, after both passes; rank 0's round found its
+    # process gone, and the error it raised made SGLang stop the engine (no hang: the driver would
+    # have timed out instead). The error is one line and names rank 1 and its pid.
+    pids = re.findall(r"test fault: TP scheduler pid (\d+) kills itself", served["log"])
+    assert len(pids) == 1
+    assert served["exit_code"] != 0
+    lines = [line for line in served["log"].splitlines() if "GroupBroken: tpcache: a TP rank died" in line]
+    assert lines and all(f"rank(s) [1] will not arrive (rank 1 (pid {pids[0]}) exited)" in line for line in lines)
+    assert "restart the engine" in lines[-1]
+
+
 def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
     ok = {"hybrid_swa": False, "hybrid_ssm": False, "page_size": 16, "eagle": False, "hicache": False}
     ok.update(disabled=False, eviction_policy="lru")
@@ -206,8 +232,11 @@ def test_the_host_tier_setting_is_checked() -> None:
 
 def test_the_test_fault_setting_is_checked() -> None:
     assert parse_faults("") == {}
-    assert parse_faults('{"diverge": {"rank": 1, "first_token": 5}}') == {"rank": 1, "first_token": 5}
-    for text in ("{", '{"crash": {}}', '{"diverge": {"rank": 1}}', '{"diverge": {"rank": -1, "first_token": 5}}'):
+    assert parse_faults('{"diverge": {"rank": 1, "first_token": 5}}') == {"diverge": {"rank": 1, "first_token": 5}}
+    both = '{"diverge": {"rank": 1, "first_token": 5}, "kill": {"rank": 0, "first_token": 6}}'
+    assert parse_faults(both) == {"diverge": {"rank": 1, "first_token": 5}, "kill": {"rank": 0, "first_token": 6}}
+    bad = ("{", "{}", '{"crash": {}}', '{"diverge": {"rank": 1}}', '{"kill": {"rank": -1, "first_token": 5}}')
+    for text in bad:
         with pytest.raises(ValueError, match="TPCACHE_SGLANG_FAULTS") as err:
             parse_faults(text)
         assert "\n" not in str(err.value)

@@ -34,13 +34,16 @@ def refusal(
 
 
 FAULTS_ENV = "TPCACHE_SGLANG_FAULTS"
+FAULTS = ("diverge", "kill")
 
 
-def parse_faults(text: str) -> dict[str, int]:
-    """The test-only fault of ``TPCACHE_SGLANG_FAULTS`` (empty: none): ``{"diverge": {"rank": R,
-    "first_token": T}}`` makes TP rank R, once, apply one operation the other ranks do not (an
-    extra lock and release) right after it caches a request whose tokens start with T, so the
-    ranks' trees differ and the next round must close the cache. Mistakes: one line."""
+def parse_faults(text: str) -> dict[str, dict[str, int]]:
+    """The test-only faults of ``TPCACHE_SGLANG_FAULTS`` (empty: none), by kind, each
+    ``{"rank": R, "first_token": T}``: right after TP rank R caches a request whose tokens start
+    with T, ``diverge`` makes it apply, once, one operation the other ranks do not (an extra lock
+    and release: the ranks' trees differ and the next round must close the cache), and ``kill``
+    makes its scheduler process SIGKILL itself (the other ranks' next round must end the group).
+    Mistakes: one line."""
     import json
 
     if not text.strip():
@@ -49,14 +52,19 @@ def parse_faults(text: str) -> dict[str, int]:
         spec = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"{FAULTS_ENV} is not JSON: {exc}") from None
-    if not isinstance(spec, dict) or set(spec) != {"diverge"} or not isinstance(spec["diverge"], dict):
-        raise ValueError(f'{FAULTS_ENV} must be {{"diverge": {{"rank": R, "first_token": T}}}}, got {text!r}')
-    fault = spec["diverge"]
-    if set(fault) != {"rank", "first_token"} or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fault.values()
-    ):
-        raise ValueError(f"{FAULTS_ENV}: diverge needs exactly rank and first_token, ints >= 0, got {fault!r}")
-    return dict(fault)
+    shape = '{"diverge" or "kill": {"rank": R, "first_token": T}, ...}'
+    if not isinstance(spec, dict) or not spec or not set(spec) <= set(FAULTS):
+        raise ValueError(f"{FAULTS_ENV} must be {shape}, got {text!r}")
+    faults = {}
+    for kind, fault in spec.items():
+        if (
+            not isinstance(fault, dict)
+            or set(fault) != {"rank", "first_token"}
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fault.values())
+        ):
+            raise ValueError(f"{FAULTS_ENV}: {kind} needs exactly rank and first_token, ints >= 0, got {fault!r}")
+        faults[kind] = dict(fault)
+    return faults
 
 
 HOST_ENV = "TPCACHE_SGLANG_HOST_PAGES"

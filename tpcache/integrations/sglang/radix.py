@@ -21,14 +21,15 @@ changed, or no pages to load into) is a miss: the request computes those tokens.
 
 Served: full-attention models, page size > 1, the device and host tiers. Refused at start, in one line:
 SGLang's hybrid caches (sliding-window, Mamba), page size 1, EAGLE's bigram keys, HiCache, a
-disabled radix cache. Requests with an ``extra_key`` (LoRA) or a ``cache_salt`` are served without
-the cache (no hit, nothing inserted).
+disabled radix cache. Requests with an ``extra_key`` (LoRA) or a ``cache_salt`` match only pages
+cached under the same ones (``keys.Namespaces``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from tpcache.core import CacheClosed, CacheConfig
 from tpcache.core.hashing import as_token_bytes
+from tpcache.engine.driver import GroupBroken
+from tpcache.integrations.sglang.keys import Namespaces
 from tpcache.integrations.sglang.options import FAULTS_ENV, HOST_ENV, parse_faults, parse_host_pages, refusal
 
 log = logging.getLogger("tpcache.sglang")
@@ -84,15 +87,15 @@ def build(ctx: Any) -> TPCacheRadix:
     )
     if reason is not None:
         raise ValueError(reason)
-    fault = parse_faults(os.environ.get(FAULTS_ENV, ""))
+    faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
     host_pages = parse_host_pages(os.environ.get(HOST_ENV, ""))
     from tpcache.comm import make_collective
 
     group = ctx.tp_group.cpu_group if ctx.tp_group is not None else None
     collective = make_collective("auto", group=group)
     cache = TPCacheRadix(params, collective, policy, host_pages=host_pages)
-    if fault and fault["rank"] == ctx.tp_rank:
-        cache.diverge_after = fault["first_token"]
+    cache.namespaces = Namespaces(cache.page_size, int(ctx.model_config.vocab_size))
+    cache.faults = {kind: f["first_token"] for kind, f in faults.items() if f["rank"] == ctx.tp_rank}
     return cache
 
 
@@ -151,7 +154,8 @@ class TPCacheRadix(BasePrefixCache):
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root_node = ROOT
         self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0, "loaded_pages": 0}
-        self.diverge_after: int | None = None  # test fault (options.parse_faults): this rank only
+        self.namespaces: Namespaces | None = None  # keys of requests with an extra_key or cache_salt
+        self.faults: dict[str, int] = {}  # test faults of this rank (options.parse_faults): kind -> first token
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -164,19 +168,31 @@ class TPCacheRadix(BasePrefixCache):
         self.rank.drain_returned()
 
     def flush_pending_backups(self) -> None:
-        """Called by SGLang's scheduler once after each batch: tpcache's round for this step."""
+        """Called by SGLang's scheduler once after each batch: tpcache's round for this step. A round
+        whose collective failed (a rank died or stopped answering) ends this scheduler: its TP group
+        cannot run another step, and SGLang's scheduler stops the engine on the error."""
         self.rank.step()
         self.stats["rounds"] += 1
+        if self.rank.driver.broken is not None:
+            why = self.rank.driver.broken
+            raise GroupBroken(f"tpcache: a TP rank died or stopped answering ({why}); restart the engine")
         self._give_back()
 
     # ------------------------------------------------------------------ matching and locks
 
     def _tokens(self, key: Any) -> bytes | None:
-        if key.is_bigram or key.extra_key is not None or key.cache_salt is not None:
-            return None  # namespaced keys: served without the cache (first stage)
-        ids = key.raw_token_ids()
+        if key.is_bigram:
+            return None
+        return self._key(key.raw_token_ids(), key.extra_key, key.cache_salt)
+
+    def _key(self, ids: Any, extra_key: str | None, cache_salt: str | None) -> bytes | None:
+        """The tree key of the whole pages of ``ids``, in the request's namespace (None: uncached)."""
         n = len(ids) // self.page_size * self.page_size
-        return as_token_bytes(ids[:n]) if n else None
+        if not n:
+            return None
+        if extra_key is None and not cache_salt:
+            return as_token_bytes(ids[:n])
+        return self.namespaces.key(ids[:n], extra_key, cache_salt or None) if self.namespaces else None
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The device prefix (``last_device_node``) and, past it, the pages on host only
@@ -275,12 +291,10 @@ class TPCacheRadix(BasePrefixCache):
         ps = self.page_size
         token_ids = req.full_untruncated_fill_ids[:up_to]
         ours = type(req.last_node) is Prefix and req.lock is not None
-        if not ours or req.extra_key is not None or req.cache_salt is not None:
+        data = self._key(token_ids, req.extra_key, req.cache_salt) if ours else None
+        if data is None:
             return
-        n = len(token_ids) // ps
-        if n == 0:
-            return
-        data = as_token_bytes(token_ids[: n * ps])
+        n = len(data) // (4 * ps)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         pages = (row[: n * ps : ps].to(torch.int64) // ps).tolist()
         lease = req.lock.receipt.node_id
@@ -293,8 +307,11 @@ class TPCacheRadix(BasePrefixCache):
         if left:
             self.stats["duplicate_pages"] += len(left)
             self._free_pages(left)
-        if self.diverge_after is not None and token_ids[0] == self.diverge_after:
-            self.diverge_after = None  # once: an operation the other ranks do not apply
+        if self.faults.get("kill") == token_ids[0]:
+            log.warning("tpcache: test fault: TP scheduler pid %d kills itself", os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.get("diverge") == token_ids[0]:
+            del self.faults["diverge"]  # once: an operation the other ranks do not apply
             log.warning("tpcache: test fault: this rank applies an operation the others do not")
             self.rank.release(self.rank.lock(data)[0])
             self._give_back()
