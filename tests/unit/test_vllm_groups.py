@@ -220,6 +220,12 @@ def test_the_scheduler_names_a_mamba_state_at_the_boundary_its_step_ends_on_and_
     assert side.num_new_matched_tokens(b, 0) == (8, True)
     side.update_state_after_alloc(b, ([9], b.blocks), 8)
     assert side.build_meta(output()).ops == [(LOAD, "b", 0, [[NULL_BLOCK, 9], [20, 21]])]
+    # a hit past the last page before the last token: the state held is the hit's end's, none shorter
+    c = Req("c", list(range(13)), blocks=[30, 31, 32, 33])
+    side.num_new_matched_tokens(c, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"c": (16, 0)}), None)
+    assert side.num_new_matched_tokens(c, 0) == (0, False)
 
 
 def test_a_workers_hit_ends_at_the_last_page_that_carries_its_mamba_state_before_the_last_token() -> None:

@@ -258,11 +258,12 @@ class EngineKV:
             self.copy_layer(host, plan, layer, H2D)
 
     def fill(self, blocks: Sequence[int], value: float = 0.0, groups: Sequence[int] | None = None) -> None:
-        """Overwrite the pages ``blocks`` (only their blocks of ``groups``, if given) with ``value`` (tests)."""
+        """Overwrite the pages ``blocks`` (only their blocks of ``groups``, if given) with ``value``
+        (tests; the state flags stay)."""
         b = self._index(blocks, self.num_blocks**self.num_groups, "engine blocks")
         rows_of = self._group_rows(b, b, load=True)
-        for part, g in zip(self.parts, self.groups, strict=True):
-            if groups is None or g in groups:
+        for i, (part, g) in enumerate(zip(self.parts, self.groups, strict=True)):
+            if (groups is None or g in groups) and i != self.state_flag_part:
                 part.index_fill_(0, rows_of[g][0].to(self.device), value)
 
     def _indices(

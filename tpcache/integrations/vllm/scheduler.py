@@ -117,6 +117,8 @@ class SchedulerSide:
         state.local = num_computed_tokens
         # vLLM computes at least the last prompt token itself (it samples from its logits).
         usable = min(state.hit, (request.num_tokens - 1) // self.block_size * self.block_size)
+        if self.state_groups and usable != state.hit:
+            usable = 0  # the state tpcache holds is the one at the hit's end, no shorter one
         extra = usable - num_computed_tokens
         return (extra, True) if extra > 0 else (0, False)
 

@@ -325,6 +325,7 @@ class WorkerSide:
         out["page_size"] = self.page_size
         out["kv_groups"] = self.cache.engine_kv.num_groups  # vLLM's KV cache groups in a page
         out["sliding_groups"] = sorted(self.cache.engine_kv.nullable)
+        out["state_groups"] = sorted(self.cache.engine_kv.states)  # Mamba groups
         out["closed_reason"] = self.cache.core.closed_reason or ""
         out["flush_requested"] = int(self.cache.core.flush_requested)
         out["drained"] = int(self.cache.shell.drained())
