@@ -185,6 +185,20 @@ def test_a_page_carries_a_mamba_state_only_where_its_block_is_named_and_a_load_n
     assert kv["mixer"][1:4].eq(0).all() and kv["mixer"][5].eq(0).all()
 
 
+def test_a_mamba_layer_handed_over_as_one_tensor_per_state_is_one_layer_of_the_page() -> None:
+    conv, ssm = torch.zeros(BLOCKS, 3, 2, dtype=torch.bfloat16), torch.zeros(BLOCKS, 2, 2)
+    kv = {"mixer": [conv, ssm], "attn": torch.zeros(BLOCKS, PAGE, 2)}
+    adapter, layout, _ = engine_kv_from_vllm(kv, BLOCKS, PAGE, {"mixer": 0, "attn": 1}, [False, False], [True, False])
+    assert adapter.num_layers == layout.num_layers == 2  # conv and SSM: both the mixer's layer 0
+    assert adapter.part_layers == [0, 0, 1, 1] and adapter.groups == [0, 0, 1, 0]  # the flags go with layer 1
+    conv[2], ssm[2] = 1.5, -2.0
+    host = torch.zeros(2, adapter.page_elems, dtype=torch.uint8)
+    adapter.save(host, page_ids(adapter, [[2], [3]], save=True), [0])
+    conv.zero_(), ssm.zero_()
+    adapter.load(host, [0], page_ids(adapter, [[4], [5]], save=False))
+    assert conv[4].eq(1.5).all() and ssm[4].eq(-2.0).all() and adapter.state_flags(host, [0]) == [True]
+
+
 def test_the_scheduler_names_a_mamba_state_at_the_boundary_its_step_ends_on_and_loads_it_at_the_hits_end() -> None:
     from tests.unit.test_vllm_connector_parts import Req, output
     from tpcache.integrations.vllm.messages import LOAD, RELEASE, SAVE, WorkerReport

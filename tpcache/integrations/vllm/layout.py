@@ -118,7 +118,13 @@ def engine_kv_from_vllm(
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+    if t.dtype == torch.uint8:
+        return t
+    if t.dim() == 0 or t.stride(-1) != 1:
+        raise KVLayoutError(
+            f"a KV tensor of shape {tuple(t.shape)} strides {t.stride()}: its last dimension is not dense"
+        )
+    return t.view(torch.uint8)
 
 
 def _engine_kv_with_states(
@@ -136,14 +142,15 @@ def _engine_kv_with_states(
     groups: list[int] = []
     layers: list[int] = []
     formats: list[str] = []
-    for name, tensor in kv_caches.items():
+    for index, (name, tensor) in enumerate(kv_caches.items()):
         if name not in group_of:
             raise KVLayoutError(f"layer {name} is in no KV cache group")
+        # a state layer may hand over one tensor per state (conv, SSM): all of them are its layer's
         tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
         for t in tensors:
             layer, fmt = layer_parts(_as_bytes(t), num_blocks)
             groups += [group_of[name]] * len(layer)
-            layers += [len(formats)] * len(layer)
+            layers += [index] * len(layer)
             parts.extend(layer)
             formats.append(f"{fmt}{t.dtype}")
     num_layers = len(kv_caches)
