@@ -42,9 +42,13 @@ def test_full_attention_sliding_window_and_mamba_groups_are_served_and_others_re
     # a Mamba group's block holds a request's whole state, whatever its block size
     long_mamba = dataclasses.replace(mamba, block_size=64 * PAGE)
     assert kv_groups(config(long_mamba, full), PAGE) == [(["layer0"], False, True), (["layer1"], False, False)]
-    with pytest.raises(ValueError, match=r"mamba_cache_mode 'none' .* use mode 'align'") as err:
+    with pytest.raises(ValueError, match=r"prefix caching off .* use mamba_cache_mode 'align'$") as err:
         kv_groups(config(full, dataclasses.replace(mamba, mamba_cache_mode="align")), PAGE)
     assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="'none' and 1 speculative blocks"):
+        kv_groups(config(full, dataclasses.replace(mamba, num_speculative_blocks=1)), PAGE)
+    with pytest.raises(ValueError, match="Mamba layers only"):
+        kv_groups(config(long_mamba), PAGE)
     chunked = ChunkedLocalAttentionSpec(
         block_size=PAGE, num_kv_heads=1, head_size=2, dtype=torch.float32, attention_chunk_size=8
     )

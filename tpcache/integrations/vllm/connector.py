@@ -86,11 +86,13 @@ def kv_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[lis
         full = isinstance(spec, FullAttentionSpec) and not isinstance(spec, RSWASpec)
         state = isinstance(spec, MambaSpec)
         if state:
-            mode = getattr(spec, "mamba_cache_mode", "none")
-            if mode != "none" or getattr(spec, "num_speculative_blocks", 0):
+            mode = spec.mamba_cache_mode
+            if mode != "none" or spec.num_speculative_blocks:
                 raise ValueError(
-                    f"TPCacheConnector serves Mamba layers with mamba_cache_mode 'none' (prefix caching off) and no "
-                    f"speculative decoding; layers {group.layer_names[:3]} use mode {mode!r}"
+                    "TPCacheConnector serves Mamba layers only with vLLM's prefix caching off (enable_prefix_caching "
+                    f"False: mamba_cache_mode 'none') and no speculative decoding; layers {group.layer_names[:3]} use "
+                    f"mamba_cache_mode {mode!r}"
+                    + (f" and {spec.num_speculative_blocks} speculative blocks" if spec.num_speculative_blocks else "")
                 )
             out.append((list(group.layer_names), False, True))
             continue
@@ -105,6 +107,11 @@ def kv_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[lis
                 f"use {spec.block_size} tokens, block_size is {block_size}"
             )
         out.append((list(group.layer_names), sliding, False))
+    if out and all(state for _, _, state in out):
+        raise ValueError(
+            "TPCacheConnector serves Mamba layers beside attention layers (whose block is its page); this model "
+            "has Mamba layers only"
+        )
     return out
 
 

@@ -17,10 +17,10 @@ it freed behind its window: a save stops before such a page, a load skips its ro
 A Mamba (recurrent-state) group keeps one state block per request, which holds the state after
 the tokens computed so far: it is a page's state only in the step whose tokens end at that page's
 boundary. A page carries its group's state block and a flag row (``STATE_FLAG`` bytes, a tensor of
-the connector's own, 1 for every block but the null block's 0): a page saved where no state of
-its boundary exists names block 0 and is stored flagged "no state"; a hit ends at a page whose flag
-says it carries one (``EngineKV.state_flags``). With a state group every layer is copied as bytes, each in
-its own format.
+the connector's own, 1 for every block but the null block's 0): a page saved where no state of its
+boundary exists names block 0 and is stored flagged "no state"; a hit ends at a page whose flag
+says it carries one (``EngineKV.state_flags``). With a state group every layer is copied as bytes,
+each in its own format.
 """
 
 from __future__ import annotations
