@@ -1,6 +1,8 @@
 """vLLM's KV cache groups seen by the connector (vLLM's own spec classes, no engine): one tpcache
 page holds one block of every group; a sliding-window group's null block is a page it no longer
-holds, never read and never written; layers tpcache cannot serve are refused with the reason."""
+holds, never read and never written; a Mamba group's state block is a page's only at the boundary
+where its step ended (a flag in the page says so, and a hit ends at a page that carries its state);
+layers tpcache cannot serve are refused with the reason."""
 
 from __future__ import annotations
 
@@ -30,11 +32,28 @@ def config(*group_specs):
     return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def test_full_attention_and_sliding_window_groups_are_served_and_mamba_is_refused_with_the_reason() -> None:
+def test_full_attention_sliding_window_and_mamba_groups_are_served_and_others_refused_with_the_reason() -> None:
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
     full, swa, mamba = specs()
-    assert kv_groups(config(full, swa), PAGE) == [(["layer0"], False), (["layer1"], True)]
-    with pytest.raises(ValueError, match=r"layers \['layer1'\] use MambaSpec"):
-        kv_groups(config(full, mamba), PAGE)
+    assert kv_groups(config(full, swa), PAGE) == [(["layer0"], False, False), (["layer1"], True, False)]
+    # a Mamba group's block holds a request's whole state, whatever its block size
+    long_mamba = dataclasses.replace(mamba, block_size=64 * PAGE)
+    assert kv_groups(config(long_mamba, full), PAGE) == [(["layer0"], False, True), (["layer1"], False, False)]
+    with pytest.raises(ValueError, match=r"prefix caching off .* use mamba_cache_mode 'align'$") as err:
+        kv_groups(config(full, dataclasses.replace(mamba, mamba_cache_mode="align")), PAGE)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="'none' and 1 speculative blocks"):
+        kv_groups(config(full, dataclasses.replace(mamba, num_speculative_blocks=1)), PAGE)
+    with pytest.raises(ValueError, match="Mamba layers only"):
+        kv_groups(config(long_mamba), PAGE)
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=PAGE, num_kv_heads=1, head_size=2, dtype=torch.float32, attention_chunk_size=8
+    )
+    with pytest.raises(ValueError, match=r"layers \['layer1'\] use ChunkedLocalAttentionSpec"):
+        kv_groups(config(full, chunked), PAGE)
     with pytest.raises(ValueError, match="one block size for every KV cache group"):
         kv_groups(config(full, swa), 2 * PAGE)
 
@@ -138,3 +157,121 @@ def test_more_groups_and_blocks_than_a_63_bit_page_id_names_are_refused_in_one_l
     with pytest.raises(KVLayoutError, match="4 KV cache groups of 65536 blocks") as err:
         EngineKV(parts, groups=[0, 1, 2, 3])
     assert "\n" not in str(err.value)
+
+
+def mamba_model() -> tuple[dict[str, torch.Tensor], object]:
+    """An attention layer (group 1, [blocks, PAGE, 2] float32) and a Mamba layer (group 0, a state
+    block of 5 float32 values), vLLM's groups in that order."""
+    kv = {"mixer": torch.zeros(BLOCKS, 5), "attn": torch.zeros(BLOCKS, PAGE, 2)}
+    adapter, layout, fmt = engine_kv_from_vllm(kv, BLOCKS, PAGE, {"mixer": 0, "attn": 1}, [False, False], [True, False])
+    return kv, (adapter, layout, fmt)
+
+
+def test_a_page_carries_a_mamba_state_only_where_its_block_is_named_and_a_load_never_writes_the_null_block() -> None:
+    kv, (adapter, layout, fmt) = mamba_model()
+    assert adapter.states == {0} and adapter.state_flag_part is not None
+    assert layout.page_bytes == adapter.page_bytes and adapter.page_bytes >= 4 * (5 + 2 * PAGE) + 1
+    assert "float32" in fmt and "state_flag" in fmt
+    for b in range(BLOCKS):
+        kv["mixer"][b] = 100 + b
+        kv["attn"][b] = 10 + b
+    host = torch.zeros(4, adapter.page_elems, dtype=torch.uint8)
+    # page 0: attention block 1, no state (the null block); page 1: attention block 2, state block 3
+    pages = page_ids(adapter, [[NULL_BLOCK, 3], [1, 2]], save=True)
+    adapter.save(host, pages, [0, 1])
+    assert adapter.state_flags(host, [0, 1]) == [False, True]
+    # a hit of both pages loads the state of its last page only: block 0 keeps its bytes
+    kv["mixer"].zero_()
+    kv["attn"].zero_()
+    adapter.load(host, [0, 1], page_ids(adapter, [[NULL_BLOCK, 4], [5, 1]], save=False))
+    assert kv["mixer"][NULL_BLOCK].eq(0).all() and kv["mixer"][4].eq(103).all()
+    assert kv["attn"][5].eq(11).all() and kv["attn"][1].eq(12).all()
+    assert kv["mixer"][1:4].eq(0).all() and kv["mixer"][5].eq(0).all()
+
+
+def test_a_mamba_layer_handed_over_as_one_tensor_per_state_is_one_layer_of_the_page() -> None:
+    conv, ssm = torch.zeros(BLOCKS, 3, 2, dtype=torch.bfloat16), torch.zeros(BLOCKS, 2, 2)
+    kv = {"mixer": [conv, ssm], "attn": torch.zeros(BLOCKS, PAGE, 2)}
+    adapter, layout, _ = engine_kv_from_vllm(kv, BLOCKS, PAGE, {"mixer": 0, "attn": 1}, [False, False], [True, False])
+    assert adapter.num_layers == layout.num_layers == 2  # conv and SSM: both the mixer's layer 0
+    assert adapter.part_layers == [0, 0, 1, 1] and adapter.groups == [0, 0, 1, 0]  # the flags go with layer 1
+    conv[2], ssm[2] = 1.5, -2.0
+    host = torch.zeros(2, adapter.page_elems, dtype=torch.uint8)
+    adapter.save(host, page_ids(adapter, [[2], [3]], save=True), [0])
+    conv.zero_(), ssm.zero_()
+    adapter.load(host, [0], page_ids(adapter, [[4], [5]], save=False))
+    assert conv[4].eq(1.5).all() and ssm[4].eq(-2.0).all() and adapter.state_flags(host, [0]) == [True]
+
+
+def test_the_scheduler_names_a_mamba_state_at_the_boundary_its_step_ends_on_and_loads_it_at_the_hits_end() -> None:
+    from tests.unit.test_vllm_connector_parts import Req, output
+    from tpcache.integrations.vllm.messages import LOAD, RELEASE, SAVE, WorkerReport
+    from tpcache.integrations.vllm.scheduler import SchedulerSide
+
+    r = Req("a", list(range(13)), blocks=[10, 11, 12, 13])
+    state = [7]  # the request's one state block (group 0)
+
+    class Manager:
+        def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+            return (state, r.blocks)
+
+    side = SchedulerSide(PAGE, Manager(), state_groups=[0])
+    side.num_new_matched_tokens(r, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"a": (0, 0)}), None)
+    assert side.num_new_matched_tokens(r, 0) == (0, False)
+    # a chunk of 6 tokens: page 0 is full, its boundary is not where the step ends: no state
+    ops = side.build_meta(output(a=6)).ops
+    assert ops == [(SAVE, "a", [], 1, [[NULL_BLOCK], [10]])]
+    r.num_computed_tokens = 6
+    # the next chunk ends at 12: page 2's state is the block's after the step
+    ops = side.build_meta(output(a=6)).ops
+    assert ops == [(SAVE, "a", [], 3, [[NULL_BLOCK, NULL_BLOCK, 7], [10, 11, 12]])]
+    r.num_computed_tokens = 12
+    assert side.request_finished(r, (state, r.blocks)) is True
+    assert side.build_meta(output()).ops == [(RELEASE, "a", True)]
+    # another request's hit of 2 pages: the state block goes to its last page
+    b = Req("b", list(range(13)), blocks=[20, 21, 22, 23])
+    side.num_new_matched_tokens(b, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"b": (8, 0)}), None)
+    assert side.num_new_matched_tokens(b, 0) == (8, True)
+    side.update_state_after_alloc(b, ([9], b.blocks), 8)
+    assert side.build_meta(output()).ops == [(LOAD, "b", 0, [[NULL_BLOCK, 9], [20, 21]])]
+    # a hit past the last page before the last token: the state held is the hit's end's, none shorter
+    c = Req("c", list(range(13)), blocks=[30, 31, 32, 33])
+    side.num_new_matched_tokens(c, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"c": (16, 0)}), None)
+    assert side.num_new_matched_tokens(c, 0) == (0, False)
+
+
+def test_a_workers_hit_ends_at_the_last_page_that_carries_its_mamba_state_before_the_last_token() -> None:
+    from tpcache.comm import SimGroup
+    from tpcache.core import CacheConfig
+    from tpcache.engine.external import EngineCache
+    from tpcache.integrations.vllm.messages import LOAD, LOOKUP, SAVE, StepOps
+    from tpcache.integrations.vllm.worker import WorkerSide
+
+    kv, (adapter, layout, fmt) = mamba_model()
+    kv["mixer"][3] = 42.0
+    config = CacheConfig(page_size=PAGE, device_pages=0, host_pages=8)
+    cache = EngineCache(config, SimGroup(1).collective(0), adapter, layout, engine_format=fmt)
+    worker = WorkerSide(cache)
+    tokens = list(range(4 * PAGE))
+    # four pages saved; states at pages 1 and 3 (0-based), none at 0 and 2
+    save = (SAVE, "a", [], 4, [[NULL_BLOCK, 3, NULL_BLOCK, 3], [1, 2, 4, 5]])
+    worker.run_step(StepOps(0, [(LOOKUP, "a", tokens), save]))
+    worker.run_step(StepOps(1, []))
+    assert cache.match(tokens).host_pages == 4
+    hits = {}
+    for name, n in (("whole", 4 * PAGE + 1), ("three", 3 * PAGE + 1), ("last", 4 * PAGE), ("one", PAGE + 1)):
+        result = worker.run_step(StepOps(2, [(LOOKUP, name, tokens[:n] + [999] * (n > 4 * PAGE))]))
+        hits[name] = result.report.hits[name][0] // PAGE
+    # 4 pages and a token: page 3's state; 3 pages and a token: back to page 1's; the 4 pages
+    # alone: vLLM computes the last token, so at most 3 pages, whose state is page 1's; one page: none
+    assert hits == {"whole": 4, "three": 2, "last": 2, "one": 0}
+    kv["mixer"].zero_()
+    worker.run_step(StepOps(3, [(LOAD, "three", 0, [[NULL_BLOCK, 4], [1, 2]])]))
+    assert kv["mixer"][4].eq(42.0).all() and kv["mixer"][NULL_BLOCK].eq(0).all()
+    cache.close()

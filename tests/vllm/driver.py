@@ -279,6 +279,8 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
     }
     if engine.get("max_num_seqs"):
         kwargs["max_num_seqs"] = engine["max_num_seqs"]
+    if plan.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = plan["max_num_batched_tokens"]
     if engine.get("log_stats"):
         kwargs["disable_log_stats"] = False
     shutdown_timeout = engine.get("shutdown_timeout_s")

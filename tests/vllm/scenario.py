@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tpcache.testing.child import run_in_own_session
-from tpcache.testing.tiny_model import make_tiny_gemma2, make_tiny_llama
+from tpcache.testing.tiny_model import make_tiny_gemma2, make_tiny_granite_mamba2, make_tiny_llama
 
 DRIVER = Path(__file__).with_name("driver.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +45,11 @@ BLOCK = 32
 VOCAB = 512
 PREEMPT_TOKENS = 96  # generated per long prompt: four of them outgrow the 20-block pool
 WINDOW = 2 * BLOCK  # the sliding-window models' window: shorter than the shared prefix
+# The Mamba hybrid's page: vLLM raises the attention block size until an attention block holds as
+# many bytes as a Mamba state (96 tokens for ``make_tiny_granite_mamba2`` at TP=1 and TP=2).
+MAMBA_PAGE = 96
+# Prompt lengths: one token past a page boundary, so that the next token reads the state loaded there
+MAMBA_PROMPTS = (3 * MAMBA_PAGE + 1, 2 * MAMBA_PAGE + 1, MAMBA_PAGE + 1)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -237,6 +242,72 @@ def gemma_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
             ],
         ),
         "tp": tp,
+    }
+
+
+def mamba_prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [_ids(rng, n) for n in MAMBA_PROMPTS]
+
+
+def mamba_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
+    """A Granite-style Mamba2 hybrid under vLLM's hybrid allocator with vLLM's prefix caching off
+    (so every hit is tpcache's; vLLM then keeps one Mamba state block per request). Prefill chunks
+    of one page (``max_num_batched_tokens``) end at page boundaries, where the state is saved.
+    First each prompt alone, then the batch: token-identical, the batch's hits up to the last page
+    before each prompt's last token; a load failed on one rank recomputed; zeroed state blocks
+    change the tokens; a fresh engine hits storage (TP=1)."""
+    make_tiny_granite_mamba2(workdir / "model")
+    store = workdir / "store"
+    last = tp - 1
+    batch = mamba_prompts()
+    alone = [{"op": "generate", "name": f"alone{i}", "prompts": [p], "max_tokens": 8} for i, p in enumerate(batch)]
+
+    def gen(name: str) -> dict[str, Any]:
+        return {"op": "generate", "name": name, "prompts": batch, "max_tokens": 8}
+
+    connector = {"host_pages": 64, "storage_dir": str(store)}
+    conn = [
+        *alone,
+        gen("batch"),
+        {"op": "settle", "name": "settled"},
+        {"op": "arm", "spec": {"fail_loads": {"rank": last, "count": 1}}},
+        gen("batch_failed_load"),
+        {"op": "settle", "name": "settled_failed_load"},
+        # negative control: zeroing only the loaded Mamba state blocks changes the tokens
+        {"op": "arm", "spec": {"scramble_loads": {"rank": last, "count": len(batch), "group": "state"}}},
+        gen("batch_scrambled"),
+        {"op": "arm", "spec": {}},
+        {"op": "settle", "name": "settled_scrambled"},
+    ]
+    no_prefix_caching = {"prefix_caching": False}
+    return {
+        "model": str(workdir / "model"),
+        "tp": tp,
+        "block_size": 16,
+        "max_model_len": 512,
+        "max_num_batched_tokens": MAMBA_PAGE,
+        "kv_space_gib": 1,
+        "engines": [
+            {"name": "ref", **no_prefix_caching, "in_process": True, "steps": alone},
+            {
+                "name": "conn",
+                **no_prefix_caching,
+                "connector": connector,
+                "shutdown_timeout_s": 60 if tp > 1 else None,
+                "steps": conn,
+            },
+        ]
+        # storage hits in a fresh engine (at TP=1; TP=2 reads storage in the other plans)
+        + [
+            {
+                "name": "fresh",
+                **no_prefix_caching,
+                "connector": connector,
+                "steps": [gen("batch"), {"op": "settle", "name": "settled"}],
+            }
+        ]
+        * (tp == 1),
     }
 
 

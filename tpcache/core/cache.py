@@ -324,6 +324,10 @@ class CacheCore(Queries, EngineOps):
         """Leading pages of the lease's tokens it holds on host (its hit, prefetched pages included). Pure."""
         return len(self.engine_pages.hit_nodes(self.lease(lease_id)))
 
+    def hit_host_slots(self, lease_id: int) -> tuple[int, ...]:
+        """The host slots of the lease's hit pages, in page order. Pure."""
+        return tuple(node.host_slot for node in self.engine_pages.hit_nodes(self.lease(lease_id)))
+
     def release(self, lease_id: int) -> bool:
         """Release (finish or abort) a lease: True when now; with copies into its pages in flight it is
         parked and released by the commit that completes the last."""

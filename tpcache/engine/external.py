@@ -23,6 +23,7 @@ import xxhash
 from tpcache.comm.collective import Collective
 from tpcache.core import CacheConfig, CacheCore, Transfer
 from tpcache.core.hashing import TokenIds
+from tpcache.core.hitrule import hit_length
 from tpcache.engine.driver import Driver
 from tpcache.engine.sequenced import Op
 from tpcache.engine.shell import Shell, storage_key_factory
@@ -114,6 +115,16 @@ class EngineCache(TPCache):
     def hit_pages(self, lease: int) -> int:
         """The lease's hit in pages: leading host pages it holds (pure; agreed once a round passed open)."""
         return self.core.hit_pages(lease)
+
+    def state_hit_pages(self, lease: int, limit: int) -> int:
+        """The lease's hit in pages, at most ``limit``, ended at the last page that carries its
+        recurrent state (the hit rule's fixed point, ``tpcache.core.hitrule``; the hit itself
+        without a state group). Pure: reads the flags of pages held on host."""
+        held = min(self.core.hit_pages(lease), limit)
+        if self.engine_kv.state_flag_part is None:
+            return held
+        slots = self.core.hit_host_slots(lease)[:held]
+        return hit_length(held, state_ok=self.engine_kv.state_flags(self.transfer.host, slots))
 
     def filling(self, tokens: TokenIds, page: int) -> bool:
         """Whether page ``page`` of ``tokens`` is being copied into host (a save or another

@@ -87,7 +87,10 @@ class EngineKV:
     groups under its hybrid allocator: one page has a block in each group). A page is then named by
     one int, ``sum(block_g * num_blocks ** g)`` (``page_id``); a group in ``nullable`` may name the
     engine's null block (block 0) for a page it no longer holds: its rows are skipped, neither read
-    nor written."""
+    nor written. A group in ``states`` (a recurrent state kept at some page boundaries) names block
+    0 for a page whose state it does not save: a save copies block 0's rows (the engine keeps them
+    as no state, see ``tpcache.integrations.vllm.layout``), a load skips them, so the engine's null
+    block is never written."""
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class EngineKV:
         groups: Sequence[int] | None = None,
         nullable: Sequence[int] = (),
         layers: Sequence[int] | None = None,
+        states: Sequence[int] = (),
     ) -> None:
         if not parts:
             raise KVLayoutError("an engine KV needs at least one layer")
@@ -129,6 +133,8 @@ class EngineKV:
                 "group in a 63-bit id, which this many blocks overflow (fewer groups or blocks are served)"
             )
         self.nullable = frozenset(nullable)
+        self.states = frozenset(states)
+        self.state_flag_part: int | None = None  # the part whose rows say a page carries its state
         # The engine's layer of each part (the unit of copies by layer); default: a part per layer.
         self.part_layers = list(layers) if layers is not None else list(range(len(self.parts)))
         if len(self.part_layers) != len(self.parts) or sorted(set(self.part_layers)) != list(
@@ -147,21 +153,32 @@ class EngineKV:
             out = out * self.num_blocks + b
         return out
 
-    def _group_rows(self, b: torch.Tensor, s: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _group_rows(
+        self, b: torch.Tensor, s: torch.Tensor, load: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per group: the blocks of the pages ``b`` and the matching slots ``s``, null blocks of a
-        nullable group left out."""
-        if self.num_groups == 1 and not self.nullable:
+        nullable group left out (and of a state group, for a load)."""
+        if self.num_groups == 1 and not self.nullable and not self.states:
             return [(b, s)]
         out = []
         for g in range(self.num_groups):
             d = (b // self.num_blocks**g) % self.num_blocks
-            if g in self.nullable:
+            if g in self.nullable or (load and g in self.states):
                 keep = d != 0
                 d, sg = d[keep], s[keep]
             else:
                 sg = s
             out.append((d, sg))
         return out
+
+    def state_flags(self, host: torch.Tensor, slots: Sequence[int]) -> list[bool]:
+        """Per host slot (a page; ``host`` from ``check_host``), whether it carries its recurrent
+        state: the first byte of its ``state_flag_part`` row is not 0 (all True without one)."""
+        part = self.state_flag_part
+        if part is None or not slots:
+            return [True] * len(slots)
+        index = torch.tensor(list(slots), dtype=torch.int64)
+        return [bool(v) for v in host[index, self.offsets[part]].tolist()]
 
     @property
     def page_bytes(self) -> int:
@@ -189,13 +206,14 @@ class EngineKV:
             raise PageIndexError(f"{what} names an index twice")
         return torch.tensor(out, dtype=torch.int64)
 
-    def plan(self, host: torch.Tensor, blocks: Sequence[int], slots: Sequence[int]) -> CopyPlan:
+    def plan(self, host: torch.Tensor, blocks: Sequence[int], slots: Sequence[int], load: bool = False) -> CopyPlan:
         """Page ``blocks[i]`` <-> host slot ``slots[i]``, checked, per group: its block and slot
         indices (block indices on the engine's device) and, where they fall into at most
-        ``MAX_RUNS`` runs consecutive in both, those runs as (block, slot, count)."""
+        ``MAX_RUNS`` runs consecutive in both, those runs as (block, slot, count). ``load``: for a
+        copy into the engine's blocks."""
         b, s = self._indices(host, blocks, slots)
         out = []
-        for bg, sg in self._group_rows(b, s):
+        for bg, sg in self._group_rows(b, s, load):
             out.append((bg.to(self.device), sg, _runs(bg, sg)))
         return CopyPlan(out, len(blocks))
 
@@ -235,16 +253,17 @@ class EngineKV:
 
     def load(self, host: torch.Tensor, slots: Sequence[int], blocks: Sequence[int]) -> None:
         """Copy host slot ``slots[i]`` into engine block ``blocks[i]``."""
-        plan = self.plan(host, blocks, slots)
+        plan = self.plan(host, blocks, slots, load=True)
         for layer in range(self.num_layers):
             self.copy_layer(host, plan, layer, H2D)
 
     def fill(self, blocks: Sequence[int], value: float = 0.0, groups: Sequence[int] | None = None) -> None:
-        """Overwrite the pages ``blocks`` (only their blocks of ``groups``, if given) with ``value`` (tests)."""
+        """Overwrite the pages ``blocks`` (only their blocks of ``groups``, if given) with ``value``
+        (tests; the state flags stay)."""
         b = self._index(blocks, self.num_blocks**self.num_groups, "engine blocks")
-        rows_of = self._group_rows(b, b)
-        for part, g in zip(self.parts, self.groups, strict=True):
-            if groups is None or g in groups:
+        rows_of = self._group_rows(b, b, load=True)
+        for i, (part, g) in enumerate(zip(self.parts, self.groups, strict=True)):
+            if (groups is None or g in groups) and i != self.state_flag_part:
                 part.index_fill_(0, rows_of[g][0].to(self.device), value)
 
     def _indices(
@@ -299,6 +318,7 @@ class EngineTransfer:
         self._after_copy = after_copy
         self.host_pool = host_pool
         self._host = kv.check_host(host_pool)
+        self.host = self._host  # the host pool as [slots, page elements] (read by queries of page bytes)
         self._before_copy = before_copy
         self._hold = hold
         self._lock = threading.Lock()
@@ -457,7 +477,7 @@ class EngineTransfer:
     ) -> OpHandle:
         step = self._step
         assert step is not None
-        plan = self.kv.plan(self._host, blocks, slots)
+        plan = self.kv.plan(self._host, blocks, slots, load=handle.direction == H2D)
         self._register(handle)
         op = _LayeredOp(handle, plan, dst, [], self._num_layers)
         try:

@@ -135,3 +135,49 @@ def make_tiny_gemma2(
     path = Path(path)
     model.to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+def make_tiny_granite_mamba2(path: str | Path, *, seed: int = 0, std: float = 0.5, embed_std: float = 0.05) -> Path:
+    """Write a random Granite-style Mamba2 hybrid (Mamba2 layers interleaved with attention, no
+    experts) into ``path`` with transformers' own class and its own initialisation."""
+    import torch
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=64,
+        num_local_experts=0,
+        shared_intermediate_size=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.GraniteMoeHybridForCausalLM(config)
+    # As in make_tiny_gemma2: the layers' weights from N(0, std) and small embeddings, so that what a
+    # layer carries from earlier tokens (the attention KV, the Mamba state) decides the next token
+    # rather than the token's own embedding. The Mamba layers' decay, skip and step parameters keep
+    # their initialisation.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.rsplit(".", 1)[-1] in ("A_log", "D", "dt_bias"):
+                continue
+            scale = embed_std if "embed" in name else std
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    path = Path(path)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path

@@ -65,34 +65,53 @@ def package_version() -> str:
         return "(version unknown)"
 
 
-def kv_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[list[str], bool]]:
-    """vLLM's KV cache groups as (layer names, sliding window?), one per group, in group order.
+def kv_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[list[str], bool, bool]]:
+    """vLLM's KV cache groups as (layer names, sliding window?, recurrent state?), one per group, in
+    group order.
 
     With vLLM's hybrid allocator each group has its own block table; a tpcache page holds one block
     of every group (each group is one component of the page). A full-attention group keeps every
     block for the whole request. A sliding-window group frees the blocks behind its window while
     the request runs and names its null block for them: such a page is never read after vLLM
-    freed it (a save stops before it) and never written (a load skips it). Other kinds of layers
-    are refused with the reason."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+    freed it (a save stops before it) and never written (a load skips it). A Mamba group (vLLM's
+    prefix caching off: one state block per request, overwritten every step) gives a page its
+    state only where a step ended at the page's boundary (``tpcache.integrations.vllm.layout``).
+    Other kinds of layers are refused with the reason."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, RSWASpec, SlidingWindowSpec
 
     out = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         sliding = isinstance(spec, SlidingWindowSpec)
         full = isinstance(spec, FullAttentionSpec) and not isinstance(spec, RSWASpec)
+        state = isinstance(spec, MambaSpec)
+        if state:
+            mode = spec.mamba_cache_mode
+            if mode != "none" or spec.num_speculative_blocks:
+                raise ValueError(
+                    "TPCacheConnector serves Mamba layers only with vLLM's prefix caching off (enable_prefix_caching "
+                    f"False: mamba_cache_mode 'none') and no speculative decoding; layers {group.layer_names[:3]} use "
+                    f"mamba_cache_mode {mode!r}"
+                    + (f" and {spec.num_speculative_blocks} speculative blocks" if spec.num_speculative_blocks else "")
+                )
+            out.append((list(group.layer_names), False, True))
+            continue
         if not (sliding or full):
             raise ValueError(
-                f"TPCacheConnector serves full-attention and sliding-window layers; this model's layers "
-                f"{group.layer_names[:3]} use {type(spec).__name__} (Mamba and other layer kinds are not supported "
-                "through vLLM yet)"
+                f"TPCacheConnector serves full-attention, sliding-window and Mamba layers; this model's layers "
+                f"{group.layer_names[:3]} use {type(spec).__name__}"
             )
         if spec.block_size != block_size:
             raise ValueError(
                 f"TPCacheConnector needs one block size for every KV cache group; layers {group.layer_names[:3]} "
                 f"use {spec.block_size} tokens, block_size is {block_size}"
             )
-        out.append((list(group.layer_names), sliding))
+        out.append((list(group.layer_names), sliding, False))
+    if out and all(state for _, _, state in out):
+        raise ValueError(
+            "TPCacheConnector serves Mamba layers beside attention layers (whose block is its page); this model "
+            "has Mamba layers only"
+        )
     return out
 
 
@@ -124,7 +143,8 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.events: kv_events.BlockEvents | None = None  # tpcache's tiers in vLLM's KV events (scheduler)
         self._changes: kv_events.ChangeCollector | None = None  # the rounds' changes (worker, TP rank 0)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.block_size)
+            state_groups = [g for g, (_, _, m) in enumerate(self.groups) if m]
+            self.scheduler = SchedulerSide(self.block_size, state_groups=state_groups)
             if kv_events.enabled(vllm_config):
                 self.events = kv_events.BlockEvents(
                     self.block_size, page_namespace(self.options.namespace, self.model_name)
@@ -250,10 +270,11 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tp = get_tp_group()
         rank, world = tp.rank_in_group, tp.world_size
         num_blocks = self.num_blocks or int(next(iter(kv_caches.values())).shape[0])
-        group_of = {name: g for g, (names, _) in enumerate(self.groups) for name in names} if self.groups else None
-        sliding = [s for _, s in self.groups]
+        group_of = {name: g for g, (names, _, _) in enumerate(self.groups) for name in names} if self.groups else None
+        sliding = [s for _, s, _ in self.groups]
+        states = [m for _, _, m in self.groups]
         engine_kv, layout, engine_format = engine_kv_from_vllm(
-            kv_caches, num_blocks, self.block_size, group_of, sliding
+            kv_caches, num_blocks, self.block_size, group_of, sliding, states
         )
         opts = self.options
         # Before anything is built: every rank's settings and machine readings, one exchange on the

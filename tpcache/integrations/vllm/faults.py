@@ -10,7 +10,7 @@ a disagreement the round has to catch:
   they wrote and still report success: a wrong copy no agreement can see, which the tests use to
   show that the model's tokens do depend on the loaded KV (a negative control); with
   ``"group": G``, only the blocks of vLLM's KV cache group G (one component's bytes; ``"sliding"``:
-  the sliding-window groups);
+  the sliding-window groups; ``"state"``: the Mamba groups' state blocks);
 - ``{"delay_copies": {"rank": R, "seconds": T}}``: rank R's copy thread sleeps T seconds before
   each layer it copies (a slow copy within a step), and checks the bytes of every copy once it
   landed: a load's layer before vLLM's forward pass reads it, a save before the step ends (the
@@ -81,7 +81,8 @@ class FaultPlan:
         if direction == H2D and scramble is not None and self._scrambled < scramble["count"] and self.kv is not None:
             self._scrambled += 1
             group = scramble.get("group")
-            groups = sorted(self.kv.nullable) if group == "sliding" else None if group is None else [group]
+            named = {"sliding": self.kv.nullable, "state": self.kv.states}
+            groups = sorted(named[group]) if group in named else None if group is None else [group]
             self.kv.fill(dst, 0.0, groups)
 
     def hold(self, op_id: int, direction: str) -> bool:

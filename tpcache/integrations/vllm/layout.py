@@ -13,6 +13,14 @@ Under vLLM's hybrid allocator each KV cache group (full attention, sliding windo
 table of its own: a page is one block of every group, each layer read at its group's block
 (``EngineKV`` groups, one int per page). A sliding-window group names vLLM's null block for a page
 it freed behind its window: a save stops before such a page, a load skips its rows.
+
+A Mamba (recurrent-state) group keeps one state block per request, which holds the state after
+the tokens computed so far: it is a page's state only in the step whose tokens end at that page's
+boundary. A page carries its group's state block and a flag row (``STATE_FLAG`` bytes, a tensor of
+the connector's own, 1 for every block but the null block's 0): a page saved where no state of its
+boundary exists names block 0 and is stored flagged "no state"; a hit ends at a page whose flag
+says it carries one (``EngineKV.state_flags``). With a state group every layer is copied as bytes,
+each in its own format.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from tpcache.io.errors import KVLayoutError
 from tpcache.io.kv_pool import KVLayout
 
 NULL_BLOCK = 0  # vLLM's null block (``BlockPool.null_block``, the first block of its pool)
+STATE_FLAG = "tpcache.state_flag"  # the flag part's name in a format description
 
 
 def _block_dim(t: torch.Tensor, num_blocks: int) -> int:
@@ -68,13 +77,17 @@ def engine_kv_from_vllm(
     block_size: int,
     group_of: Mapping[str, int] | None = None,
     sliding: Sequence[bool] = (),
+    states: Sequence[bool] = (),
 ) -> tuple[EngineKV, KVLayout, str]:
     """The adapter over vLLM's ``kv_caches`` (layer name -> tensor, in model order), the host page
     layout it needs, and the engine format name. ``group_of``: each layer's KV cache group (vLLM's
     hybrid allocator gives each group its own block table); ``sliding``: per group, whether it frees
-    the blocks behind its window (its null block then stands for a page it no longer holds)."""
+    the blocks behind its window (its null block then stands for a page it no longer holds);
+    ``states``: per group, whether it is a recurrent-state (Mamba) group."""
     if not kv_caches:
         raise KVLayoutError("vLLM registered no KV cache tensors")
+    if any(states):
+        return _engine_kv_with_states(kv_caches, num_blocks, block_size, group_of or {}, sliding, states)
     parts: list[torch.Tensor] = []
     groups: list[int] = []
     layers: list[int] = []  # each part's layer, in kv_caches order (the connector's layer index)
@@ -102,6 +115,61 @@ def engine_kv_from_vllm(
     layout = KVLayout(len(kv_caches), 1, per_layer // (2 * block_size), dtype, block_size)
     nullable = [g for g, s in enumerate(sliding) if s]
     return EngineKV(parts, groups, nullable, layers), layout, f"vllm{formats[0]}{dtype}"
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.uint8:
+        return t
+    if t.dim() == 0 or t.stride(-1) != 1:
+        raise KVLayoutError(
+            f"a KV tensor of shape {tuple(t.shape)} strides {t.stride()}: its last dimension is not dense"
+        )
+    return t.view(torch.uint8)
+
+
+def _engine_kv_with_states(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    group_of: Mapping[str, int],
+    sliding: Sequence[bool],
+    states: Sequence[bool],
+) -> tuple[EngineKV, KVLayout, str]:
+    """``engine_kv_from_vllm`` for a model with a Mamba group: every layer's block as bytes (a state
+    block and an attention block differ in size and format), and a flag part in the first state
+    group, sized so that the page splits into the host layout's K and V of ``block_size`` tokens."""
+    parts: list[torch.Tensor] = []
+    groups: list[int] = []
+    layers: list[int] = []
+    formats: list[str] = []
+    for index, (name, tensor) in enumerate(kv_caches.items()):
+        if name not in group_of:
+            raise KVLayoutError(f"layer {name} is in no KV cache group")
+        # a state layer may hand over one tensor per state (conv, SSM): all of them are its layer's
+        tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+        for t in tensors:
+            layer, fmt = layer_parts(_as_bytes(t), num_blocks)
+            groups += [group_of[name]] * len(layer)
+            layers += [index] * len(layer)
+            parts.extend(layer)
+            formats.append(f"{fmt}{t.dtype}")
+    num_layers = len(kv_caches)
+    unit = num_layers * 2 * block_size  # the host layout's bytes per unit of head_dim
+    total = sum(int(p.shape[1]) for p in parts)
+    head_dim = total // unit + 1
+    flag_bytes = head_dim * unit - total
+    flags = torch.ones(num_blocks, flag_bytes, dtype=torch.uint8, device=parts[0].device)
+    flags[NULL_BLOCK] = 0
+    state_group = next(g for g, s in enumerate(states) if s)
+    parts.append(flags)
+    groups.append(state_group)
+    layers.append(layers[-1])  # copied with the last layer (no layer of its own for copies by layer)
+    layout = KVLayout(num_layers, 1, head_dim, torch.uint8, block_size)
+    nullable = [g for g, s in enumerate(sliding) if s]
+    kv = EngineKV(parts, groups, nullable, layers, states=[g for g, s in enumerate(states) if s])
+    kv.state_flag_part = len(parts) - 1
+    described = ";".join(formats)
+    return kv, layout, f"vllm[{described}];{STATE_FLAG}{flag_bytes}"
 
 
 def page_ids(kv: EngineKV, blocks: Sequence[Sequence[int]], *, save: bool) -> list[int]:

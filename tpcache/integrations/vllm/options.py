@@ -283,5 +283,5 @@ def unshared_reason(vllm_config: Any, num_groups: int) -> str:
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
         return "context-parallel ranks each hold some of a page's tokens, not whole KV heads"
     if num_groups > 1:
-        return f"a model with {num_groups} KV cache groups (sliding-window layers) keeps the per-rank layout"
+        return f"a model with {num_groups} KV cache groups (sliding-window or Mamba layers) keeps the per-rank layout"
     return ""

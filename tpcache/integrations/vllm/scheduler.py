@@ -18,6 +18,12 @@ are in tpcache). When vLLM asks for it again, it is looked up again over every t
 that what it saved is loaded back instead of computed again. Likewise a request still waiting
 whose hit another request's save has since extended (the page after its hit, by vLLM's block hash)
 is looked up again, at most ``MAX_REFRESHES`` times, before vLLM allocates for it.
+
+A Mamba group (``state_groups``) has one block per request, which holds the state after the tokens
+computed so far. A save names it for the page that ends where the step's tokens end (the state of
+that boundary, copied after the step's forward pass, before the next one overwrites it) and the
+null block for every other page (stored as "no state"). A load names it for the hit's last page:
+the workers' hit already ends at a page that carries its state.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tpcache.integrations.vllm.layout import NULL_BLOCK
 from tpcache.integrations.vllm.logs import LOGGER
 from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
@@ -57,8 +64,9 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, kv_cache_manager: Any = None) -> None:
+    def __init__(self, block_size: int, kv_cache_manager: Any = None, state_groups: Sequence[int] = ()) -> None:
         self.block_size = block_size
+        self.state_groups = frozenset(state_groups)
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, _Request] = {}
         self.ops: list[tuple] = []
@@ -109,6 +117,8 @@ class SchedulerSide:
         state.local = num_computed_tokens
         # vLLM computes at least the last prompt token itself (it samples from its logits).
         usable = min(state.hit, (request.num_tokens - 1) // self.block_size * self.block_size)
+        if self.state_groups and usable != state.hit:
+            usable = 0  # the state tpcache holds is the one at the hit's end, no shorter one
         extra = usable - num_computed_tokens
         return (extra, True) if extra > 0 else (0, False)
 
@@ -121,7 +131,10 @@ class SchedulerSide:
             return
         first = state.local // self.block_size
         pages = num_external_tokens // self.block_size
-        blocks = [list(group[first : first + pages]) for group in block_ids]
+        blocks = [
+            [NULL_BLOCK] * (pages - 1) + list(group[:1]) if g in self.state_groups else list(group[first:][:pages])
+            for g, group in enumerate(block_ids)
+        ]
         self.ops.append((LOAD, request.request_id, first, blocks))
         state.loading = True
         state.load_blocks = tuple(b for group in blocks for b in group)
@@ -249,12 +262,21 @@ class SchedulerSide:
             if self.kv_cache_manager is None:
                 return
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        pages = min(pages, *(len(group) for group in block_ids))
+        pages = min(pages, *(len(group) for g, group in enumerate(block_ids) if g not in self.state_groups))
         if pages <= state.saved_pages:
             return
+        # A state block holds the state after ``computed`` tokens: the state of the last page's
+        # boundary only when they end there.
+        with_state = computed == pages * self.block_size
+        named = [
+            [NULL_BLOCK] * (pages - 1) + ([group[0]] if with_state and group else [NULL_BLOCK])
+            if g in self.state_groups
+            else list(group[:pages])
+            for g, group in enumerate(block_ids)
+        ]
         end = pages * self.block_size
         new = list(request.all_token_ids[state.sent_tokens : end]) if end > state.sent_tokens else []
         state.sent_tokens = max(state.sent_tokens, end)
         self._remember_saved(request, state.saved_pages, pages)
         state.saved_pages = pages
-        self.ops.append((SAVE, request.request_id, new, pages, [list(group[:pages]) for group in block_ids]))
+        self.ops.append((SAVE, request.request_id, new, pages, named))

@@ -241,7 +241,7 @@ class WorkerSide:
                     state.lease = cache.lock(state.tokens)[0]
                     if cache.config.storage and waiting and cache.prefetch(state.lease):
                         continue
-            hit = 0 if closed or state.lease is None else cache.hit_pages(state.lease) * self.page_size
+            hit = 0 if closed or state.lease is None else self._hit_pages(state) * self.page_size
             storage = min(ready * self.page_size, hit)
             out.report.hits[req] = (hit, storage)
             state.reported = True
@@ -268,6 +268,16 @@ class WorkerSide:
                 del self.sending[req]
         out.report.busy = not self.idle()
         return out
+
+    def _hit_pages(self, state: _Lookup) -> int:
+        """The lookup's hit in pages. With a recurrent-state (Mamba) group it ends at a page that
+        carries its state, and before the prompt's last token (vLLM computes that one itself, so
+        the state of every boundary past it is never asked for)."""
+        cache = self.cache
+        assert state.lease is not None
+        if cache.engine_kv.state_flag_part is None:
+            return cache.hit_pages(state.lease)
+        return cache.state_hit_pages(state.lease, (len(state.tokens) - 1) // self.page_size)
 
     def waiting(self) -> dict[str, Any]:
         """What this rank still has to report (for logs when an engine seems stuck)."""
@@ -315,6 +325,7 @@ class WorkerSide:
         out["page_size"] = self.page_size
         out["kv_groups"] = self.cache.engine_kv.num_groups  # vLLM's KV cache groups in a page
         out["sliding_groups"] = sorted(self.cache.engine_kv.nullable)
+        out["state_groups"] = sorted(self.cache.engine_kv.states)  # Mamba groups
         out["closed_reason"] = self.cache.core.closed_reason or ""
         out["flush_requested"] = int(self.cache.core.flush_requested)
         out["drained"] = int(self.cache.shell.drained())
