@@ -26,6 +26,12 @@ Two more figures say whether the model is one a cache can speed up, and what tpc
   tpcache's own threads, against the worker's CPU time per engine step
   (``tpcache.integrations.vllm.timing``), per rank, median of the passes.
   ``--workload zero-hit`` sends prompts that share nothing, so tpcache only saves: its pure cost.
+
+``load_wait_steps`` counts the engine steps requests sat out of the batch waiting for their loads
+(vLLM's ``vllm:tpcache_load_wait_steps_total``): none where tpcache loads synchronously (its
+``load_mode``), at least one per load otherwise. ``--model gemma2`` runs a random Gemma 2 of the
+same size instead (sliding-window and full layers interleaved: two KV cache groups, which load
+asynchronously). ``load_average`` is the machine's at the end of the run.
 """
 
 from __future__ import annotations
@@ -139,6 +145,19 @@ def copy_seconds_per_page(args: argparse.Namespace) -> float:
     return statistics.median(times[20:])
 
 
+def load_wait_steps() -> float:
+    """vLLM's counter of engine steps requests sat out of the batch for their tpcache loads (this
+    process's Prometheus registry, where vLLM's stat logger keeps it)."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name == "vllm:tpcache_load_wait_steps_total"
+    )
+
+
 def connector_cpu(llm: Any) -> dict[str, Any]:
     """Per rank: the connector's CPU (hooks + tpcache's threads) against the worker's step CPU."""
     from tpcache.integrations.vllm.timing import timing_stats
@@ -186,6 +205,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
             llm.reset_prefix_cache(reset_connector=tpcache)
             llm.generate([{"prompt_token_ids": [5, 5]}], params, use_tqdm=False)
             before = tier_stats(llm) if tpcache else {}
+            waits_before = load_wait_steps()
             if tpcache:
                 from tpcache.integrations.vllm.timing import reset_timing
 
@@ -209,6 +229,8 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
                         ttft.append(stats.first_token_latency)
             seconds = time.perf_counter() - start
             after = tier_stats(llm) if tpcache else {}
+            llm.generate([{"prompt_token_ids": [5, 5]}], params, use_tqdm=False)  # the last stats reach vLLM
+            waits = load_wait_steps() - waits_before
             tiers = {k: after[k] - before[k] for k in after}
             cpu = connector_cpu(llm) if tpcache else None
             passes.append(
@@ -223,6 +245,7 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
                     "cached_per_request": split,
                     "tiers": tiers,
                     "connector_cpu": cpu,
+                    "load_wait_steps": waits,
                 }
             )
     finally:
@@ -244,10 +267,22 @@ def run_engine(args: argparse.Namespace, model: Path, prompts: list[list[int]], 
         "requests_per_s_spread": [min(rps), max(rps)],
         "prefill_tokens_computed": statistics.median(p["prefill_tokens_computed"] for p in passes),
         "ttft_p50_s": statistics.median(p["ttft_p50_s"] for p in passes),
+        "ttft_p50_spread_s": [min(p["ttft_p50_s"] for p in passes), max(p["ttft_p50_s"] for p in passes)],
         "ttft_p90_s": statistics.median(p["ttft_p90_s"] for p in passes),
+        "ttft_p90_spread_s": [min(p["ttft_p90_s"] for p in passes), max(p["ttft_p90_s"] for p in passes)],
+        "load_wait_steps": statistics.median(p["load_wait_steps"] for p in passes),
         "hit_tokens": {"vllm_prefix_cache": best["cached_tokens"] - sum(best["tiers"].values()), **best["tiers"]},
         "outputs": best["outputs"],
         "cached_per_request": best["cached_per_request"],
+    }
+
+
+def ratios(without: dict[str, Any], with_tp: dict[str, Any]) -> dict[str, float | None]:
+    return {
+        "prefill_tokens_computed": with_tp["prefill_tokens_computed"] / max(1, without["prefill_tokens_computed"]),
+        "ttft_p50": with_tp["ttft_p50_s"] / without["ttft_p50_s"] if without["ttft_p50_s"] else None,
+        "ttft_p90": with_tp["ttft_p90_s"] / without["ttft_p90_s"] if without["ttft_p90_s"] else None,
+        "requests_per_s": with_tp["requests_per_s"] / without["requests_per_s"],
     }
 
 
@@ -278,19 +313,48 @@ def main() -> int:
     ap.add_argument(
         "--connector-options", default="{}", help="more connector settings, as JSON (e.g. '{\"copy_by_layer\": false}')"
     )
+    ap.add_argument(
+        "--model",
+        choices=["llama", "gemma2"],
+        default="llama",
+        help="gemma2: a random Gemma 2 of the same size, sliding-window and full layers interleaved (two KV "
+        "cache groups under vLLM's hybrid allocator); --window sets its window",
+    )
+    ap.add_argument("--window", type=int, default=512, help="gemma2's sliding window, in tokens")
+    ap.add_argument(
+        "--load-modes",
+        default="",
+        help="run the engine with tpcache once per connector load_mode listed (e.g. async,sync) against the same "
+        "plain-vLLM run; by_load_mode gives each one's ratios, the rest of the output is the last one's",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-    from tpcache.testing.tiny_model import make_tiny_llama
+    from tpcache.testing.tiny_model import make_tiny_gemma2, make_tiny_llama
 
     prompts = workload(args)
     if not prompts:
         ap.error(f"no request of the workload fits --max-model-len {args.max_model_len}: raise it")
     with tempfile.TemporaryDirectory(prefix="tpcache-bench-vllm-") as tmp:
-        model = make_tiny_llama(
+        model = (
+            make_tiny_gemma2(
+                Path(tmp) / "model",
+                num_layers=args.layers,
+                sliding_window=args.window,
+                hidden_size=args.hidden,
+                num_heads=args.heads,
+                num_kv_heads=args.kv_heads,
+                head_dim=args.hidden // args.heads,
+                vocab_size=args.vocab,
+                std=args.hidden**-0.5,
+            )
+            if args.model == "gemma2"
+            else None
+        )
+        model = model or make_tiny_llama(
             Path(tmp) / "model",
             num_layers=args.layers,
             hidden_size=args.hidden,
@@ -306,7 +370,26 @@ def main() -> int:
         )
         copy_page_s = copy_seconds_per_page(args)
         without = run_engine(args, model, prompts, tpcache=False)
-        with_tp = run_engine(args, model, prompts, tpcache=True)
+        by_mode = {}
+        base_options = args.connector_options
+        for mode in args.load_modes.split(",") if args.load_modes else [""]:
+            if mode:
+                args.connector_options = json.dumps({**json.loads(base_options), "load_mode": mode})
+            by_mode[mode] = run_engine(args, model, prompts, tpcache=True)
+        with_tp = by_mode[mode]
+    modes = {
+        mode: {
+            "ratios": ratios(without, run),
+            "ttft_p50_spread_s": run["ttft_p50_spread_s"],
+            "ttft_p90_spread_s": run["ttft_p90_spread_s"],
+            "load_wait_steps": run["load_wait_steps"],
+            "requests_with_different_tokens": sum(
+                a != b for a, b in zip(without["outputs"], run["outputs"], strict=True)
+            ),
+        }
+        for mode, run in by_mode.items()
+        if mode
+    }
     plain, cached = without.pop("outputs"), with_tp.pop("outputs")
     split_plain, split_cached = without.pop("cached_per_request"), with_tp.pop("cached_per_request")
     per_request = [
@@ -323,7 +406,15 @@ def main() -> int:
     result = {
         "bench": "vllm",
         "tp": args.tp,
-        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads},
+        "model": {
+            "kind": args.model,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            **({"window": args.window} if args.model == "gemma2" else {}),
+        },
+        "load_average": os.getloadavg(),
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "vllm_blocks": args.vllm_blocks,
@@ -335,13 +426,10 @@ def main() -> int:
         "tokens_identical": identical,
         "requests_with_different_tokens": differing,
         "per_request": per_request,
-        "ratios": {
-            "prefill_tokens_computed": with_tp["prefill_tokens_computed"] / max(1, without["prefill_tokens_computed"]),
-            "ttft_p50": with_tp["ttft_p50_s"] / without["ttft_p50_s"] if without["ttft_p50_s"] else None,
-            "ttft_p90": with_tp["ttft_p90_s"] / without["ttft_p90_s"] if without["ttft_p90_s"] else None,
-            "requests_per_s": with_tp["requests_per_s"] / without["requests_per_s"],
-        },
+        "ratios": ratios(without, with_tp),
+        **({"by_load_mode": modes} if modes else {}),
     }
+    identical = identical and not any(m["requests_with_different_tokens"] for m in modes.values())
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.engine.test_external_pages import engine_kv, make, run_ranks, toks
+from tests.engine.test_external_pages import block, engine_kv, make, run_ranks, same, toks
 from tpcache.integrations.vllm.faults import FaultPlan
 from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, StepOps
 from tpcache.integrations.vllm.worker import WorkerSide
@@ -22,7 +22,8 @@ def run_steps(
     def body(rank: int, collective: Any) -> list[dict[str, Any]]:
         faults = FaultPlan({}, rank)
         hooks = {"before_copy": faults.before_copy, "after_copy": faults.after_copy, "hold": faults.hold}
-        cache = make(engine_kv(rank), collective, layered=layered, layer_delay=faults.layer_delay, **hooks)
+        kv = engine_kv(rank)
+        cache = make(kv, collective, layered=layered, layer_delay=faults.layer_delay, **hooks)
         faults.transfer = cache.transfer
         worker = WorkerSide(cache, faults=faults)
         out = []
@@ -30,6 +31,10 @@ def run_steps(
             if arm and step in arm:
                 faults.arm(arm[step])
             meta = StepOps(step, schedule.get(step, []))
+            before_forward: dict[str, Any] = {}
+            if not layered:  # as the connector's start_load_kv: the sync loads leading the step first
+                worker.begin_step(meta, sync_loads_only=True)
+                before_forward = {"requests": sorted(worker.requests), "7=1": same(block(kv, 7), block(kv, 1))}
             if layered:
                 worker.begin_step(meta)
                 for layer in range(cache.engine_kv.num_layers):
@@ -44,6 +49,8 @@ def run_steps(
                     "sent": sorted(result.finished_sending),
                     "recv": sorted(result.finished_recving),
                     "invalid": sorted(result.invalid_blocks),
+                    "sync": dict(result.report.sync_loads),
+                    "before_forward": before_forward,
                     "closed": worker.cache.core.closed,
                     "digest": worker.cache.core.digest.value,
                     "leases": len(worker.cache.core.leases),
@@ -85,8 +92,8 @@ def test_copies_by_layer_on_a_slow_rank_report_what_whole_copies_report() -> Non
     whole = run_steps(SAVE_THEN_LOAD, 7)
     layered = run_steps(SAVE_THEN_LOAD, 7, arm={0: {"delay_copies": {"rank": 1, "seconds": 0.01}}}, layered=True)
     for a, b in zip(whole, layered, strict=True):
-        assert [{k: v for k, v in s.items() if k != "copies"} for s in a] == [
-            {k: v for k, v in s.items() if k != "copies"} for s in b
+        assert [{k: v for k, v in s.items() if k not in ("copies", "before_forward")} for s in a] == [
+            {k: v for k, v in s.items() if k not in ("copies", "before_forward")} for s in b
         ]
     copies = [r[-1]["copies"] for r in layered]
     assert all(c["save_layers_by_hook"] > 0 and c["check_failures"] == 0 for c in copies), copies
@@ -119,3 +126,28 @@ def test_a_divergence_closes_both_ranks_and_an_agreed_flush_reopens_them_equal()
         assert not any(s["closed"] for s in steps[3:])
         assert steps[6]["sent"] == ["a", "b"] and steps[8]["leases"] == 0
     assert [s["digest"] for s in ranks[0][3:]] == [s["digest"] for s in ranks[1][3:]]
+
+
+# The load of SAVE_THEN_LOAD made sync, leading a step that also looks "c" up.
+SYNC_LOAD = {
+    **SAVE_THEN_LOAD,
+    4: [(LOAD, "b", 1, [[7, 8]], True), (LOOKUP, "c", toks(9))],
+    5: [(RELEASE, "b", True), (RELEASE, "c", False)],
+}
+
+
+def test_a_sync_load_lands_before_the_rest_of_its_step_and_is_reported_in_the_same_step() -> None:
+    for steps in run_steps(SYNC_LOAD, 7):
+        # copied in start_load_kv (before vLLM's forward pass), before the step's other operations
+        assert steps[4]["before_forward"] == {"requests": ["b"], "7=1": True}
+        assert steps[4]["sync"] == {"b": True} and steps[4]["invalid"] == []
+        assert steps[4]["recv"] == []  # vLLM scheduled the request: it waits for no finished load
+        assert steps[5]["sent"] == ["b"] and steps[6]["leases"] == 0
+        assert steps[3]["before_forward"]["7=1"] is False  # the blocks differed before the load
+
+
+def test_a_sync_load_failing_on_one_rank_is_invalid_on_every_rank_in_its_own_step() -> None:
+    ranks = run_steps(SYNC_LOAD, 7, arm={4: {"fail_loads": {"rank": 1, "count": 1}}})
+    assert [r[4]["before_forward"]["7=1"] for r in ranks] == [True, False]
+    assert [(r[4]["invalid"], r[4]["sync"], r[4]["recv"]) for r in ranks] == [([7, 8], {"b": False}, [])] * 2
+    assert [s["digest"] for s in ranks[0]] == [s["digest"] for s in ranks[1]]

@@ -134,3 +134,69 @@ def test_copy_by_layer_is_true_false_or_auto_and_auto_follows_where_the_kv_is() 
     assert copies_by_layer(True, cpu) is True and copies_by_layer(False, cpu) is False
     if torch.cuda.is_available():
         assert copies_by_layer("auto", {"layers.0": torch.zeros(2, 4, device="cuda")}) is True
+
+
+def test_load_mode_is_auto_sync_or_async_and_several_kv_cache_groups_load_asynchronously() -> None:
+    from tpcache.integrations.vllm.connector import sync_loads
+
+    assert ConnectorOptions.from_extra_config({}).load_mode == "auto"
+    for bad in ("eager", True, None):
+        with pytest.raises(ConfigError, match='load_mode must be "auto", "sync" or "async"'):
+            ConnectorOptions.from_extra_config({"load_mode": bad})
+    one, two = [(["l0"], False)], [(["l0"], False), (["l1"], True)]
+    assert [sync_loads(m, one) for m in ("auto", "sync", "async")] == [True, True, False]
+    assert [sync_loads(m, two) for m in ("auto", "async")] == [False, False]  # vLLM refuses invalid blocks there
+    with pytest.raises(ConfigError, match='load_mode "sync" needs one KV cache group, this model has 2'):
+        sync_loads("sync", two)
+
+
+def test_a_sync_load_leads_its_step_and_no_save_names_a_block_it_wrote_until_it_is_reported() -> None:
+    r = Req("a", list(range(13)), blocks=[10, 11, 12, 13])
+    other = Req("o", list(range(100, 109)), blocks=[20, 21, 22])
+    side = SchedulerSide(B, Manager(r, other), sync_loads=True)
+    side.num_new_matched_tokens(r, 0)
+    side.num_new_matched_tokens(other, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"a": (12, 0), "o": (0, 0)}), None)
+    assert side.num_new_matched_tokens(r, 4) == (8, False)  # vLLM schedules it in this step
+    side.request_finished(Req("gone", [1]), ([],))  # an op queued before the load
+    side.update_state_after_alloc(r, (r.blocks,), 8)
+    r.num_computed_tokens = 12  # vLLM counts the loaded tokens computed; the step computes the 13th
+    # the load leads; a's saves wait for its outcome, a request sharing none of its blocks saves
+    assert side.build_meta(output(a=1, o=8)).ops == [
+        (LOAD, "a", 1, [[11, 12]], True),
+        (SAVE, "o", [], 2, [[20, 21]]),
+    ]
+    other.blocks = [20, 11, 22]  # as if vLLM's prefix cache gave it a block the load wrote
+    other.all_token_ids.extend(range(4))
+    other.num_computed_tokens = 8
+    assert side.build_meta(output(a=1, o=4)).ops == []  # neither saves: the outcome is not reported
+    side.update_from_output(WorkerReport(sync_loads={"a": True}), None)
+    r.num_computed_tokens, other.num_computed_tokens = 13, 12
+    ops = side.build_meta(output(a=1, o=1)).ops
+    assert [(op[0], op[1], op[3]) for op in ops] == [(SAVE, "a", 3), (SAVE, "o", 3)]
+
+
+def test_a_failed_sync_load_is_not_offered_again_and_its_pages_are_not_saved_before_it_was_reported() -> None:
+    r = Req("a", list(range(13)), blocks=[1, 2, 3, 4])
+    side = SchedulerSide(B, Manager(r), sync_loads=True)
+    side.num_new_matched_tokens(r, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
+    side.update_state_after_alloc(r, (r.blocks,), 12)
+    r.num_computed_tokens = 12
+    assert side.request_finished(r, (r.blocks,)) is True  # aborted: vLLM keeps the blocks until released
+    assert side.build_meta(output()).ops == [(LOAD, "a", 0, [[1, 2, 3]], True), (RELEASE, "a", True)]
+    merged = WorkerReport(sync_loads={"a": True}).aggregate(WorkerReport(sync_loads={"a": False}))
+    assert merged.sync_loads == {"a": False}  # one rank without the pages fails it on every rank
+    r2 = Req("b", list(range(13)), blocks=[5, 6, 7, 8])
+    side = SchedulerSide(B, Manager(r2), sync_loads=True)
+    side.num_new_matched_tokens(r2, 0)
+    side.build_meta(output())
+    side.update_from_output(WorkerReport(hits={"b": (12, 0)}), None)
+    side.update_state_after_alloc(r2, (r2.blocks,), 12)
+    side.build_meta(output(b=1))
+    side.update_from_output(merged.aggregate(WorkerReport(sync_loads={"b": False})), None, {5, 6, 7})
+    assert side.requests["b"].load_failed and not side.unconfirmed
+    side.requests["b"].preemptions = 0
+    assert side.num_new_matched_tokens(r2, 0) == (0, False)

@@ -163,7 +163,9 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
             },
             {
                 "name": "fresh",
-                "connector": connector,
+                # loads asynchronous (the request waits out of the batch for them); "conn" loads
+                # synchronously, as "auto" does with one KV cache group
+                "connector": {**connector, "load_mode": "async"},
                 "log_stats": True,
                 "kv_events": True,
                 # page 3 of the two prompts that have one: their hit stops a page short

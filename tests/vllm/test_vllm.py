@@ -163,6 +163,10 @@ def test_tpcache_counts_reach_vllms_own_metrics(runs: dict[str, Any]) -> None:
         assert end.get("vllm:tpcache_closes_total", 0) == 0
     fresh = runs["fresh"]["metrics"]
     assert fresh["vllm:tpcache_hit_tokens_total/storage"] > 0
+    # "conn" loads synchronously (one KV cache group, load_mode "auto"): no request sat out of the
+    # batch for its load; "fresh" loads asynchronously: each of its loads did, a step at least
+    assert end.get("vllm:tpcache_load_wait_steps_total", 0) == 0
+    assert fresh["vllm:tpcache_load_wait_steps_total"] > 0
     # vLLM's KV events are on in both engines: the pages tpcache named under vLLM's block hashes
     for engine, metrics in (("conn", end), ("fresh", fresh)):
         assert metrics["vllm:tpcache_event_pages_mapped_total"] > 0, engine

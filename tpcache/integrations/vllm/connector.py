@@ -42,6 +42,7 @@ from tpcache.integrations.vllm.options import (
 from tpcache.integrations.vllm.scheduler import SchedulerSide
 from tpcache.integrations.vllm.stats import Increments, TPCachePromMetrics, TPCacheStats
 from tpcache.integrations.vllm.worker import StepResult, WorkerSide
+from tpcache.service.config import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -144,7 +145,11 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._changes: kv_events.ChangeCollector | None = None  # the rounds' changes (worker, TP rank 0)
         if role == KVConnectorRole.SCHEDULER:
             state_groups = [g for g, (_, _, m) in enumerate(self.groups) if m]
-            self.scheduler = SchedulerSide(self.block_size, state_groups=state_groups)
+            self.scheduler = SchedulerSide(
+                self.block_size,
+                state_groups=state_groups,
+                sync_loads=sync_loads(self.options.load_mode, self.groups),
+            )
             if kv_events.enabled(vllm_config):
                 self.events = kv_events.BlockEvents(
                     self.block_size, page_namespace(self.options.namespace, self.model_name)
@@ -265,7 +270,7 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         from tpcache.integrations.vllm.faults import FaultPlan
         from tpcache.integrations.vllm.layout import engine_kv_from_vllm
         from tpcache.io.memory import format_bytes
-        from tpcache.service.config import ConfigError, format_kv_layout
+        from tpcache.service.config import format_kv_layout
 
         tp = get_tp_group()
         rank, world = tp.rank_in_group, tp.world_size
@@ -404,8 +409,10 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._begun = False
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._layers:
-            self._begin()  # the step's loads start (already, where a layer hook came first)
+        """Before the forward pass where the step has sync loads (after it otherwise): by layer, the
+        step's operations start (already, where a layer hook came first); else its sync loads are
+        copied here and the rest waits for ``wait_for_save``."""
+        self._begin(sync_loads_only=not self._layers)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._layers:
@@ -426,14 +433,15 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._step()
 
-    def _begin(self) -> None:
-        """Apply this step's operations, once, at the step's first hook."""
+    def _begin(self, sync_loads_only: bool = False) -> None:
+        """Apply this step's operations, once, at the step's first hook (``sync_loads_only``: the
+        sync loads that lead them)."""
         if self._begun or self.worker is None:
             return
-        self._begun = True
+        self._begun = not sync_loads_only
         meta = self._connector_metadata if isinstance(self._connector_metadata, StepOps) else None
         try:
-            self.worker.begin_step(meta)
+            self.worker.begin_step(meta, sync_loads_only)
         except Exception as exc:  # noqa: BLE001 - a bug here must not take vLLM down with it
             log.exception("tpcache: applying the step's operations failed on this rank; the cache closes")
             self.worker.fail(f"engine step failed: {exc}")
@@ -488,6 +496,21 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+
+def sync_loads(mode: str, groups: list[tuple[list[str], bool]]) -> bool:
+    """``load_mode``'s value for this model. vLLM recomputes a failed sync load from the invalid
+    block ids a connector reports, which name a block only within one KV cache group: with several
+    groups (vLLM's hybrid allocator) its scheduler refuses them and takes failed loads by request
+    only from requests still waiting for an async load. So several groups load asynchronously."""
+    if len(groups) == 1:
+        return mode != "async"
+    if mode == "sync":
+        raise ConfigError(
+            f'kv_connector_extra_config: load_mode "sync" needs one KV cache group, this model has {len(groups)} '
+            '(vLLM cannot recompute a failed sync load there); use "auto" or "async"'
+        )
+    return False
 
 
 def copies_by_layer(setting: bool | str, kv_caches: dict[str, torch.Tensor]) -> bool:

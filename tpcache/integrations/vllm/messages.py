@@ -18,7 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 # Operations, as plain tuples (cheap to pickle to every worker):
 #   ("lookup", req_id, token_ids)                     lock the longest cached prefix, prefetch from storage
-#   ("load", req_id, first_page, block_ids)           copy hit pages first_page.. into the request's blocks
+#   ("load", req_id, first_page, block_ids[, sync])   copy hit pages first_page.. into the request's blocks
+#                                                     (sync: before this step's forward pass; sync loads
+#                                                     lead the step's operations)
 #   ("save", req_id, new_token_ids, pages, block_ids) the request's first `pages` pages are in block_ids
 #   (block_ids: one list per KV cache group, one block per page; a sliding-window group's null block
 #   is a page it no longer holds)
@@ -39,6 +41,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     hits: dict[str, tuple[int, int]] = field(default_factory=dict)
     closed: bool = False
     busy: bool = False  # a worker still has copies or releases to agree: vLLM should keep stepping
+    sync_loads: dict[str, bool] = field(default_factory=dict)  # this step's sync loads: landed on every rank?
     changes: list[tuple] | None = None  # TP rank 0, with vLLM's KV events on: the rounds' changes (events.py)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
@@ -49,8 +52,11 @@ class WorkerReport(KVConnectorWorkerMetadata):
             a, b = self.hits.get(req, (0, 0)), other.hits.get(req, (0, 0))
             total = min(a[0], b[0])
             hits[req] = (total, min(max(a[1], b[1]), total))
+        synced = sorted(self.sync_loads.keys() | other.sync_loads.keys())
+        sync = {r: self.sync_loads.get(r, False) and other.sync_loads.get(r, False) for r in synced}
         return WorkerReport(
             hits=hits,
+            sync_loads=sync,
             closed=self.closed or other.closed,
             busy=self.busy or other.busy,
             changes=self.changes or other.changes,

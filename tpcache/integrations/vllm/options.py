@@ -29,6 +29,7 @@ from tpcache.service.config import ConfigError, ServiceConfig
 
 DEFAULT_HOST_FRACTION = 0.1  # of the least memory any TP rank has available at start, shared by the ranks
 DEFAULT_HOST_CAP_BYTES = 8 << 30  # per rank
+LOAD_MODES = ("auto", "sync", "async")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -64,6 +65,12 @@ class ConnectorOptions:
         "true: copy by attention layer during vLLM's forward pass (a copy thread; a side CUDA stream on a "
         "GPU); false: every copy after the forward pass; auto: true where vLLM's KV is on a GPU, false on CPU",
     )
+    load_mode: str = _opt(
+        "auto",
+        "sync: a hit is copied into vLLM's blocks before the forward pass of the step that schedules it; "
+        "async: the request waits out of the batch until every rank agreed its load; auto: sync where vLLM "
+        "recomputes a failed sync load (one KV cache group), else async",
+    )
     fault_injection: dict = field(
         default_factory=dict, metadata={"help": "tests only: faults to inject (tpcache.integrations.vllm.faults)"}
     )
@@ -85,6 +92,10 @@ class ConnectorOptions:
             if name == "copy_by_layer":
                 values[name] = value
                 continue
+            if name == "load_mode" and value not in LOAD_MODES:
+                raise ConfigError(
+                    f'kv_connector_extra_config: load_mode must be "auto", "sync" or "async", got {value!r}'
+                )
             kind = dict if name == "fault_injection" else type(fields[name].default)
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)

@@ -3,9 +3,18 @@
 A new request's lookup goes to the workers in the next step's ``StepOps``; until the workers'
 agreed result has come back (``WorkerReport``, the minimum over ranks, computed after a round that
 passed with every rank equal), ``num_new_matched_tokens`` answers None and vLLM asks again next
-step. A hit is loaded asynchronously: the request waits in WAITING_FOR_REMOTE_KVS until every
-worker reported the load's agreed outcome; pages that did not land on every rank come back as
-invalid blocks and vLLM recomputes them.
+step. An agreed hit is pages on the host tier that the request's lease pins (storage pages are
+read into the host tier before the hit is reported), so it can be loaded in either of vLLM's ways:
+
+- synchronously (``sync``): vLLM schedules the request in the step that allocates its blocks, and
+  the workers copy the pages before that step's forward pass reads them (the step's sync loads
+  lead its operations). Pages that did not land on every rank come back, in the same step, as
+  invalid blocks: vLLM drops what the step computed for the request and computes again from the
+  first of them. Until that outcome is reported no save names a block the load wrote, nor one of a
+  request that read it (KV computed from a failed load never reaches tpcache).
+- asynchronously: the request waits in WAITING_FOR_REMOTE_KVS until every worker reported the
+  load's agreed outcome; pages that did not land on every rank come back as invalid blocks (by
+  request with several KV cache groups) and vLLM recomputes them.
 
 Per scheduled request the full pages computed by the end of a step are saved (their blocks named
 in the same step's ops, copied by the workers after the forward pass). A finished request's last
@@ -61,15 +70,30 @@ class _Request:
     lookup_step: int = 0  # the step whose ops carried its last lookup
     refreshes: int = 0  # lookups repeated because a later save made the hit stale
     load_failed: bool = False  # a load of it failed on some rank: its hit is not offered again
+    load_step: int = 0  # the step whose ops carried its last load
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, kv_cache_manager: Any = None, state_groups: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        kv_cache_manager: Any = None,
+        state_groups: Sequence[int] = (),
+        *,
+        sync_loads: bool = False,
+    ) -> None:
+        """``state_groups``: the KV cache groups holding a recurrent state (one block a request).
+        ``sync_loads``: hits are loaded synchronously (see the module docstring); only with one KV
+        cache group, where vLLM can map invalid blocks back to requests."""
         self.block_size = block_size
         self.state_groups = frozenset(state_groups)
         self.kv_cache_manager = kv_cache_manager
+        self.sync_loads = sync_loads
         self.requests: dict[str, _Request] = {}
         self.ops: list[tuple] = []
+        self.sync_ops: list[tuple] = []  # this step's sync loads: they lead the step's operations
+        # request -> blocks of its sync load whose outcome is not reported yet (no save names them)
+        self.unconfirmed: dict[str, set[int]] = {}
         self.step = 0
         self._waiting: list[str] = []  # requests waiting at the last stall check
         self.workers_busy = False  # the last report said some worker has copies or releases to agree
@@ -86,6 +110,7 @@ class SchedulerSide:
             "preemptions": 0,
             "preempted_loaded_tokens": 0,
             "preempted_recomputed_tokens": 0,
+            "load_wait_steps": 0,
         }
 
     # ------------------------------------------------------------------ vLLM hooks
@@ -120,7 +145,7 @@ class SchedulerSide:
         if self.state_groups and usable != state.hit:
             usable = 0  # the state tpcache holds is the one at the hit's end, no shorter one
         extra = usable - num_computed_tokens
-        return (extra, True) if extra > 0 else (0, False)
+        return (extra, not self.sync_loads) if extra > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -135,9 +160,14 @@ class SchedulerSide:
             [NULL_BLOCK] * (pages - 1) + list(group[:1]) if g in self.state_groups else list(group[first:][:pages])
             for g, group in enumerate(block_ids)
         ]
-        self.ops.append((LOAD, request.request_id, first, blocks))
-        state.loading = True
         state.load_blocks = tuple(b for group in blocks for b in group)
+        state.load_step = self.step
+        if self.sync_loads:
+            self.sync_ops.append((LOAD, request.request_id, first, blocks, True))
+            self.unconfirmed[request.request_id] = set(state.load_blocks)
+        else:
+            self.ops.append((LOAD, request.request_id, first, blocks))
+            state.loading = True
         host, storage = self.hit_sources(request, num_external_tokens)
         self.counters["hit_tokens_host"] += host
         self.counters["hit_tokens_storage"] += storage
@@ -168,8 +198,8 @@ class SchedulerSide:
             if waiting and waiting == self._waiting:
                 log.warning("tpcache: requests waiting on lookups or loads since step %d: %s", self.step, waiting)
             self._waiting = waiting
-        meta = StepOps(step=self.step, ops=self.ops)
-        self.ops = []
+        meta = StepOps(step=self.step, ops=self.sync_ops + self.ops)
+        self.ops, self.sync_ops = [], []
         self.step += 1
         return meta
 
@@ -186,9 +216,17 @@ class SchedulerSide:
                 state = self.requests.get(req_id)
                 if state is not None and state.hit is None:
                     state.hit, state.storage_hit = hit, storage
+            for req_id, landed in report.sync_loads.items():
+                # vLLM recomputes from the first invalid block of a failed one (same output)
+                self.unconfirmed.pop(req_id, None)
+                state = self.requests.get(req_id)
+                if state is not None and not landed:
+                    state.hit = 0
+                    state.load_failed = True
         for req_id in finished_recving or ():
             state = self.requests.get(req_id)
             if state is not None:
+                self.counters["load_wait_steps"] += self.step - state.load_step
                 state.loading = False
                 failed = failed_recving is not None and req_id in failed_recving
                 if failed or (invalid_blocks and not invalid_blocks.isdisjoint(state.load_blocks)):
@@ -265,6 +303,8 @@ class SchedulerSide:
         pages = min(pages, *(len(group) for g, group in enumerate(block_ids) if g not in self.state_groups))
         if pages <= state.saved_pages:
             return
+        if self.unconfirmed and self._reads_unconfirmed(block_ids, pages):
+            return  # named once the sync load it read is reported landed (or after vLLM recomputed)
         # A state block holds the state after ``computed`` tokens: the state of the last page's
         # boundary only when they end there.
         with_state = computed == pages * self.block_size
@@ -280,3 +320,9 @@ class SchedulerSide:
         self._remember_saved(request, state.saved_pages, pages)
         state.saved_pages = pages
         self.ops.append((SAVE, request.request_id, new, pages, named))
+
+    def _reads_unconfirmed(self, block_ids: Sequence[Sequence[int]], pages: int) -> bool:
+        """Whether the first ``pages`` blocks include one a sync load wrote whose outcome is not
+        reported yet (the request's own load, or vLLM's prefix cache sharing its block)."""
+        blocks = {b for group in block_ids for b in group[:pages]}
+        return any(not blocks.isdisjoint(loaded) for loaded in self.unconfirmed.values())

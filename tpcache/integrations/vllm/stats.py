@@ -29,6 +29,7 @@ COUNTERS: dict[str, str] = {
     "preemptions": "Requests vLLM preempted while tpcache served them",
     "preempted_loaded_tokens": "Tokens of preempted requests loaded back from tpcache instead of recomputed",
     "preempted_recomputed_tokens": "Tokens of preempted requests that vLLM computed again",
+    "load_wait_steps": "Engine steps requests sat out of the batch waiting for their asynchronous loads",
     "loaded_pages": "Pages copied from tpcache into vLLM's KV blocks (landed on every rank)",
     "failed_load_blocks": "KV blocks whose load failed on some rank (vLLM recomputes them)",
     "saved_pages": "Pages copied from vLLM's KV blocks into tpcache's host tier",

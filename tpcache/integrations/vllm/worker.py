@@ -3,17 +3,22 @@
 Once per engine step, at the step's first connector hook (``wait_for_layer_load`` of the first
 attention layer when vLLM runs a forward pass, else ``start_load_kv`` or ``wait_for_save``), the
 worker applies the step's ``StepOps`` in order to its ``EngineCache`` (lookups, loads, saves,
-releases: the same sequenced operations on every rank). The copies they issue go by layer: a load's
-layers are copied from then on and each is waited for before vLLM's attention reads that layer; a
-save's layer starts when vLLM hands the layer over (``save_kv_layer``), every layer it did not hand
-over at ``wait_for_save``. ``wait_for_save`` (every worker calls it every step, empty steps included,
-after the forward pass) waits for every copy of the step and then runs exactly one round. What it
-reports for the step is read from the state that round agreed:
+releases: the same sequenced operations on every rank). The copies they issue go by layer: a
+load's layers are copied from then on and each is waited for before vLLM's attention reads that
+layer; a save's layer starts when vLLM hands the layer over (``save_kv_layer``), every layer it did
+not hand over at ``wait_for_save``. With copies after the forward pass instead, the step's sync
+loads, which lead its operations, are applied (and copied) in ``start_load_kv``, which vLLM then
+calls before the forward pass, and the rest in ``wait_for_save``: the same order on every rank.
+``wait_for_save`` (every worker calls it every step, empty steps included, after the forward pass)
+waits for every copy of the step and then runs exactly one round. What it reports for the step is
+read from the state that round agreed:
 
 - a lookup's hit (the pages its lease holds on host, storage prefetch included) once its prefetch
   is done or timed out; a closed cache reports 0;
 - a load as finished once its outcome is agreed; pages past the agreed count, or every page when
-  the cache closed first, are invalid blocks, which vLLM recomputes;
+  the cache closed first, are invalid blocks, which vLLM recomputes; a sync load's outcome in the
+  step it was issued in (every copy of a step lands within it: one whose landing the round has not
+  agreed counts as failed), as invalid blocks and in ``WorkerReport.sync_loads``, never as finished;
 - a finished request as done sending once its lease is released, which waits for every copy of its
   blocks to be agreed (or at once when the cache is closed: no copy outlives its step, none is left
   running into the blocks).
@@ -57,6 +62,11 @@ class _Lookup:
 class _Load:
     op: Transfer | None
     blocks: list[int]
+    sync: bool = False
+
+
+def is_sync_load(op: tuple) -> bool:
+    return op[0] == LOAD and len(op) > 4 and bool(op[4])
 
 
 @dataclass
@@ -91,6 +101,8 @@ class WorkerSide:
         self._busy_steps = 0  # consecutive steps that ended with something still to report
         self._closed_reason = ""  # the reason of the last close this rank announced
         self._was_closed = False  # the cache was closed after the last step
+        self._ops: list[tuple] | None = None  # this step's operations, once its first were applied
+        self._next = 0  # the first of them not applied yet
 
     # ------------------------------------------------------------------ one engine step
 
@@ -99,13 +111,22 @@ class WorkerSide:
         self.begin_step(meta)
         return self.end_step()
 
-    def begin_step(self, meta: StepOps | None) -> None:
-        """Apply the step's operations (at the step's first connector hook: before vLLM's forward
-        pass where it calls one there). Copies they issue from now until ``end_step`` go by layer."""
-        if self.faults is not None:
-            self.faults.step = self.steps
-        self.cache.transfer.begin_step()
-        for op in meta.ops if meta is not None else ():
+    def begin_step(self, meta: StepOps | None, sync_loads_only: bool = False) -> None:
+        """Apply the step's operations not applied yet (at the step's first connector hook: before
+        vLLM's forward pass where it calls one there). Copies they issue from now until ``end_step``
+        go by layer. ``sync_loads_only``: only the sync loads that lead them."""
+        if self._ops is None:
+            if self.faults is not None:
+                self.faults.step = self.steps
+            self.cache.transfer.begin_step()
+            self._ops, self._next = (list(meta.ops) if meta is not None else []), 0
+        ops, end = self._ops, len(self._ops)
+        if sync_loads_only:
+            end = self._next
+            while end < len(ops) and is_sync_load(ops[end]):
+                end += 1
+        todo, self._next = ops[self._next : end], end
+        for op in todo:
             try:
                 self._apply(op)
             except CacheClosed:
@@ -124,6 +145,9 @@ class WorkerSide:
     def end_step(self) -> StepResult:
         """Wait for every copy of the step (saves of layers vLLM did not hand over start now), then
         run the step's one round and collect what it agreed."""
+        if self._ops is not None and self._next < len(self._ops):
+            self.begin_step(None)  # what the step's first hooks left (none where they applied all)
+        self._ops = None
         self.cache.transfer.end_step()
         if self.faults is not None and self.faults.diverges_now():
             log.warning("tpcache: injecting a divergence on rank %d at step %d", self.cache.rank, self.steps)
@@ -191,7 +215,7 @@ class WorkerSide:
             state = self.requests.get(req)
             skip = leading_unheld(cache.engine_kv, op[3])  # pages before every group's window
             first, blocks = op[2] + skip, page_ids(cache.engine_kv, [g[skip:] for g in op[3]], save=False)
-            self.loads[req] = _Load(None, blocks)  # failed unless the op is issued
+            self.loads[req] = _Load(None, blocks, is_sync_load(op))  # failed unless the op is issued
             if state is not None and state.lease is not None:
                 self.loads[req].op = cache.load_into(state.lease, first, blocks)
         elif kind == SAVE:
@@ -250,12 +274,15 @@ class WorkerSide:
         for req in list(self.loads):
             load = self.loads[req]
             landed = cache.outcome(load.op) if load.op is not None else 0
-            if landed is None and not closed:
+            if landed is None and not closed and not load.sync:
                 continue
             landed = landed or 0
-            out.finished_recving.add(req)
             bad = load.blocks[landed:]
-            if bad and cache.engine_kv.num_groups > 1:
+            if load.sync:  # vLLM scheduled the request: it drops this step's tokens of it if bad
+                out.report.sync_loads[req] = not bad
+            else:
+                out.finished_recving.add(req)
+            if bad and cache.engine_kv.num_groups > 1 and not load.sync:
                 out.failed_recving.add(req)
             else:
                 out.invalid_blocks.update(bad)
