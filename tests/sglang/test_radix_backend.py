@@ -13,6 +13,11 @@ engines; tpcache serves the prefix hits SGLang's own cache serves, and after the
 host tier kept. Both engines run SGLang's strict memory checks after every step, which hold the
 cache's evictable and protected sizes against SGLang's allocator.
 
+At TP=1 tpcache's engine also writes a file store (``TPCACHE_SGLANG_STORAGE``), and a fresh engine on
+that store gets the flood prompts submitted together, one running at a time: the queued ones are
+served from storage (read to host while they wait, loaded back at admission), with plain SGLang's
+tokens on the same prompts submitted the same way.
+
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
 The venv's tpcache may have been installed before that entry point existed, so the test puts a
 ``tpcache`` dist-info made from pyproject.toml's entry points ahead of it on ``PYTHONPATH``.

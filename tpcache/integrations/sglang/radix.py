@@ -214,7 +214,7 @@ class TPCacheRadix(BasePrefixCache):
         for data, lease in list(self.prefetching.items()):
             try:
                 status = self.rank.prefetch_status(lease)[0]
-            except Exception:  # the lease went with a closed cache's reset
+            except KeyError:  # UnknownLease: it went with a closed cache's reset
                 status = "gone"
             if every or status not in ("querying", "deferred", "reading"):
                 del self.prefetching[data]
