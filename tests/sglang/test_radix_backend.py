@@ -13,7 +13,7 @@ engines; tpcache serves the prefix hits SGLang's own cache serves, and after the
 host tier kept. Both engines run SGLang's strict memory checks after every step, which hold the
 cache's evictable and protected sizes against SGLang's allocator.
 
-At TP=1 tpcache's engine also writes a file store (``TPCACHE_SGLANG_STORAGE``), and a fresh engine on
+tpcache's engine also writes a file store (``TPCACHE_SGLANG_STORAGE``), and a fresh engine on
 that store gets the flood prompts submitted together, one running at a time: the queued ones are
 served from storage (read to host while they wait, loaded back at admission), with plain SGLang's
 tokens on the same prompts submitted the same way.
@@ -106,9 +106,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "second_pass": True,
     }
     store = workdir / "store"
-    # At TP=1 plain SGLang also serves the flood prompts submitted together, one running at a time,
+    # Plain SGLang also serves the flood prompts submitted together, one running at a time,
     # after an empty cache: what it gets alone on the steps a fresh engine on tpcache's store runs.
-    together = {"together": _prompts()[3:AFTER_FLOOD], "max_running_requests": 1} if request.param == 1 else {}
+    together = {"together": _prompts()[3:AFTER_FLOOD], "max_running_requests": 1}
     plain = run_engine(workdir, "plain", {**spec, **together})["passes"]
     # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
     # its first token): the round that follows must close the cache on both ranks.
@@ -116,10 +116,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     ours = run_engine(
         workdir,
         "tpcache",
-        {**spec, "radix_backend": "tpcache", **({"store_dir": str(store)} if request.param == 1 else {})},
+        {**spec, "radix_backend": "tpcache", "store_dir": str(store)},
         TPCACHE_SGLANG_FAULTS=fault,
         TPCACHE_SGLANG_HOST_PAGES=str(HOST_PAGES),
-        TPCACHE_SGLANG_STORAGE=str(store) if request.param == 1 else "",
+        TPCACHE_SGLANG_STORAGE=str(store),
     )["passes"]
     log = (workdir / "tpcache.log").read_text(errors="replace")
     return {
@@ -127,7 +127,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "plain": plain[0],
         "tpcache": ours[0],
         "plain_again": plain[1],
-        "plain_together": plain[2] if together else None,
+        "plain_together": plain[2],
         "workdir": workdir,
         "store": store,
         "spec": spec,
@@ -193,8 +193,6 @@ def test_sglangs_flush_empties_the_cache_and_it_fills_again(served: dict) -> Non
 
 
 def test_a_fresh_engine_on_the_same_store_serves_queued_prompts_from_storage(served: dict) -> None:
-    if served["tp"] != 1:
-        pytest.skip("the store is written at TP=1")
     # The first engine wrote every page it backed up to host to its file store too. A fresh engine
     # on that store gets the flood prompts together, one running at a time: while one runs, the
     # backend's storage prefetch (started when SGLang matched the queued prompts) reads theirs to
