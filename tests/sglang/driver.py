@@ -7,9 +7,11 @@ at a time with greedy sampling and waits until the store has taken every write t
 (a file store's segments or a Redis store's key count stop changing). With ``second_pass`` it then
 empties SGLang's device and host tiers (``flush_cache``, which leaves the store as it is) and
 serves the prompts again. ``salted`` prompts (``[prompt, cache_salt]`` pairs) make one more pass.
-A ``last_prompt`` is served after that (after the output is written:
-a test fault may end the engine on it). It shuts the engine down and writes what each prompt produced and where
-its cached prefix came from, per pass.
+With ``together`` (prompts) it then empties SGLang's cache again and submits those prompts in one
+call, so they queue behind one another (``max_running_requests`` caps how many run at once); the
+outputs keep the prompts' order. It writes what each prompt produced and where its cached prefix
+came from, per pass. A ``last_prompt`` is served after that (after the output is written: a test
+fault may end the engine on it); then it shuts the engine down.
 
 With ``"cache": "radix"`` the engine runs without HiCache: SGLang's own radix cache, or with
 ``radix_backend`` the prefix cache registered under that name (``--radix-cache-backend``), and
@@ -70,6 +72,8 @@ def engine_args(spec: dict) -> dict:
         "random_seed": 0,
         "log_level": "warning",
     }
+    if spec.get("max_running_requests"):
+        base["max_running_requests"] = spec["max_running_requests"]
     if spec.get("cache") == "radix":
         return {**base, "radix_cache_backend": spec.get("radix_backend")}
     extra = {
@@ -117,6 +121,12 @@ def main(spec_path: str, out_path: str) -> None:
             # Prompts with a cache salt each (None: no salt), after the passes, in a pass of their own.
             prompts = [p for p, _ in spec["salted"]]
             passes.append(_serve(engine, {**spec, "prompts": prompts}, [salt for _, salt in spec["salted"]]))
+        if spec.get("store_dir"):
+            _wait_store_settled(f"file://{spec['store_dir']}")
+        if spec.get("together"):
+            if not engine.flush_cache().success:
+                raise SystemExit("SGLang refused to flush its cache")
+            passes.append(_serve_together(engine, spec))
         Path(out_path).write_text(json.dumps({"passes": passes, "start_s": start_s}))
         if spec.get("last_prompt"):
             # A prompt that may end the engine (a test fault): what came before is written already.
@@ -133,6 +143,20 @@ def _serve(engine, spec: dict, salts: list | None = None) -> dict:
             sampling_params={"temperature": 0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True},
             cache_salt=None if salts is None or salts[i] is None else [salts[i]],
         )
+        outputs.append(out["output_ids"])
+        details = out["meta_info"].get("cached_tokens_details") or {}
+        cached.append({k: details.get(k, 0) for k in ("device", "host", "storage")})
+        cached[-1]["total"] = out["meta_info"].get("cached_tokens", 0)
+    return {"outputs": outputs, "cached": cached}
+
+
+def _serve_together(engine, spec: dict) -> dict:
+    outs = engine.generate(
+        input_ids=spec["together"],
+        sampling_params={"temperature": 0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True},
+    )
+    outputs, cached = [], []
+    for out in outs:
         outputs.append(out["output_ids"])
         details = out["meta_info"].get("cached_tokens_details") or {}
         cached.append({k: details.get(k, 0) for k in ("device", "host", "storage")})

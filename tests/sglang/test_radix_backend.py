@@ -15,6 +15,11 @@ SGLang's own cache serves, and after the flood those its host tier kept. Both en
 strict memory checks after every step, which hold the cache's evictable and protected sizes
 against SGLang's allocator.
 
+tpcache's engine also writes a file store (``TPCACHE_SGLANG_STORAGE``), and a fresh engine on
+that store gets the flood prompts submitted together, one running at a time: the queued ones are
+served from storage (read to host while they wait, loaded back at admission), with plain SGLang's
+tokens on the same prompts submitted the same way.
+
 SGLang finds the backend through tpcache's ``sglang.srt.plugins`` entry point (pyproject.toml).
 The venv's tpcache may have been installed before that entry point existed, so the test puts a
 ``tpcache`` dist-info made from pyproject.toml's entry points ahead of it on ``PYTHONPATH``.
@@ -36,7 +41,7 @@ if importlib.util.find_spec("sglang") is None:
     )
 
 from tests.sglang import engines
-from tpcache.integrations.sglang.options import parse_faults, parse_host_pages, refusal
+from tpcache.integrations.sglang.options import parse_faults, parse_host_pages, parse_storage, refusal
 from tpcache.testing.tiny_model import make_tiny_llama
 
 PAGE = 16
@@ -96,7 +101,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         # Then the first prompt with cache salts: "a", "b", "a" again, and none.
         "salted": [[_prompts()[0], salt] for salt in ("a", "b", "a", None)],
     }
-    plain = run_engine(workdir, "plain", spec)["passes"]
+    store = workdir / "store"
+    # Plain SGLang also serves the flood prompts submitted together, one running at a time,
+    # after an empty cache: what it gets alone on the steps a fresh engine on tpcache's store runs.
+    together = {"together": _prompts()[3:AFTER_FLOOD], "max_running_requests": 1}
+    plain = run_engine(workdir, "plain", {**spec, **together})["passes"]
     # At TP=2, rank 1 diverges once, when it caches the last prompt (the only one starting with
     # its first token): the round that follows must close the cache on both ranks. After both
     # passes, rank 1's scheduler SIGKILLs itself while it caches one more prompt, mid-step: rank 0's
@@ -106,10 +115,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     ours = run_engine(
         workdir,
         "tpcache",
-        {**spec, "radix_backend": "tpcache", **({"last_prompt": KILL} if tp2 else {})},
+        {**spec, "radix_backend": "tpcache", "store_dir": str(store), **({"last_prompt": KILL} if tp2 else {})},
         ends_in_error=tp2,
         TPCACHE_SGLANG_FAULTS=json.dumps(faults) if tp2 else "",
         TPCACHE_SGLANG_HOST_PAGES=str(HOST_PAGES),
+        TPCACHE_SGLANG_STORAGE=str(store),
     )
     log = (workdir / "tpcache.log").read_text(errors="replace")
     return {
@@ -122,6 +132,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "tpcache_again": ours["passes"][1],
         "plain_salted": plain[2],
         "tpcache_salted": ours["passes"][2],
+        "plain_together": plain[3],
+        "workdir": workdir,
+        "store": store,
+        "spec": spec,
         "fault_fired": log.count("test fault: this rank applies an operation the others do not"),
     }
 
@@ -204,6 +218,33 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(served: dict) -> 
     assert "restart the engine" in lines[-1]
 
 
+def test_a_fresh_engine_on_the_same_store_serves_queued_prompts_from_storage(served: dict) -> None:
+    # The first engine wrote every page it backed up to host to its file store too. A fresh engine
+    # on that store gets the flood prompts together, one running at a time: while one runs, the
+    # backend's storage prefetch (started when SGLang matched the queued prompts) reads theirs to
+    # host, and each is then admitted with its pages loaded back; plain SGLang computes them all.
+    flood = _prompts()[3:AFTER_FLOOD]
+    spec = {**served["spec"], "radix_backend": "tpcache", "prompts": [], "second_pass": False, "salted": None}
+    fresh = run_engine(
+        served["workdir"],
+        "fresh",
+        {**spec, "together": flood, "max_running_requests": 1},
+        TPCACHE_SGLANG_HOST_PAGES=str(HOST_PAGES),
+        TPCACHE_SGLANG_STORAGE=str(served["store"]),
+    )["passes"][-1]
+    plain = served["plain_together"]
+    assert fresh["outputs"] == plain["outputs"]
+    hits = [c["total"] for c in fresh["cached"]]
+    base = [c["total"] for c in plain["cached"]]
+    assert base == [0] * len(flood)  # distinct prompts: plain SGLang computes every one
+    # The first is admitted at once (nothing read yet); the second may be too, if it reached the
+    # scheduler after the first was admitted. Every later one waited while its pages were read from
+    # the store and is served all its full pages but the last token's, loaded back from host.
+    assert hits[0] == 0 and hits[1] in (0, 4 * PAGE), hits
+    assert hits[2:] == [4 * PAGE] * (len(flood) - 2), hits
+    assert [c["host"] for c in fresh["cached"]] == hits
+
+
 def test_what_the_backend_cannot_serve_is_refused_in_one_line() -> None:
     ok = {"hybrid_swa": False, "hybrid_ssm": False, "page_size": 16, "eagle": False, "hicache": False}
     ok.update(disabled=False, eviction_policy="lru")
@@ -228,6 +269,18 @@ def test_the_host_tier_setting_is_checked() -> None:
         with pytest.raises(ValueError, match="TPCACHE_SGLANG_HOST_PAGES must be a whole number") as err:
             parse_host_pages(text)
         assert "\n" not in str(err.value)
+
+
+def test_the_storage_setting_is_checked(tmp_path: Path) -> None:
+    assert parse_storage("", 0) is None and parse_storage(f" {tmp_path} ", 8) == str(tmp_path)
+    for text, host, words in [
+        ("store", 8, "must be an absolute path of a directory"),
+        (str(Path(__file__)), 8, "must be an absolute path of a directory"),
+        (str(tmp_path), 0, "set TPCACHE_SGLANG_HOST_PAGES > 0"),
+    ]:
+        with pytest.raises(ValueError, match="TPCACHE_SGLANG_STORAGE") as err:
+            parse_storage(text, host)
+        assert words in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_test_fault_setting_is_checked() -> None:

@@ -21,7 +21,7 @@ def toks(*pages: int) -> list[int]:
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"storage": True}, "set storage=False"),
+        ({"storage": True}, "storage reads and writes it through a host tier: set host_pages > 0"),
         ({"host_pages": 8, "write_policy": "write_back"}, "write_through or write_through_selective"),
         ({"device_pages": 0}, "device_adopt needs device_pages > 0"),
         ({"swa_window": 8, "swa_device_pages": 4}, "full-attention models only"),
@@ -308,3 +308,39 @@ def test_a_host_tier_keeps_evicted_pages_and_a_load_adopts_them_into_the_engines
         check(c)
     assert seen[0] == seen[1]
     assert sorted(seen[0][0]) == [4, 7, 8]
+
+
+def test_storage_keeps_adopted_pages_for_a_fresh_core_which_prefetches_them_to_host_and_loads_them() -> None:
+    from tpcache.core import OpKind
+
+    first = core(host_pages=16, storage=True)
+    lease, _ = first.lock(toks(1, 2, 3))
+    first.engine_pages.adopt(lease, toks(1, 2, 3), [4, 5, 6])
+    _settle(first)  # the backup to host lands, then its write to storage
+    _settle(first)
+    first.release(lease)
+    check(first)
+    assert first.stats.storage_written_pages == 3
+
+    fresh = core(host_pages=16, storage=True)  # restarted over the same storage: nothing cached
+    lease, m = fresh.lock(toks(1, 2, 3, 4))
+    assert m.device_pages == m.host_pages == 0
+    assert fresh.prefetch(lease)
+    fresh.complete(OpKind.STORAGE_QUERY, 3)  # the agreed hit: 3 pages (page 4 was never stored)
+    fresh.after_commit()
+    fresh.complete(OpKind.STORAGE_READ, 2)  # a read that failed on some rank after 2 pages: a miss past them
+    fresh.after_commit()
+    assert fresh.prefetch_status(lease)[1] == 2  # the 2 pages that landed are on host (a retry may follow)
+    fresh.release(lease)
+    check(fresh)
+    hit = fresh.match(toks(1, 2, 3, 4))
+    assert (hit.device_pages, hit.host_pages) == (0, 2)
+    lease, _ = fresh.lock(toks(1, 2, 3, 4))
+    load = fresh.engine_pages.load_adopted(lease, [9, 7])
+    assert load is not None and load.device_pages == [9, 7]
+    assert list(fresh.match(toks(1, 2, 3, 4)).device_page_ids) == [9, 7]
+    fresh.complete(OpKind.LOAD)
+    fresh.after_commit()
+    fresh.release(lease)
+    check(fresh)
+    assert fresh.stats.host_hit_tokens == 2 * PAGE  # read to host by the prefetch, served from host

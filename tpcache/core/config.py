@@ -119,8 +119,8 @@ class CacheConfig:
     def _validate_adopt(self) -> None:
         if self.device_pages <= 0:
             raise ValueError("device_adopt needs device_pages > 0 (the engine's page ids are 0 .. device_pages-1)")
-        if self.storage:
-            raise ValueError("device_adopt serves the device and host tiers for now: set storage=False")
+        if self.storage and (not self.host_pages or self.host_mode != "cache"):
+            raise ValueError("device_adopt with storage reads and writes it through a host tier: set host_pages > 0")
         if self.host_pages and (self.host_mode != "cache" or self.write_policy == "write_back"):
             raise ValueError(
                 "device_adopt backs pages up to host as they are cached: host_mode 'cache' with "

@@ -83,3 +83,22 @@ def parse_host_pages(text: str) -> int:
     if pages < 0:
         raise ValueError(f"{HOST_ENV} must be a whole number of pages >= 0 (0: no host tier), got {text!r}")
     return pages
+
+
+STORAGE_ENV = "TPCACHE_SGLANG_STORAGE"
+
+
+def parse_storage(text: str, host_pages: int) -> str | None:
+    """``TPCACHE_SGLANG_STORAGE``: the directory of tpcache's file store (its storage tier; each TP
+    rank keeps its shard in ``rank<R>`` under it), or unset: no storage tier. The store is read and
+    written through the host tier, so it needs ``TPCACHE_SGLANG_HOST_PAGES`` > 0. Mistakes: one line."""
+    import os
+
+    text = text.strip()
+    if not text:
+        return None
+    if not os.path.isabs(text) or (os.path.exists(text) and not os.path.isdir(text)):
+        raise ValueError(f"{STORAGE_ENV} must be an absolute path of a directory (the file store), got {text!r}")
+    if host_pages <= 0:
+        raise ValueError(f"{STORAGE_ENV} is read and written through the host tier: set {HOST_ENV} > 0")
+    return text

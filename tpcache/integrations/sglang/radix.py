@@ -19,6 +19,16 @@ before it returns (an agreed, sequenced ``load_adopted``: the same on every rank
 so the request's forward reads them as any cached prefix. A load that cannot be served (its pages
 changed, or no pages to load into) is a miss: the request computes those tokens.
 
+With a storage tier (``TPCACHE_SGLANG_STORAGE``, a file store; it needs the host tier), every page
+backed up to host is also written to storage, and a fresh engine on the same store finds them there.
+SGLang holds a request back for a storage read only under its own HiCache, so the read is
+opportunistic: when ``match_prefix`` sees a prompt whose cached prefix ends before its full pages do,
+the backend locks the prompt and starts the core's agreed storage prefetch (the hit is the minimum
+over ranks, agreed in the per-step round; a failed read is a miss). The request is not held: one
+admitted before the read lands computes its tokens; one still waiting (SGLang matches every waiting
+request when it has room to admit one, ``supports_fast_match_prefix``) finds the pages on host at a
+later match and loads them back as any host hit. The prefetch's lease is released once it is done.
+
 Served: full-attention models, page size > 1, the device and host tiers. Refused at start, in one line:
 SGLang's hybrid caches (sliding-window, Mamba), page size 1, EAGLE's bigram keys, HiCache, a
 disabled radix cache. Requests with an ``extra_key`` (LoRA) or a ``cache_salt`` match only pages
@@ -27,6 +37,7 @@ cached under the same ones (``keys.Namespaces``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -51,7 +62,15 @@ from tpcache.core import CacheClosed, CacheConfig
 from tpcache.core.hashing import as_token_bytes
 from tpcache.engine.driver import GroupBroken
 from tpcache.integrations.sglang.keys import Namespaces
-from tpcache.integrations.sglang.options import FAULTS_ENV, HOST_ENV, parse_faults, parse_host_pages, refusal
+from tpcache.integrations.sglang.options import (
+    FAULTS_ENV,
+    HOST_ENV,
+    STORAGE_ENV,
+    parse_faults,
+    parse_host_pages,
+    parse_storage,
+    refusal,
+)
 
 log = logging.getLogger("tpcache.sglang")
 
@@ -70,6 +89,8 @@ class Prefix:
 
 
 ROOT = Prefix(b"", ())
+STORE_BYTES = 64 << 30  # the file store's capacity (it evicts its oldest segments past it)
+TRIED_MAX = 4096  # prompts whose storage lookup started; forgotten all at once past this many
 
 
 def build(ctx: Any) -> TPCacheRadix:
@@ -89,11 +110,20 @@ def build(ctx: Any) -> TPCacheRadix:
         raise ValueError(reason)
     faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
     host_pages = parse_host_pages(os.environ.get(HOST_ENV, ""))
+    store = parse_storage(os.environ.get(STORAGE_ENV, ""), host_pages)
     from tpcache.comm import make_collective
 
     group = ctx.tp_group.cpu_group if ctx.tp_group is not None else None
     collective = make_collective("auto", group=group)
-    cache = TPCacheRadix(params, collective, policy, host_pages=host_pages)
+    storage = None
+    if store is not None:
+        from pathlib import Path
+
+        from tpcache.io.storage import FileBackend
+
+        rank, world = int(ctx.tp_rank), int(ctx.tp_size)
+        storage = FileBackend(Path(store) / f"rank{rank}", capacity_bytes=STORE_BYTES, shard=(rank, world))
+    cache = TPCacheRadix(params, collective, policy, host_pages=host_pages, storage=storage)
     cache.namespaces = Namespaces(cache.page_size, int(ctx.model_config.vocab_size))
     cache.faults = {kind: f["first_token"] for kind, f in faults.items() if f["rank"] == ctx.tp_rank}
     return cache
@@ -126,7 +156,9 @@ def engine_kv_of(pool: Any, page_size: int) -> tuple[Any, Any, str]:
 
 
 class TPCacheRadix(BasePrefixCache):
-    def __init__(self, params: Any, collective: Any, eviction_policy: str = "lru", host_pages: int = 0) -> None:
+    def __init__(
+        self, params: Any, collective: Any, eviction_policy: str = "lru", host_pages: int = 0, storage: Any = None
+    ) -> None:
         from tpcache.engine.tpcache import TPCache
 
         self.disable = False
@@ -146,7 +178,7 @@ class TPCacheRadix(BasePrefixCache):
             from tpcache.engine.external import EngineCache
 
             kv, layout, fmt = engine_kv_of(allocator.get_kvcache(), ps)
-            self.rank: Any = EngineCache(self.config, collective, kv, layout, engine_format=fmt)
+            self.rank: Any = EngineCache(self.config, collective, kv, layout, engine_format=fmt, storage=storage)
         else:
             self.rank = TPCache(self.config, collective)
         dev = allocator.device
@@ -156,6 +188,10 @@ class TPCacheRadix(BasePrefixCache):
         self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0, "loaded_pages": 0}
         self.namespaces: Namespaces | None = None  # keys of requests with an extra_key or cache_salt
         self.faults: dict[str, int] = {}  # test faults of this rank (options.parse_faults): kind -> first token
+        self.stats["prefetches"] = 0
+        self.storage = storage is not None
+        self.prefetching: dict[bytes, int] = {}  # prompt -> the lease of its storage prefetch (in order)
+        self.tried: set[bytes] = set()  # prompts whose storage lookup started (membership only)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -163,6 +199,8 @@ class TPCacheRadix(BasePrefixCache):
         """SGLang's ``flush_cache`` (every scheduler, idle, no request running): an agreed flush,
         in a round of its own. SGLang clears its allocator right after, so the dropped tree's
         pages are not handed back one by one."""
+        self._release_prefetches(every=True)
+        self.tried.clear()
         self.rank.request_flush()
         self.rank.step()
         self.rank.drain_returned()
@@ -176,7 +214,50 @@ class TPCacheRadix(BasePrefixCache):
         if self.rank.driver.broken is not None:
             why = self.rank.driver.broken
             raise GroupBroken(f"tpcache: a TP rank died or stopped answering ({why}); restart the engine")
+        self._release_prefetches()
         self._give_back()
+
+    def _release_prefetches(self, every: bool = False) -> None:
+        """Release the leases of storage prefetches that are done (agreed state: alike on every
+        rank); what they read stays on host, where a later match finds it."""
+        for data, lease in list(self.prefetching.items()):
+            try:
+                status = self.rank.prefetch_status(lease)[0]
+            except KeyError:  # UnknownLease: it went with a closed cache's reset
+                status = "gone"
+            if every or status not in ("querying", "deferred", "reading"):
+                del self.prefetching[data]
+                with contextlib.suppress(CacheClosed, ValueError, KeyError):  # gone with a closed cache
+                    self.rank.release(lease)
+
+    def _prefetch(self, data: bytes) -> None:
+        """Start an agreed storage prefetch of a prompt's pages past its cached prefix (once per
+        prompt). Every rank matches the same waiting requests in the same order, so every rank
+        applies the same lock and prefetch."""
+        if data in self.tried:
+            return
+        if len(self.tried) >= TRIED_MAX:
+            self.tried.clear()
+        self.tried.add(data)
+        try:
+            lease, _ = self.rank.lock(data)
+        except CacheClosed:
+            return
+        try:
+            started = self.rank.prefetch(lease)
+        except CacheClosed:
+            started = False
+        if started:
+            self.prefetching[data] = lease
+            self.stats["prefetches"] += 1
+        else:
+            self.rank.release(lease)
+            self._give_back()
+
+    def supports_fast_match_prefix(self) -> bool:
+        """A match is a query of the core: SGLang may match every waiting request each pass it has
+        room to admit one (which is when a storage prefetch for a queued request starts)."""
+        return True
 
     # ------------------------------------------------------------------ matching and locks
 
@@ -206,6 +287,8 @@ class TPCacheRadix(BasePrefixCache):
                 handle = best = Prefix(data[: found.device_pages * step], tuple(found.device_page_ids))
             if found.host_pages:
                 best = Prefix(data[: (found.device_pages + found.host_pages) * step], handle.pages)
+            if self.storage and (found.device_pages + found.host_pages) * step < len(data):
+                self._prefetch(data)
         return MatchResult(
             device_prefix_len=len(handle.pages) * self.page_size,
             last_device_node=handle,
