@@ -135,6 +135,31 @@ static int entry_cmp(PyObject *entry, const uint64_t *w, int k) {
         PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
         return -2;
     }
+#if PY_VERSION_HEX < 0x030C0000
+    /* The entry's 30-bit digits gathered into 64-bit words, least significant first. */
+    Py_ssize_t digits = Py_SIZE(entry);
+    if (digits < 0)
+        return -1; /* negative: below every entry */
+    const digit *d = ((PyLongObject *)entry)->ob_digit;
+    uint64_t t[5] = {0};
+    for (Py_ssize_t i = 0, bit = 0; i < digits; i++, bit += PyLong_SHIFT) {
+        uint64_t v = d[i];
+        Py_ssize_t word = bit / 64, off = bit % 64;
+        uint64_t spill = off + PyLong_SHIFT > 64 ? v >> (64 - off) : 0;
+        if (word >= k || (spill && word + 1 >= k)) {
+            if (v != 0)
+                return 1; /* wider than the node's entry: above it */
+            continue;
+        }
+        t[word] |= v << off;
+        if (spill)
+            t[word + 1] |= spill;
+    }
+    for (int i = k - 1; i >= 0; i--)
+        if (t[i] != w[i])
+            return t[i] < w[i] ? -1 : 1;
+    return 0;
+#else
     unsigned char bytes[40];
 #if PY_VERSION_HEX >= 0x030D0000
     Py_ssize_t need = PyLong_AsNativeBytes(entry, bytes, (Py_ssize_t)(8 * k),
@@ -166,6 +191,7 @@ static int entry_cmp(PyObject *entry, const uint64_t *w, int k) {
             return v < w[i] ? -1 : 1;
     }
     return 0;
+#endif
 }
 
 static PyObject *heappush = NULL, *heappop = NULL; /* _heapq's, so heaps are laid out as heapq lays them */
