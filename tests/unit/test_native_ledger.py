@@ -123,6 +123,28 @@ def test_a_stale_entry_is_skipped_by_the_native_pop():
     assert cands.pop_device() is None  # its parent has a device child until the leaf goes
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_an_entry_equal_to_a_live_one_only_in_its_low_words_is_stale(policy):
+    """The native pop compares entries with a node's key word by word: an entry that agrees with
+    the live one in every word the key has but carries higher bits (one wider by a digit, by a word,
+    or by many) is another key, skipped as stale, whatever its width."""
+    core = CacheCore(CacheConfig(page_size=4, device_pages=8, eviction_policy=policy))
+    lease, _ = core.lock(list(range(8)))
+    core.insert(lease, list(range(8)), core.alloc(lease, 2))
+    core.release(lease)
+    leaf = max(core.tree.nodes.values(), key=lambda n: n.depth)
+    cands = core.candidates
+    live = cands.policy.key(leaf) << 64 | leaf.node_id
+    width = 64 * (5 if policy == "lfu" else 4)
+    for extra in (1 << width, 1 << (width + 29), 1 << (width + 64), 3 << 600):
+        heapq.heappush(cands.device_heap, live | extra)
+    cands.device_heap.remove(live)
+    heapq.heapify(cands.device_heap)
+    assert cands.pop_device() is None  # every entry left is wider than the leaf's: stale
+    cands.offer(leaf)
+    assert cands.pop_device() is leaf
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_native_holding_keeps_the_entries_and_total_of_the_reference(seed):
     """Random changes to a native holding and a ``ReferenceHolding`` side by side: the same entries,

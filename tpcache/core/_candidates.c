@@ -92,22 +92,31 @@ int candidacy(PyObject *obj) {
 }
 
 /* A node's heap entry, ``key << 64 | node_id`` with candidates.LRU/LFU/FIFO.key: kind 0 LRU, 1 LFU,
- * 2 FIFO. The key's fields are 64-bit words, most significant first, so the entry is built from its
- * little-endian words (node id first) in one call. NULL and an exception for a field outside
- * 0..2**64-1. */
-static PyObject *heap_entry(Node *n, long kind) {
-    uint64_t w[5];
+ * 2 FIFO. The key's fields are 64-bit words, most significant first: ``entry_words`` gives them
+ * little-endian (node id first), how many (4, or 5 for LFU), or -1 and an exception for a field
+ * outside 0..2**64-1. */
+static int entry_words(Node *n, long kind, uint64_t w[5]) {
     int k = 0;
     PyObject *first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
-    PyObject *fields[5] = {n->node_id, NULL /* the hash */, n->depth, n->last_access /* LFU only */, first};
+    PyObject *fields[5] = {n->node_id, NULL /* the hash */, NULL /* the depth */, n->last_access /* LFU only */, first};
     for (int f = 0; f < 5; f++) {
         if (f == 3 && kind != 1)
             continue;
-        uint64_t v = f == 1 ? n->hash : PyLong_AsUnsignedLongLong(fields[f]);
-        if (v == (uint64_t)-1 && PyErr_Occurred())
-            return NULL;
+        uint64_t v = f == 1 ? n->hash : (uint64_t)n->depth;
+        if (f != 1 && f != 2 && ufield(fields[f], &v) < 0)
+            return -1;
         w[k++] = f == 2 ? UINT64_MAX - v : v;
     }
+    return k;
+}
+
+/* The heap entry itself, an int built from ``entry_words`` in one call: NULL and an exception for a
+ * field outside 0..2**64-1. */
+static PyObject *heap_entry(Node *n, long kind) {
+    uint64_t w[5];
+    int k = entry_words(n, kind, w);
+    if (k < 0)
+        return NULL;
     unsigned char bytes[40];
     for (int i = 0; i < k; i++)
         for (int b = 0; b < 8; b++)
@@ -116,6 +125,72 @@ static PyObject *heap_entry(Node *n, long kind) {
     return PyLong_FromUnsignedNativeBytes(bytes, (size_t)(8 * k), Py_ASNATIVEBYTES_LITTLE_ENDIAN);
 #else
     return _PyLong_FromByteArray(bytes, (size_t)(8 * k), 1, 0);
+#endif
+}
+
+/* A heap entry (an int) against a node's entry given as its ``k`` words, without making the node's:
+ * -1 below it, 0 equal, 1 above; -2 and an exception on an error. */
+static int entry_cmp(PyObject *entry, const uint64_t *w, int k) {
+    if (!PyLong_Check(entry)) {
+        PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
+        return -2;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    /* The entry's 30-bit digits gathered into 64-bit words, least significant first. */
+    Py_ssize_t digits = Py_SIZE(entry);
+    if (digits < 0)
+        return -1; /* negative: below every entry */
+    const digit *d = ((PyLongObject *)entry)->ob_digit;
+    uint64_t t[5] = {0};
+    for (Py_ssize_t i = 0, bit = 0; i < digits; i++, bit += PyLong_SHIFT) {
+        uint64_t v = d[i];
+        Py_ssize_t word = bit / 64, off = bit % 64;
+        uint64_t spill = off + PyLong_SHIFT > 64 ? v >> (64 - off) : 0;
+        if (word >= k || (spill && word + 1 >= k)) {
+            if (v != 0)
+                return 1; /* wider than the node's entry: above it */
+            continue;
+        }
+        t[word] |= v << off;
+        if (spill)
+            t[word + 1] |= spill;
+    }
+    for (int i = k - 1; i >= 0; i--)
+        if (t[i] != w[i])
+            return t[i] < w[i] ? -1 : 1;
+    return 0;
+#else
+    unsigned char bytes[40];
+#if PY_VERSION_HEX >= 0x030D0000
+    Py_ssize_t need = PyLong_AsNativeBytes(entry, bytes, (Py_ssize_t)(8 * k),
+                                           Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER |
+                                               Py_ASNATIVEBYTES_REJECT_NEGATIVE);
+    if (need < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError))
+            return -2;
+        PyErr_Clear();
+        return -1; /* negative: below every entry */
+    }
+    if (need > 8 * k)
+        return 1; /* wider than the node's entry: above it */
+#else
+    if (_PyLong_Sign(entry) < 0)
+        return -1;
+    if (_PyLong_AsByteArray((PyLongObject *)entry, bytes, (size_t)(8 * k), 1, 0) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -2;
+        PyErr_Clear();
+        return 1;
+    }
+#endif
+    for (int i = k - 1; i >= 0; i--) {
+        uint64_t v = 0;
+        for (int b = 7; b >= 0; b--)
+            v = v << 8 | bytes[8 * i + b];
+        if (v != w[i])
+            return v < w[i] ? -1 : 1;
+    }
+    return 0;
 #endif
 }
 
@@ -321,9 +396,9 @@ static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, P
     Py_INCREF(node); /* candidacy may run Python (its fallbacks) */
     int c = candidacy(node), live = c < 0 ? -1 : 0;
     if (c > 0 && c & which) {
-        PyObject *now = heap_entry((Node *)node, kind);
-        live = now == NULL ? -1 : PyObject_RichCompareBool(now, entry, Py_EQ);
-        Py_XDECREF(now);
+        uint64_t w[5];
+        int k = entry_words((Node *)node, kind, w), cmp = k < 0 ? -2 : entry_cmp(entry, w, k);
+        live = cmp == -2 ? -1 : cmp == 0;
     }
     if (live > 0)
         *out = node;
@@ -364,15 +439,14 @@ PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) 
 int heaps_next_pop(Heaps *h, Node *node) {
     if (h->kind < 0 || rebuild_due(h))
         return 0;
-    PyObject *entry = heap_entry(node, h->kind);
-    if (entry == NULL || load_heapq() < 0) {
-        Py_XDECREF(entry);
+    uint64_t w[5];
+    int k = entry_words(node, h->kind, w);
+    if (k < 0 || load_heapq() < 0)
         return -1;
-    }
     int first = 1;
     while (PyList_GET_SIZE(h->dev) > 0) {
         PyObject *top = Py_NewRef(PyList_GET_ITEM(h->dev, 0)), *other = NULL;
-        int below = PyObject_RichCompareBool(top, entry, Py_LT);
+        int cmp = entry_cmp(top, w, k), below = cmp == -2 ? -1 : cmp < 0;
         int live = below > 0 ? entry_node(top, 1, h->nodes, h->kind, &other) : below;
         Py_XDECREF(other);
         Py_DECREF(top);
@@ -387,7 +461,6 @@ int heaps_next_pop(Heaps *h, Node *node) {
         }
         Py_DECREF(gone);
     }
-    Py_DECREF(entry);
     return first;
 }
 

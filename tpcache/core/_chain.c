@@ -257,13 +257,13 @@ static int add_to(PyObject *obj, PyObject *name, long long add, int mask) {
  * lease.cursor moves to the last node if the lease pins exactly the path to it (None otherwise). */
 static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes,
                  const int64_t *fresh, Py_ssize_t n) {
-    int64_t depth;
+    int64_t depth = cursor->depth;
     PyObject *extended = NULL;
     /* Holding exactly the n distinct pages, the lease holds nothing else: emptied, as the reference does. */
     int all = PyList_GET_SIZE(held) == n;
     if (all && PyList_SetSlice(held, 0, n, NULL) == 0)
         ((Holding *)held)->total = 0;
-    if ((all ? PyErr_Occurred() != NULL : holding_drop_ints((Holding *)held, fresh, n) < 0) || field(cursor->depth, &depth) < 0 ||
+    if ((all ? PyErr_Occurred() != NULL : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
         (extended = holding_extend((Holding *)pinned_nodes, nodes)) == NULL)
         return -1;
     Py_DECREF(extended);

@@ -47,13 +47,10 @@ static void node_dealloc(Node *self) {
 /* Node(...)'s fields, on a node just allocated with room for its tokens. */
 static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char *tok, uint64_t hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
+        memset(&self->node_id, 0, offsetof(Node, tok) - offsetof(Node, node_id)); /* nothing for dealloc to clear */
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
         return -1;
     }
-    long long up = parent == Py_None ? -1 : PyLong_AsLongLong(((Node *)parent)->depth);
-    PyObject *depth = up == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(up + 1);
-    if (depth == NULL)
-        return -1;
     PyObject *zero = PyLong_FromLong(0); /* a cached small int */
 #define SET(name, value) self->name = Py_NewRef(value)
     SET(node_id, node_id);
@@ -61,7 +58,7 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char
     self->kids = NULL;
     memcpy(self->tok, tok, (size_t)Py_SIZE(self));
     self->hash = hash;
-    self->depth = depth;
+    self->depth = parent == Py_None ? 0 : ((Node *)parent)->depth + 1;
     self->device_page = -1;
     SET(device_state, zero);
     SET(device_pins, zero);
@@ -81,8 +78,9 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char
     return 0;
 }
 
-/* A node with room for ``len`` token bytes, its fields zeroed: the token area is left as it comes,
- * since node_fill copies the tokens over it (zeroing 2 KiB pages first was a tenth of a replay). */
+/* A node with room for ``len`` token bytes, its fields left as they come: node_fill (or a copy)
+ * sets every one, and copies the tokens over the token area (zeroing 2 KiB pages first was a tenth
+ * of a replay). */
 static Node *node_alloc(Py_ssize_t len) {
     Node *n;
     if (free_count > 0 && len == free_len) {
@@ -93,7 +91,6 @@ static Node *node_alloc(Py_ssize_t len) {
         PyErr_NoMemory();
         return NULL;
     }
-    memset(n, 0, offsetof(Node, tok));
     PyObject_InitVar((PyVarObject *)n, &NodeType, len);
     return n;
 }
@@ -340,6 +337,7 @@ static PyMemberDef node_members[] = {
     {"record", T_ULONGLONG, offsetof(Node, record), 0, "The node's current contribution to the state digest."},
     {"device_page", T_LONGLONG, offsetof(Node, device_page), 0, "The device page, -1 with none."},
     {"host_slot", T_LONGLONG, offsetof(Node, host_slot), 0, "The host slot, -1 with none."},
+    {"depth", T_LONGLONG, offsetof(Node, depth), READONLY, "Pages above it to the root (the root's is 0)."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -403,6 +401,7 @@ static PyObject *node_copy(Node *self, PyObject *unused) {
     other->record = self->record;
     other->device_page = self->device_page;
     other->host_slot = self->host_slot;
+    other->depth = self->depth;
     return (PyObject *)other;
 }
 
@@ -425,8 +424,8 @@ static const char *state_name(int kind, PyObject *v) {
 }
 
 static PyObject *node_repr(Node *self) {
-    return PyUnicode_FromFormat("Node(id=%S, depth=%S, dev=%s:%lld, host=%s:%lld, storage=%s)", self->node_id,
-                                self->depth, state_name(0, self->device_state), (long long)self->device_page,
+    return PyUnicode_FromFormat("Node(id=%S, depth=%lld, dev=%s:%lld, host=%s:%lld, storage=%s)", self->node_id,
+                                (long long)self->depth, state_name(0, self->device_state), (long long)self->device_page,
                                 state_name(1, self->host_state), (long long)self->host_slot,
                                 state_name(2, self->storage_state));
 }

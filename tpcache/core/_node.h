@@ -6,11 +6,11 @@
 #include <stdint.h>
 
 /* The fields Python code reads most are object pointers (T_OBJECT_EX): the interpreter specializes
- * those attribute accesses as it does __slots__. The page's hash, its digest record and its device
- * page and host slot are C integers instead: each would otherwise be an int object of its own per
- * page (32-40 bytes), and Python reads them rarely (the kernels read them directly). */
+ * those attribute accesses as it does __slots__. The page's hash, its digest record, its device
+ * page and host slot and its depth are C integers instead: each would otherwise be an int object of
+ * its own per page (32-40 bytes), and Python reads them rarely (the kernels read them directly). */
 #define FIELDS(X)                                                                                     \
-    X(node_id) X(parent) X(depth) X(device_state) X(device_pins) X(host_state) X(host_pins) \
+    X(node_id) X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
     X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
 
 #define DECLARE(name) PyObject *name;
@@ -23,6 +23,7 @@ typedef struct {
     PyObject *kids;
     uint64_t hash, record;
     int64_t device_page, host_slot;
+    int64_t depth; /* pages above it to the root (the root's is 0); fixed when the node is made */
     char tok[];
 } Node;
 
@@ -118,12 +119,52 @@ Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t 
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
-/* An int field's value: -1 and an exception if it is not an int64. */
+/* An int field's value: -1 and an exception if it is not an int64. Most fields hold small ints (a
+ * state, a pin count, a stamp): those are read here, without a call into the interpreter. */
 static inline int field(PyObject *v, int64_t *out) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_Check(v) && PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)v);
+        return 0;
+    }
+#else
+    if (PyLong_Check(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        const digit *d = ((PyLongObject *)v)->ob_digit;
+        if (size == 0 || size == 1 || size == -1) {
+            *out = size == 0 ? 0 : (int64_t)size * (int64_t)d[0];
+            return 0;
+        }
+        if (size == 2) {
+            *out = (int64_t)d[0] | (int64_t)d[1] << PyLong_SHIFT;
+            return 0;
+        }
+    }
+#endif
     long long x = PyLong_AsLongLong(v);
     if (x == -1 && PyErr_Occurred())
         return -1;
     *out = (int64_t)x;
+    return 0;
+}
+
+/* An unsigned 64-bit field's value (``field``'s fast read for the non-negative small ones): -1 and
+ * an exception if it is not an int in 0..2**64-1. */
+static inline int ufield(PyObject *v, uint64_t *out) {
+#if PY_VERSION_HEX >= 0x030C0000
+    int small = PyLong_Check(v) && PyUnstable_Long_IsCompact((PyLongObject *)v);
+#else
+    int small = PyLong_Check(v) && Py_SIZE(v) >= 0 && Py_SIZE(v) <= 2;
+#endif
+    int64_t x;
+    if (small && field(v, &x) == 0 && x >= 0) {
+        *out = (uint64_t)x;
+        return 0;
+    }
+    unsigned long long u = PyLong_AsUnsignedLongLong(v);
+    if (u == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = u;
     return 0;
 }
 

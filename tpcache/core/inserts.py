@@ -138,24 +138,26 @@ class Inserter:
         if ids.tolist() != pages[:k]:
             return None
         new, held = pages[k:n], lease.pages
-        fresh = set(new)
-        if len(fresh) != len(new) or (held != new and not fresh.issubset(held)):  # (most hold just these)
-            return None
+        fresh = None  # most hold just these: distinct, as every page has one owner (invariants.check)
+        if held != new:
+            fresh = set(new)
+            if len(fresh) != len(new) or not fresh.issubset(held):
+                return None
         last = nodes[-1] if nodes else self.ledger.tree.root
         return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)
 
     def _add_new(
-        self, lease: Lease, parent: Node, data: bytes, offset: int, new: list[int], fresh: set[int]
+        self, lease: Lease, parent: Node, data: bytes, offset: int, new: list[int], fresh: set[int] | None
     ) -> tuple[int, int]:
         """The new pinned chain of ``new`` below ``parent`` (the lease pins ``parent``'s path and
-        holds ``new``, ``fresh`` as a set; none: the lease may continue from ``parent``): what
-        ``_adopt`` does for pages the tree lacks."""
+        holds ``new``, ``fresh`` as a set, or None when it holds exactly ``new``; none: the lease may
+        continue from ``parent``): what ``_adopt`` does for pages the tree lacks."""
         led, held, n = self.ledger, lease.pages, len(new)
         led.tick()
         if len(held) == n:  # it held just these (pages are distinct): all now in the tree
             held.empty()
         else:
-            held.discard(fresh)
+            held.discard(fresh if fresh is not None else set(new))
         chain = led.add_pinned_chain(parent, data, offset, new) if new else []
         lease.device_nodes.extend(chain)
         lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == parent.depth + n else None
