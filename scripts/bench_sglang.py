@@ -1,16 +1,17 @@
 """Benchmark SGLang with tpcache, in one of two modes.
 
-``--mode prefix``: the prefix cache on a multi-turn conversation workload (tpcache.workload.synthetic,
-as ``bench_vllm.py`` makes it, scaled to ``--max-model-len``), one request at a time, one output
-token each. Sides: ``sglang-radix`` (SGLang's own radix cache: the floor), ``sglang-hicache``
-(SGLang's HiCache: its radix cache with a host tier, ``--hicache-ratio``) and ``tpcache``
-(``--radix-cache-backend tpcache``). The device KV pool (``--kv-tokens``) is smaller than the
-conversations need together, so the caches must evict. Per side, the median of the repeats with
-the spread (min, max) of: prefill tokens computed, TTFT p50 and p90 (one output token: the
-request's wall time), and the scheduler thread's CPU time per scheduler step spent in the prefix
-cache's methods, with the part of it spent in the collectives those methods issue (SGLang's gloo
-all-reduces, tpcache's round), from ``tpcache.integrations.sglang.timing`` inside each scheduler
-process, the largest over the TP ranks; then each side's ratios against ``sglang-radix``.
+``--mode prefix``: the prefix cache on a multi-turn conversation workload
+(tpcache.workload.synthetic, as ``bench_vllm.py`` makes it, scaled to ``--max-model-len``), one
+request at a time, one output token each. Sides: ``sglang-radix`` (SGLang's own radix cache: the
+floor), ``sglang-hicache`` (SGLang's HiCache: its radix cache with a host tier, ``--hicache-ratio``)
+and ``tpcache`` (``--radix-cache-backend tpcache``, with a host tier as large as HiCache's). The
+device KV pool (``--kv-tokens``) is smaller than the conversations need together, so the caches must
+evict. Per side, the median of the repeats with the spread (min, max) of: prefill tokens computed,
+TTFT p50 and p90 (one output token: the request's wall time), and the scheduler thread's CPU time
+per scheduler step spent in the prefix cache's methods, with the part of it spent in the collectives
+those methods issue (SGLang's gloo all-reduces, tpcache's round), from
+``tpcache.integrations.sglang.timing`` inside each scheduler process, the largest over the TP ranks;
+then each side's ratios against ``sglang-radix``.
 
 ``--mode l3`` (the default): SGLang HiCache's storage tier (L3) read by a fresh engine, tpcache's
 file store against SGLang's own ``file`` backend, and against no storage tier at all (the floor:
@@ -164,6 +165,8 @@ def _child(workdir: Path, name: str, spec: dict, timeout_s: float) -> list[dict]
         # tpcache's plugin (its entry point from pyproject.toml) measures the prefix cache in each scheduler.
         env["PYTHONPATH"] = os.pathsep.join([str(plugin_dist(workdir / f"{name}-plugin")), env["PYTHONPATH"]])
         env[TIMING_ENV] = spec["timing"]
+    if spec.get("host_pages"):
+        env["TPCACHE_SGLANG_HOST_PAGES"] = str(spec["host_pages"])
     code = run_in_own_session(
         [sys.executable, __file__, "--engine", str(spec_file), str(out_file)], log_file, env, timeout_s
     )
@@ -208,6 +211,8 @@ def prefix(args: argparse.Namespace, workdir: Path, model: str) -> dict:
             name = f"{side}-{r}"
             timing = workdir / f"{name}-timing"
             spec = {**base, "side": side, "timing": str(timing), "hicache_ratio": args.hicache_ratio}
+            if side == "tpcache":  # a host tier as large as HiCache's (--hicache-ratio times the device pool)
+                spec["host_pages"] = int(args.hicache_ratio * args.kv_tokens) // PAGE
             rows = _child(workdir, name, spec, args.timeout_s)
             runs[side].append({"rows": rows, "scheds": _timing(timing)})
     reference = runs[sides[0]][0]["rows"]
