@@ -82,9 +82,11 @@ class RedisBackend(RemoteBackend):
         self._errors = redis.exceptions
         self._batch_bytes = batch_bytes
         # One quick retry: a pooled connection the server dropped (restart) fails once, then works.
-        # Never after a timeout: a stalled server would cost the timeout twice.
+        # Never after a timeout: a stalled server would cost the timeout twice. With a deadline, the
+        # socket times out at twice it: the deadline, not a socket timeout racing it, abandons a
+        # stalled call (counted deadline_exceeded), and the abandoned call still returns soon after.
         if deadline_s:
-            timeout_s = min(timeout_s, deadline_s)
+            timeout_s = min(timeout_s, 2 * deadline_s)
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=timeout_s,
