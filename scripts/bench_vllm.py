@@ -339,35 +339,26 @@ def main() -> int:
     if not prompts:
         ap.error(f"no request of the workload fits --max-model-len {args.max_model_len}: raise it")
     with tempfile.TemporaryDirectory(prefix="tpcache-bench-vllm-") as tmp:
-        model = (
-            make_tiny_gemma2(
-                Path(tmp) / "model",
-                num_layers=args.layers,
-                sliding_window=args.window,
-                hidden_size=args.hidden,
-                num_heads=args.heads,
-                num_kv_heads=args.kv_heads,
-                head_dim=args.hidden // args.heads,
-                vocab_size=args.vocab,
-                std=args.hidden**-0.5,
-            )
-            if args.model == "gemma2"
-            else None
-        )
-        model = model or make_tiny_llama(
-            Path(tmp) / "model",
+        shape = dict(
             num_layers=args.layers,
             hidden_size=args.hidden,
             num_heads=args.heads,
             num_kv_heads=args.kv_heads,
             head_dim=args.hidden // args.heads,
             vocab_size=args.vocab,
-            intermediate_size=2 * args.hidden,
-            max_position_embeddings=args.max_model_len,
             # Weights scaled to the width: a well-conditioned model (no near-ties in the logits that
             # a different prefill chunking could flip); the tests use a sharper one on purpose.
             std=args.hidden**-0.5,
         )
+        if args.model == "gemma2":
+            model = make_tiny_gemma2(Path(tmp) / "model", sliding_window=args.window, **shape)
+        else:
+            model = make_tiny_llama(
+                Path(tmp) / "model",
+                intermediate_size=2 * args.hidden,
+                max_position_embeddings=args.max_model_len,
+                **shape,
+            )
         copy_page_s = copy_seconds_per_page(args)
         without = run_engine(args, model, prompts, tpcache=False)
         by_mode = {}

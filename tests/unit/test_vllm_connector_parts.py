@@ -177,24 +177,26 @@ def test_a_sync_load_leads_its_step_and_no_save_names_a_block_it_wrote_until_it_
     assert [(op[0], op[1], op[3]) for op in ops] == [(SAVE, "a", 3), (SAVE, "o", 3)]
 
 
-def test_a_failed_sync_load_is_not_offered_again_and_its_pages_are_not_saved_before_it_was_reported() -> None:
-    r = Req("a", list(range(13)), blocks=[1, 2, 3, 4])
+def _sync_load_allocated(r: Req) -> SchedulerSide:
+    """A scheduler side with sync loads whose request ``r`` has a 12-token hit allocated by vLLM."""
     side = SchedulerSide(B, Manager(r), sync_loads=True)
     side.num_new_matched_tokens(r, 0)
     side.build_meta(output())
-    side.update_from_output(WorkerReport(hits={"a": (12, 0)}), None)
+    side.update_from_output(WorkerReport(hits={r.request_id: (12, 0)}), None)
     side.update_state_after_alloc(r, (r.blocks,), 12)
+    return side
+
+
+def test_a_failed_sync_load_is_not_offered_again_and_its_pages_are_not_saved_before_it_was_reported() -> None:
+    r = Req("a", list(range(13)), blocks=[1, 2, 3, 4])
+    side = _sync_load_allocated(r)
     r.num_computed_tokens = 12
     assert side.request_finished(r, (r.blocks,)) is True  # aborted: vLLM keeps the blocks until released
     assert side.build_meta(output()).ops == [(LOAD, "a", 0, [[1, 2, 3]], True), (RELEASE, "a", True)]
     merged = WorkerReport(sync_loads={"a": True}).aggregate(WorkerReport(sync_loads={"a": False}))
     assert merged.sync_loads == {"a": False}  # one rank without the pages fails it on every rank
     r2 = Req("b", list(range(13)), blocks=[5, 6, 7, 8])
-    side = SchedulerSide(B, Manager(r2), sync_loads=True)
-    side.num_new_matched_tokens(r2, 0)
-    side.build_meta(output())
-    side.update_from_output(WorkerReport(hits={"b": (12, 0)}), None)
-    side.update_state_after_alloc(r2, (r2.blocks,), 12)
+    side = _sync_load_allocated(r2)
     side.build_meta(output(b=1))
     side.update_from_output(merged.aggregate(WorkerReport(sync_loads={"b": False})), None, {5, 6, 7})
     assert side.requests["b"].load_failed and not side.unconfirmed

@@ -185,10 +185,11 @@ class TPCacheRadix(BasePrefixCache):
         self.device = torch.device(dev) if isinstance(dev, str | torch.device) else torch.device("cpu")
         self._offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
         self.root_node = ROOT
-        self.stats = {"rounds": 0, "evicted_pages": 0, "returned_pages": 0, "duplicate_pages": 0, "loaded_pages": 0}
+        self.stats = dict.fromkeys(
+            ("rounds", "evicted_pages", "returned_pages", "duplicate_pages", "loaded_pages", "prefetches"), 0
+        )
         self.namespaces: Namespaces | None = None  # keys of requests with an extra_key or cache_salt
         self.faults: dict[str, int] = {}  # test faults of this rank (options.parse_faults): kind -> first token
-        self.stats["prefetches"] = 0
         self.storage = storage is not None
         self.prefetching: dict[bytes, int] = {}  # prompt -> the lease of its storage prefetch (in order)
         self.tried: set[bytes] = set()  # prompts whose storage lookup started (membership only)
