@@ -1,6 +1,6 @@
 """vLLM with and without tpcache on a multi-turn conversation workload, in the same run.
 
-    python scripts/bench_vllm.py --json                  # TP=2, 8-layer model of hidden 512, CPU
+    python scripts/bench_vllm.py --json                  # TP=2, 8-layer model of hidden 1024, CPU
 
 The workload is the built-in conversation generator (tpcache.workload.synthetic), scaled to the
 model's ``max_model_len``: every turn resends the conversation's history. Each trace block id
@@ -21,7 +21,10 @@ Two more figures say whether the model is one a cache can speed up, and what tpc
 - ``prefill_to_copy``: the time to prefill one page (a fresh prompt on the engine without tpcache,
   per page of it) against the time to copy one page of this rank's KV into vLLM's blocks (torch's
   ``index_copy_`` into a block of every layer, as a load does). A cache lowers time to first token
-  only where this is well above 1; the TTFT ratio can then approach the prefill-token ratio.
+  only where this is well above 1. Even then the tokens a request still computes attend over its
+  cached prefix, work no prefix cache removes: the TTFT ratio approaches the prefill-token ratio only
+  where a token's compute is mostly its weights (hence hidden 1024 by default; at hidden 512
+  attention is a large share of this small model's prefill).
 - ``connector_cpu``: with tpcache, the worker CPU time spent in the connector's hooks and in
   tpcache's own threads, against the worker's CPU time per engine step
   (``tpcache.integrations.vllm.timing``), per rank, median of the passes.
@@ -290,9 +293,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
