@@ -29,20 +29,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import OutOfPages
 from tpcache.core.records import Admission, Lease, OpKind
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.allocator import OutOfPages
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from tpcache.core.config import CacheConfig
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.loads import Loader
     from tpcache.core.outbox import Outbox
     from tpcache.core.prefetch import Prefetcher
-    from tpcache.core.tree import Node
+    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore.tree import Node
 
 # state -> event -> next state
 TRANSITIONS: dict[str, dict[str, str]] = {

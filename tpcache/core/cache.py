@@ -28,28 +28,28 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from tpcache.core.admission import Admitted, Admitter, Materialized, Shape
-from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.backup import Backup, MirrorRelease
 from tpcache.core.completions import Completions
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.engine_ops import EngineOps
-from tpcache.core.eviction import Candidates, Evictor
 from tpcache.core.external import EnginePages, check_blocks, require_engine_mode
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.hybrid import Hybrid
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.loads import Loader
 from tpcache.core.outbox import Outbox
-from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.queries import Queries
 from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready, Stats, Transfer
 from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState
-from tpcache.core.tree import Node, RadixTree
+from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
+from tpcache.core.treecore.eviction import Candidates, Evictor
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.part_eviction import PartEvictor
+from tpcache.core.treecore.tree import Node, RadixTree
 
 _NO_BACKLOG = mix_ids([])
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tpcache.core.backup import Backup
-from tpcache.core.components import DSLOT, HOST, HSLOT
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.records import Lease, OpKind, Transfer
 from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.components import DSLOT, HOST, HSLOT
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.tree import Node
 
 
 class Completions:

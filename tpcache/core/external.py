@@ -29,17 +29,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tpcache.core.allocator import AdoptedPages
 from tpcache.core.config import CacheConfig
-from tpcache.core.eviction import Evictor
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, OpKind, Transfer
 from tpcache.core.tiers import DeviceState, HostState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.allocator import AdoptedPages
+from tpcache.core.treecore.eviction import Evictor
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.tree import Node
 
 
 def require_engine_mode(config: CacheConfig) -> None:

@@ -14,13 +14,13 @@ Invariants (``invariants.check``):
 
 from __future__ import annotations
 
-from tpcache.core.accounting import lease_record, unresident
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox, path_union
 from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import Node, Walk
+from tpcache.core.treecore.accounting import lease_record, unresident
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.tree import Node, Walk
 
 # What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
 Kept = tuple[int, bytes, list[int], dict[int, list[int]]]

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import OutOfPages
 from tpcache.core.records import Lease, OpKind
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.allocator import OutOfPages
 
 if TYPE_CHECKING:
-    from tpcache.core.eviction import Evictor
     from tpcache.core.hybrid import Hybrid
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.outbox import Outbox
-    from tpcache.core.tree import Node
+    from tpcache.core.treecore.eviction import Evictor
+    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore.tree import Node
 
 
 class Loader:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from tpcache.core.components import DSLOT, HSLOT
 from tpcache.core.hitrule import QueryPlan
-from tpcache.core.ledger import Ledger
 from tpcache.core.records import OpKind, PartCopy, Ready, ReadyNotAdvanced, Transfer
-from tpcache.core.tree import Node
+from tpcache.core.treecore.components import DSLOT, HSLOT
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.tree import Node
 
 
 def path_union(nodes: list[Node]) -> list[Node]:

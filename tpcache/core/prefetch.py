@@ -21,16 +21,16 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tpcache.core.components import readable_tier
 from tpcache.core.config import CacheConfig
-from tpcache.core.eviction import Evictor
 from tpcache.core.hitrule import QueryPlan, keeps_state, window_range
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, OpKind, PrefetchState, Transfer
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.components import readable_tier
+from tpcache.core.treecore.eviction import Evictor
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.tree import Node
 
 if TYPE_CHECKING:
     from tpcache.core.hybrid import Hybrid

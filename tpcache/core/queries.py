@@ -15,21 +15,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from tpcache.core.feed import on_tiers
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.records import OpKind
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.feed import on_tiers
 
 if TYPE_CHECKING:
     from tpcache.core.admission import Admitter
-    from tpcache.core.allocator import HostAllocator, PageAllocator
     from tpcache.core.backup import Backup
-    from tpcache.core.feed import ChangeFeed
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.outbox import Outbox
     from tpcache.core.staging import Staging
-    from tpcache.core.tree import RadixTree
+    from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
+    from tpcache.core.treecore.feed import ChangeFeed
+    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore.tree import RadixTree
 
 
 class PrefetchProgress(NamedTuple):

@@ -13,7 +13,7 @@ from tpcache.core.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHolding, Pa
 
 if TYPE_CHECKING:
     from tpcache.core.hitrule import QueryPlan
-    from tpcache.core.tree import Node, Walk
+    from tpcache.core.treecore.tree import Node, Walk
 
 
 class OpKind(IntEnum):

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tpcache.core.ledger import Ledger
 from tpcache.core.tiers import HostState, StorageState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.tree import Node
 
 
 def staging_done(node: Node) -> bool:

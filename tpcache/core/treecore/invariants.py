@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tpcache.core.accounting import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
 from tpcache.core.cache import CacheCore, OpKind
-from tpcache.core.components import (
+from tpcache.core.digest import Digest
+from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.accounting import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
+from tpcache.core.treecore.components import (
     DEV,
     DPINS,
     DSLOT,
@@ -25,10 +27,8 @@ from tpcache.core.components import (
     is_part_host_candidate,
     is_part_mirror,
 )
-from tpcache.core.digest import Digest
-from tpcache.core.eviction import is_device_candidate, is_host_candidate
-from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.eviction import is_device_candidate, is_host_candidate
+from tpcache.core.treecore.tree import Node
 
 
 class InvariantViolation(AssertionError):
