@@ -1,7 +1,7 @@
 """Mutation check of the fast rings: each mutant breaks one consistency promise; the rings must fail.
 
 Copies the tracked tree (and built extensions) into a temporary directory per mutant, applies one
-textual change there, and runs ``pytest -x tests/unit tests/sim`` on the copy. A mutant that
+textual change there, and runs ``pytest -x tests/treecore tests/unit tests/sim`` on the copy. A mutant that
 survives is a promise no fast test holds.
 
 A mutant of a Python file runs the rings on the ``reference`` tree core (``TPCACHE_TREE_CORE``), so
@@ -295,7 +295,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", type=int, action="append", help="run only these mutant numbers")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rings", nargs="+", default=["tests/unit", "tests/sim"], help="test paths to run")
+    rings = ["tests/treecore", "tests/unit", "tests/sim"]
+    ap.add_argument("--rings", nargs="+", default=rings, help="test paths to run")
     ap.add_argument(
         "--tree-core",
         choices=("auto", "reference", "native"),

@@ -25,8 +25,8 @@ PROBE = textwrap.dedent(
                 raise ImportError("No module named " + repr(name))
     if sys.argv[1] == "unbuilt":
         sys.meta_path.insert(0, Unbuilt())
-    from tpcache.core import backend, CacheConfig, CacheCore, digest, hashing, holdings
-    from tpcache.core.treecore import candidates, lookup, tree
+    from tpcache.core import backend, CacheConfig, CacheCore, digest, hashing
+    from tpcache.core.treecore import candidates, holdings, lookup, tree
     from tpcache.io import native
     out = {"name": backend.NAME, "why": backend.WHY, "node": tree.Node.__name__, "rowcopy": native.AVAILABLE,
            "token_bytes": hashing._token_bytes is not None, "lookup": lookup._native_lookup is not None,

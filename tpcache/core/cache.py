@@ -45,11 +45,11 @@ from tpcache.core.queries import Queries
 from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready, Stats, Transfer
 from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
-from tpcache.core.treecore.eviction import Candidates, Evictor
-from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.eviction import Evictor
 from tpcache.core.treecore.part_eviction import PartEvictor
-from tpcache.core.treecore.tree import Node, RadixTree
+from tpcache.core.treecore.tree import Node
 
 _NO_BACKLOG = mix_ids([])
 
@@ -59,9 +59,8 @@ class CacheCore(Queries, EngineOps):
         config.validate()
         self.config = config
         self.page_size = config.page_size
-        self.tree = RadixTree(config.page_size, config.namespace)
-        self.candidates = Candidates(config.eviction_policy, self.tree)
-        self.ledger = Ledger(config, self.tree, self.candidates)
+        self.treecore = TreeCore(config)  # all per-node state; the layers below move onto it module by module
+        self.tree, self.candidates, self.ledger = self.treecore.tree, self.treecore.candidates, self.treecore.ledger
         self.outbox = Outbox(self.ledger)
         write_back = config.write_policy == "write_back" and config.host_pages > 0
         self.evictor = Evictor(self.ledger, self.candidates, write_back)

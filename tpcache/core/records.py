@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from tpcache.core.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHolding, PageHolding
+from tpcache.core.treecore.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHolding, PageHolding
 
 if TYPE_CHECKING:
     from tpcache.core.hitrule import QueryPlan

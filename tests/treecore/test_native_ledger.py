@@ -17,16 +17,6 @@ import pytest
 from tpcache.core import CacheConfig, CacheCore, check, hashing, inserts
 from tpcache.core.digest import mix, reference_mix
 from tpcache.core.hashing import as_token_bytes
-from tpcache.core.holdings import (
-    DEVICE_PINS,
-    HOST_PINS,
-    PAGES,
-    NodeHolding,
-    PageHolding,
-    ReferenceHolding,
-    key_of,
-    term,
-)
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
 from tpcache.core.records import Lease
@@ -42,6 +32,16 @@ from tpcache.core.treecore.accounting import (
     reference_record_of,
 )
 from tpcache.core.treecore.eviction import Candidates, is_device_candidate, is_host_candidate
+from tpcache.core.treecore.holdings import (
+    DEVICE_PINS,
+    HOST_PINS,
+    PAGES,
+    NodeHolding,
+    PageHolding,
+    ReferenceHolding,
+    key_of,
+    term,
+)
 from tpcache.core.treecore.tree import NATIVE_NODES, RadixTree
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, random_op
