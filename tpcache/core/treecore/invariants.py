@@ -200,8 +200,8 @@ def _check_ops(
     }
     for kind, queue in core.inflight.items():
         for op in queue:
-            for n in op.pinned:
-                dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
+            for node_id in op.pinned:
+                dev_pins[node_id] = dev_pins.get(node_id, 0) + 1
             for n in op.nodes:
                 if n.parent is None:
                     fail(f"op {op.op_id} references a removed node {n.node_id}")
