@@ -180,3 +180,12 @@ def test_freeing_and_removing_by_id_keeps_every_invariant():
     tc.remove_empty(ids)  # the rest hold host copies: they stay; the removed id is skipped
     assert [tc.exists(i) for i in ids] == [True, True, False]
     check(core)
+
+
+def test_the_path_on_device_is_the_path_union_filtered_to_device():
+    core = cached((1, 2, 3), (1, 2, 4), (1, 5))
+    tc = core.treecore
+    core.evict_device(2)  # two leaves live on in host only
+    ends = [tc.walk_ids(data(*p))[-1] for p in ((1, 2, 3), (1, 2, 4), (1, 5))]
+    union = tc.path_union(ends)
+    assert tc.path_on_device(ends) == tc.ids_on_device(union) != union

@@ -33,7 +33,7 @@ class Completions:
         self.leases = leases
         self.backup = backup
         self.prefetch = prefetch
-        self._appliers: dict[OpKind, Callable[[Transfer, int, list[Lease]], None]] = {
+        self._appliers: dict[OpKind, Callable[[Transfer, list[int], int, list[Lease]], None]] = {
             OpKind.BACKUP: self._backup,
             OpKind.LOAD: self._load,
             OpKind.STORAGE_WRITE: self._storage_write,
@@ -52,24 +52,24 @@ class Completions:
         if ok < pages:
             core.stats.failed_copy_pages += pages - ok
         waiters = self.leases.waiting_for(op.op_id)
+        ids = core.ids_of(op.nodes)
         if op.parts:
-            self._parts(op, ok, waiters)
-        self._appliers[kind](op, ok, waiters)
+            self._parts(op, ids, ok, waiters)
+        self._appliers[kind](op, ids, ok, waiters)
         if op.pinned:
             core.touch(op.pinned, -1)  # the path a copy protected, released with its ack
-        core.remove_empty(core.ids_of(op.nodes))
+        core.remove_empty(ids)
         for lease in waiters:
             self.leases.op_done(lease, op.op_id)
         if self.staging.enabled:  # buffer mode: an agreed copy may end these pages' staging
             self.staging.note(op.nodes)
         return op
 
-    def _parts(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+    def _parts(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         """The op's component copies: landed ones become valid (or durable), the rest are dropped,
         and the op's pins on them go. Before the full pages, which a component copy needs."""
         core = self.core
         kind = op.kind
-        ids = core.ids_of(op.nodes)
         for pc in op.parts:
             c, base = pc.part, core.part_base(pc.part)
             dslot, hslot, host = base + DSLOT, base + HSLOT, base + HOST
@@ -102,21 +102,20 @@ class Completions:
             for lease in waiters if failed else ():
                 self.leases.drop_failed_part_loads(lease, c, failed)
 
-    def _backup(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+    def _backup(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         core = self.core
-        landed, failed = _split(core.ids_of(op.nodes), op.full_index, ok)
+        landed, failed = _split(ids, op.full_index, ok)
         core.settle(landed, host=HostState.VALID)
         for node_id in failed:
             core.free_host_copy(node_id)
         core.stats.backups_done_pages += ok
         self.backup.store(op.nodes[:ok])
 
-    def _load(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+    def _load(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         core = self.core
         if op.engine_pages:  # into the engine's blocks: no tier state changes, the lease holds the slots
             core.stats.loads_done_pages += ok
             return
-        ids = core.ids_of(op.nodes)
         landed, failed = _split(ids, op.full_index, ok)
         core.settle(landed, device=DeviceState.VALID, host_pins=-1)
         for node_id in failed:
@@ -142,16 +141,15 @@ class Completions:
         for lease in waiters if failed else ():  # every request sharing a failed load lets go of its pages
             self.leases.drop_failed_loads(lease, core.handles(failed))
 
-    def _storage_write(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+    def _storage_write(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         core = self.core
-        landed, failed = _split(core.ids_of(op.nodes), op.full_index, ok)
+        landed, failed = _split(ids, op.full_index, ok)
         core.settle(landed, storage=StorageState.DURABLE, host_pins=-1)
         core.settle(failed, storage=StorageState.NONE, host_pins=-1)
         core.stats.storage_written_pages += ok
 
-    def _storage_read(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+    def _storage_read(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         core = self.core
-        ids = core.ids_of(op.nodes)
         core.settle(ids[:ok], host=HostState.VALID, storage=self._read_storage())
         for node_id in ids[ok:]:
             core.free_host_copy(node_id)
@@ -166,7 +164,7 @@ class Completions:
         unusable since the read was issued (nothing counts as durable then; None: left as it is)."""
         return None if self.backup.storage_down else StorageState.DURABLE
 
-    def _storage_query(self, op: Transfer, ok: int, waiters: list[Lease]) -> None:
+    def _storage_query(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         self.prefetch.on_query(op, ok)
 
 

@@ -125,7 +125,7 @@ class Leases:
             self.pin_host(lease, [node])
             pins.append(("host", node))
         before = len(lease.device_nodes)
-        self.pin_device(lease, core.handles(reversed(core.ids_on_device(core.path_union([node_id])))))
+        self.pin_device(lease, core.handles(reversed(core.path_on_device([node_id]))))
         pins += [("device", n) for n in lease.device_nodes[before:]]
         return pins
 

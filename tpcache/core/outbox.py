@@ -64,7 +64,7 @@ class Outbox:
         if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):
             # A copy in flight protects the device pages along its pages' paths until its ack: they
             # stay, and count as protected rather than evictable meanwhile (the retention cap holds).
-            op.pinned = core.ids_on_device(core.path_union(ids))
+            op.pinned = core.path_on_device(ids)
             if op.pinned:
                 core.touch(op.pinned, +1)  # let go of with touch(-1) at its ack (completions)
         self.inflight[kind].append(op)

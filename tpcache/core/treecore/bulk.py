@@ -146,6 +146,20 @@ class BulkReads:
                 cur = cur.parent
         return out
 
+    def path_on_device(self, ids: Iterable[int]) -> list[int]:
+        """``ids_on_device(path_union(ids))`` in one pass."""
+        nodes = self.tree.nodes
+        seen: set[int] = set()
+        out: list[int] = []
+        for node_id in ids:
+            cur = nodes[node_id]
+            while cur.parent is not None and cur.node_id not in seen:
+                seen.add(cur.node_id)
+                if cur.device_state:
+                    out.append(cur.node_id)
+                cur = cur.parent
+        return out
+
     def ids_on_device(self, ids: Iterable[int]) -> list[int]:
         """Those of ``ids`` whose device state is not NONE (valid or filling), in order."""
         nodes = self.tree.nodes
