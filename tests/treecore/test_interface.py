@@ -189,3 +189,41 @@ def test_the_path_on_device_is_the_path_union_filtered_to_device():
     ends = [tc.walk_ids(data(*p))[-1] for p in ((1, 2, 3), (1, 2, 4), (1, 5))]
     union = tc.path_union(ends)
     assert tc.path_on_device(ends) == tc.ids_on_device(union) != union
+
+
+def test_the_load_rule_counts_valid_then_on_device_then_host_only_pages():
+    core = cached((1, 2, 3, 4))
+    tc = core.treecore
+    ids = tc.walk_ids(data(1, 2, 3, 4))
+    assert tc.load_reach(ids) == (4, 4, 4, -1) and tc.resident_prefix(ids) == 4
+    core.evict_device(2)  # the last two pages live on in host only
+    assert tc.load_reach(ids) == (2, 2, 4, -1) and tc.resident_prefix(ids) == 4
+    lease, _ = core.lock(toks(1, 2, 3, 4))
+    core.load(lease)  # the third and fourth pages are loading now
+    assert [tc.device(i)[0] for i in ids] == [DeviceState.VALID] * 2 + [DeviceState.LOADING] * 2
+    assert tc.load_reach(ids) == (2, 4, 4, 2)  # a shared load: nothing under it would be loaded
+    valid, on_device, reach, first = tc.load_reach(ids[:3])
+    assert valid <= on_device <= reach <= 3 and first == 2
+    drain(core)
+    assert tc.load_reach(ids) == (4, 4, 4, -1)
+
+
+def test_a_new_host_page_hangs_from_a_readable_node_and_takes_a_new_id():
+    core = cached((1, 2))
+    tc = core.treecore
+    first, second = tc.walk_ids(data(1, 2))
+    assert tc.readable(ROOT) and tc.readable(second)
+    tokens = data(3)
+    page_hash_ = page_hash(tc.page_hashes([second])[0], tokens, core.tree.seed)
+    slot = core.host.alloc(1)[0]
+    new = tc.add_host_page(second, tokens, page_hash_, slot)
+    assert new > max(first, second) and tc.parent_of(new) == second and tc.walk_ids(data(1, 2, 3))[-1] == new
+    assert tc.host(new) == (HostState.WRITING, slot) and tc.device(new) == (DeviceState.NONE, -1)
+    assert not tc.readable(new) and tc.resident_prefix(tc.walk_ids(data(1, 2, 3))) == 3
+    assert tc.unresident(tc.handles([first, second, new])) == []
+    tc.update(new, host=(HostState.NONE, -1))
+    core.host.free([slot])
+    assert tc.unresident(tc.handles([first, second, new])) == [new]
+    tc.remove_if_empty(new)
+    assert not tc.exists(new) and tc.id_of(tc.handles([second])[0]) == second
+    check(core)
