@@ -11,7 +11,7 @@ import tempfile
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-NEEDS_XXHASH = {"tpcache.core._node", "tpcache.io._record"}
+NEEDS_XXHASH = {"tpcache.core.treecore._node", "tpcache.io._record"}
 XXHASH_HELP = (
     "xxhash.h not found: install libxxhash-dev (make setup does), or download xxhash.h from "
     "https://github.com/Cyan4973/xxHash/releases and set C_INCLUDE_PATH to its directory"
@@ -19,7 +19,7 @@ XXHASH_HELP = (
 
 
 INSTEAD = {
-    "tpcache.core._node": "the reference tree core runs instead",
+    "tpcache.core.treecore._node": "the reference tree core runs instead",
     "tpcache.io._rowcopy": "page copies use torch instead",
     "tpcache.io._record": "the shard layout checks its records in Python instead",
     "protocol._speedups": "the codec checks ids in Python instead",

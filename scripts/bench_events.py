@@ -87,7 +87,7 @@ def core_cost(pages: int, page: int, runs: int, n: int = 2000) -> dict[str, Any]
     import zmq
 
     from tpcache.core import CacheConfig, CacheCore
-    from tpcache.core.feed import ChangeFeed
+    from tpcache.core.treecore.feed import ChangeFeed
     from tpcache.events.publisher import EventPublisher
     from tpcache.replay import drain
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpcache.core.allocator import HostAllocator  # noqa: E402
+from tpcache.core.treecore.allocator import HostAllocator  # noqa: E402
 
 
 class EagerHostAllocator:

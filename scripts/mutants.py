@@ -1,7 +1,7 @@
 """Mutation check of the fast rings: each mutant breaks one consistency promise; the rings must fail.
 
 Copies the tracked tree (and built extensions) into a temporary directory per mutant, applies one
-textual change there, and runs ``pytest -x tests/unit tests/sim`` on the copy. A mutant that
+textual change there, and runs ``pytest -x tests/treecore tests/unit tests/sim`` on the copy. A mutant that
 survives is a promise no fast test holds.
 
 A mutant of a Python file runs the rings on the ``reference`` tree core (``TPCACHE_TREE_CORE``), so
@@ -40,12 +40,17 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "device page left out of the state digest",
-        "tpcache/core/accounting.py",
+        "tpcache/core/treecore/accounting.py",
         "        node.device_page,\n",
         "0,\n",
     ),
-    ("hits left out of the state digest", "tpcache/core/accounting.py", "        node.hits,\n", "0,\n"),
-    ("host slot left out of the state digest", "tpcache/core/accounting.py", "        node.host_slot,\n", "0,\n"),
+    ("hits left out of the state digest", "tpcache/core/treecore/accounting.py", "        node.hits,\n", "0,\n"),
+    (
+        "host slot left out of the state digest",
+        "tpcache/core/treecore/accounting.py",
+        "        node.host_slot,\n",
+        "0,\n",
+    ),
     (
         "insert adopts pages below a page still loading",
         "tpcache/core/inserts.py",
@@ -55,7 +60,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "LRU tie-break takes the shallowest page",
-        "tpcache/core/candidates.py",
+        "tpcache/core/treecore/candidates.py",
         "        return node.last_access << 128 | (_DEPTH - node.depth) << 64 | node.hash",
         "        return node.last_access << 128 | node.depth << 64 | node.hash",
     ),
@@ -73,13 +78,13 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "a device page is not re-offered when a host-only page below it changes",
-        "tpcache/core/candidates.py",
+        "tpcache/core/treecore/candidates.py",
         "        if parent is not node.parent and parent.device_state == DeviceState.VALID:",
         "        if False:",
     ),
     (
         "a refused write-back alloc evicts clean pages first",
-        "tpcache/core/eviction.py",
+        "tpcache/core/treecore/eviction.py",
         "and (not self.write_back or self._clean_suffices(short))",
         "and True",
     ),
@@ -92,13 +97,13 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "a Mamba state (or SWA page) read while it is still loading",
-        "tpcache/core/components.py",
+        "tpcache/core/treecore/components.py",
         "    if rec[b + DEV] == _VALID:\n        return 1",
         "    if rec[b + DEV] != 0:\n        return 1",
     ),
     (
         "the component record left out of the state digest",
-        "tpcache/core/accounting.py",
+        "tpcache/core/treecore/accounting.py",
         '        packed += array("q", node.comp).tobytes()',
         "        pass",
     ),
@@ -135,7 +140,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     (
         "a pinned component copy counts as evictable",
-        "tpcache/core/components.py",
+        "tpcache/core/treecore/components.py",
         "    return rec[b + DEV] == _VALID and rec[b + DPINS] == 0\n",
         "    return rec[b + DEV] == _VALID\n",
     ),
@@ -158,10 +163,15 @@ MUTANTS: list[tuple[str, str, str, str]] = [
         "            backlog,\n            self.evictor.retention_cap_tokens,\n",
         "            backlog,\n",
     ),
-    ("a lease's pages left out of its record", "tpcache/core/accounting.py", "        lease.pages.total,\n", "0,\n"),
+    (
+        "a lease's pages left out of its record",
+        "tpcache/core/treecore/accounting.py",
+        "        lease.pages.total,\n",
+        "0,\n",
+    ),
     (
         "a lease's prefetch and admission state left out of its record",
-        "tpcache/core/accounting.py",
+        "tpcache/core/treecore/accounting.py",
         "        mix_ids(prefetch_fields) if prefetch_fields else NO_IDS,\n",
         "        NO_IDS,\n",
     ),
@@ -192,7 +202,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     # the native core's own copy of a promise
     (
         "a lease's pages left out of its record, in the native core",
-        "tpcache/core/_account.c",
+        "tpcache/core/treecore/_account.c",
         "    write64(buf + 32, (uint64_t)pages);\n",
         "    write64(buf + 32, 0);\n",
     ),
@@ -285,7 +295,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", type=int, action="append", help="run only these mutant numbers")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rings", nargs="+", default=["tests/unit", "tests/sim"], help="test paths to run")
+    rings = ["tests/treecore", "tests/unit", "tests/sim"]
+    ap.add_argument("--rings", nargs="+", default=rings, help="test paths to run")
     ap.add_argument(
         "--tree-core",
         choices=("auto", "reference", "native"),

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tpcache.core import CacheConfig  # noqa: E402
-from tpcache.core.eviction import POLICIES  # noqa: E402
+from tpcache.core.treecore.eviction import POLICIES  # noqa: E402
 from tpcache.replay import config_for_tokens, replay  # noqa: E402
 from tpcache.workload import SyntheticWorkload, load_trace  # noqa: E402
 

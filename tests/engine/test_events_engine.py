@@ -8,7 +8,7 @@ import time
 
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
-from tpcache.core.feed import on_tiers
+from tpcache.core.treecore.feed import on_tiers
 from tpcache.engine import TPCache
 from tpcache.events import Group, Subscriber
 

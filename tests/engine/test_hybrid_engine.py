@@ -9,7 +9,7 @@ import torch
 
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
-from tpcache.core.components import DEV, DSLOT, HSLOT, STRIDE
+from tpcache.core.treecore.components import DEV, DSLOT, HSLOT, STRIDE
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout, state_layout
 from tpcache.io.storage import FileBackend

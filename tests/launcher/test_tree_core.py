@@ -21,11 +21,12 @@ PROBE = textwrap.dedent(
     import json, sys
     class Unbuilt:
         def find_spec(self, name, path=None, target=None):
-            if name in ("tpcache.core._node", "tpcache.io._rowcopy"):
+            if name in ("tpcache.core.treecore._node", "tpcache.io._rowcopy"):
                 raise ImportError("No module named " + repr(name))
     if sys.argv[1] == "unbuilt":
         sys.meta_path.insert(0, Unbuilt())
-    from tpcache.core import backend, CacheConfig, CacheCore, candidates, digest, hashing, holdings, lookup, tree
+    from tpcache.core import backend, CacheConfig, CacheCore, digest, hashing
+    from tpcache.core.treecore import candidates, holdings, lookup, tree
     from tpcache.io import native
     out = {"name": backend.NAME, "why": backend.WHY, "node": tree.Node.__name__, "rowcopy": native.AVAILABLE,
            "token_bytes": hashing._token_bytes is not None, "lookup": lookup._native_lookup is not None,
@@ -89,7 +90,7 @@ def test_reference_runs_no_native_code_in_any_module(built):
 def test_without_the_extension_the_default_is_reference_and_says_why():
     out = probe(None, built=False)
     assert (out["name"], out["node"], out["refused"]) == ("reference", "PyNode", None)
-    assert out["why"].startswith("the native extension was not built (No module named 'tpcache.core._node')")
+    assert out["why"].startswith("the native extension was not built (No module named 'tpcache.core.treecore._node')")
 
 
 @pytest.mark.parametrize(

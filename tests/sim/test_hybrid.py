@@ -6,8 +6,8 @@ import logging
 import pytest
 
 from tpcache.core import CacheConfig, OpKind
-from tpcache.core.components import DSLOT, STORE
 from tpcache.core.tiers import StorageState
+from tpcache.core.treecore.components import DSLOT, STORE
 from tpcache.testing.ops import tokens_for
 from tpcache.testing.sim import HYBRIDS, PART_DIVERGENCES, Faults, SimCluster, SimFailure, run_schedule
 

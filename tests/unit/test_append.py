@@ -7,8 +7,8 @@ from array import array
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check, inserts
-from tpcache.core.holdings import NodeHolding
 from tpcache.core.inserts import Inserter
+from tpcache.core.treecore.holdings import NodeHolding
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, part_slots, random_op
 from tpcache.testing.sim import snapshot

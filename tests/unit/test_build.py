@@ -27,7 +27,7 @@ def test_without_a_compiler_the_build_succeeds_and_says_why_per_extension(tmp_pa
     assert done.returncode == 0, done.stderr
     assert lines(done) == [
         "tpcache: building without tpcache.io._rowcopy (no working C compiler (unix)); page copies use torch instead",
-        "tpcache: building without tpcache.core._node (no working C compiler (unix)); the reference tree core "
+        "tpcache: building without tpcache.core.treecore._node (no working C compiler (unix)); the reference tree core "
         "runs instead",
         "tpcache: building without tpcache.io._record (no working C compiler (unix)); the shard layout checks its "
         "records in Python instead",
@@ -41,5 +41,7 @@ def test_without_the_xxhash_header_the_tree_core_is_left_out_naming_the_package(
     done = build(tmp_path, CFLAGS="-nostdinc")  # no system headers: xxhash.h is not found (nor stdlib.h)
     assert done.returncode == 0, done.stderr
     first = lines(done)[0]
-    assert first.startswith("tpcache: building without tpcache.core._node (xxhash.h not found: install libxxhash-dev")
+    assert first.startswith(
+        "tpcache: building without tpcache.core.treecore._node (xxhash.h not found: install libxxhash-dev"
+    )
     assert "set C_INCLUDE_PATH" in first and first.endswith("the reference tree core runs instead")

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from tpcache.core import CacheConfig, CacheCore
-from tpcache.core.feed import ChangeFeed, on_tiers
+from tpcache.core.treecore.feed import ChangeFeed, on_tiers
 from tpcache.events import Group, Subscriber, wire
 from tpcache.events.publisher import EventPublisher
 from tpcache.replay import drain as replay_drain

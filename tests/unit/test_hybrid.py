@@ -7,11 +7,11 @@ import pytest
 
 from tpcache.comm.collective import elementwise_min
 from tpcache.core import CacheConfig, CacheCore, InvariantViolation, OpKind, OutOfPages, check
-from tpcache.core.accounting import record_of
-from tpcache.core.components import DEV, DPINS, DSLOT, FIELD_NAMES, HOST, STAMP, STRIDE
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import Round
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.accounting import record_of
+from tpcache.core.treecore.components import DEV, DPINS, DSLOT, FIELD_NAMES, HOST, STAMP, STRIDE
 from tpcache.replay import drain as replay_drain
 from tpcache.testing.ops import part_slots
 

@@ -1,4 +1,4 @@
-"""The round's kernels in C (``tpcache/core/_round.c``) against their Python references: the digest
+"""The round's kernels in C (``tpcache/core/treecore/_round.c``) against their Python references: the digest
 of a list of ids, the completion queues' fields of the round vector, the vector's (x, -x) pairs, and
 whether a reduced vector is this rank's own.
 (``tests/sim`` runs the round end to end on whichever of the two is built.)"""
@@ -16,12 +16,12 @@ from tpcache.core import CacheConfig, CacheCore
 from tpcache.core.digest import reference_mix_ids
 from tpcache.core.records import OpKind, Transfer
 from tpcache.core.round import Round, queue_fields, reference_queue_fields
-from tpcache.core.tree import NATIVE_NODES
+from tpcache.core.treecore.tree import NATIVE_NODES
 
 native = pytest.mark.skipif(not NATIVE_NODES, reason="the C extension is not built")
 
 if NATIVE_NODES:
-    from tpcache.core import _node
+    from tpcache.core.treecore import _node
 
 
 @native

@@ -8,11 +8,11 @@ import pytest
 from tpcache.comm.collective import elementwise_min
 from tpcache.comm.shm import ShmCollective
 from tpcache.core import CacheConfig, CacheCore, InvariantViolation, OpKind, OutOfPages, ReadyNotAdvanced, check
-from tpcache.core.accounting import record_of
-from tpcache.core.eviction import LRU, is_device_candidate
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import Round
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.accounting import record_of
+from tpcache.core.treecore.eviction import LRU, is_device_candidate
 from tpcache.replay import drain
 from tpcache.testing.ops import take_transfers
 

@@ -1,10 +1,8 @@
 """The sans-IO, deterministic core of tpcache."""
 
 from tpcache.core.admission import AdmissionError, Admitted, IllegalAdmissionEvent, Materialized, NotAdmitted, Shape
-from tpcache.core.allocator import HostAllocator, OutOfPages, PageAllocator
 from tpcache.core.cache import CacheCore
 from tpcache.core.config import CacheConfig
-from tpcache.core.invariants import InvariantViolation, check
 from tpcache.core.records import (
     CacheClosed,
     Lease,
@@ -16,6 +14,8 @@ from tpcache.core.records import (
     Transfer,
     UnknownLease,
 )
+from tpcache.core.treecore.allocator import HostAllocator, OutOfPages, PageAllocator
+from tpcache.core.treecore.invariants import InvariantViolation, check
 
 __all__ = [
     "AdmissionError",

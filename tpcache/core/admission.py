@@ -29,20 +29,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import OutOfPages
 from tpcache.core.records import Admission, Lease, OpKind
-from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.allocator import OutOfPages
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from tpcache.core.config import CacheConfig
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.loads import Loader
     from tpcache.core.outbox import Outbox
     from tpcache.core.prefetch import Prefetcher
-    from tpcache.core.tree import Node
+    from tpcache.core.treecore import TreeCore
+    from tpcache.core.treecore.tree import Node
 
 # state -> event -> next state
 TRANSITIONS: dict[str, dict[str, str]] = {
@@ -118,7 +117,7 @@ class Admitter:
     def __init__(
         self,
         config: CacheConfig,
-        ledger: Ledger,
+        core: TreeCore,
         leases: Leases,
         outbox: Outbox,
         loader: Loader,
@@ -126,7 +125,7 @@ class Admitter:
         closed: Callable[[], bool],
     ) -> None:
         self.config = config
-        self.ledger = ledger
+        self.core = core
         self.leases = leases
         self.outbox = outbox
         self.loader = loader
@@ -137,7 +136,7 @@ class Admitter:
     def check_supported(self) -> None:
         """Phased admission plans full-attention pages; a hybrid model's hit also needs its window
         and states (the hit rule), which ``lock`` and ``load`` apply: refuse rather than over-count."""
-        if self.ledger.parts:
+        if self.core.components:
             raise AdmissionError("admission in phases covers full-attention models; use lock and load for hybrid ones")
 
     def admit(self, lease: Lease, locked_pages: int, prefetch: bool) -> None:
@@ -166,10 +165,10 @@ class Admitter:
     def select(self, lease: Lease) -> Shape:
         """The shape the request would be admitted with now. Pure."""
         adm = self.get(lease)
-        walk = self.ledger.tree.walk(lease.tokens)
+        walk = self.core.walk(lease.tokens)
         if self.closed():
             return Shape(walk.num_pages)
-        device, reach = self._reach(walk.nodes, adm.no_staged)
+        device, reach = self._reach(self.core.ids_of(walk.nodes), adm.no_staged)
         state = lease.prefetch
         waiting = state is not None and state.status != "done" and not adm.no_staged
         return Shape(walk.num_pages, device, reach - device, waiting)
@@ -190,7 +189,7 @@ class Admitter:
         if self._loading(lease):
             return self._again(lease, adm, planned, "loading")
         nodes = self._path(lease)
-        device, reach = self._reach(nodes, adm.no_staged)
+        device, reach = self._reach(self.core.ids_of(nodes), adm.no_staged)
         if reach > device and adm.load_from < 0:
             try:
                 self.loader.load(lease)
@@ -202,7 +201,7 @@ class Admitter:
         arrived = self._hold(lease, nodes)
         if arrived < planned.planned_pages and not adm.no_staged:
             adm.no_staged = True  # (load_from stays: what did land is still counted by where it came from)
-            self.ledger.stats.admission_reselects += 1
+            self.core.stats.admission_reselects += 1
             _to(adm, "short")
             self.leases.refresh(lease)
             return Materialized("short", planned, "fewer_arrived")
@@ -211,13 +210,13 @@ class Admitter:
     def commit(self, lease: Lease) -> Admitted:
         adm = self.get(lease)
         _to(adm, "commit")
-        hit, ps, stats = adm.hit, self.config.page_size, self.ledger.stats
+        hit, ps, stats = adm.hit, self.config.page_size, self.core.stats
         loaded = _overlap(adm.load_from, adm.load_to, 0, hit) if adm.load_from >= 0 else 0
         if self.buffer:
             storage = loaded  # host only stages: every loaded page came from storage
         else:
             storage = _overlap(max(adm.load_from, adm.locked_pages), adm.load_to, 0, hit) if loaded else 0
-        walk = self.ledger.tree.walk(lease.tokens)
+        walk = self.core.walk(lease.tokens)
         stats.lookups += 1
         stats.lookup_tokens += walk.num_pages * ps
         stats.device_hit_tokens += (hit - loaded) * ps
@@ -225,35 +224,18 @@ class Admitter:
         stats.storage_hit_tokens += storage * ps
         stats.admissions_committed += 1
         self.leases.refresh(lease)
-        pages = [n.device_page for n in walk.nodes[:hit]]
+        pages = self.core.device_pages(self.core.ids_of(walk.nodes[:hit]))
         return Admitted(hit, pages, (hit - loaded) * ps, (loaded - storage) * ps, storage * ps)
 
     # ------------------------------------------------------------------ internals
 
     def _path(self, lease: Lease) -> list[Node]:
-        return self.ledger.tree.walk(lease.tokens).nodes
+        return self.core.walk(lease.tokens).nodes
 
-    @staticmethod
-    def _reach(nodes: list[Node], no_staged: bool) -> tuple[int, int]:
-        """(device-valid leading pages, pages a load would reach), by the load's own rule (``loads``):
-        pages on device (loading for another request included) while no host page came yet, then
-        host-only pages unless a shared load came before them."""
-        device = 0
-        while device < len(nodes) and nodes[device].device_state == DeviceState.VALID:
-            device += 1
-        if no_staged:
-            return device, device
-        prefix = todo = 0
-        shared = False
-        for node in nodes:
-            if node.on_device and not todo:
-                shared = shared or node.device_state == DeviceState.LOADING
-                prefix += 1
-            elif not shared and node.host_state == HostState.VALID and node.device_state == DeviceState.NONE:
-                todo += 1
-            else:
-                break
-        return device, prefix + todo
+    def _reach(self, ids: list[int], no_staged: bool) -> tuple[int, int]:
+        """(device-valid leading pages, pages a load would reach), by the load's own rule (``loads``)."""
+        device, _, reach, _ = self.core.load_reach(ids)
+        return (device, device) if no_staged else (device, reach)
 
     def _loading(self, lease: Lease) -> bool:
         """Whether a load the lease waits for (its own, or one it shares) is still in flight."""
@@ -262,9 +244,7 @@ class Admitter:
 
     def _hold(self, lease: Lease, nodes: list[Node]) -> int:
         """Pin the device-valid prefix for the lease (its hold) and return its length."""
-        n = 0
-        while n < len(nodes) and nodes[n].device_state == DeviceState.VALID:
-            n += 1
+        n = self.core.load_reach(self.core.ids_of(nodes))[0]
         self.leases.pin_device(lease, nodes[:n])
         return n
 
@@ -273,10 +253,10 @@ class Admitter:
         if adm.deferrals > self.config.admission_max_deferrals:
             self.prefetcher.abandon(lease)  # its later acks are stale: nothing it brings is counted
             adm.no_staged = True
-            self.ledger.stats.admission_gave_up += 1
+            self.core.stats.admission_gave_up += 1
             return self._ready(lease, adm, self._hold(lease, self._path(lease)), planned.num_pages)
         self._hold(lease, self._path(lease))
-        self.ledger.stats.admission_retries += 1
+        self.core.stats.admission_retries += 1
         _to(adm, "again")
         self.leases.refresh(lease)
         return Materialized("again", planned, reason)

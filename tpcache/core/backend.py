@@ -1,6 +1,6 @@
 """Which tree core this process runs, chosen once when tpcache is first imported.
 
-``native``: the C extension ``tpcache.core._node`` (tree nodes the garbage collector never walks,
+``native``: the C extension ``tpcache.core.treecore._node`` (tree nodes the garbage collector never walks,
 and the hot loops of the core in C), with the row copy ``tpcache.io._rowcopy`` where built.
 ``reference``: the pure-Python core, the specification the native one is held equal to (the same
 decisions and digests, slower, with collection pauses that grow with the cache).
@@ -41,7 +41,7 @@ def _choose(requested: str) -> tuple[str, ModuleType | None, ModuleType | None, 
         return "reference", None, None, "refused", refusal
     if requested == "reference":
         return "reference", None, None, f"chosen by {ENV}", None
-    node, missing = _load("tpcache.core._node")
+    node, missing = _load("tpcache.core.treecore._node")
     if node is None:
         why = f"the native extension was not built ({missing}); see docs/development.md"
         if requested == "native":
@@ -52,7 +52,7 @@ def _choose(requested: str) -> tuple[str, ModuleType | None, ModuleType | None, 
 
 
 NAME, NATIVE, ROWCOPY, WHY, REFUSED = _choose(os.environ.get(ENV, "").strip().lower())
-BUILT = NATIVE is not None or _load("tpcache.core._node")[0] is not None
+BUILT = NATIVE is not None or _load("tpcache.core.treecore._node")[0] is not None
 DEFAULT = "native" if BUILT else "reference"
 DEFAULT_WHY = "the default where built" if BUILT else WHY
 # The shard layout's records gathered and checked in C, under the native core where built; None: Python.

@@ -23,17 +23,17 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from tpcache.core.accounting import is_mirror
-from tpcache.core.components import DEV, HOST, HPINS, STORE, Part, host_parts_releasable, is_part_mirror
 from tpcache.core.digest import mix_ids
-from tpcache.core.eviction import Evictor
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
-from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.plans import Plan
 from tpcache.core.records import OpKind
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.accounting import is_mirror
+from tpcache.core.treecore.components import DEV, HOST, HPINS, STORE, Part, host_parts_releasable, is_part_mirror
+from tpcache.core.treecore.eviction import Evictor
+from tpcache.core.treecore.ledger import Ledger
+from tpcache.core.treecore.part_eviction import PartEvictor
+from tpcache.core.treecore.tree import Node
 
 if TYPE_CHECKING:
     from protocol.round_vector import Agreement

@@ -28,28 +28,27 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from tpcache.core.admission import Admitted, Admitter, Materialized, Shape
-from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.backup import Backup, MirrorRelease
 from tpcache.core.completions import Completions
 from tpcache.core.config import CacheConfig
 from tpcache.core.digest import DIGEST_MASK, Digest, mix, mix_ids
 from tpcache.core.engine_ops import EngineOps
-from tpcache.core.eviction import Candidates, Evictor
 from tpcache.core.external import EnginePages, check_blocks, require_engine_mode
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.hybrid import Hybrid
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.loads import Loader
 from tpcache.core.outbox import Outbox
-from tpcache.core.part_eviction import PartEvictor
 from tpcache.core.prefetch import Prefetcher
 from tpcache.core.queries import Queries
 from tpcache.core.records import CacheClosed, Lease, MatchResult, OpKind, Ready, Stats, Transfer
 from tpcache.core.staging import Staging
-from tpcache.core.tiers import DeviceState, HostState
-from tpcache.core.tree import Node, RadixTree
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
+from tpcache.core.treecore.eviction import Evictor
+from tpcache.core.treecore.part_eviction import PartEvictor
+from tpcache.core.treecore.tree import Node
 
 _NO_BACKLOG = mix_ids([])
 
@@ -59,25 +58,26 @@ class CacheCore(Queries, EngineOps):
         config.validate()
         self.config = config
         self.page_size = config.page_size
-        self.tree = RadixTree(config.page_size, config.namespace)
-        self.candidates = Candidates(config.eviction_policy, self.tree)
-        self.ledger = Ledger(config, self.tree, self.candidates)
-        self.outbox = Outbox(self.ledger)
+        self.treecore = TreeCore(config)  # all per-node state; the layers below move onto it module by module
+        self.tree, self.candidates, self.ledger = self.treecore.tree, self.treecore.candidates, self.treecore.ledger
+        self.outbox = Outbox(self.treecore)
         write_back = config.write_policy == "write_back" and config.host_pages > 0
         self.evictor = Evictor(self.ledger, self.candidates, write_back)
-        self.book = Leases(self.ledger, self.outbox)
+        self.book = Leases(self.treecore, self.outbox)
         self.part_evictor = PartEvictor(self.ledger, self.evictor)
         self.backup = Backup(self.ledger, self.evictor, self.outbox, self.part_evictor)
         self.evictor.back_up = self.backup.back_up
         led, closed = self.ledger, lambda: self.closed
         self.hybrid = Hybrid(led, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
-        self.loader = Loader(led, self.book, self.outbox, self.evictor, self.hybrid)
+        self.loader = Loader(self.treecore, self.book, self.outbox, self.evictor, self.hybrid)
         self.inserter = Inserter(led, self.book, self.backup, self.hybrid)
-        self.prefetcher = Prefetcher(config, led, self.book, self.outbox, self.evictor, closed, self.hybrid)
-        self.staging = Staging(self.ledger)
-        self.completions = Completions(self.ledger, self.outbox, self.book, self.backup, self.prefetcher, self.staging)
-        self.admitter = Admitter(config, led, self.book, self.outbox, self.loader, self.prefetcher, closed)
-        self.engine_pages = EnginePages(led, self.book, self.outbox, self.evictor, self.inserter, self._live)
+        self.prefetcher = Prefetcher(config, self.treecore, self.book, self.outbox, self.evictor, closed, self.hybrid)
+        self.staging = Staging(self.treecore)
+        self.completions = Completions(
+            self.treecore, self.outbox, self.book, self.backup, self.prefetcher, self.staging
+        )
+        self.admitter = Admitter(config, self.treecore, self.book, self.outbox, self.loader, self.prefetcher, closed)
+        self.engine_pages = EnginePages(self.treecore, self.book, self.outbox, self.evictor, self.inserter, self._live)
         self.plan_features = [MirrorRelease(self.backup)] if config.mirror_release else []
         self.closed_reason: str | None = None
         self.flush_requested = False
@@ -180,21 +180,10 @@ class CacheCore(Queries, EngineOps):
         if self.closed:
             return MatchResult(walk)
         nodes = walk.nodes
-        valid = DeviceState.VALID
-        n = len(nodes)
-        if nodes and nodes[-1].device_state == valid:
-            i = n  # a device-VALID page has only VALID ancestors (invariants.check): the whole path hits
-            pages = walk.matched_pages = walk.device_page_ids(i)
-        else:
-            i = 0
-            while i < n and nodes[i].device_state == valid:
-                i += 1
-            pages = walk.device_page_ids(i)
-        dev = i
-        host_hits = not self.staging.enabled  # buffer mode: host slots only stage, they are never a hit
-        while host_hits and i < n and nodes[i].host_state == HostState.VALID and not nodes[i].device_state:
-            i += 1
-        result = MatchResult(walk, dev, i - dev, pages, nodes if i == n else nodes[:i])
+        # buffer mode: host slots only stage, they are never a hit
+        dev, host, pages = self.treecore.hit_prefix(walk, not self.staging.enabled)
+        i = dev + host
+        result = MatchResult(walk, dev, host, pages, nodes if i == len(nodes) else nodes[:i])
         if self.hybrid is not None:
             self.hybrid.match(result, result.device_pages, i)
         return result
@@ -326,7 +315,8 @@ class CacheCore(Queries, EngineOps):
 
     def hit_host_slots(self, lease_id: int) -> tuple[int, ...]:
         """The host slots of the lease's hit pages, in page order. Pure."""
-        return tuple(node.host_slot for node in self.engine_pages.hit_nodes(self.lease(lease_id)))
+        core = self.treecore
+        return tuple(core.host_slots(core.ids_of(self.engine_pages.hit_nodes(self.lease(lease_id)))))
 
     def release(self, lease_id: int) -> bool:
         """Release (finish or abort) a lease: True when now; with copies into its pages in flight it is

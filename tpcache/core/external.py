@@ -29,17 +29,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tpcache.core.allocator import AdoptedPages
 from tpcache.core.config import CacheConfig
-from tpcache.core.eviction import Evictor
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.inserts import Inserter
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, OpKind, Transfer
 from tpcache.core.tiers import DeviceState, HostState
-from tpcache.core.tree import Node
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.allocator import AdoptedPages
+from tpcache.core.treecore.core import ROOT
+from tpcache.core.treecore.eviction import Evictor
+from tpcache.core.treecore.tree import Node
 
 
 def require_engine_mode(config: CacheConfig) -> None:
@@ -68,14 +69,15 @@ def check_blocks(blocks: Sequence[int]) -> list[int]:
 class EnginePages:
     def __init__(
         self,
-        ledger: Ledger,
+        core: TreeCore,
         leases: Leases,
         outbox: Outbox,
         evictor: Evictor,
         inserter: Inserter,
         live: Callable[[int], Lease],
     ) -> None:
-        self.ledger = ledger
+        self.core = core
+        self.ledger = ledger = core.ledger  # its pools and stats (no node is read through it)
         self.leases = leases
         self.outbox = outbox
         self.evictor = evictor
@@ -97,16 +99,17 @@ class EnginePages:
         if dev is None:
             raise ValueError("adopt needs device_adopt (the engine's pages as the device tier); use alloc and insert")
         data = as_token_bytes(tokens)
-        walk = self.ledger.tree.walk(data)
+        walk = self.core.walk(data)
         n = walk.num_pages
         given = list(pages)[:n]
         if len(given) < n:
             raise ValueError(f"adopt needs a device page for each of {n} full pages, got {len(given)}")
-        nodes = walk.nodes
+        ids = self.core.ids_of(walk.nodes)
+        cached = [self.core.device(i) for i in ids]  # (state, page): a page is on device where state != NONE
         for i, p in enumerate(given):
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < dev.num_pages:
                 raise ValueError(f"pages must be ints in 0 .. {dev.num_pages - 1} (device_pages), found {p!r}")
-            if dev.is_owned(p) and not (i < len(nodes) and nodes[i].on_device and nodes[i].device_page == p):
+            if dev.is_owned(p) and not (i < len(ids) and cached[i][0] != DeviceState.NONE and cached[i][1] == p):
                 raise ValueError(f"page {p} is cached at another position of the tree; it cannot hold page {i}")
         foreign = [p for p in given if not dev.is_owned(p)]
         if len(set(foreign)) != len(foreign):
@@ -140,13 +143,17 @@ class EnginePages:
         given = list(pages)
         if not given:
             return None
-        nodes = self.ledger.tree.walk(lease.tokens).nodes
-        first = 0
-        while first < len(nodes) and nodes[first].device_state == DeviceState.VALID:
-            first += 1
-        pinned = {n.node_id for n in lease.host_nodes}
+        core = self.core
+        nodes = core.walk(lease.tokens).nodes
+        ids = core.ids_of(nodes)
+        first = core.load_reach(ids)[0]
+        pinned = set(core.ids_of(lease.host_nodes))
         tail = nodes[first : first + len(given)]
-        ready = [n.host_state == HostState.VALID and not n.on_device and n.node_id in pinned for n in tail]
+        states = core.tier_states(ids[first : first + len(given)])
+        ready = [
+            host == HostState.VALID and device == DeviceState.NONE and i in pinned
+            for (device, host, _), i in zip(states, ids[first:], strict=False)
+        ]
         held = ready.index(False) if False in ready else len(tail)
         if held < len(given):
             raise ValueError(
@@ -154,7 +161,7 @@ class EnginePages:
                 f"cannot load {len(given)}"
             )
         step = self.ledger.page_size * 4
-        prefix = [n.device_page for n in nodes[:first]]
+        prefix = core.device_pages(ids[:first])
         left = self.adopt(lease_id, lease.tokens[: (first + len(given)) * step], prefix + given)
         if left:  # cannot happen: every page was off device
             raise RuntimeError(f"load_adopted left pages {left} unadopted")
@@ -172,13 +179,9 @@ class EnginePages:
         out: list[int] = []
         if self.adopted is not None:
             out = self.adopted.drain()
-            stack = list(self.ledger.tree.root.children.values())
-            while stack:
-                node = stack.pop()
-                if node.on_device:
-                    out.append(node.device_page)
-                stack.extend(node.children.values())
-        self.ledger.tree.dispose()
+            held = self.core.ids_on_device(self.core.ids())
+            out.extend(self.core.device_pages(held))
+        self.core.dispose()
         return sorted(out)
 
     def hand_back(self, pages: list[int]) -> None:
@@ -189,13 +192,16 @@ class EnginePages:
 
     def hit_nodes(self, lease: Lease) -> list[Node]:
         """The leading pages of the lease's tokens that are host-VALID and pinned by the lease. Pure."""
-        pinned = {n.node_id for n in lease.host_nodes}
-        out: list[Node] = []
-        for node in self.ledger.tree.walk(lease.tokens).nodes:
-            if node.host_state != HostState.VALID or node.node_id not in pinned:
+        core = self.core
+        pinned = set(core.ids_of(lease.host_nodes))
+        nodes = core.walk(lease.tokens).nodes
+        ids = core.ids_of(nodes)
+        k = 0
+        for (_, host, _), node_id in zip(core.tier_states(ids), ids, strict=True):
+            if host != HostState.VALID or node_id not in pinned:
                 break
-            out.append(node)
-        return out
+            k += 1
+        return nodes[:k]
 
     def save(self, lease: Lease, token_bytes: bytes, blocks: list[int]) -> Transfer | None:
         """Copy the full pages of the tokens the cache lacks from the engine's ``blocks`` into host.
@@ -205,40 +211,42 @@ class EnginePages:
         as many as host slots can be found for (evicting unpinned host pages, least valuable
         first); the rest are skipped, so the host tier stays ancestor-closed.
         Returns the op, or None when nothing needed saving or no slot was free."""
-        led = self.ledger
-        walk = led.tree.walk(token_bytes)
+        core = self.core
+        walk = core.walk(token_bytes)
         n = walk.num_pages
         if len(blocks) < n:
             raise ValueError(f"save needs an engine block for each of {n} full pages, got {len(blocks)}")
-        led.tick()
+        self.ledger.tick()
+        ids = core.ids_of(walk.nodes)
         first = 0
-        while first < len(walk.nodes) and walk.nodes[first].on_host:
+        while first < len(ids) and core.host(ids[first])[0] != HostState.NONE:
             first += 1
         end = first
         while end < n and blocks[end] != NOT_HELD:
             end += 1
         if end == first:
             return None
-        parent = walk.nodes[first - 1] if first else led.tree.root
+        parent = ids[first - 1] if first else ROOT
         if first:
-            led.update(parent, host_pins=+1)  # eviction for the new slots must not take their parent
+            core.update(parent, host_pins=+1)  # eviction for the new slots must not take their parent
         slots = self.evictor.alloc_host_upto(end - first)
         if first:
-            led.update(parent, host_pins=-1)
+            core.update(parent, host_pins=-1)
         if not slots:
             return None
-        walk = led.tree.walk(token_bytes)  # eviction may have removed nodes past `first`
-        nodes: list[Node] = []
+        walk = core.walk(token_bytes)  # eviction may have removed nodes past `first`
+        ids = core.ids_of(walk.nodes)
+        saved: list[int] = []
         for i, slot in zip(range(first, first + len(slots)), slots, strict=True):
-            node = walk.nodes[i] if i < len(walk.nodes) else None
-            if node is None:
-                node = led.add(parent, walk.pages[i], walk.hashes[i], host=(HostState.WRITING, slot))
+            if i < len(ids):
+                node_id = ids[i]
+                core.update(node_id, host=(HostState.WRITING, slot), stamp=True)
             else:
-                led.update(node, host=(HostState.WRITING, slot), stamp=True)
-            nodes.append(node)
-            parent = node
-        led.stats.backups_issued_pages += len(nodes)
-        return self._issue(lease, OpKind.BACKUP, nodes, blocks[first : first + len(slots)])
+                node_id = core.add_host_page(parent, walk.pages[i], walk.hashes[i], slot)
+            saved.append(node_id)
+            parent = node_id
+        core.stats.backups_issued_pages += len(saved)
+        return self._issue(lease, OpKind.BACKUP, core.handles(saved), blocks[first : first + len(slots)])
 
     def load_into(self, lease: Lease, first_page: int, blocks: list[int]) -> Transfer | None:
         """Copy pages ``first_page ..`` of the lease's hit into the engine's ``blocks`` (one per page).

@@ -22,19 +22,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import OutOfPages
-from tpcache.core.components import DEV, DPINS, DSLOT, HOST, Part, readable_tier
 from tpcache.core.hitrule import hit_length, keeps_state, window_range
 from tpcache.core.records import Lease, LeasePart, MatchResult, OpKind
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.allocator import OutOfPages
+from tpcache.core.treecore.components import DEV, DPINS, DSLOT, HOST, Part, readable_tier
 
 if TYPE_CHECKING:
-    from tpcache.core.eviction import Evictor
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.outbox import Outbox
-    from tpcache.core.part_eviction import PartEvictor
-    from tpcache.core.tree import Node
+    from tpcache.core.treecore.eviction import Evictor
+    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore.part_eviction import PartEvictor
+    from tpcache.core.treecore.tree import Node
 
 _VALID = int(DeviceState.VALID)
 _LOADING = int(DeviceState.LOADING)

@@ -19,13 +19,13 @@ from tpcache.core.backend import NATIVE as _native
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
-from tpcache.core.tree import Node, Walk
+from tpcache.core.treecore.tree import Node, Walk
 
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
     from tpcache.core.hybrid import Hybrid
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
+    from tpcache.core.treecore.ledger import Ledger
 
 _VALID = DeviceState.VALID
 

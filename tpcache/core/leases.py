@@ -14,21 +14,23 @@ Invariants (``invariants.check``):
 
 from __future__ import annotations
 
-from tpcache.core.accounting import lease_record, unresident
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
-from tpcache.core.ledger import Ledger
-from tpcache.core.outbox import Outbox, path_union
+from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, LeasePart, UnknownLease
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import Node, Walk
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.accounting import lease_record
+from tpcache.core.treecore.core import ROOT
+from tpcache.core.treecore.tree import Node, Walk
 
 # What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
 Kept = tuple[int, bytes, list[int], dict[int, list[int]]]
 
 
 class Leases:
-    def __init__(self, ledger: Ledger, outbox: Outbox) -> None:
-        self.ledger = ledger
+    def __init__(self, core: TreeCore, outbox: Outbox) -> None:
+        self.core = core
+        self.ledger = core.ledger  # lease records, pools (no node is read through it)
         self.outbox = outbox
         self.table: dict[int, Lease] = {}
         self.waiters: dict[int, list[int]] = {}  # op id -> leases waiting for it
@@ -92,35 +94,38 @@ class Leases:
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
     def pin_device(self, lease: Lease, nodes: list[Node]) -> None:
-        pinned = {n.node_id for n in lease.device_nodes}
-        for node in nodes:
-            if node.node_id not in pinned:
+        core = self.core
+        pinned = set(core.ids_of(lease.device_nodes))
+        for node, node_id in zip(nodes, core.ids_of(nodes), strict=True):
+            if node_id not in pinned:
                 lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
-                self.ledger.update(node, device_pins=+1)
+                core.update(node_id, device_pins=+1)
                 lease.device_nodes.append(node)
-                pinned.add(node.node_id)
+                pinned.add(node_id)
 
     def pin_host(self, lease: Lease, nodes: list[Node]) -> None:
-        for node in nodes:
-            self.ledger.update(node, host_pins=+1)
+        for node, node_id in zip(nodes, self.core.ids_of(nodes), strict=True):
+            self.core.update(node_id, host_pins=+1)
             lease.host_nodes.append(node)
 
     def unpin_host(self, lease: Lease, nodes: list[Node]) -> None:
-        for node in nodes:
-            self.ledger.update(node, host_pins=-1)
+        for node, node_id in zip(nodes, self.core.ids_of(nodes), strict=True):
+            self.core.update(node_id, host_pins=-1)
             lease.host_nodes.remove(node)
 
     def pin_anchor(self, lease: Lease, node: Node) -> list[tuple[str, Node]]:
         """Pin, for the lease, the node a fetch hangs from on the tier it is readable on, with its
         device path (see the module invariants). Returns what was pinned, for ``unpin_anchor``."""
-        if node.parent is None:
+        core = self.core
+        node_id = core.id_of(node)
+        if node_id == ROOT:
             return []
         pins: list[tuple[str, Node]] = []
-        if node.host_state == HostState.VALID and node not in lease.host_nodes:
+        if core.host(node_id)[0] == HostState.VALID and node not in lease.host_nodes:
             self.pin_host(lease, [node])
             pins.append(("host", node))
         before = len(lease.device_nodes)
-        self.pin_device(lease, [n for n in reversed(path_union([node])) if n.on_device])
+        self.pin_device(lease, core.handles(reversed(core.path_on_device([node_id]))))
         pins += [("device", n) for n in lease.device_nodes[before:]]
         return pins
 
@@ -129,17 +134,18 @@ class Leases:
             if tier == "host":
                 self.unpin_host(lease, [node])
             else:
-                self.ledger.update(node, device_pins=-1)
+                self.core.update(self.core.id_of(node), device_pins=-1)
                 lease.device_nodes.remove(node)
                 lease.cursor = None
 
     def drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
         """Let go of device pins on pages whose load failed (they are gone from device)."""
-        dropped = {n.node_id for n in nodes}
-        for node in lease.device_nodes:
-            if node.node_id in dropped:
-                self.ledger.update(node, device_pins=-1)
-        lease.device_nodes.retain(lambda n: n.node_id not in dropped)
+        core = self.core
+        dropped = set(core.ids_of(nodes))
+        held = core.ids_of(lease.device_nodes)
+        core.touch([i for i in held if i in dropped], -1)
+        keep = {i for i in held if i not in dropped}
+        lease.device_nodes.retain(lambda n: core.id_of(n) in keep)
         lease.cursor = None
 
     def drop_failed_part_loads(self, lease: Lease, part: int, nodes: list[Node]) -> None:
@@ -147,11 +153,13 @@ class Leases:
         held = lease.parts.get(part)
         if held is None:
             return
-        dropped = {n.node_id for n in nodes}
-        for node in held.device_nodes:
-            if node.node_id in dropped:
-                self.ledger.update(node, part=part, device_pins=-1)
-        held.device_nodes = [n for n in held.device_nodes if n.node_id not in dropped]
+        core = self.core
+        dropped = set(core.ids_of(nodes))
+        ids = core.ids_of(held.device_nodes)
+        for node_id in ids:
+            if node_id in dropped:
+                core.update(node_id, part=part, device_pins=-1)
+        held.device_nodes = [n for n, i in zip(held.device_nodes, ids, strict=True) if i not in dropped]
 
     # ------------------------------------------------------------------ across an agreed flush
 
@@ -213,20 +221,20 @@ class Leases:
         led.forget_lease(lease)
         self._kept_digest = (self._kept_digest - lease.kept) & DIGEST_MASK
         lease.kept = 0
+        core = self.core
         for c, held in lease.parts.items():  # component pins first: a full page outlives its components
-            for node in held.device_nodes:
-                led.update(node, part=c, device_pins=-1)
-            for node in held.host_nodes:
-                led.update(node, part=c, host_pins=-1)
+            for node_id in core.ids_of(held.device_nodes):
+                core.update(node_id, part=c, device_pins=-1)
+            for node_id in core.ids_of(held.host_nodes):
+                core.update(node_id, part=c, host_pins=-1)
             led.parts[c].device.free(held.pages)
         led.touch(lease.device_nodes, -1, stamp=True)  # last used now: LRU by the end of use
-        for node in lease.host_nodes:
-            led.update(node, host_pins=-1)
+        for node_id in core.ids_of(lease.host_nodes):
+            core.update(node_id, host_pins=-1)
         led.device.free(lease.pages)
         del self.table[lease.lease_id]
         # A copy keeps a node; the few with none (a failed copy) may go. Filtered first: a path is long.
-        gone = unresident(lease.device_nodes) + unresident(lease.host_nodes)
-        for node in gone:
-            if node.parent is not None:
-                led.remove_if_empty(node)
+        for node_id in core.unresident(lease.device_nodes) + core.unresident(lease.host_nodes):
+            if core.exists(node_id):
+                core.remove_if_empty(node_id)
         self.outbox.released(lease.lease_id)

@@ -14,22 +14,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import OutOfPages
 from tpcache.core.records import Lease, OpKind
-from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.tiers import DeviceState
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.allocator import OutOfPages
 
 if TYPE_CHECKING:
-    from tpcache.core.eviction import Evictor
     from tpcache.core.hybrid import Hybrid
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.outbox import Outbox
-    from tpcache.core.tree import Node
+    from tpcache.core.treecore.eviction import Evictor
+    from tpcache.core.treecore.tree import Node
 
 
 class Loader:
-    def __init__(self, ledger: Ledger, book: Leases, outbox: Outbox, evictor: Evictor, hybrid: Hybrid | None) -> None:
-        self.ledger = ledger
+    def __init__(self, core: TreeCore, book: Leases, outbox: Outbox, evictor: Evictor, hybrid: Hybrid | None) -> None:
+        self.core = core
         self.book = book
         self.outbox = outbox
         self.evictor = evictor
@@ -38,21 +38,12 @@ class Loader:
     def load(self, lease: Lease) -> list[int]:
         """Start loading the host pages (and component data) of the lease's hit back to device.
         Returns the device pages of the hit, loading ones included, in page order."""
-        led = self.ledger
-        prefix: list[Node] = []
-        todo: list[Node] = []
-        shared_load = False
-        first_loading = -1
-        nodes = led.tree.walk(lease.tokens).nodes
-        for node in nodes:
-            if node.on_device and not todo:
-                if node.device_state == DeviceState.LOADING and not shared_load:
-                    shared_load, first_loading = True, len(prefix)
-                prefix.append(node)
-            elif not shared_load and node.host_state == HostState.VALID and node.device_state == DeviceState.NONE:
-                todo.append(node)
-            else:
-                break
+        core = self.core
+        nodes = core.walk(lease.tokens).nodes
+        ids = core.ids_of(nodes)
+        _, on_device, reach, first_loading = core.load_reach(ids)
+        prefix: list[Node] = nodes[:on_device]
+        todo: list[Node] = nodes[on_device:reach]
         plan = None
         if self.hybrid is not None:
             plan = self.hybrid.plan_load(nodes, len(prefix) + len(todo), first_loading)
@@ -64,19 +55,20 @@ class Loader:
             slots = self.hybrid.reserve(lease, plan, len(todo)) if plan is not None else {}
             pages = self.evictor.alloc_device(len(todo)) if todo else []
         except OutOfPages:  # a refused load changes nothing
-            for node in lease.device_nodes[before:]:
-                led.update(node, device_pins=-1)
+            core.touch(core.ids_of(lease.device_nodes[before:]), -1)
             lease.device_nodes.truncate(before)
             lease.cursor = cursor
             raise
-        for node in prefix:
-            if node.device_state == DeviceState.LOADING:
+        prefix_ids = ids[: len(prefix)]
+        for node, (device, _, _) in zip(prefix, core.tier_states(prefix_ids), strict=True):
+            if device == DeviceState.LOADING:
                 for op in self.outbox.inflight[OpKind.LOAD]:
                     if node in op.nodes and op.op_id not in lease.ops:
                         self.book.wait_for(lease, op.op_id)
-        for node, page in zip(todo, pages, strict=True):
+        todo_ids = ids[len(prefix) : len(prefix) + len(todo)]
+        for node, node_id, page in zip(todo, todo_ids, pages, strict=True):
             # the lease's pin (a loading page is never evicted) and the op's read of the host slot
-            led.update(node, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
+            core.update(node_id, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
             lease.device_nodes.append(node)
             lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
         op = None
@@ -87,9 +79,9 @@ class Loader:
             op = self.outbox.issue(OpKind.LOAD, todo, lease.lease_id)
         if op is not None:
             self.book.wait_for(lease, op.op_id)
-            led.stats.loads_issued_pages += len(todo)
+            core.stats.loads_issued_pages += len(todo)
             if lease.admission is None:  # (an admission counts its own hit when it commits)
                 # Pages past the lock's hit were read from storage since: counted once they land.
                 op.storage_hits = todo[max(0, lease.locked_pages - len(prefix)) :]
         self.book.refresh(lease)
-        return [n.device_page for n in prefix + todo]
+        return core.device_pages(prefix_ids + todo_ids)

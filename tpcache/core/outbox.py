@@ -10,29 +10,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from tpcache.core.components import DSLOT, HSLOT
 from tpcache.core.hitrule import QueryPlan
-from tpcache.core.ledger import Ledger
 from tpcache.core.records import OpKind, PartCopy, Ready, ReadyNotAdvanced, Transfer
-from tpcache.core.tree import Node
-
-
-def path_union(nodes: list[Node]) -> list[Node]:
-    """Every node on the paths from the root to ``nodes``, each once, in a fixed order."""
-    seen: set[int] = set()
-    out: list[Node] = []
-    for node in nodes:
-        cur: Node | None = node
-        while cur is not None and cur.parent is not None and cur.node_id not in seen:
-            seen.add(cur.node_id)
-            out.append(cur)
-            cur = cur.parent
-    return out
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.components import DSLOT, HSLOT
+from tpcache.core.treecore.tree import Node
 
 
 class Outbox:
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
+    def __init__(self, core: TreeCore) -> None:
+        self.core = core
         self.next_op = 1
         self.inflight: dict[OpKind, deque[Transfer]] = {k: deque() for k in OpKind}
         self._ready = Ready()
@@ -53,31 +40,33 @@ class Outbox:
         """A new op over ``nodes`` (their slots as they are now). ``full_index``: the positions whose
         full page it moves (None: all); ``parts``: per component, the positions whose data it moves;
         ``engine_pages``: its device side is these engine blocks instead (full attention only)."""
-        movers = nodes if full_index is None else [nodes[i] for i in full_index]
+        core = self.core
+        ids = core.ids_of(nodes)
+        device_pages, host_slots, hashes = core.copy_sides(ids, full_index)
         op = Transfer(
             op_id=self.next_op,
             kind=kind,
             nodes=list(nodes),
-            device_pages=[n.device_page for n in movers] if engine_pages is None else list(engine_pages),
-            host_slots=[n.host_slot for n in movers],
-            page_hashes=[n.hash for n in nodes] if page_hashes is None else list(page_hashes),
+            device_pages=device_pages if engine_pages is None else list(engine_pages),
+            host_slots=host_slots,
+            page_hashes=hashes if page_hashes is None else list(page_hashes),
             lease_id=lease_id,
             full_index=full_index,
             query=query,
             engine_pages=engine_pages is not None,
         )
         for c, index in (parts or {}).items():
-            base = self.ledger.parts[c].base
-            recs = [nodes[i].comp for i in index]
+            base = core.ledger.parts[c].base
+            recs = [core.component(ids[i]) for i in index]
             dev = [r[base + DSLOT] for r in recs]  # type: ignore[index]
             op.parts.append(PartCopy(c, index, dev, [r[base + HSLOT] for r in recs]))  # type: ignore[index]
         self.next_op += 1
         if kind in (OpKind.BACKUP, OpKind.STORAGE_WRITE):
             # A copy in flight protects the device pages along its pages' paths until its ack: they
             # stay, and count as protected rather than evictable meanwhile (the retention cap holds).
-            op.pinned = [n for n in path_union(op.nodes) if n.on_device]
+            op.pinned = core.path_on_device(ids)
             if op.pinned:
-                self.ledger.touch(op.pinned, +1)  # let go of with touch(-1) at its ack (completions)
+                core.touch(op.pinned, +1)  # let go of with touch(-1) at its ack (completions)
         self.inflight[kind].append(op)
         self._ready.transfers.append(op)
         return op

@@ -21,16 +21,17 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tpcache.core.components import readable_tier
 from tpcache.core.config import CacheConfig
-from tpcache.core.eviction import Evictor
 from tpcache.core.hitrule import QueryPlan, keeps_state, window_range
 from tpcache.core.leases import Leases
-from tpcache.core.ledger import Ledger
 from tpcache.core.outbox import Outbox
 from tpcache.core.records import Lease, OpKind, PrefetchState, Transfer
 from tpcache.core.tiers import HostState
-from tpcache.core.tree import Node
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.components import readable_tier
+from tpcache.core.treecore.core import ROOT
+from tpcache.core.treecore.eviction import Evictor
+from tpcache.core.treecore.tree import Node
 
 if TYPE_CHECKING:
     from tpcache.core.hybrid import Hybrid
@@ -85,7 +86,7 @@ class Prefetcher:
     def __init__(
         self,
         config: CacheConfig,
-        ledger: Ledger,
+        core: TreeCore,
         leases: Leases,
         outbox: Outbox,
         evictor: Evictor,
@@ -93,7 +94,8 @@ class Prefetcher:
         hybrid: Hybrid | None = None,
     ) -> None:
         self.config = config
-        self.ledger = ledger
+        self.core = core
+        self.ledger = core.ledger  # its stats and pools (no node is read through it)
         self.leases = leases
         self.outbox = outbox
         self.evictor = evictor
@@ -267,17 +269,17 @@ class Prefetcher:
         """The node the fetch hangs from, the index of the first missing page, and every page's hash
         and tokens. None when nothing is missing or the parent is not readable on device or host
         (the new host pages would hang from nothing)."""
-        walk = self.ledger.tree.walk(state.tokens)
+        core = self.core
+        walk = core.walk(state.tokens)
         nodes = walk.nodes
-        k = 0
-        while k < len(nodes) and nodes[k].resident:
-            k += 1
+        ids = core.ids_of(nodes)
+        k = core.resident_prefix(ids)
         if k == walk.num_pages:
             return None
-        parent = nodes[k - 1] if k else self.ledger.tree.root
-        if parent.parent is not None and parent.host_state != HostState.VALID and not parent.device_valid:
+        parent = ids[k - 1] if k else ROOT
+        if not core.readable(parent):
             return None
-        return parent, k, walk.hashes, walk.pages, nodes[:k]
+        return core.handles([parent])[0], k, walk.hashes, walk.pages, nodes[:k]
 
     def _query(self, lease: Lease, retry: bool = False) -> bool:
         state = lease.prefetch
@@ -332,15 +334,18 @@ class Prefetcher:
             _to(state, "no_slots")
             return
         state.short = 0
-        nodes: list[Node] = []
+        core = self.core
+        ids: list[int] = []
+        parent_id = core.ids_of([parent])[0]
         for i, slot in zip(range(k, end), slots, strict=True):
-            parent = self.ledger.add(parent, pages[i], hashes[i], host=(HostState.WRITING, slot))
-            nodes.append(parent)
+            parent_id = core.add_host_page(parent_id, pages[i], hashes[i], slot)
+            ids.append(parent_id)
+        nodes = core.handles(ids)
         self.leases.pin_host(lease, nodes)
         parts: dict[int, list[int]] = {}
         for c, placed in (part_slots or {}).items():
             for page, slot in placed:
-                self.ledger.update(nodes[page - k], part=c, host=(HostState.WRITING, slot))
+                core.update(ids[page - k], part=c, host=(HostState.WRITING, slot))
                 parts.setdefault(c, []).append(page - k)
         op = self.outbox.issue(OpKind.STORAGE_READ, nodes, lease.lease_id, parts=parts or None)
         self.leases.wait_for(lease, op.op_id)
@@ -359,7 +364,8 @@ class Prefetcher:
         if hy.window_part is not None:
             b = hy.window_part.base
             start = max(0, k - hy.window + 1)
-            before = tuple(readable_tier(n.comp, b) != 0 for n in resident[start:k])  # type: ignore[arg-type]
+            comps = [self.core.component(i) for i in self.core.ids_of(resident[start:k])]
+            before = tuple(readable_tier(comp, b) != 0 for comp in comps)  # type: ignore[arg-type]
         every = hy.state_part.spec.every if hy.state_part is not None else 0
         state_pages = tuple(every < 0 or keeps_state(every, k + i, -1) for i in range(count)) if every else ()
         return QueryPlan(k, hy.window, before, hy.state_part is not None, state_pages)

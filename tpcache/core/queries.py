@@ -15,21 +15,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from tpcache.core.feed import on_tiers
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.records import OpKind
-from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.tiers import HostState
+from tpcache.core.treecore.feed import on_tiers
 
 if TYPE_CHECKING:
     from tpcache.core.admission import Admitter
-    from tpcache.core.allocator import HostAllocator, PageAllocator
     from tpcache.core.backup import Backup
-    from tpcache.core.feed import ChangeFeed
     from tpcache.core.leases import Leases
-    from tpcache.core.ledger import Ledger
     from tpcache.core.outbox import Outbox
     from tpcache.core.staging import Staging
-    from tpcache.core.tree import RadixTree
+    from tpcache.core.treecore import TreeCore
+    from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
+    from tpcache.core.treecore.feed import ChangeFeed
+    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore.tree import RadixTree
 
 
 class PrefetchProgress(NamedTuple):
@@ -46,6 +47,7 @@ class Queries:
     """The core's queries for callers outside it (``CacheCore`` inherits them)."""
 
     tree: RadixTree
+    treecore: TreeCore
     book: Leases
     outbox: Outbox
     ledger: Ledger
@@ -134,26 +136,19 @@ class Queries:
     def device_valid_prefix(self, lease_id: int, limit: int) -> tuple[int, ...]:
         """The device pages of the leading pages of the lease's tokens that are device-VALID (agreed
         landed on every rank), at most ``limit`` of them, in page order."""
-        out: list[int] = []
-        valid = DeviceState.VALID
-        for node in self.tree.walk(self.book.get(lease_id).tokens).nodes[:limit]:
-            if node.device_state != valid:
-                break
-            out.append(node.device_page)
-        return tuple(out)
+        return tuple(self.treecore.device_prefix(self.book.get(lease_id).tokens, limit)[1])
 
     # ------------------------------------------------------------------ pages
 
     def valid_device_pages(self) -> set[int]:
         """Device pages that hold agreed cached KV (device-VALID in the tree); a new set."""
-        valid = DeviceState.VALID
-        return {n.device_page for n in self.tree.nodes.values() if n.device_state == valid}
+        return self.treecore.valid_device_pages()
 
     def host_filling(self, tokens: TokenIds, page: int) -> bool:
         """Whether page ``page`` of ``tokens`` is in the tree with its host copy being written (a
         save, or a storage read): it may become a host hit once a round agrees it landed."""
-        nodes = self.tree.walk(as_token_bytes(tokens)).nodes
-        return page < len(nodes) and nodes[page].host_state == HostState.WRITING
+        ids = self.treecore.walk_ids(as_token_bytes(tokens))
+        return page < len(ids) and self.treecore.host(ids[page])[0] == HostState.WRITING
 
     def tier_hashes(self) -> tuple[set[int], set[int], set[int]]:
         """Per tier (device, host, storage), the page hashes the tree holds on it: what the change

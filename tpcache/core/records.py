@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from tpcache.core.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHolding, PageHolding
+from tpcache.core.treecore.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHolding, PageHolding
 
 if TYPE_CHECKING:
     from tpcache.core.hitrule import QueryPlan
-    from tpcache.core.tree import Node, Walk
+    from tpcache.core.treecore.tree import Node, Walk
 
 
 class OpKind(IntEnum):
@@ -53,7 +53,7 @@ class Transfer:
     host_slots: list[int]
     page_hashes: list[int]
     lease_id: int = -1
-    pinned: list[Node] = field(default_factory=list)  # device pins the op holds (a backup: its path)
+    pinned: list[int] = field(default_factory=list)  # ids of the nodes it pins on device (a backup: its path)
     acked: int = -1  # agreed pages landed on every rank, once retired
     full_index: list[int] | None = None  # positions of the nodes whose full page moves (None: all)
     parts: list[PartCopy] = field(default_factory=list)

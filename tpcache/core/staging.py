@@ -20,57 +20,44 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tpcache.core.ledger import Ledger
-from tpcache.core.tiers import HostState, StorageState
-from tpcache.core.tree import Node
-
-
-def staging_done(node: Node) -> bool:
-    """The node's host slot is no longer needed: its page is valid there, nothing reads it, no write
-    of it to storage is in flight, and no host-only page hangs from it (it would hang from nothing)."""
-    return (
-        node.parent is not None
-        and node.host_state == HostState.VALID
-        and node.host_pins == 0
-        and node.storage_state != StorageState.WRITING
-        and not any(c.on_host and not c.on_device for c in node.children.values())
-    )
+from tpcache.core.tiers import HostState
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.tree import Node
 
 
 class Staging:
     """The buffer mode's slot release. ``enabled`` is False in cache mode, where every call is a no-op."""
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-        self.enabled = ledger.config.host_mode == "buffer"
-        self.candidates: dict[int, Node] = {}  # host-resident nodes whose slot may be freed soon
+    def __init__(self, core: TreeCore) -> None:
+        self.core = core
+        self.enabled = core.config.host_mode == "buffer"
+        self.candidates: dict[int, None] = {}  # ids of host-resident nodes whose slot may be freed soon
 
     def note(self, nodes: Iterable[Node]) -> None:
         """Nodes whose staging may have ended (an agreed copy over them, a lease letting go)."""
         if self.enabled:
-            for node in nodes:
-                self.candidates[node.node_id] = node
+            self.candidates.update(dict.fromkeys(self.core.ids_of(nodes)))
 
     def release(self) -> int:
         """Once per commit (and after a release): free every staging slot that is done."""
         if not self.enabled or not self.candidates:
             return 0
-        led = self.ledger
+        core = self.core
         freed = 0
         changed = True
         while changed:  # freeing a child can make its parent free: iterate to the fixed point
             changed = False
-            for node_id, node in list(self.candidates.items()):
-                if led.tree.nodes.get(node_id) is not node or node.host_state == HostState.NONE:
+            for node_id in list(self.candidates):
+                if not core.exists(node_id) or core.host(node_id)[0] == HostState.NONE:
                     del self.candidates[node_id]
-                elif staging_done(node):
+                elif core.host_copy_idle(node_id):
                     del self.candidates[node_id]
-                    parent = node.parent
-                    led.free_host_copy(node)
-                    led.remove_if_empty(node)
-                    if parent is not None and parent.parent is not None and parent.host_state == HostState.VALID:
-                        self.candidates[parent.node_id] = parent
+                    parent = core.parent_of(node_id)
+                    core.free_host_copy(node_id)
+                    core.remove_if_empty(node_id)
+                    if parent > 0 and core.exists(parent) and core.host(parent)[0] == HostState.VALID:
+                        self.candidates[parent] = None
                     freed += 1
                     changed = True
-        led.stats.staging_freed_pages += freed
+        core.stats.staging_freed_pages += freed
         return freed

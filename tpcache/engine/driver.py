@@ -28,8 +28,8 @@ from protocol.round_vector import HEALTH_COMMIT_FAILED, HEALTH_PREPARE_FAILED
 from tpcache.comm.collective import Collective, CollectiveError
 from tpcache.core import Admitted, CacheClosed, CacheCore, MatchResult, Materialized, Shape, Transfer
 from tpcache.core.hashing import TokenIds
-from tpcache.core.lookup import lookup
 from tpcache.core.round import Round, RoundReport
+from tpcache.core.treecore.lookup import lookup
 from tpcache.engine.sequenced import APPLY, Op
 
 log = logging.getLogger("tpcache.driver")

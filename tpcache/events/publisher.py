@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from tpcache.core.feed import ChangeFeed, Changes
+from tpcache.core.treecore.feed import ChangeFeed, Changes
 from tpcache.events import wire
 
 log = logging.getLogger("tpcache.events")

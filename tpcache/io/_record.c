@@ -34,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* XXH3-64 from xxHash's header, inlined as tpcache/core/_hash.h does: no library to link. */
+/* XXH3-64 from xxHash's header, inlined as tpcache/core/treecore/_hash.h does: no library to link. */
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 

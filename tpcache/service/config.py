@@ -29,7 +29,7 @@ from tpcache.comm.parallel import GroupShapeError, ParallelGroup
 from tpcache.comm.store import LISTEN_FD_ENV, is_loopback_host
 from tpcache.core import CacheConfig, backend
 from tpcache.core.config import HOST_MODES, WRITE_POLICIES
-from tpcache.core.eviction import POLICIES
+from tpcache.core.treecore.eviction import POLICIES
 from tpcache.io.memory import format_bytes
 
 ENV_PREFIX = "TPCACHE_"

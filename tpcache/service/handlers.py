@@ -73,7 +73,7 @@ class RankHandler:
     def lookup(self, tokens: bytes) -> Found:
         """``apply`` of a plain match request (no storage lookup: rank 0 alone answers it), its
         tokens as their wire bytes: what the reply needs of the cache's match (``ops.Found``, from
-        ``tpcache.core.lookup``, which lists no node it found). Raises ProtocolError."""
+        ``tpcache.core.treecore.lookup``, which lists no node it found). Raises ProtocolError."""
         try:
             return self.tp.lookup(tokens)
         except Exception as exc:  # mapped as apply maps it

@@ -182,7 +182,7 @@ def _match_precheck(h: RankHandler, body: p.MatchRequest) -> None:
         _needs_storage(h)
 
 
-# What a match without a storage lookup replies with (``tpcache.core.lookup``'s answer): its device
+# What a match without a storage lookup replies with (``tpcache.core.treecore.lookup``'s answer): its device
 # pages, host pages and the device prefix's page ids (an ``array('i')``). A plain tuple: rank 0
 # makes one per lookup, and a tuple costs a quarter of a NamedTuple.
 Found = tuple[int, int, array]

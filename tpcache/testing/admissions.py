@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from tpcache.core import Admitted, CacheClosed, CacheConfig, CacheCore, OutOfPages, UnknownLease
 from tpcache.core.hashing import as_token_bytes
-from tpcache.core.staging import staging_done
 
 if TYPE_CHECKING:
     from tpcache.engine.driver import Operations
@@ -83,7 +82,7 @@ def buffer_violations(core: CacheCore, committed_storage_tokens: int, after_comm
     if admitted != committed_storage_tokens:
         out.append(f"{admitted} storage-hit tokens counted for admissions, {committed_storage_tokens} committed")
     if after_commit and not core.closed:
-        kept = [n.node_id for n in core.tree.nodes.values() if staging_done(n)]
+        kept = [i for i in core.treecore.ids() if core.treecore.host_copy_idle(i)]
         if kept:
             out.append(f"staging slots of nodes {kept} kept after their copies were agreed complete")
     return out

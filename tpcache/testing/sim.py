@@ -54,11 +54,11 @@ from tpcache.core import (
     UnknownLease,
     check,
 )
-from tpcache.core.components import DEV, DSLOT, HOST, HSLOT, STORE
-from tpcache.core.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.round import QUEUE_OF
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.components import DEV, DSLOT, HOST, HSLOT, STORE
+from tpcache.core.treecore.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.engine.driver import Driver, Operations
 from tpcache.engine.sequenced import Op, register
 from tpcache.testing.admissions import admission_step, buffer_config, buffer_violations

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-import tpcache.core.lookup as lookup_module
+import tpcache.core.treecore.lookup as lookup_module
 from tpcache.core import CacheConfig, CacheCore
-from tpcache.core.lookup import lookup as lookup_of
-from tpcache.core.tree import NATIVE_NODES
+from tpcache.core.treecore.lookup import lookup as lookup_of
+from tpcache.core.treecore.tree import NATIVE_NODES
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, random_op, tokens_for
 
@@ -97,9 +97,9 @@ def _schedule(config: str, seed: int, page: int, alphabet: int) -> None:
     assert all(lookup_of(core, t) == (0, 0, lookup_of(core, [])[2]) for t in seen)
 
 
-@pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+@pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 def test_the_kernel_refuses_what_it_cannot_read():
-    from tpcache.core import _node
+    from tpcache.core.treecore import _node
 
     core = CacheCore(CacheConfig(page_size=PAGE, device_pages=8))
     with pytest.raises(ValueError, match="token bytes"):

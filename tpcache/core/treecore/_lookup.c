@@ -1,6 +1,6 @@
 /* A plain lookup in C: CacheCore.match's counts and device pages for a tree of native nodes without
  * components, read node by node from the root with each page's tokens compared where they lie; no
- * walk, no list of the nodes found. tpcache.core.lookup falls back to match for anything else; tests
+ * walk, no list of the nodes found. tpcache.core.treecore.lookup falls back to match for anything else; tests
  * hold the two equal. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -88,6 +88,6 @@ fail:
 
 PyMethodDef lookup_methods[] = {
     {"lookup", (PyCFunction)(void (*)(void))py_lookup, METH_FASTCALL,
-     "CacheCore.match's device and host hit and device pages (tpcache.core.lookup; see _lookup.c)."},
+     "CacheCore.match's device and host hit and device pages (tpcache.core.treecore.lookup; see _lookup.c)."},
     {NULL, NULL, 0, NULL},
 };

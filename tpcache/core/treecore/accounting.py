@@ -18,7 +18,7 @@ from tpcache.core.backend import NATIVE
 from tpcache.core.digest import DIGEST_MASK, mix, mix_ids
 from tpcache.core.records import Lease
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.tree import Node
 
 _native = NATIVE
 

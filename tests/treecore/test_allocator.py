@@ -2,7 +2,8 @@ import random
 
 import pytest
 
-from tpcache.core import HostAllocator, OutOfPages, PageAllocator, allocator
+from tpcache.core import HostAllocator, OutOfPages, PageAllocator
+from tpcache.core.treecore import allocator
 
 
 def test_pages_handed_out_in_order_and_reused_lifo():
@@ -63,7 +64,7 @@ def test_host_merge_only_when_free_list_is_short():
     h.check()
 
 
-@pytest.mark.skipif(allocator._native is None, reason="tpcache.core._node was not built (no C compiler)")
+@pytest.mark.skipif(allocator._native is None, reason="tpcache.core.treecore._node was not built (no C compiler)")
 @pytest.mark.parametrize("seed", range(4))
 def test_native_take_is_the_reference_take(seed):
     """The same random allocs and frees through ``take_pages`` (C) and ``reference_take``: the same
@@ -94,7 +95,7 @@ def test_native_take_is_the_reference_take(seed):
     assert sorted(owned) == [p for p, mark in enumerate(pools[0][1]) if mark]
 
 
-@pytest.mark.skipif(allocator._native is None, reason="tpcache.core._node was not built (no C compiler)")
+@pytest.mark.skipif(allocator._native is None, reason="tpcache.core.treecore._node was not built (no C compiler)")
 def test_native_take_refuses_a_pool_it_cannot_read_and_changes_nothing():
     take = allocator._native.take_pages
     with pytest.raises(TypeError):

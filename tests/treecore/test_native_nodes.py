@@ -1,4 +1,4 @@
-"""Tree nodes in C (``tpcache/core/_node.c``): untracked by the garbage collector, freed when their
+"""Tree nodes in C (``tpcache/core/treecore/_node.c``): untracked by the garbage collector, freed when their
 tree goes, and held equal to the pure-Python reference node (``tree.PyNode``) by running the same
 schedules with each and comparing everything that decides what a rank does."""
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore
-from tpcache.core.tree import NATIVE_NODES, Node, PyNode, RadixTree, Run
+from tpcache.core.treecore.tree import NATIVE_NODES, Node, PyNode, RadixTree, Run
 from tpcache.replay import drain
 
-pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ SCHEDULES = textwrap.dedent(
     """
     import json, sys
     SEEDS = [(3, None), (11, None), (27, None), (5, "both"), (8, "swa")]
-    from tpcache.core.tree import NATIVE_NODES
+    from tpcache.core.treecore.tree import NATIVE_NODES
     from tpcache.testing import sim
     out = {"native": NATIVE_NODES, "runs": []}
     for seed, hybrid in SEEDS:
@@ -210,7 +210,7 @@ def test_children_go_one_by_one_whether_scanned_or_looked_up(count):
 
 
 def test_a_chain_below_a_node_is_gathered_as_the_reference_does():
-    from tpcache.core._node import chain_below
+    from tpcache.core.treecore._node import chain_below
 
     tree = RadixTree(2)
     pages = [bytes([i]) * 8 for i in range(1, 6)]
@@ -249,9 +249,9 @@ def core_bytes(tokens: list[int]) -> bytes:
 
 
 def test_the_nodes_a_release_may_drop_are_found_as_the_reference_finds_them():
-    from tpcache.core._node import unresident
+    from tpcache.core.treecore._node import unresident
 
-    from tpcache.core.accounting import _py_unresident
+    from tpcache.core.treecore.accounting import _py_unresident
 
     tree = RadixTree(1)
     nodes, refs = [], []

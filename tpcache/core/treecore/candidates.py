@@ -22,15 +22,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from tpcache.core.backend import NATIVE
-from tpcache.core.components import host_parts_idle
 from tpcache.core.tiers import DeviceState, HostState
+from tpcache.core.treecore.components import host_parts_idle
 
 _VALID, _NONE, _HOST_VALID = DeviceState.VALID, DeviceState.NONE, HostState.VALID
 _ID = (1 << 64) - 1  # an entry's low 64 bits: the node id
 _DEPTH = (1 << 64) - 1  # a key's depth field, ``_DEPTH - depth``: deeper pages sort first
 
 if TYPE_CHECKING:
-    from tpcache.core.tree import Node, RadixTree
+    from tpcache.core.treecore.tree import Node, RadixTree
 
 Entry = int  # key << 64 | node id
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcache.core.hashing import as_token_bytes, hash_chain
-from tpcache.core.tree import RadixTree
+from tpcache.core.treecore.tree import RadixTree
 
 PAGE = 2
 

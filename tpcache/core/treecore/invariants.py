@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tpcache.core.accounting import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
 from tpcache.core.cache import CacheCore, OpKind
-from tpcache.core.components import (
+from tpcache.core.digest import Digest
+from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.accounting import is_evictable, is_mirror, is_protected, lease_record, reference_record_of
+from tpcache.core.treecore.components import (
     DEV,
     DPINS,
     DSLOT,
@@ -25,10 +27,8 @@ from tpcache.core.components import (
     is_part_host_candidate,
     is_part_mirror,
 )
-from tpcache.core.digest import Digest
-from tpcache.core.eviction import is_device_candidate, is_host_candidate
-from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.tree import Node
+from tpcache.core.treecore.eviction import is_device_candidate, is_host_candidate
+from tpcache.core.treecore.tree import Node
 
 
 class InvariantViolation(AssertionError):
@@ -200,8 +200,8 @@ def _check_ops(
     }
     for kind, queue in core.inflight.items():
         for op in queue:
-            for n in op.pinned:
-                dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
+            for node_id in op.pinned:
+                dev_pins[node_id] = dev_pins.get(node_id, 0) + 1
             for n in op.nodes:
                 if n.parent is None:
                     fail(f"op {op.op_id} references a removed node {n.node_id}")

@@ -1,4 +1,4 @@
-"""The change feed (``tpcache/core/feed.py``): what the ledger and the C kernels change on each tier
+"""The change feed (``tpcache/core/treecore/feed.py``): what the ledger and the C kernels change on each tier
 adds up, drain after drain, to the pages the tree holds on each tier. The simulator checks this on
 every rank after every round of every schedule (``SimCluster.check``); these tests run schedules
 with and without the C extension and pin the feed's own promises."""
@@ -14,8 +14,8 @@ import textwrap
 from pathlib import Path
 
 from tpcache.core import CacheConfig, CacheCore
-from tpcache.core.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.core.hashing import as_token_bytes, hash_chain
+from tpcache.core.treecore.feed import ChangeFeed, apply_changes, on_tiers
 from tpcache.replay import drain as replay_drain
 from tpcache.testing import sim
 
@@ -86,11 +86,11 @@ WITHOUT_EXTENSION = textwrap.dedent(
     import json, logging, sys
     class Block:
         def find_spec(self, name, path=None, target=None):
-            if name == "tpcache.core._node":
+            if name == "tpcache.core.treecore._node":
                 raise ImportError("blocked: the reference path")
     sys.meta_path.insert(0, Block())
     logging.disable(logging.CRITICAL)
-    from tpcache.core.tree import NATIVE_NODES
+    from tpcache.core.treecore.tree import NATIVE_NODES
     from tpcache.testing import sim
     for seed in range(30):
         sim.run_schedule(seed, 2)

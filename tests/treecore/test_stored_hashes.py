@@ -78,7 +78,7 @@ def test_this_processs_tree_core_computes_the_stored_values():
 @pytest.mark.skipif(not backend.BUILT, reason="the native extension was not built (no C compiler)")
 def test_the_other_tree_core_computes_the_stored_values():
     other = "reference" if backend.NAME == "native" else "native"
-    code = "import json, sys\nfrom tests.unit.test_stored_hashes import fingerprint\nprint(json.dumps(fingerprint()))"
+    code = "import json\nfrom tests.treecore.test_stored_hashes import fingerprint\nprint(json.dumps(fingerprint()))"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,

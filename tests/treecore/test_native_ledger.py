@@ -1,4 +1,4 @@
-"""The core's kernels in C (``tpcache/core/_account.c``, ``_candidates.c``, ``_evict.c``, ``_chain.c``,
+"""The core's kernels in C (``tpcache/core/treecore/_account.c``, ``_candidates.c``, ``_evict.c``, ``_chain.c``,
 ``_holding.c``, ``_settle.c``)
 against their Python references: records, counter flags, holdings, candidacy, offers and pops
 on random node states; mixes, hashes and token bytes; eviction and inserts on two cores in lockstep. The
@@ -14,13 +14,25 @@ from array import array
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore, allocator, check, eviction, hashing, inserts
-from tpcache.core import ledger as ledger_module
-from tpcache.core.accounting import LEASE_TAG, NO_IDS, flags_of, record_of, reference_flags_of, reference_record_of
+from tpcache.core import CacheConfig, CacheCore, check, hashing, inserts
 from tpcache.core.digest import mix, reference_mix
-from tpcache.core.eviction import Candidates, is_device_candidate, is_host_candidate
 from tpcache.core.hashing import as_token_bytes
-from tpcache.core.holdings import (
+from tpcache.core.inserts import Inserter
+from tpcache.core.leases import Leases
+from tpcache.core.records import Lease
+from tpcache.core.tiers import DeviceState, HostState, IllegalTransition, StorageState
+from tpcache.core.treecore import allocator, eviction
+from tpcache.core.treecore import ledger as ledger_module
+from tpcache.core.treecore.accounting import (
+    LEASE_TAG,
+    NO_IDS,
+    flags_of,
+    record_of,
+    reference_flags_of,
+    reference_record_of,
+)
+from tpcache.core.treecore.eviction import Candidates, is_device_candidate, is_host_candidate
+from tpcache.core.treecore.holdings import (
     DEVICE_PINS,
     HOST_PINS,
     PAGES,
@@ -30,19 +42,15 @@ from tpcache.core.holdings import (
     key_of,
     term,
 )
-from tpcache.core.inserts import Inserter
-from tpcache.core.leases import Leases
-from tpcache.core.records import Lease
-from tpcache.core.tiers import DeviceState, HostState, IllegalTransition, StorageState
-from tpcache.core.tree import NATIVE_NODES, RadixTree
+from tpcache.core.treecore.tree import NATIVE_NODES, RadixTree
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, random_op
 from tpcache.testing.sim import snapshot
 
-pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
 if NATIVE_NODES:
-    from tpcache.core import _node
+    from tpcache.core.treecore import _node
 
 
 def random_tree(seed: int, n: int = 60) -> RadixTree:

@@ -12,12 +12,13 @@ from array import array
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore, check, eviction
-from tpcache.core.tree import NATIVE_NODES
+from tpcache.core import CacheConfig, CacheCore, check
+from tpcache.core.treecore import eviction
+from tpcache.core.treecore.tree import NATIVE_NODES
 from tpcache.replay import ReplayResult, replay_request
 from tpcache.testing.sim import snapshot
 
-pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
 PAGE = 4
 

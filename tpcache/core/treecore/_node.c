@@ -1,4 +1,4 @@
-/* A tree node as one C struct the garbage collector never tracks (tpcache/core/tree.py's Node, the
+/* A tree node as one C struct the garbage collector never tracks (tpcache/core/treecore/tree.py's Node, the
  * reference, has the same fields, methods and behaviour).
  *
  * A cache of a million pages is a million nodes; as Python objects with __slots__ each is tracked by
@@ -432,13 +432,13 @@ static PyObject *node_repr(Node *self) {
 
 PyTypeObject NodeType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tpcache.core._node.Node",
+    .tp_name = "tpcache.core.treecore._node.Node",
     .tp_basicsize = offsetof(Node, tok),
     .tp_itemsize = 1,
     .tp_dealloc = (destructor)node_dealloc,
     .tp_repr = (reprfunc)node_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "One page of the tree (tpcache/core/tree.py), untracked by the garbage collector.",
+    .tp_doc = "One page of the tree (tpcache/core/treecore/tree.py), untracked by the garbage collector.",
     .tp_members = node_members,
     .tp_getset = node_getset,
     .tp_methods = node_methods,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore, hashing
-from tpcache.core.tree import NATIVE_NODES
+from tpcache.core.treecore.tree import NATIVE_NODES
 
-pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core._node was not built (no C compiler)")
+pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
 
 # Inputs of 8 + 4 x page_size bytes: 12 (4-8), 16 (9-16), 24-128, 132-240, longer, and past the stack buffer.

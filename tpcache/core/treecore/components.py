@@ -27,12 +27,12 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import HostAllocator, PageAllocator
 from tpcache.core.config import ComponentSpec
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
 
 if TYPE_CHECKING:
-    from tpcache.core.tree import Node, RadixTree
+    from tpcache.core.treecore.tree import Node, RadixTree
 
 STRIDE = 8
 DEV, DSLOT, HOST, HSLOT, STORE, DPINS, HPINS, STAMP = range(STRIDE)

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpcache.core.allocator import OutOfPages
-from tpcache.core.components import Part
-from tpcache.core.eviction import is_device_candidate
 from tpcache.core.tiers import HostState
+from tpcache.core.treecore.allocator import OutOfPages
+from tpcache.core.treecore.components import Part
+from tpcache.core.treecore.eviction import is_device_candidate
 
 if TYPE_CHECKING:
-    from tpcache.core.eviction import Evictor
-    from tpcache.core.ledger import Ledger
-    from tpcache.core.tree import Node
+    from tpcache.core.treecore.eviction import Evictor
+    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore.tree import Node
 
 
 class PartEvictor:

@@ -215,7 +215,7 @@ static PyMemberDef holding_members[] = {
 
 PyTypeObject HoldingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "tpcache.core._node.Holding",
+    .tp_name = "tpcache.core.treecore._node.Holding",
     .tp_base = &PyList_Type,
     .tp_basicsize = sizeof(Holding),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,

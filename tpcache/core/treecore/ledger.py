@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from tpcache.core.accounting import (
+from tpcache.core.backend import NATIVE
+from tpcache.core.config import CacheConfig
+from tpcache.core.digest import DIGEST_MASK, Digest
+from tpcache.core.hashing import page_hash
+from tpcache.core.records import Lease, Stats
+from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, StorageState, check_transition
+from tpcache.core.treecore.accounting import (
     EVICTABLE,
     LEASE_TAG,
     MIRROR,
@@ -25,9 +31,8 @@ from tpcache.core.accounting import (
     touch_nodes,
     unresident,
 )
-from tpcache.core.allocator import AdoptedPages, HostAllocator, PageAllocator
-from tpcache.core.backend import NATIVE
-from tpcache.core.components import (
+from tpcache.core.treecore.allocator import AdoptedPages, HostAllocator, PageAllocator
+from tpcache.core.treecore.components import (
     DEV,
     DPINS,
     DSLOT,
@@ -41,13 +46,8 @@ from tpcache.core.components import (
     is_part_evictable,
     is_part_mirror,
 )
-from tpcache.core.config import CacheConfig
-from tpcache.core.digest import DIGEST_MASK, Digest
-from tpcache.core.feed import ChangeFeed
-from tpcache.core.hashing import page_hash
-from tpcache.core.records import Lease, Stats
-from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, StorageState, check_transition
-from tpcache.core.tree import Node, RadixTree, drop_pages
+from tpcache.core.treecore.feed import ChangeFeed
+from tpcache.core.treecore.tree import Node, RadixTree, drop_pages
 
 _native = NATIVE
 
