@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from tpcache.core.feed import HOST, STORAGE, Changes
 from tpcache.core.hashing import as_token_bytes, extend_chain, namespace_seed, root_hash
+from tpcache.core.treecore.feed import HOST, STORAGE, Changes
 from tpcache.events.publisher import RoundStream
 from tpcache.integrations.vllm.messages import LOOKUP, SAVE
 

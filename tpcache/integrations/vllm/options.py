@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpcache.core import backend
-from tpcache.core.eviction import make_policy
+from tpcache.core.treecore.eviction import make_policy
 from tpcache.io.memory import available_memory, format_bytes
 from tpcache.io.storage.record import MIN_KEY_BYTES
 from tpcache.service.config import ConfigError, ServiceConfig
