@@ -300,11 +300,13 @@ def mamba_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
                 "steps": conn,
             },
         ]
-        # storage hits in a fresh engine (at TP=1; TP=2 reads storage in the other plans)
+        # storage hits in a fresh engine (at TP=1; TP=2 reads storage in the other plans), in-process:
+        # its steps come milliseconds apart, faster than the reads land
         + [
             {
                 "name": "fresh",
                 **no_prefix_caching,
+                "in_process": True,
                 "connector": connector,
                 "steps": [gen("batch"), {"op": "settle", "name": "settled"}],
             }
