@@ -3,12 +3,15 @@ round per step, and what each rank reports; a divergence closes, flushes and reo
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from tests.engine.test_external_pages import block, engine_kv, make, run_ranks, same, toks
 from tpcache.integrations.vllm.faults import FaultPlan
-from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, StepOps
+from tpcache.integrations.vllm.messages import ANSWER, LOAD, LOOKUP, RELEASE, SAVE, StepOps
 from tpcache.integrations.vllm.worker import WorkerSide
+from tpcache.io.storage import MemoryBackend
 
 PAGE = 16
 
@@ -151,3 +154,73 @@ def test_a_sync_load_failing_on_one_rank_is_invalid_on_every_rank_in_its_own_ste
     assert [r[4]["before_forward"]["7=1"] for r in ranks] == [True, False]
     assert [(r[4]["invalid"], r[4]["sync"], r[4]["recv"]) for r in ranks] == [([7, 8], {"b": False}, [])] * 2
     assert [s["digest"] for s in ranks[0]] == [s["digest"] for s in ranks[1]]
+
+
+class GatedStorage(MemoryBackend):
+    """Storage whose reads wait until the test opens the gate: a prefetch stays in flight for as
+    many rounds as the test runs (no timing involved)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def get(self, keys: Any, out: Any) -> list[bool]:
+        self.gate.wait(60)
+        return super().get(keys, out)
+
+
+def storage_lookup(steps: list[list[tuple]], stop_when_hit: bool = False) -> list[list[dict[str, Any]]]:
+    """Each rank's hits per step of a fresh engine whose storage holds pages 5 and 6 (saved by an
+    earlier engine) while its reads wait at the gate; the gate opens after ``steps`` when
+    ``stop_when_hit`` (then the ranks step on, bounded, until "b" is reported)."""
+    stores = [GatedStorage() for _ in range(2)]
+    for store in stores:
+        store.gate.set()  # the earlier engine's writes and reads go through
+
+    def write(rank: int, collective: Any) -> None:
+        worker = WorkerSide(make(engine_kv(rank), collective, storage=stores[rank]))
+        for ops in ([(LOOKUP, "a", toks(5, 6))], [(SAVE, "a", [], 2, [[0, 1]])], [(RELEASE, "a", True)]):
+            worker.run_step(StepOps(0, ops))
+        worker.cache.drain(pause_s=0)
+        assert worker.cache.stats()["storage_written_pages"] == 2
+
+    def read(rank: int, collective: Any) -> list[dict[str, Any]]:
+        worker = WorkerSide(make(engine_kv(rank + 2), collective, storage=stores[rank]))
+        out = [dict(worker.run_step(StepOps(i, ops)).report.hits) for i, ops in enumerate(steps)]
+        if stop_when_hit:
+            stores[rank].gate.set()
+            for _ in range(20000):  # bounded, not timed: rounds until the read landed on every rank
+                out.append(dict(worker.run_step(StepOps(len(out), [])).report.hits))
+                if out[-1]:
+                    break
+                time.sleep(0.001)
+        stores[rank].gate.set()
+        return out
+
+    for result in run_ranks(write):
+        assert result is None, result
+    for store in stores:
+        store.gate.clear()
+    results = run_ranks(read)
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+def test_a_lookup_waits_for_its_prefetch_until_the_answer_op_and_every_rank_answers_in_its_step() -> None:
+    waits = 100  # more rounds than any step count would allow: the seconds decide, by the scheduler
+    steps = [[(LOOKUP, "b", toks(5, 6, 7))]] + [[] for _ in range(waits)] + [[(ANSWER, "b")], []]
+    for hits in storage_lookup(steps):
+        assert hits[: waits + 1] == [{}] * (waits + 1)  # still waiting: the reads have not landed
+        assert hits[waits + 1] == {"b": (0, 0)}  # answered in the step of the op, with what landed: none
+        assert hits[waits + 2] == {}  # once
+
+
+def test_without_an_answer_op_a_lookup_waits_any_number_of_rounds_for_its_prefetch() -> None:
+    waits = 100
+    ranks = storage_lookup([[(LOOKUP, "b", toks(5, 6, 7))]] + [[] for _ in range(waits)], stop_when_hit=True)
+    for hits in ranks:
+        assert hits[: waits + 1] == [{}] * (waits + 1)
+        assert hits[-1] == {"b": (2 * PAGE, 2 * PAGE)}  # both pages read from storage
+    assert len(ranks[0]) == len(ranks[1])  # reported in the same round on both

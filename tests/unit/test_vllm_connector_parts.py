@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpcache.integrations.vllm.messages import LOAD, LOOKUP, RELEASE, SAVE, WorkerReport
+from tpcache.integrations.vllm.messages import ANSWER, LOAD, LOOKUP, RELEASE, SAVE, WorkerReport
 from tpcache.integrations.vllm.options import ConnectorOptions
 from tpcache.integrations.vllm.scheduler import SchedulerSide
 from tpcache.service.config import ConfigError
@@ -202,3 +202,52 @@ def test_a_failed_sync_load_is_not_offered_again_and_its_pages_are_not_saved_bef
     assert side.requests["b"].load_failed and not side.unconfirmed
     side.requests["b"].preemptions = 0
     assert side.num_new_matched_tokens(r2, 0) == (0, False)
+
+
+class Clock:
+    """The scheduler's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_unanswered_lookup_is_told_to_answer_once_its_seconds_are_up_and_a_new_lookup_waits_afresh() -> None:
+    r = Req("a", list(range(9)))
+    clock = Clock()
+    side = SchedulerSide(B, Manager(r), lookup_timeout_s=2.0, clock=clock)
+    side.num_new_matched_tokens(r, 0)
+    assert side.build_meta(output()).ops == [(LOOKUP, "a", list(range(9)))]
+    for _ in range(1000):  # any number of steps within the deadline: no answer op
+        clock.now += 0.001
+        assert side.build_meta(output()).ops == []
+    clock.now = 101.999
+    assert side.build_meta(output()).ops == []
+    clock.now = 102.0
+    assert side.build_meta(output()).ops == [(ANSWER, "a")]
+    clock.now = 110.0
+    assert side.build_meta(output()).ops == []  # once a lookup
+    r.num_preemptions = 1  # looked up again: a fresh start
+    side.update_from_output(WorkerReport(hits={"a": (8, 0)}), None)
+    assert side.num_new_matched_tokens(r, 0) == (None, False)
+    assert side.build_meta(output()).ops == [(LOOKUP, "a", list(range(9)))]
+    clock.now = 111.0
+    assert side.build_meta(output()).ops == []
+    side.update_from_output(WorkerReport(hits={"a": (8, 0)}), None)  # answered in time: no answer op
+    clock.now = 200.0
+    assert side.build_meta(output()).ops == []
+
+
+def test_lookup_timeouts_are_checked() -> None:
+    opts = ConnectorOptions.from_extra_config({})
+    assert opts.lookup_timeout_s == 2.0 and opts.lookup_timeout_rounds == 0  # seconds decide, no step cap
+    assert ConnectorOptions.from_extra_config({"lookup_timeout_s": 1}).lookup_timeout_s == 1.0
+    for bad, match in [
+        ({"lookup_timeout_s": 0}, "lookup_timeout_s must be > 0"),
+        ({"lookup_timeout_s": -1.5}, "lookup_timeout_s must be > 0"),
+        ({"lookup_timeout_rounds": -1}, "lookup_timeout_rounds must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            ConnectorOptions.from_extra_config(bad)

@@ -89,9 +89,10 @@ def _stats(llm: Any) -> list[dict[str, Any]]:
     return llm.collective_rpc(worker_stats)
 
 
-def _settle(llm: Any, limit_s: float = 120.0) -> list[dict[str, Any]]:
-    """Wait until no worker holds a lease or has work pending. vLLM keeps stepping on its own while
-    the connector reports work (delayed frees, copies to agree), so this only watches."""
+def _settle(llm: Any, in_process: bool, limit_s: float = 120.0) -> list[dict[str, Any]]:
+    """Wait until no worker holds a lease or has work pending. vLLM's engine core process keeps
+    stepping on its own while the connector reports work (delayed frees, copies to agree), so this
+    only watches; an engine core in this process steps only when called, so this steps it."""
     deadline = time.monotonic() + limit_s
     while True:
         stats = _stats(llm)
@@ -99,6 +100,8 @@ def _settle(llm: Any, limit_s: float = 120.0) -> list[dict[str, Any]]:
             return stats
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers still hold leases or copies after {limit_s} s: {stats}")
+        if in_process:
+            llm.llm_engine.step()
         time.sleep(0.05)
 
 
@@ -331,7 +334,7 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
             elif op == "staggered":
                 out[name] = _staggered(llm, {**step, "name": name})
             elif op == "settle":
-                out[name] = _settle(llm)
+                out[name] = _settle(llm, engine.get("in_process", False))
             elif op == "stats":
                 out[name] = _stats(llm)
             elif op == "metrics":

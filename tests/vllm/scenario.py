@@ -300,14 +300,13 @@ def mamba_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
                 "steps": conn,
             },
             # storage hits in a fresh engine: the batch once, then the workers' counters as they
-            # stand. At TP=2 its engine core runs in the driver (one interpreter fewer to start; the
-            # workers are processes of their own either way). At TP=1 that would take the worker in
-            # too, whose storage reads then share the engine's interpreter: the lookups' rounds ran
-            # out before the reads landed (no hit)
+            # stand. Its engine core runs in the driver (one interpreter fewer to start; at TP=1 the
+            # worker too): its steps come milliseconds apart, faster than the storage reads land, and
+            # a lookup waits for them by seconds (lookup_timeout_s), not by steps
             {
                 "name": "fresh",
                 **no_prefix_caching,
-                "in_process": tp > 1,
+                "in_process": True,
                 "connector": connector,
                 "steps": [gen("batch"), {"op": "stats", "name": "stats"}],
             },

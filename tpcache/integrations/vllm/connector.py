@@ -149,6 +149,7 @@ class TPCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self.block_size,
                 state_groups=state_groups,
                 sync_loads=sync_loads(self.options.load_mode, self.groups),
+                lookup_timeout_s=self.options.lookup_timeout_s,
             )
             if kv_events.enabled(vllm_config):
                 self.events = kv_events.BlockEvents(

@@ -26,7 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 #   is a page it no longer holds)
 #   ("release", req_id, delayed)                      the request finished; `delayed`: vLLM waits to free blocks
 #   ("flush", "")                                     empty the cache (an agreed flush on every rank)
-LOOKUP, LOAD, SAVE, RELEASE, FLUSH = "lookup", "load", "save", "release", "flush"
+#   ("answer", req_id)                                stop waiting for the lookup's storage prefetch:
+#                                                     report what has landed after this step's round
+LOOKUP, LOAD, SAVE, RELEASE, FLUSH, ANSWER = "lookup", "load", "save", "release", "flush", "answer"
 
 
 @dataclass

@@ -51,8 +51,15 @@ class ConnectorOptions:
     metrics_port: int = _opt(0, "Prometheus metrics on 127.0.0.1:PORT+rank; 0 = off")
     namespace: str = _opt("", "namespace salt of page hashes; the model's name is always added")
     eviction_policy: str = _opt("lru", "host eviction policy")
+    lookup_timeout_s: float = _opt(
+        2.0,
+        "seconds a lookup waits for its storage prefetch before it reports what has landed, timed by the "
+        "scheduler and applied by every rank in the same engine step; 2: far longer than reading a prompt's "
+        "pages from a healthy disk takes, so a storage hit is not given up, yet a stuck storage tier delays "
+        "a request only briefly",
+    )
     lookup_timeout_rounds: int = _opt(
-        64, "rounds a lookup waits for its storage prefetch before it reports what has landed"
+        0, "engine steps a lookup waits for its storage prefetch at most, besides lookup_timeout_s; 0 = no cap"
     )
     tree_core: str = _opt(
         "",
@@ -111,6 +118,8 @@ class ConnectorOptions:
             raise ConfigError("host_pages and host_bytes must be >= 0")
         if self.lookup_timeout_rounds < 0:
             raise ConfigError("lookup_timeout_rounds must be >= 0")
+        if not self.lookup_timeout_s > 0:
+            raise ConfigError(f"lookup_timeout_s must be > 0 (seconds), got {self.lookup_timeout_s}")
         if self.tree_core:
             try:
                 backend.require(self.tree_core, "kv_connector_extra_config: tree_core")

@@ -28,6 +28,11 @@ that what it saved is loaded back instead of computed again. Likewise a request 
 whose hit another request's save has since extended (the page after its hit, by vLLM's block hash)
 is looked up again, at most ``MAX_REFRESHES`` times, before vLLM allocates for it.
 
+A lookup waits for its storage prefetch for at most ``lookup_timeout_s`` seconds, by this process's
+clock: a lookup still unanswered that long after it was sent gets an ``answer`` op in the next
+step, and every worker then reports what has landed in the same round (the ranks never decide by
+their own clocks). A lookup sent again (preemption, a stale hit) waits afresh.
+
 A Mamba group (``state_groups``) has one block per request, which holds the state after the tokens
 computed so far. A save names it for the page that ends where the step's tokens end (the state of
 that boundary, copied after the step's forward pass, before the next one overwrites it) and the
@@ -38,14 +43,15 @@ the workers' hit already ends at a page that carries its state.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tpcache.integrations.vllm.layout import NULL_BLOCK
 from tpcache.integrations.vllm.logs import LOGGER
-from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
+from tpcache.integrations.vllm.messages import ANSWER, FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
 log = logging.getLogger(LOGGER)
 
@@ -68,6 +74,8 @@ class _Request:
     computed: int = 0  # tokens computed by the end of the last step it was scheduled in
     before_preemption: int = 0  # tokens it had computed when vLLM last preempted it
     lookup_step: int = 0  # the step whose ops carried its last lookup
+    lookup_sent: float = 0.0  # when its last lookup was sent (the scheduler's clock)
+    answer_sent: bool = False  # the workers were told to answer its last lookup with what landed
     refreshes: int = 0  # lookups repeated because a later save made the hit stale
     load_failed: bool = False  # a load of it failed on some rank: its hit is not offered again
     load_step: int = 0  # the step whose ops carried its last load
@@ -81,11 +89,16 @@ class SchedulerSide:
         state_groups: Sequence[int] = (),
         *,
         sync_loads: bool = False,
+        lookup_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``state_groups``: the KV cache groups holding a recurrent state (one block a request).
         ``sync_loads``: hits are loaded synchronously (see the module docstring); only with one KV
-        cache group, where vLLM can map invalid blocks back to requests."""
+        cache group, where vLLM can map invalid blocks back to requests. ``lookup_timeout_s``:
+        seconds a lookup waits for its storage prefetch, by ``clock``."""
         self.block_size = block_size
+        self.lookup_timeout_s = lookup_timeout_s
+        self.clock = clock
         self.state_groups = frozenset(state_groups)
         self.kv_cache_manager = kv_cache_manager
         self.sync_loads = sync_loads
@@ -198,6 +211,7 @@ class SchedulerSide:
             if waiting and waiting == self._waiting:
                 log.warning("tpcache: requests waiting on lookups or loads since step %d: %s", self.step, waiting)
             self._waiting = waiting
+        self._answer_overdue()
         meta = StepOps(step=self.step, ops=self.sync_ops + self.ops)
         self.ops, self.sync_ops = [], []
         self.step += 1
@@ -260,8 +274,18 @@ class SchedulerSide:
         state.sent_tokens = len(tokens)
         state.hit, state.storage_hit = None, 0
         state.lookup_step = self.step
+        state.lookup_sent, state.answer_sent = self.clock(), False
         self.counters["lookups"] += 1
         self.ops.append((LOOKUP, state.request.request_id, tokens))
+
+    def _answer_overdue(self) -> None:
+        """Tell the workers to answer every lookup unanswered for ``lookup_timeout_s`` with what
+        has landed (once a lookup; after this step's other ops, so after any lookup they carry)."""
+        now = self.clock()
+        for req_id, state in self.requests.items():
+            if state.hit is None and not state.answer_sent and now - state.lookup_sent >= self.lookup_timeout_s:
+                state.answer_sent = True
+                self.ops.append((ANSWER, req_id))
 
     def _stale(self, state: _Request) -> bool:
         """Whether the page right after the request's agreed hit was named in a save since its

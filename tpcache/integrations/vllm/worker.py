@@ -14,7 +14,9 @@ waits for every copy of the step and then runs exactly one round. What it report
 read from the state that round agreed:
 
 - a lookup's hit (the pages its lease holds on host, storage prefetch included) once its prefetch
-  is done or timed out; a closed cache reports 0;
+  is done, or in the step whose ops carry its ``answer`` (the scheduler's timeout: every rank
+  applies it in the same step), or after ``lookup_timeout_rounds`` rounds where that is not 0; a
+  closed cache reports 0;
 - a load as finished once its outcome is agreed; pages past the agreed count, or every page when
   the cache closed first, are invalid blocks, which vLLM recomputes; a sync load's outcome in the
   step it was issued in (every copy of a step lands within it: one whose landing the round has not
@@ -39,7 +41,7 @@ from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.faults import FaultPlan
 from tpcache.integrations.vllm.layout import leading_unheld, page_ids
 from tpcache.integrations.vllm.logs import LOGGER
-from tpcache.integrations.vllm.messages import FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
+from tpcache.integrations.vllm.messages import ANSWER, FLUSH, LOAD, LOOKUP, RELEASE, SAVE, StepOps, WorkerReport
 
 log = logging.getLogger(LOGGER)
 
@@ -56,6 +58,7 @@ class _Lookup:
     rounds: int = 0
     relocks: int = 0
     reported: bool = False
+    answer: bool = False  # the scheduler said to stop waiting for its prefetch (an ``answer`` op)
 
 
 @dataclass
@@ -83,14 +86,14 @@ class WorkerSide:
         self,
         cache: EngineCache,
         *,
-        lookup_timeout_rounds: int = 64,
+        lookup_timeout_rounds: int = 0,
         reopen: bool = True,
         faults: FaultPlan | None = None,
     ) -> None:
         self.cache = cache
         self.faults = faults
         self.page_size = cache.config.page_size
-        self.lookup_timeout_rounds = lookup_timeout_rounds
+        self.lookup_timeout_rounds = lookup_timeout_rounds  # 0: no cap in rounds (the scheduler's answer ops)
         self.reopen = reopen
         self.requests: dict[str, _Lookup] = {}
         self.loads: dict[str, _Load] = {}
@@ -239,6 +242,10 @@ class WorkerSide:
                 self.sending[req] = state.lease
         elif kind == FLUSH:
             cache.request_flush()
+        elif kind == ANSWER:
+            state = self.requests.get(req)
+            if state is not None:
+                state.answer = True
         else:
             raise ValueError(f"unknown connector op {kind!r}")
 
@@ -250,7 +257,8 @@ class WorkerSide:
                 continue
             state.rounds += 1
             status, ready = ("none", 0) if state.lease is None else cache.prefetch_status(state.lease)
-            waiting = state.rounds <= self.lookup_timeout_rounds and not closed
+            capped = self.lookup_timeout_rounds and state.rounds > self.lookup_timeout_rounds
+            waiting = not (state.answer or capped or closed)
             if waiting and status not in ("none", "done"):
                 continue
             if not closed and state.lease is not None:
