@@ -96,6 +96,8 @@ def test_the_bulk_reads_equal_the_reads_one_by_one():
     assert pages == tc.device_pages([ids[0], ids[3]]) and slots == tc.host_slots([ids[0], ids[3]])
     assert hashes == tc.page_hashes(ids)
     assert tc.ids_on_device(ids) == ids
+    assert tc.depths(ids) == [tc.view(i).depth for i in ids] == [1, 2, 3, 1, 2] and tc.depths([ROOT]) == [0]
+    assert all(tc.depths([i])[0] == len(tc.path_of(i)) for i in ids)
     assert tc.handles(ids) == [core.tree.nodes[i] for i in ids] and tc.ids_of(tc.handles(ids)) == ids
     with pytest.raises(KeyError):
         tc.handles([max(ids) + 100])

@@ -67,8 +67,8 @@ class CacheCore(Queries, EngineOps):
         self.part_evictor = PartEvictor(self.ledger, self.evictor)
         self.backup = Backup(self.ledger, self.evictor, self.outbox, self.part_evictor)
         self.evictor.back_up = self.backup.back_up
-        led, closed = self.ledger, lambda: self.closed
-        self.hybrid = Hybrid(led, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
+        led, tc, closed = self.ledger, self.treecore, lambda: self.closed
+        self.hybrid = Hybrid(tc, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
         self.loader = Loader(self.treecore, self.book, self.outbox, self.evictor, self.hybrid)
         self.inserter = Inserter(led, self.book, self.backup, self.hybrid)
         self.prefetcher = Prefetcher(config, self.treecore, self.book, self.outbox, self.evictor, closed, self.hybrid)

@@ -127,6 +127,12 @@ class BulkReads:
         movers = nodes if full_index is None else [nodes[i] for i in full_index]
         return [n.device_page for n in movers], [n.host_slot for n in movers], [n.hash for n in nodes]
 
+    def depths(self, ids: Iterable[int]) -> list[int]:
+        """Each node's depth, in order: its page count from the root (a first page: 1; the root: 0).
+        A node's depth never changes while it lives; along a path it grows by one a page."""
+        nodes = self.tree.nodes
+        return [nodes[i].depth for i in ids]
+
     def page_hashes(self, ids: Iterable[int]) -> list[int]:
         """The chain hash of each node's page, in order (its identity in digests and storage keys)."""
         nodes = self.tree.nodes
