@@ -98,9 +98,24 @@ def test_the_bulk_reads_equal_the_reads_one_by_one():
     assert tc.ids_on_device(ids) == ids
     assert tc.depths(ids) == [tc.view(i).depth for i in ids] == [1, 2, 3, 1, 2] and tc.depths([ROOT]) == [0]
     assert all(tc.depths([i])[0] == len(tc.path_of(i)) for i in ids)
+    assert tc.device_sides(ids) == [tc.device(i) for i in ids] and all(_plain(v) for v in tc.device_sides(ids))
     assert tc.handles(ids) == [core.tree.nodes[i] for i in ids] and tc.ids_of(tc.handles(ids)) == ids
     with pytest.raises(KeyError):
         tc.handles([max(ids) + 100])
+
+
+def test_a_child_is_found_by_its_pages_tokens_and_a_path_reads_back_as_its_tokens():
+    core = cached((1, 2, 3), (1, 4))
+    tc = core.treecore
+    one, two, three = tc.walk_ids(data(1, 2, 3))
+    step = P * 4
+    assert tc.has_child(ROOT, data(1), 0) and tc.has_child(one, data(9, 2), step) and tc.has_child(one, data(4), 0)
+    assert not tc.has_child(one, data(5), 0) and not tc.has_child(three, data(1, 2, 3), 2 * step)
+    assert not tc.has_child(two, data(1, 2), 2 * step)  # past the end of the bytes: no page, no child
+    assert not tc.has_child(one, data(2)[: step - 4], 0)  # a partial page is no child
+    assert tc.path_tokens(three) == data(1, 2, 3) and tc.path_tokens(ROOT) == b""
+    branch = tc.walk_ids(data(1, 4))[-1]
+    assert tc.path_tokens(branch) == data(1, 4) and tc.walk_ids(tc.path_tokens(branch))[-1] == branch
 
 
 def test_path_union_lists_every_ancestor_once_in_a_fixed_order():

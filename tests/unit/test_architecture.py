@@ -236,7 +236,6 @@ def test_the_check_of_core_state_reads_finds_them():
 # field must leave it, and no module may join it.
 NOT_YET_ON_THE_TREE_CORE = {
     "backup.py",
-    "inserts.py",
 }
 # A lease's and a prefetch's ``tokens`` and a lease's ``record`` share names with a node's fields.
 SEAM_COMMON_NAMES = {"tokens", "record"}

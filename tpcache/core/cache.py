@@ -70,7 +70,7 @@ class CacheCore(Queries, EngineOps):
         led, tc, closed = self.ledger, self.treecore, lambda: self.closed
         self.hybrid = Hybrid(tc, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
         self.loader = Loader(self.treecore, self.book, self.outbox, self.evictor, self.hybrid)
-        self.inserter = Inserter(led, self.book, self.backup, self.hybrid)
+        self.inserter = Inserter(tc, self.book, self.backup, self.hybrid)
         self.prefetcher = Prefetcher(config, self.treecore, self.book, self.outbox, self.evictor, closed, self.hybrid)
         self.staging = Staging(self.treecore)
         self.completions = Completions(

@@ -56,6 +56,23 @@ class BulkReads:
             i += 1
         return dev, i - dev, pages
 
+    def device_sides(self, ids: Iterable[int]) -> list[tuple[int, int]]:
+        """(device state, device page) of each node, in order: ``device(i)`` for each id in one pass
+        (an insert's plan over its walk)."""
+        nodes = self.tree.nodes
+        return [(int(n.device_state), n.device_page) for n in (nodes[i] for i in ids)]
+
+    def has_child(self, node_id: int, data: bytes, offset: int) -> bool:
+        """The node has a child for the page of ``data`` (int32 bytes) that starts at byte ``offset``;
+        a page past the end of ``data`` is no child. Pure."""
+        tree = self.tree
+        return tree.nodes[node_id].child_at(data, offset, tree.page_size * 4) is not None
+
+    def path_tokens(self, node_id: int) -> bytes:
+        """The int32 bytes of the pages from the first page down to this node (the root: empty):
+        what ``walk_ids`` walks to reach it. Pure."""
+        return b"".join(n.tokens for n in self.tree.nodes[node_id].path())
+
     def valid_device_pages(self) -> set[int]:
         """Every device page a node holds device-VALID; a new set."""
         return {n.device_page for n in self.tree.nodes.values() if n.device_state == _VALID}
