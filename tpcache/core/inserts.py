@@ -120,7 +120,8 @@ class Inserter:
         fresh = set(new)
         if len(fresh) != n or not fresh.issubset(held):
             return None
-        return self._add_new(lease, cursor, data, 0, new, fresh)
+        depth = self.core.depths((self.core.id_of(cursor),))[0]
+        return self._add_new(lease, cursor, depth, data, 0, new, fresh)
 
     def _insert_pinned(self, lease: Lease, walk: Walk, pages: list[int]) -> tuple[int, int] | None:
         """``_adopt`` from the root when the lease pins exactly the walk's nodes on device, each valid
@@ -147,14 +148,14 @@ class Inserter:
             if len(fresh) != len(new) or not fresh.issubset(held):
                 return None
         last = nodes[-1] if nodes else self.ledger.tree.root
-        return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)
+        return self._add_new(lease, last, k, walk.token_bytes, k * walk.step, new, fresh)  # a walk from the root
 
     def _add_new(
-        self, lease: Lease, parent: Node, data: bytes, offset: int, new: list[int], fresh: set[int] | None
+        self, lease: Lease, parent: Node, depth: int, data: bytes, offset: int, new: list[int], fresh: set[int] | None
     ) -> tuple[int, int]:
-        """The new pinned chain of ``new`` below ``parent`` (the lease pins ``parent``'s path and
-        holds ``new``, ``fresh`` as a set, or None when it holds exactly ``new``; none: the lease may
-        continue from ``parent``): what ``_adopt`` does for pages the tree lacks."""
+        """The new pinned chain of ``new`` below ``parent`` (``depth`` pages from the root; the lease
+        pins its path and holds ``new``, ``fresh`` as a set, or None when it holds exactly ``new``;
+        none: the lease may continue from ``parent``): what ``_adopt`` does for pages the tree lacks."""
         led, held, n = self.ledger, lease.pages, len(new)
         led.tick()
         if len(held) == n:  # it held just these (pages are distinct): all now in the tree
@@ -163,8 +164,7 @@ class Inserter:
             held.discard(fresh if fresh is not None else set(new))
         chain = led.add_pinned_chain(parent, data, offset, new) if new else []
         lease.device_nodes.extend(chain)
-        depth = self.core.depths((self.core.id_of(parent),))[0] + n
-        lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == depth else None
+        lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == depth + n else None
         return self._added(lease, chain)
 
     def _added(self, lease: Lease, chain: list[Node]) -> tuple[int, int]:
