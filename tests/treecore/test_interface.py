@@ -244,3 +244,44 @@ def test_a_new_host_page_hangs_from_a_readable_node_and_takes_a_new_id():
     tc.remove_if_empty(new)
     assert not tc.exists(new) and tc.id_of(tc.handles([second])[0]) == second
     check(core)
+
+
+def test_a_host_mirror_may_go_only_redundant_with_no_host_only_child_least_valuable_first():
+    core = cached((1, 2, 3), (1, 5), storage=True)
+    drain(core)
+    tc = core.treecore
+    ids = tc.walk_ids(data(1, 2, 3)) + tc.walk_ids(data(1, 5))[1:]
+    assert [tc.storage(i) for i in ids] == [StorageState.DURABLE] * 4 and tc.releasable_mirrors(0) == []
+    assert all(tc.mirror_releasable(i) for i in ids) and not tc.mirror_releasable(ROOT)
+    key = core.candidates.policy.key
+    assert tc.releasable_mirrors(10) == sorted(ids, key=lambda i: key(tc.handles([i])[0]))
+    assert tc.releasable_mirrors(2) == tc.releasable_mirrors(10)[:2]
+    before = tc.hit_counts(ids)
+    assert before == [tc.view(i).hits for i in ids]
+    core.release(core.lock(toks(1, 2))[0])
+    assert tc.hit_counts(ids) == [before[0] + 1, before[1] + 1, *before[2:]]
+    core.evict_device(1)  # the leaf (1, 2, 3) lives on in host only: its parent's device copy must stay
+    assert tc.device(ids[2])[0] == DeviceState.NONE and not tc.mirror_releasable(ids[2])
+    assert not tc.mirror_releasable(ids[1]) and tc.mirror_releasable(ids[0]) and tc.mirror_releasable(ids[3])
+    assert sorted(tc.releasable_mirrors(10)) == [ids[0], ids[3]]
+    check(core)
+
+
+def test_a_components_host_mirror_may_go_only_on_device_and_durable_by_its_own_key():
+    from tests.unit.test_hybrid import MAMBA, SWA, hybrid, put
+    from tests.unit.test_hybrid import toks as htoks
+
+    core = hybrid(host_pages=16, swa_host_pages=16, mamba_host_states=16, write_policy="write_through", storage=True)
+    put(core, htoks(1, 2, 3, 4))
+    drain(core)
+    tc = core.treecore
+    ids = tc.walk_ids(as_token_bytes(htoks(1, 2, 3, 4)))
+    swa = [tc.part_mirror_releasable(i, SWA) for i in ids]
+    assert swa == [False, False, True, True]  # the SWA behind the window left device: no mirror there
+    for part in (SWA, MAMBA):
+        p = core.ledger.parts[part]
+        found = [i for i in ids if tc.part_mirror_releasable(i, part)]
+        assert tc.releasable_part_mirrors(part, 10) == sorted(found, key=lambda i: p.key(tc.handles([i])[0]))
+        assert tc.releasable_part_mirrors(part, 1) == tc.releasable_part_mirrors(part, 10)[:1]
+        assert tc.releasable_part_mirrors(part, 0) == []
+    check(core)

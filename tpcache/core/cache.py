@@ -65,7 +65,7 @@ class CacheCore(Queries, EngineOps):
         self.evictor = Evictor(self.ledger, self.candidates, write_back)
         self.book = Leases(self.treecore, self.outbox)
         self.part_evictor = PartEvictor(self.ledger, self.evictor)
-        self.backup = Backup(self.ledger, self.evictor, self.outbox, self.part_evictor)
+        self.backup = Backup(self.treecore, self.evictor, self.outbox, self.part_evictor)
         self.evictor.back_up = self.backup.back_up
         led, tc, closed = self.ledger, self.treecore, lambda: self.closed
         self.hybrid = Hybrid(tc, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None

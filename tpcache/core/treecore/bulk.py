@@ -150,6 +150,11 @@ class BulkReads:
         nodes = self.tree.nodes
         return [nodes[i].depth for i in ids]
 
+    def hit_counts(self, ids: Iterable[int]) -> list[int]:
+        """Each node's hit count, in order (the hits stamped on it; it never decreases while the node lives)."""
+        nodes = self.tree.nodes
+        return [nodes[i].hits for i in ids]
+
     def page_hashes(self, ids: Iterable[int]) -> list[int]:
         """The chain hash of each node's page, in order (its identity in digests and storage keys)."""
         nodes = self.tree.nodes
