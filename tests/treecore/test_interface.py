@@ -99,6 +99,9 @@ def test_the_bulk_reads_equal_the_reads_one_by_one():
     assert tc.depths(ids) == [tc.view(i).depth for i in ids] == [1, 2, 3, 1, 2] and tc.depths([ROOT]) == [0]
     assert all(tc.depths([i])[0] == len(tc.path_of(i)) for i in ids)
     assert tc.device_sides(ids) == [tc.device(i) for i in ids] and all(_plain(v) for v in tc.device_sides(ids))
+    assert [tc.valid_on_device(i) for i in ids] == [tc.device(i)[0] == DeviceState.VALID for i in ids] == [True] * 5
+    core.evict_device(2)
+    assert [tc.valid_on_device(i) for i in ids] == [tc.device(i)[0] == DeviceState.VALID for i in ids] != [True] * 5
     assert tc.handles(ids) == [core.tree.nodes[i] for i in ids] and tc.ids_of(tc.handles(ids)) == ids
     with pytest.raises(KeyError):
         tc.handles([max(ids) + 100])

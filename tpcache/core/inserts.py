@@ -135,7 +135,7 @@ class Inserter:
         k, n = len(nodes), walk.num_pages
         if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] is not nodes[-1]):
             return None
-        if k and self.core.device(self.core.id_of(nodes[-1]))[0] != _VALID:  # VALID pages have VALID ancestors
+        if k and not self.core.valid_on_device(self.core.id_of(nodes[-1])):  # VALID pages have VALID ancestors
             return None
         # The pages the lock's match read stay the nodes' own while the lease pins them.
         ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)

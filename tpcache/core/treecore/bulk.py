@@ -111,6 +111,11 @@ class BulkReads:
             k += 1
         return k
 
+    def valid_on_device(self, node_id: int) -> bool:
+        """The node's page is device VALID (``device(node_id)[0] == VALID``, without building the pair:
+        an insert asks it once per call)."""
+        return self.tree.nodes[node_id].device_state == _VALID
+
     def readable(self, node_id: int) -> bool:
         """New pages may hang from this node: it is the root, or its page is readable (device or
         host VALID)."""
