@@ -96,9 +96,29 @@ def test_the_bulk_reads_equal_the_reads_one_by_one():
     assert pages == tc.device_pages([ids[0], ids[3]]) and slots == tc.host_slots([ids[0], ids[3]])
     assert hashes == tc.page_hashes(ids)
     assert tc.ids_on_device(ids) == ids
+    assert tc.depths(ids) == [tc.view(i).depth for i in ids] == [1, 2, 3, 1, 2] and tc.depths([ROOT]) == [0]
+    assert all(tc.depths([i])[0] == len(tc.path_of(i)) for i in ids)
+    assert tc.device_sides(ids) == [tc.device(i) for i in ids] and all(_plain(v) for v in tc.device_sides(ids))
+    assert [tc.valid_on_device(i) for i in ids] == [tc.device(i)[0] == DeviceState.VALID for i in ids] == [True] * 5
+    core.evict_device(2)
+    assert [tc.valid_on_device(i) for i in ids] == [tc.device(i)[0] == DeviceState.VALID for i in ids] != [True] * 5
     assert tc.handles(ids) == [core.tree.nodes[i] for i in ids] and tc.ids_of(tc.handles(ids)) == ids
     with pytest.raises(KeyError):
         tc.handles([max(ids) + 100])
+
+
+def test_a_child_is_found_by_its_pages_tokens_and_a_path_reads_back_as_its_tokens():
+    core = cached((1, 2, 3), (1, 4))
+    tc = core.treecore
+    one, two, three = tc.walk_ids(data(1, 2, 3))
+    step = P * 4
+    assert tc.has_child(ROOT, data(1), 0) and tc.has_child(one, data(9, 2), step) and tc.has_child(one, data(4), 0)
+    assert not tc.has_child(one, data(5), 0) and not tc.has_child(three, data(1, 2, 3), 2 * step)
+    assert not tc.has_child(two, data(1, 2), 2 * step)  # past the end of the bytes: no page, no child
+    assert not tc.has_child(one, data(2)[: step - 4], 0)  # a partial page is no child
+    assert tc.path_tokens(three) == data(1, 2, 3) and tc.path_tokens(ROOT) == b""
+    branch = tc.walk_ids(data(1, 4))[-1]
+    assert tc.path_tokens(branch) == data(1, 4) and tc.walk_ids(tc.path_tokens(branch))[-1] == branch
 
 
 def test_path_union_lists_every_ancestor_once_in_a_fixed_order():
@@ -226,4 +246,45 @@ def test_a_new_host_page_hangs_from_a_readable_node_and_takes_a_new_id():
     assert tc.unresident(tc.handles([first, second, new])) == [new]
     tc.remove_if_empty(new)
     assert not tc.exists(new) and tc.id_of(tc.handles([second])[0]) == second
+    check(core)
+
+
+def test_a_host_mirror_may_go_only_redundant_with_no_host_only_child_least_valuable_first():
+    core = cached((1, 2, 3), (1, 5), storage=True)
+    drain(core)
+    tc = core.treecore
+    ids = tc.walk_ids(data(1, 2, 3)) + tc.walk_ids(data(1, 5))[1:]
+    assert [tc.storage(i) for i in ids] == [StorageState.DURABLE] * 4 and tc.releasable_mirrors(0) == []
+    assert all(tc.mirror_releasable(i) for i in ids) and not tc.mirror_releasable(ROOT)
+    key = core.candidates.policy.key
+    assert tc.releasable_mirrors(10) == sorted(ids, key=lambda i: key(tc.handles([i])[0]))
+    assert tc.releasable_mirrors(2) == tc.releasable_mirrors(10)[:2]
+    before = tc.hit_counts(ids)
+    assert before == [tc.view(i).hits for i in ids]
+    core.release(core.lock(toks(1, 2))[0])
+    assert tc.hit_counts(ids) == [before[0] + 1, before[1] + 1, *before[2:]]
+    core.evict_device(1)  # the leaf (1, 2, 3) lives on in host only: its parent's device copy must stay
+    assert tc.device(ids[2])[0] == DeviceState.NONE and not tc.mirror_releasable(ids[2])
+    assert not tc.mirror_releasable(ids[1]) and tc.mirror_releasable(ids[0]) and tc.mirror_releasable(ids[3])
+    assert sorted(tc.releasable_mirrors(10)) == [ids[0], ids[3]]
+    check(core)
+
+
+def test_a_components_host_mirror_may_go_only_on_device_and_durable_by_its_own_key():
+    from tests.unit.test_hybrid import MAMBA, SWA, hybrid, put
+    from tests.unit.test_hybrid import toks as htoks
+
+    core = hybrid(host_pages=16, swa_host_pages=16, mamba_host_states=16, write_policy="write_through", storage=True)
+    put(core, htoks(1, 2, 3, 4))
+    drain(core)
+    tc = core.treecore
+    ids = tc.walk_ids(as_token_bytes(htoks(1, 2, 3, 4)))
+    swa = [tc.part_mirror_releasable(i, SWA) for i in ids]
+    assert swa == [False, False, True, True]  # the SWA behind the window left device: no mirror there
+    for part in (SWA, MAMBA):
+        p = core.ledger.parts[part]
+        found = [i for i in ids if tc.part_mirror_releasable(i, part)]
+        assert tc.releasable_part_mirrors(part, 10) == sorted(found, key=lambda i: p.key(tc.handles([i])[0]))
+        assert tc.releasable_part_mirrors(part, 1) == tc.releasable_part_mirrors(part, 10)[:1]
+        assert tc.releasable_part_mirrors(part, 0) == []
     check(core)

@@ -231,14 +231,6 @@ def test_the_check_of_core_state_reads_finds_them():
 
 # ----------------------------------------------------------------------------- the tree core's seam
 
-# Modules of the core that still read a node's fields themselves instead of asking the tree core
-# (``tpcache.core.treecore.TreeCore``) by node id. This list only shrinks: a module that reads no
-# field must leave it, and no module may join it.
-NOT_YET_ON_THE_TREE_CORE = {
-    "backup.py",
-    "hybrid.py",
-    "inserts.py",
-}
 # A lease's and a prefetch's ``tokens`` and a lease's ``record`` share names with a node's fields.
 SEAM_COMMON_NAMES = {"tokens", "record"}
 
@@ -262,20 +254,13 @@ def _seam_fields() -> set[str]:
 
 def test_only_the_tree_core_reads_a_nodes_fields():
     """Orchestration talks to the tree core by node id: outside ``tpcache/core/treecore`` no module of
-    the core reads a node's fields, but those not yet converted (listed above, a list that only shrinks)."""
+    the core reads a node's fields."""
     fields = _seam_fields()
     assert {"device_state", "host_slot", "comp", "parent", "children", "node_id", "path"} <= fields
-    reads: dict[str, list[str]] = {}
-    for path in sorted((REPO / "tpcache" / "core").glob("*.py")):
-        found = _node_field_reads(path.read_text(), path.name, fields)
-        if found:
-            reads[path.name] = found
-    outside = {name: hits for name, hits in reads.items() if name not in NOT_YET_ON_THE_TREE_CORE}
-    assert not outside, "node fields read outside the tree core (ask TreeCore by id): " + "; ".join(
-        hit for hits in outside.values() for hit in hits
-    )
-    converted = sorted(NOT_YET_ON_THE_TREE_CORE - set(reads))
-    assert not converted, f"{converted} read no node field now: take them off NOT_YET_ON_THE_TREE_CORE"
+    paths = sorted((REPO / "tpcache" / "core").glob("*.py"))
+    assert {"backup.py", "inserts.py", "hybrid.py"} <= {p.name for p in paths}
+    found = [hit for path in paths for hit in _node_field_reads(path.read_text(), path.name, fields)]
+    assert not found, "node fields read outside the tree core (ask TreeCore by id): " + "; ".join(found)
 
 
 def test_the_check_of_node_field_reads_finds_them():

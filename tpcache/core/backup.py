@@ -28,10 +28,10 @@ from tpcache.core.outbox import Outbox
 from tpcache.core.plans import Plan
 from tpcache.core.records import OpKind
 from tpcache.core.tiers import DeviceState, HostState, StorageState
-from tpcache.core.treecore.accounting import is_mirror
-from tpcache.core.treecore.components import DEV, HOST, HPINS, STORE, Part, host_parts_releasable, is_part_mirror
+from tpcache.core.treecore import TreeCore
+from tpcache.core.treecore.components import DEV, HOST, STORE, Part
+from tpcache.core.treecore.core import ROOT
 from tpcache.core.treecore.eviction import Evictor
-from tpcache.core.treecore.ledger import Ledger
 from tpcache.core.treecore.part_eviction import PartEvictor
 from tpcache.core.treecore.tree import Node
 
@@ -42,17 +42,19 @@ if TYPE_CHECKING:
 _VALID = int(DeviceState.VALID)
 _HVALID = int(HostState.VALID)
 _DURABLE = int(StorageState.DURABLE)
+_NONE = int(HostState.NONE)  # NONE is 0 on every tier
 
 
-def _wants_backup(node: Node, p: Part) -> bool:
+def _wants_backup(core: TreeCore, node_id: int, p: Part) -> bool:
     """The node's component data is valid on device and has no host copy."""
-    rec = node.comp
-    return rec is not None and node.parent is not None and rec[p.base + DEV] == _VALID and not rec[p.base + HOST]
+    rec = core.component(node_id) if node_id != ROOT else None
+    return rec is not None and rec[p.base + DEV] == _VALID and not rec[p.base + HOST]
 
 
 class Backup:
-    def __init__(self, ledger: Ledger, evictor: Evictor, outbox: Outbox, parts: PartEvictor) -> None:
-        self.ledger = ledger
+    def __init__(self, core: TreeCore, evictor: Evictor, outbox: Outbox, parts: PartEvictor) -> None:
+        self.core = core
+        self.ledger = ledger = core.ledger  # pools, backlogs and counters (no node is read through it)
         self.evictor = evictor
         self.outbox = outbox
         self.part_evictor = parts
@@ -73,7 +75,8 @@ class Backup:
 
     def on_hit(self, nodes: list[Node]) -> None:
         if self.policy == "write_through_selective":
-            self.back_up([n for n in nodes if n.hits >= self.threshold])
+            hits = self.core.hit_counts(self.core.ids_of(nodes))
+            self.back_up([n for n, h in zip(nodes, hits, strict=True) if h >= self.threshold])
 
     def back_up(self, nodes: list[Node]) -> None:
         """Back up device-VALID pages that have no host copy, in the order given.
@@ -84,18 +87,20 @@ class Backup:
         led = self.ledger
         if not self.enabled or not led.host.num_pages:
             return
+        core = self.core
+        ids = core.ids_of(nodes)
         todo: list[Node] = []
         seen: set[int] = set()
-        for node in nodes:
+        for node, node_id, (device, host, storage) in zip(nodes, ids, core.tier_states(ids), strict=True):
             if (
-                node.node_id in seen
-                or node.parent is None
-                or node.host_state != HostState.NONE
-                or node.device_state != DeviceState.VALID
-                or (self.buffer and node.storage_state != StorageState.NONE)
+                node_id in seen
+                or node_id == ROOT
+                or host != _NONE
+                or device != _VALID
+                or (self.buffer and storage != _NONE)
             ):
                 continue
-            seen.add(node.node_id)
+            seen.add(node_id)
             todo.append(node)
         if not todo and not led.parts:
             return
@@ -110,33 +115,40 @@ class Backup:
 
     def _full_slots(self, todo: list[Node]) -> list[Node]:
         """Host slots for the full pages of ``todo`` (oldest first); the rest wait in the backlog."""
-        led = self.ledger
+        core, led = self.core, self.ledger
         slots = self.evictor.alloc_host_upto(len(todo)) if todo else []
-        for node in todo[len(slots) :]:
-            if node.node_id not in led.backup_backlog:
-                led.backup_backlog[node.node_id] = node
+        ids = core.ids_of(todo)
+        for node, node_id in zip(todo[len(slots) :], ids[len(slots) :], strict=True):
+            if node_id not in led.backup_backlog:
+                led.backup_backlog[node_id] = node
             led.stats.backup_deferred_host_full += 1
-        for node, slot in zip(todo, slots, strict=False):
-            led.backup_backlog.pop(node.node_id, None)  # backed up by another path: no longer waiting
-            led.update(node, host=(HostState.WRITING, slot))
+        for node_id, slot in zip(ids, slots, strict=False):
+            led.backup_backlog.pop(node_id, None)  # backed up by another path: no longer waiting
+            core.update(node_id, host=(HostState.WRITING, slot))
         return todo[: len(slots)]
 
     def _back_up_parts(self, todo: list[Node], nodes: list[Node]) -> None:
         """The backup op of a hybrid model: the full pages ``todo`` (their slots taken), each node's
         component copies with it, and component copies of nodes whose full host copy is valid."""
-        led = self.ledger
-        moving = {n.node_id for n in todo}
-        rest = dict.fromkeys(n for n in nodes if n.node_id not in moving and n.host_state == HostState.VALID)
+        core, led = self.core, self.ledger
+        moving = set(core.ids_of(todo))
+        ids = core.ids_of(nodes)
+        hosts = core.tier_states(ids)
+        rest = dict.fromkeys(
+            n for n, i, (_, host, _) in zip(nodes, ids, hosts, strict=True) if i not in moving and host == _HVALID
+        )
         order = list(todo) + list(rest)
+        order_ids = core.ids_of(order)
         parts: dict[int, list[int]] = {}
         for p in led.parts.values():
-            want = [i for i, n in enumerate(order) if _wants_backup(n, p)]
+            want = [i for i, node_id in enumerate(order_ids) if _wants_backup(core, node_id, p)]
             slots = self.part_evictor.alloc_host_upto(p, len(want)) if want and p.host.num_pages else []
             for i in want[len(slots) :]:
-                p.backlog.setdefault(order[i].node_id, order[i])
+                p.backlog.setdefault(order_ids[i], order[i])
             for i, slot in zip(want, slots, strict=False):
-                p.backlog.pop(order[i].node_id, None)
-                led.update(order[i], part=p.index, host=(HostState.WRITING, slot), device_pins=+1)  # the op reads it
+                p.backlog.pop(order_ids[i], None)
+                # the op reads it
+                core.update(order_ids[i], part=p.index, host=(HostState.WRITING, slot), device_pins=+1)
             if slots:
                 parts[p.index] = want[: len(slots)]
         used = sorted({*range(len(todo)), *(i for index in parts.values() for i in index)})
@@ -153,7 +165,7 @@ class Backup:
         """Once per commit: make room (free slots, then host evictions, as a retry of the whole
         backlog would), then retry only as many pages as found a slot, oldest first. A full host
         tier with nothing to evict costs a round nothing however long the backlog grows."""
-        led = self.ledger
+        core, led = self.core, self.ledger
         backlog = led.backup_backlog
         if not backlog or not self.enabled:
             return
@@ -164,7 +176,7 @@ class Backup:
         while backlog and len(retry) < led.host.available:
             for node_id in list(itertools.islice(backlog, led.host.available - len(retry))):
                 node = backlog.pop(node_id)
-                if node.device_state == DeviceState.VALID and node.host_state == HostState.NONE:
+                if core.device(node_id)[0] == _VALID and core.host(node_id)[0] == _NONE:
                     retry.append(node)
         self.back_up(retry)
 
@@ -173,6 +185,7 @@ class Backup:
         freed for; those whose full host copy is still being written wait on."""
         if not self.enabled:
             return
+        core = self.core
         retry: list[Node] = []
         for p in self.ledger.parts.values():
             if not p.backlog:
@@ -181,12 +194,12 @@ class Backup:
             if short > 0:
                 self.part_evictor.evict_host(p, short)
             for node_id, node in list(p.backlog.items())[: max(0, p.host.available)]:
-                if not _wants_backup(node, p):
+                if not _wants_backup(core, node_id, p):
                     del p.backlog[node_id]
-                elif node.host_state == HostState.VALID:
+                elif core.host(node_id)[0] == _HVALID:
                     retry.append(node)
         if retry:
-            self.back_up(list({n.node_id: n for n in retry}.values()))
+            self.back_up(list(dict(zip(core.ids_of(retry), retry, strict=True)).values()))
 
     # ------------------------------------------------------------------ storage write-out
 
@@ -194,7 +207,8 @@ class Backup:
         """Write host-VALID pages to storage; durable only once every rank acked (agreed)."""
         if not self.storage or not self.enabled:
             return
-        todo = [n for n in nodes if n.host_state == HostState.VALID and n.storage_state == StorageState.NONE]
+        states = self.core.tier_states(self.core.ids_of(nodes))
+        todo = [n for n, (_, host, storage) in zip(nodes, states, strict=True) if host == _HVALID and storage == _NONE]
         if self.ledger.parts:
             self._store_hybrid(todo, nodes)
             return
@@ -205,22 +219,31 @@ class Backup:
         self.ledger.stats.storage_write_issued_pages += len(todo)
 
     def _store_hybrid(self, todo: list[Node], nodes: list[Node]) -> None:
-        led = self.ledger
-        moving = {n.node_id for n in todo}
-        order = todo + [n for n in dict.fromkeys(nodes) if n.node_id not in moving and n.host_state == HostState.VALID]
+        core, led = self.core, self.ledger
+        moving = set(core.ids_of(todo))
+        others = list(dict.fromkeys(nodes))
+        others_ids = core.ids_of(others)
+        hosts = core.tier_states(others_ids)
+        order = todo + [
+            n
+            for n, i, (_, host, _) in zip(others, others_ids, hosts, strict=True)
+            if i not in moving and host == _HVALID
+        ]
+        order_ids = core.ids_of(order)
+        recs = [core.component(i) for i in order_ids]
         parts: dict[int, list[int]] = {}
         for p in led.parts.values():
             b = p.base
-            index = [i for i, n in enumerate(order) if n.comp[b + HOST] == _HVALID and not n.comp[b + STORE]]  # type: ignore[index]
+            index = [i for i, rec in enumerate(recs) if rec[b + HOST] == _HVALID and not rec[b + STORE]]  # type: ignore[index]
             for i in index:
-                led.update(order[i], part=p.index, storage=StorageState.WRITING, host_pins=+1)
+                core.update(order_ids[i], part=p.index, storage=StorageState.WRITING, host_pins=+1)
             if index:
                 parts[p.index] = index
         used = sorted({*range(len(todo)), *(i for index in parts.values() for i in index)})
         if not used:
             return
-        for node in todo:
-            led.update(node, storage=StorageState.WRITING, host_pins=+1)
+        for node_id in order_ids[: len(todo)]:
+            core.update(node_id, storage=StorageState.WRITING, host_pins=+1)
         at = {i: k for k, i in enumerate(used)}
         full_index = None if len(used) == len(todo) else list(range(len(todo)))
         op_parts = {c: [at[i] for i in index] for c, index in parts.items()}
@@ -241,43 +264,28 @@ class Backup:
         self.storage_down = True
         self.storage = False
         self.down_from_op = self.outbox.next_op
-        led = self.ledger
+        core, led = self.core, self.ledger
         forgotten = 0
-        nodes = led.tree.nodes
-        for node_id in sorted(nodes):  # id order: the same changes in the same order on every rank
-            node = nodes.get(node_id)
-            if node is None:
-                continue
-            rec = node.comp
+        for node_id in core.ids():  # id order: the same changes in the same order on every rank
+            if not core.exists(node_id):
+                continue  # removed with a descendant just now
+            rec = core.component(node_id)
             for p in led.parts.values():
                 if rec is not None and rec[p.base + STORE] == _DURABLE:
-                    led.update(node, part=p.index, storage=StorageState.NONE)
-            if node.storage_state == StorageState.DURABLE:
-                led.update(node, storage=StorageState.NONE)
+                    core.update(node_id, part=p.index, storage=StorageState.NONE)
+            if core.storage(node_id) == _DURABLE:
+                core.update(node_id, storage=StorageState.NONE)
                 forgotten += 1
-                led.remove_if_empty(node)
+                core.remove_if_empty(node_id)
         return forgotten
 
     # ------------------------------------------------------------------ mirror release
 
-    @staticmethod
-    def is_releasable_mirror(node: Node) -> bool:
-        """A host copy of a page that is also on device and durable in storage: redundant."""
-        return (
-            node.parent is not None
-            and is_mirror(node)
-            and node.host_pins == 0
-            # a child only on host needs this page's device copy kept (it would become unevictable)
-            and not any(c.on_host and not c.on_device for c in node.children.values())
-            # its component copies on host go with it: only if each is a redundant mirror too
-            and (node.comp is None or host_parts_releasable(node))
-        )
-
-    def release_mirror(self, node: Node) -> bool:
-        if not self.is_releasable_mirror(node):
+    def release_mirror(self, node_id: int) -> bool:
+        if not self.core.mirror_releasable(node_id):
             return False
-        self.ledger.free_host_copy(node)
-        self.ledger.stats.mirrors_released_pages += 1
+        self.core.free_host_copy(node_id)
+        self.core.stats.mirrors_released_pages += 1
         return True
 
 
@@ -294,48 +302,35 @@ class MirrorRelease:
 
     def prepare(self, agreement: Agreement) -> Plan | None:
         want = agreement.lo["host_deficit"]
-        led = self.backup.ledger
+        core, led = self.backup.core, self.backup.ledger
         if want <= 0 and not led.parts:  # the common case: no pool short of slots
             return None
-        chosen: list[Node] = []
-        if want > 0 and led.mirrors:
-            # the mirror index holds every page that could qualify; the sort makes its order irrelevant
-            candidates = [n for n in led.mirrors.values() if self.backup.is_releasable_mirror(n)]
-            candidates.sort(key=self.backup.evictor.candidates.policy.key)
-            chosen = candidates[:want]
-        parts: list[int] = [0] * len(chosen)
+        ids = core.releasable_mirrors(want) if want > 0 else []
+        parts: list[int] = [0] * len(ids)
         for p in led.parts.values():  # each component pool's own deficit, from its own mirrors
             short = agreement.lo[f"host_deficit.{p.name}"]
-            if short > 0 and p.mirrors:
-                found = sorted((n for n in p.mirrors.values() if _releasable_part(n, p)), key=p.key)[:short]
-                chosen += found
+            if short > 0:
+                found = core.releasable_part_mirrors(p.index, short)
+                ids += found
                 parts += [p.index] * len(found)
-        if not chosen:
+        if not ids:
             return None
-        ids = [n.node_id for n in chosen]
-        hashes = [n.hash & ((1 << 63) - 1) for n in chosen]
+        hashes = [h & ((1 << 63) - 1) for h in core.page_hashes(ids)]
         digest = mix_ids(ids + hashes + (parts if led.parts else []))
         return Plan(self.name, ids, len(ids) * led.page_size, digest, parts if led.parts else [])
 
     def execute(self, plan: Plan) -> int:
         """Re-checks every page: a plan that went stale between the rounds does less, never wrong."""
-        led = self.backup.ledger
+        core = self.backup.core
         released = 0
         for k, node_id in enumerate(plan.node_ids):
-            node = led.tree.nodes.get(node_id)
             c = plan.parts[k] if plan.parts else 0
-            if node is None:
+            if not core.exists(node_id):
                 continue
-            if c == 0 and self.backup.release_mirror(node):
+            if c == 0 and self.backup.release_mirror(node_id):
                 released += 1
-            elif c and _releasable_part(node, led.parts[c]):
-                led.free_part_host(node, led.parts[c])
-                led.stats.mirrors_released_pages += 1
+            elif c and core.part_mirror_releasable(node_id, c):
+                core.free_part_host(node_id, c)
+                core.stats.mirrors_released_pages += 1
                 released += 1
         return released
-
-
-def _releasable_part(node: Node, p: Part) -> bool:
-    """A component's host copy that is also on device and durable, and unpinned: redundant."""
-    rec = node.comp
-    return rec is not None and is_part_mirror(rec, p.base) and rec[p.base + HPINS] == 0

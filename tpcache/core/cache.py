@@ -65,12 +65,12 @@ class CacheCore(Queries, EngineOps):
         self.evictor = Evictor(self.ledger, self.candidates, write_back)
         self.book = Leases(self.treecore, self.outbox)
         self.part_evictor = PartEvictor(self.ledger, self.evictor)
-        self.backup = Backup(self.ledger, self.evictor, self.outbox, self.part_evictor)
+        self.backup = Backup(self.treecore, self.evictor, self.outbox, self.part_evictor)
         self.evictor.back_up = self.backup.back_up
-        led, closed = self.ledger, lambda: self.closed
-        self.hybrid = Hybrid(led, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
+        led, tc, closed = self.ledger, self.treecore, lambda: self.closed
+        self.hybrid = Hybrid(tc, self.book, self.outbox, self.evictor, self.part_evictor) if led.parts else None
         self.loader = Loader(self.treecore, self.book, self.outbox, self.evictor, self.hybrid)
-        self.inserter = Inserter(led, self.book, self.backup, self.hybrid)
+        self.inserter = Inserter(tc, self.book, self.backup, self.hybrid)
         self.prefetcher = Prefetcher(config, self.treecore, self.book, self.outbox, self.evictor, closed, self.hybrid)
         self.staging = Staging(self.treecore)
         self.completions = Completions(

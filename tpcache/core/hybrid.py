@@ -31,8 +31,8 @@ from tpcache.core.treecore.components import DEV, DPINS, DSLOT, HOST, Part, read
 if TYPE_CHECKING:
     from tpcache.core.leases import Leases
     from tpcache.core.outbox import Outbox
+    from tpcache.core.treecore import TreeCore
     from tpcache.core.treecore.eviction import Evictor
-    from tpcache.core.treecore.ledger import Ledger
     from tpcache.core.treecore.part_eviction import PartEvictor
     from tpcache.core.treecore.tree import Node
 
@@ -49,14 +49,14 @@ class _Available(Sequence[bool]):
     DEVICE: valid on device; READABLE: valid on device or host; LOADABLE (for a load): on device
     (valid, or loading: the load waits for it) or valid on host above ``before``."""
 
-    def __init__(self, nodes: list[Node], base: int, mode: int, before: int = 0) -> None:
-        self.nodes, self.base, self.mode, self.before = nodes, base, mode, before
+    def __init__(self, core: TreeCore, ids: list[int], base: int, mode: int, before: int = 0) -> None:
+        self.core, self.ids, self.base, self.mode, self.before = core, ids, base, mode, before
 
     def __len__(self) -> int:
-        return len(self.nodes)
+        return len(self.ids)
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
-        rec = self.nodes[i].comp
+        rec = self.core.component(self.ids[i])
         assert rec is not None
         if self.mode == LOADABLE:
             return rec[self.base + DEV] != 0 or (i < self.before and rec[self.base + HOST] == _HVALID)
@@ -72,8 +72,9 @@ class LoadPlan:
 
 
 class Hybrid:
-    def __init__(self, ledger: Ledger, book: Leases, outbox: Outbox, evictor: Evictor, parts: PartEvictor) -> None:
-        self.ledger = ledger
+    def __init__(self, core: TreeCore, book: Leases, outbox: Outbox, evictor: Evictor, parts: PartEvictor) -> None:
+        self.core = core
+        self.ledger = ledger = core.ledger  # pools, counters and components' queues (no node is read through it)
         self.book = book
         self.outbox = outbox
         self.evictor = evictor
@@ -87,10 +88,17 @@ class Hybrid:
 
     # ------------------------------------------------------------------ the hit
 
+    def _comp(self, node: Node) -> tuple[int, ...]:
+        """The node's component record (it has one: the configuration has components)."""
+        rec = self.core.component(self.core.id_of(node))
+        assert rec is not None
+        return rec
+
     def hit(self, nodes: list[Node], full: int, mode: int = READABLE, before: int = 0) -> int:
         w, s = self.window_part, self.state_part
-        swa = _Available(nodes, w.base, mode, before) if w else None
-        state = _Available(nodes, s.base, mode, before) if s else None
+        ids = self.core.ids_of(nodes)
+        swa = _Available(self.core, ids, w.base, mode, before) if w else None
+        state = _Available(self.core, ids, s.base, mode, before) if s else None
         return hit_length(full, self.window, swa, state)
 
     def needs(self, nodes: list[Node], p: int) -> list[tuple[Part, Node]]:
@@ -114,29 +122,29 @@ class Hybrid:
         for part, node in self.needs(nodes, p):
             result.parts.setdefault(part.index, []).append(node)
 
-    @staticmethod
-    def device_run(result: MatchResult) -> int:
+    def device_run(self, result: MatchResult) -> int:
         """Leading nodes of the hit whose full page is device-valid (pinned on device by ``lock``)."""
         n = result.device_pages
-        nodes = result.nodes
-        while n < len(nodes) and nodes[n].device_state == DeviceState.VALID:
+        states = self.core.tier_states(self.core.ids_of(result.nodes[n:]))
+        for device_state, _, _ in states:
+            if device_state != DeviceState.VALID:
+                break
             n += 1
         return n
 
     def pin_hit(self, lease: Lease, result: MatchResult) -> None:
         """Pin and stamp, for ``lock``, the component data its hit reads, on the tier it is read from."""
-        led = self.ledger
+        core = self.core
         lease.hit_pages = len(result.nodes)
         for c, nodes in result.parts.items():
             held = self.held(lease, c)
-            for node in nodes:
-                assert node.comp is not None
-                if readable_tier(node.comp, self.parts[c].base) == 1:
-                    led.update(node, part=c, device_pins=+1, stamp=True)
+            for node, node_id in zip(nodes, core.ids_of(nodes), strict=True):
+                if readable_tier(self._comp(node), self.parts[c].base) == 1:  # type: ignore[arg-type]
+                    core.update(node_id, part=c, device_pins=+1, stamp=True)
                     held.device_nodes.append(node)
-                    self.parts[c].behind.pop(node.node_id, None)  # a window again: no longer behind
+                    self.parts[c].behind.pop(node_id, None)  # a window again: no longer behind
                 else:
-                    led.update(node, part=c, host_pins=+1, stamp=True)
+                    core.update(node_id, part=c, host_pins=+1, stamp=True)
                     held.host_nodes.append(node)
 
     @staticmethod
@@ -154,20 +162,21 @@ class Hybrid:
         before = first_loading if first_loading >= 0 else len(nodes)
         p = self.hit(nodes, full, LOADABLE, before)
         plan = LoadPlan(p, self.needs(nodes, p))
-        plan.loads = [(part, n) for part, n in plan.needs if not n.comp[part.base + DEV]]  # type: ignore[index]
+        plan.loads = [(part, n) for part, n in plan.needs if not self._comp(n)[part.base + DEV]]
         return plan
 
     def reserve(self, lease: Lease, plan: LoadPlan, full_pages: int) -> dict[int, list[int]]:
         """Pin the component data already on device, check every pool, then allocate the component
         slots. Refuses (nothing evicted, nothing pinned) when a component pool cannot be met; returns
         nothing when the full pool cannot, whose allocation then refuses."""
-        led = self.ledger
+        core = self.core
         pinned: list[tuple[Part, Node]] = []
         for part, node in plan.needs:
-            if node.comp[part.base + DEV]:  # type: ignore[index]
-                led.update(node, part=part.index, device_pins=+1, stamp=True)
+            if self._comp(node)[part.base + DEV]:
+                node_id = core.id_of(node)
+                core.update(node_id, part=part.index, device_pins=+1, stamp=True)
                 self.held(lease, part.index).device_nodes.append(node)
-                part.behind.pop(node.node_id, None)
+                part.behind.pop(node_id, None)
                 pinned.append((part, node))
         need: dict[int, int] = {}
         for part, _ in plan.loads:
@@ -175,7 +184,7 @@ class Hybrid:
         short = [self.parts[c] for c, n in need.items() if not self.part_evictor.can_alloc_device(self.parts[c], n)]
         if short or not self.evictor.can_alloc_device(full_pages):
             for part, node in reversed(pinned):
-                led.update(node, part=part.index, device_pins=-1)
+                core.update(core.id_of(node), part=part.index, device_pins=-1)
                 self.held(lease, part.index).device_nodes.remove(node)
             if short:
                 p = short[0]
@@ -191,9 +200,9 @@ class Hybrid:
     ) -> tuple[list[Node], list[int], dict[int, list[int]]]:
         """Mark the component loads, wait for component loads others started, and lay out the op:
         its nodes in path order, the positions moving a full page, and per component those moving it."""
-        led = self.ledger
+        core, led = self.core, self.ledger
         for part, node in plan.needs:
-            if node.comp[part.base + DEV] == _LOADING:  # type: ignore[index]
+            if self._comp(node)[part.base + DEV] == _LOADING:
                 for op in self.outbox.inflight[OpKind.LOAD]:
                     if op.op_id not in lease.ops and any(
                         pc.part == part.index and any(op.nodes[i] is node for i in pc.index) for pc in op.parts
@@ -202,16 +211,21 @@ class Hybrid:
         taken = {c: iter(s) for c, s in slots.items()}
         for part, node in plan.loads:
             slot = next(taken[part.index])
-            led.update(node, part=part.index, device=(DeviceState.LOADING, slot), device_pins=+1, host_pins=+1)
+            core.update(
+                core.id_of(node), part=part.index, device=(DeviceState.LOADING, slot), device_pins=+1, host_pins=+1
+            )
             self.held(lease, part.index).device_nodes.append(node)
         led.stats.part_loads_issued += len(plan.loads)
-        order = sorted({n.node_id: n for n in todo + [n for _, n in plan.loads]}.values(), key=lambda n: n.depth)
-        at = {n.node_id: i for i, n in enumerate(order)}
-        full_index = [at[n.node_id] for n in todo]
+        todo_ids, load_ids = core.ids_of(todo), core.ids_of(n for _, n in plan.loads)
+        moved = dict(zip(todo_ids + load_ids, todo + [n for _, n in plan.loads], strict=True))
+        depth = dict(zip(moved, core.depths(moved), strict=True))
+        order_ids = sorted(moved, key=depth.__getitem__)  # path order
+        at = {node_id: i for i, node_id in enumerate(order_ids)}
+        full_index = [at[i] for i in todo_ids]
         parts: dict[int, list[int]] = {}
-        for part, node in plan.loads:
-            parts.setdefault(part.index, []).append(at[node.node_id])
-        return order, full_index, parts
+        for (part, _), node_id in zip(plan.loads, load_ids, strict=True):
+            parts.setdefault(part.index, []).append(at[node_id])
+        return [moved[i] for i in order_ids], full_index, parts
 
     # ------------------------------------------------------------------ insert
 
@@ -225,7 +239,8 @@ class Hybrid:
             base = self.parts[c].base
             for i, slot in enumerate(slots[: len(nodes)]):
                 node = nodes[i]
-                if slot < 0 or (node is not None and node.comp is not None and node.comp[base + DSLOT] == slot):
+                rec = None if node is None else self.core.component(self.core.id_of(node))
+                if slot < 0 or (rec is not None and rec[base + DSLOT] == slot):
                     continue
                 if slot not in owned:
                     raise ValueError(f"{self.parts[c].name} slot {slot} is not held by lease {lease.lease_id}")
@@ -234,21 +249,22 @@ class Hybrid:
     def adopt(self, lease: Lease, path: list[Node], parts: Mapping[int, Sequence[int]], last: int) -> list[Node]:
         """Take the component slots the engine filled for nodes on ``path`` that lack that component
         (a state only where kept); pinned by the lease. Returns the nodes that gained data."""
-        led = self.ledger
+        core = self.core
+        ids = core.ids_of(path)
         gained: list[Node] = []
         for c, slots in parts.items():
             part = self.parts[c]
             held = self.held(lease, c)
             for i, slot in enumerate(slots[: len(path)]):
-                node = path[i]
-                if slot < 0 or node.device_state != DeviceState.VALID or node.comp[part.base + DEV]:  # type: ignore[index]
+                node, node_id = path[i], ids[i]
+                if slot < 0 or core.device(node_id)[0] != DeviceState.VALID or self._comp(node)[part.base + DEV]:
                     continue  # nothing given, no full page to go with it, or the node has its own
                 if slot not in held.pages:
                     continue
                 if part.spec.every and not keeps_state(part.spec.every, i, last):
                     continue  # a state where none is kept: it stays with the lease
                 held.pages.remove(slot)
-                led.update(node, part=c, device=(DeviceState.VALID, slot), device_pins=+1, stamp=True)
+                core.update(node_id, part=c, device=(DeviceState.VALID, slot), device_pins=+1, stamp=True)
                 held.device_nodes.append(node)
                 gained.append(node)
         return gained
@@ -263,17 +279,17 @@ class Hybrid:
         # ``window`` pages (ceil(W / page_size), so at least max(W, page_size) tokens) before the
         # path's end, or before its last state when states are kept only every k pages
         end = self._last_state(path) - self.window
-        behind = {n.node_id for n in path[lease.hit_pages : max(lease.hit_pages, end)]}
+        core = self.core
+        behind = set(core.ids_of(path[lease.hit_pages : max(lease.hit_pages, end)]))
         if not behind:
             return
-        led = self.ledger
         kept: list[Node] = []
-        for node in held.device_nodes:
-            if node.node_id not in behind:
+        for node, node_id in zip(held.device_nodes, core.ids_of(held.device_nodes), strict=True):
+            if node_id not in behind:
                 kept.append(node)
                 continue
-            led.update(node, part=part.index, device_pins=-1)
-            part.behind[node.node_id] = node
+            core.update(node_id, part=part.index, device_pins=-1)
+            part.behind[node_id] = node
         held.device_nodes = kept
         self.free_behind()
 
@@ -285,7 +301,7 @@ class Hybrid:
             return len(path)
         dev = part.base + DEV
         for q in range(len(path), 0, -1):
-            if path[q - 1].comp[dev]:  # type: ignore[index]
+            if self._comp(path[q - 1])[dev]:
                 return q
         return len(path)
 
@@ -295,16 +311,16 @@ class Hybrid:
         part = self.window_part
         if part is None or not part.behind:
             return
-        led = self.ledger
+        core = self.core
         b = part.base
-        for node_id, node in list(part.behind.items()):
-            rec = node.comp
+        for node_id in list(part.behind):
+            rec = core.component(node_id) if core.exists(node_id) else None
             if rec is None or rec[b + DEV] != _VALID:
                 del part.behind[node_id]  # gone meanwhile (evicted, or its full page left)
             elif not rec[b + DPINS]:
                 del part.behind[node_id]
-                led.free_part_device(node, part)
-                led.stats.swa_released_pages += 1
+                core.free_part_device(node_id, part.index)
+                core.stats.swa_released_pages += 1
 
     # ------------------------------------------------------------------ queries (pure)
 
@@ -328,11 +344,12 @@ class Hybrid:
                     pages -= 1
         return want if pages * ps >= want else pages * ps
 
-    @staticmethod
-    def _host_window(lease: Lease, part: Part) -> int:
+    def _host_window(self, lease: Lease, part: Part) -> int:
         """SWA pages of the lease's hit that are only on host: its load still needs device slots."""
         held = lease.parts.get(part.index)
-        return sum(1 for n in held.host_nodes if not n.comp[part.base + DEV]) if held else 0  # type: ignore[index]
+        if held is None:
+            return 0
+        return sum(1 for n in held.host_nodes if not self._comp(n)[part.base + DEV])
 
     @staticmethod
     def _states(part: Part, first: int, pages: int) -> int:
@@ -343,8 +360,11 @@ class Hybrid:
 
     def part_slots(self, lease: Lease) -> dict[int, list[tuple[int, int]]]:
         """Per component, (page index, device slot) of what the lease holds on device, in page order."""
+        core = self.core
         out: dict[int, list[tuple[int, int]]] = {}
         for c, held in lease.parts.items():
             base = self.parts[c].base
-            out[c] = sorted((n.depth - 1, n.comp[base + DSLOT]) for n in held.device_nodes)  # type: ignore[index]
+            ids = core.ids_of(held.device_nodes)
+            slots = [self._comp(n)[base + DSLOT] for n in held.device_nodes]
+            out[c] = sorted((d - 1, slot) for d, slot in zip(core.depths(ids), slots, strict=True))
         return out

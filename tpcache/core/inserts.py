@@ -19,20 +19,22 @@ from tpcache.core.backend import NATIVE as _native
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
+from tpcache.core.treecore.core import ROOT
 from tpcache.core.treecore.tree import Node, Walk
 
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
     from tpcache.core.hybrid import Hybrid
     from tpcache.core.leases import Leases
-    from tpcache.core.treecore.ledger import Ledger
+    from tpcache.core.treecore import TreeCore
 
 _VALID = DeviceState.VALID
 
 
 class Inserter:
-    def __init__(self, ledger: Ledger, book: Leases, backup: Backup, hybrid: Hybrid | None) -> None:
-        self.ledger = ledger
+    def __init__(self, core: TreeCore, book: Leases, backup: Backup, hybrid: Hybrid | None) -> None:
+        self.core = core
+        self.ledger = core.ledger  # the clock, counters and new chains (no node is read through it)
         self.book = book
         self.backup = backup
         self.hybrid = hybrid
@@ -67,11 +69,11 @@ class Inserter:
         walk, lease.walk = lease.walk, None
         if walk is None or data is not lease.tokens:
             return None
-        k, step = len(walk.nodes), walk.step
-        if k < walk.num_pages:
-            last = walk.nodes[-1] if k else self.ledger.tree.root
-            if last.child_at(data, k * step, step) is not None:
-                return None
+        k = len(walk.nodes)
+        if k < walk.num_pages and self.core.has_child(
+            self.core.id_of(walk.nodes[-1]) if k else ROOT, data, k * walk.step
+        ):
+            return None
         return walk
 
     def append(
@@ -88,10 +90,11 @@ class Inserter:
         if cursor is None:
             raise NoCursor(f"lease {lease.lease_id} has no sequence to continue: insert the whole sequence")
         if self.hybrid is not None:  # components index pages from the root: insert the whole path
-            path = cursor.path()
-            before = b"".join(n.tokens for n in path)
+            core = self.core
+            path = core.path_of(core.id_of(cursor))
+            before = core.path_tokens(path[-1]) if path else b""
             padded = {c: [-1] * len(path) + list(v) for c, v in parts.items()} if parts else None
-            return self.insert(lease, before + as_token_bytes(tokens), [n.device_page for n in path] + pages, padded)
+            return self.insert(lease, before + as_token_bytes(tokens), core.device_pages(path) + pages, padded)
         data = as_token_bytes(tokens)
         if not parts:  # most appends: ``_append_new``, in C where built (_chain.c; None where it does not apply)
             chain = _native.append_chain(self.ledger, lease, cursor, data, pages) if _native is not None else None
@@ -111,13 +114,14 @@ class Inserter:
         step = led.page_size * 4
         n = len(data) // step
         held = lease.pages
-        if not n or len(pages) < n or len(held) < n or cursor.child_at(data, 0, step) is not None:
+        if not n or len(pages) < n or len(held) < n or self.core.has_child(self.core.id_of(cursor), data, 0):
             return None
         new = pages[:n]  # a copy: ``pages`` may be the lease's own holding, which the adoption empties
         fresh = set(new)
         if len(fresh) != n or not fresh.issubset(held):
             return None
-        return self._add_new(lease, cursor, data, 0, new, fresh)
+        depth = self.core.depths((self.core.id_of(cursor),))[0]
+        return self._add_new(lease, cursor, depth, data, 0, new, fresh)
 
     def _insert_pinned(self, lease: Lease, walk: Walk, pages: list[int]) -> tuple[int, int] | None:
         """``_adopt`` from the root when the lease pins exactly the walk's nodes on device, each valid
@@ -131,7 +135,7 @@ class Inserter:
         k, n = len(nodes), walk.num_pages
         if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] is not nodes[-1]):
             return None
-        if k and nodes[-1].device_state != _VALID:  # a device-VALID page has only VALID ancestors (match)
+        if k and not self.core.valid_on_device(self.core.id_of(nodes[-1])):  # VALID pages have VALID ancestors
             return None
         # The pages the lock's match read stay the nodes' own while the lease pins them.
         ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)
@@ -144,14 +148,14 @@ class Inserter:
             if len(fresh) != len(new) or not fresh.issubset(held):
                 return None
         last = nodes[-1] if nodes else self.ledger.tree.root
-        return self._add_new(lease, last, walk.token_bytes, k * walk.step, new, fresh)
+        return self._add_new(lease, last, k, walk.token_bytes, k * walk.step, new, fresh)  # a walk from the root
 
     def _add_new(
-        self, lease: Lease, parent: Node, data: bytes, offset: int, new: list[int], fresh: set[int] | None
+        self, lease: Lease, parent: Node, depth: int, data: bytes, offset: int, new: list[int], fresh: set[int] | None
     ) -> tuple[int, int]:
-        """The new pinned chain of ``new`` below ``parent`` (the lease pins ``parent``'s path and
-        holds ``new``, ``fresh`` as a set, or None when it holds exactly ``new``; none: the lease may
-        continue from ``parent``): what ``_adopt`` does for pages the tree lacks."""
+        """The new pinned chain of ``new`` below ``parent`` (``depth`` pages from the root; the lease
+        pins its path and holds ``new``, ``fresh`` as a set, or None when it holds exactly ``new``;
+        none: the lease may continue from ``parent``): what ``_adopt`` does for pages the tree lacks."""
         led, held, n = self.ledger, lease.pages, len(new)
         led.tick()
         if len(held) == n:  # it held just these (pages are distinct): all now in the tree
@@ -160,7 +164,7 @@ class Inserter:
             held.discard(fresh if fresh is not None else set(new))
         chain = led.add_pinned_chain(parent, data, offset, new) if new else []
         lease.device_nodes.extend(chain)
-        lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == parent.depth + n else None
+        lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == depth + n else None
         return self._added(lease, chain)
 
     def _added(self, lease: Lease, chain: list[Node]) -> tuple[int, int]:
@@ -185,18 +189,21 @@ class Inserter:
         if parts and self.hybrid is None:
             raise ValueError("component slots given to a configuration without components")
         # Validate everything before mutating anything: a refused insert changes nothing.
+        core = self.core
         owned = set(lease.pages)
         nodes = walk.nodes
-        plan: list[tuple[Node, int]] = []  # (existing node off device, page) to adopt
+        ids = core.ids_of(nodes)
+        sides = core.device_sides(ids)  # (device state, device page) of each, in one pass
+        plan: list[tuple[int, int]] = []  # (index of an existing node off device, page) to adopt
         duplicates = 0
         loading = False
-        for i, node in enumerate(nodes):
-            if node.device_state == DeviceState.LOADING:
+        for i, (state, own) in enumerate(sides):
+            if state == DeviceState.LOADING:
                 loading = True
                 break
             page = pages[i]
-            if node.on_device:
-                if page != node.device_page:
+            if state:  # on device
+                if page != own:
                     if page not in owned:
                         raise ValueError(f"page {page} is neither cached here nor held by lease {lease_id}")
                     duplicates += 1
@@ -204,7 +211,7 @@ class Inserter:
             if page not in owned:
                 raise ValueError(f"page {page} is not held by lease {lease_id}")
             owned.discard(page)
-            plan.append((node, page))
+            plan.append((i, page))
         # The pages past the walk become new nodes, each below the one before.
         new = [] if loading else pages[len(nodes) : walk.num_pages]
         if not owned.issuperset(new) or len(set(new)) != len(new):
@@ -221,9 +228,10 @@ class Inserter:
         taken.update(new)
         lease.pages.discard(taken)  # now in the tree
         inserted: list[Node] = []
-        for node, page in plan:  # pages the tree has, off device
-            led.update(node, device=(DeviceState.VALID, page), stamp=True, device_pins=1)
-            inserted.append(node)
+        for i, page in plan:  # pages the tree has, off device
+            core.update(ids[i], device=(DeviceState.VALID, page), stamp=True, device_pins=1)
+            sides[i] = (_VALID, page)
+            inserted.append(nodes[i])
         chain: list[Node] = []
         if new:  # stamped as made
             chain = led.add_pinned_chain(nodes[-1] if nodes else top, walk.token_bytes, len(nodes) * walk.step, new)
@@ -232,29 +240,31 @@ class Inserter:
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
         # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.
         # Below a cursor the lease pins nothing, so an append needs no look at what it holds.
-        pinned = {n.node_id for n in lease.device_nodes} if start is None else ()
-        fresh = {n.node_id for n, _ in plan}
+        pinned = set(core.ids_of(lease.device_nodes)) if start is None else ()
+        fresh = {i for i, _ in plan}
         pins: list[Node] = []
-        for node in nodes:
-            if node.node_id in fresh:
+        for i, (node, node_id) in enumerate(zip(nodes, ids, strict=True)):
+            if i in fresh:
                 pins.append(node)
-            elif node.on_device and node.node_id not in pinned:
-                led.update(node, stamp=True, device_pins=1)
+            elif sides[i][0] and node_id not in pinned:
+                core.update(node_id, stamp=True, device_pins=1)
                 pins.append(node)
         pins.extend(chain)
         lease.device_nodes.extend(pins)
         # ``append`` may continue from here when the whole sequence is adopted and the lease pins
         # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
         length = len(nodes) + len(chain)
-        whole = length == walk.num_pages and all(n.device_state == DeviceState.VALID for n in nodes)
-        depth = (0 if start is None else start.depth) + length
+        whole = length == walk.num_pages and all(state == _VALID for state, _ in sides)
+        depth = (0 if start is None else core.depths((core.id_of(start),))[0]) + length
         last = chain[-1] if chain else nodes[-1] if nodes else top
         lease.cursor = last if whole and len(lease.device_nodes) == depth else None
         if self.hybrid is not None:
-            on_device = [n for n in nodes + chain if n.device_state == DeviceState.VALID]
+            on_device = [n for n, (state, _) in zip(nodes, sides, strict=True) if state == _VALID] + chain
             gained = self.hybrid.adopt(lease, on_device, parts or {}, walk.num_pages - 1)
-            inserted_ids = {n.node_id for n in inserted}
-            self.backup.on_insert(inserted + [n for n in gained if n.node_id not in inserted_ids])
+            inserted_ids = set(core.ids_of(inserted))
+            self.backup.on_insert(
+                inserted + [n for n, i in zip(gained, core.ids_of(gained), strict=True) if i not in inserted_ids]
+            )
             self.hybrid.release_out_of_window(lease, on_device)
         else:
             self.backup.on_insert(inserted)

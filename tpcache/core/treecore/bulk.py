@@ -56,6 +56,23 @@ class BulkReads:
             i += 1
         return dev, i - dev, pages
 
+    def device_sides(self, ids: Iterable[int]) -> list[tuple[int, int]]:
+        """(device state, device page) of each node, in order: ``device(i)`` for each id in one pass
+        (an insert's plan over its walk)."""
+        nodes = self.tree.nodes
+        return [(int(n.device_state), n.device_page) for n in (nodes[i] for i in ids)]
+
+    def has_child(self, node_id: int, data: bytes, offset: int) -> bool:
+        """The node has a child for the page of ``data`` (int32 bytes) that starts at byte ``offset``;
+        a page past the end of ``data`` is no child. Pure."""
+        tree = self.tree
+        return tree.nodes[node_id].child_at(data, offset, tree.page_size * 4) is not None
+
+    def path_tokens(self, node_id: int) -> bytes:
+        """The int32 bytes of the pages from the first page down to this node (the root: empty):
+        what ``walk_ids`` walks to reach it. Pure."""
+        return b"".join(n.tokens for n in self.tree.nodes[node_id].path())
+
     def valid_device_pages(self) -> set[int]:
         """Every device page a node holds device-VALID; a new set."""
         return {n.device_page for n in self.tree.nodes.values() if n.device_state == _VALID}
@@ -94,6 +111,11 @@ class BulkReads:
             k += 1
         return k
 
+    def valid_on_device(self, node_id: int) -> bool:
+        """The node's page is device VALID (``device(node_id)[0] == VALID``, without building the pair:
+        an insert asks it once per call)."""
+        return self.tree.nodes[node_id].device_state == _VALID
+
     def readable(self, node_id: int) -> bool:
         """New pages may hang from this node: it is the root, or its page is readable (device or
         host VALID)."""
@@ -126,6 +148,17 @@ class BulkReads:
         nodes = [self.tree.nodes[i] for i in ids]
         movers = nodes if full_index is None else [nodes[i] for i in full_index]
         return [n.device_page for n in movers], [n.host_slot for n in movers], [n.hash for n in nodes]
+
+    def depths(self, ids: Iterable[int]) -> list[int]:
+        """Each node's depth, in order: its page count from the root (a first page: 1; the root: 0).
+        A node's depth never changes while it lives; along a path it grows by one a page."""
+        nodes = self.tree.nodes
+        return [nodes[i].depth for i in ids]
+
+    def hit_counts(self, ids: Iterable[int]) -> list[int]:
+        """Each node's hit count, in order (the hits stamped on it; it never decreases while the node lives)."""
+        nodes = self.tree.nodes
+        return [nodes[i].hits for i in ids]
 
     def page_hashes(self, ids: Iterable[int]) -> list[int]:
         """The chain hash of each node's page, in order (its identity in digests and storage keys)."""

@@ -22,7 +22,9 @@ from typing import NamedTuple
 from tpcache.core.config import CacheConfig
 from tpcache.core.records import Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.accounting import is_mirror
 from tpcache.core.treecore.bulk import BulkReads
+from tpcache.core.treecore.components import HPINS, host_parts_releasable, is_part_mirror
 from tpcache.core.treecore.eviction import Candidates
 from tpcache.core.treecore.ledger import Ledger
 from tpcache.core.treecore.tree import Node, RadixTree
@@ -187,6 +189,47 @@ class TreeCore(BulkReads):
             and node.storage_state != _WRITING
             and not any(c.on_host and not c.on_device for c in node.children.values())
         )
+
+    def mirror_releasable(self, node_id: int) -> bool:
+        """The node's host copy is a redundant mirror that may go (``free_host_copy``) losing
+        nothing: it is a page (not the root) on device, on host and durable in storage, no lease or
+        copy reads its slot, no host-only page hangs from it (it would need this device copy kept),
+        and each component copy it holds on host is itself such a mirror, unpinned."""
+        node = self.tree.nodes[node_id]
+        return (
+            node.parent is not None
+            and is_mirror(node)
+            and node.host_pins == 0
+            and not any(c.on_host and not c.on_device for c in node.children.values())
+            and (node.comp is None or host_parts_releasable(node))
+        )
+
+    def part_mirror_releasable(self, node_id: int, part: int) -> bool:
+        """Component ``part``'s host copy of the node is a redundant mirror: on device, on host and
+        durable, and unpinned on host (``free_part_host`` loses nothing)."""
+        rec = self.tree.nodes[node_id].comp
+        base = self.ledger.parts[part].base
+        return rec is not None and is_part_mirror(rec, base) and rec[base + HPINS] == 0
+
+    def releasable_mirrors(self, limit: int) -> list[int]:
+        """The ids of at most ``limit`` pages whose host mirror may go (``mirror_releasable``), least
+        valuable first by the eviction policy's key (ties: in the mirror index's order). Every such
+        page is in the mirror index, so one pass over it finds them all. Pure."""
+        mirrors = self.ledger.mirrors
+        if limit <= 0 or not mirrors:
+            return []
+        found = [n for n in mirrors.values() if self.mirror_releasable(n.node_id)]
+        found.sort(key=self.candidates.policy.key)
+        return [n.node_id for n in found[:limit]]
+
+    def releasable_part_mirrors(self, part: int, limit: int) -> list[int]:
+        """The ids of at most ``limit`` nodes whose component ``part`` host copy may go
+        (``part_mirror_releasable``), least valuable first by the component's own key. Pure."""
+        p = self.ledger.parts[part]
+        if limit <= 0 or not p.mirrors:
+            return []
+        found = sorted((n for n in p.mirrors.values() if self.part_mirror_releasable(n.node_id, part)), key=p.key)
+        return [n.node_id for n in found[:limit]]
 
     # ------------------------------------------------------------------ changes
 
