@@ -54,7 +54,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "insert adopts pages below a page still loading",
         "tpcache/core/inserts.py",
-        "            if node.device_state == DeviceState.LOADING:\n"
+        "            if state == DeviceState.LOADING:\n"
         "                loading = True\n                break\n",
         "",
     ),
@@ -117,14 +117,14 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "a component copy that failed on some rank becomes valid",
         "tpcache/core/completions.py",
-        "                    led.update(node, part=c, host_pins=-1)\n                    if i < ok:",
-        "                    led.update(node, part=c, host_pins=-1)\n                    if True:",
+        "                    core.update(node_id, part=c, host_pins=-1)\n                    if i < ok:",
+        "                    core.update(node_id, part=c, host_pins=-1)\n                    if True:",
     ),
     (
         "out-of-window release frees SWA inside the protected prefix",
         "tpcache/core/hybrid.py",
-        "        behind = {n.node_id for n in path[lease.hit_pages : max(lease.hit_pages, end)]}",
-        "        behind = {n.node_id for n in path[: max(0, end)]}",
+        "        behind = set(core.ids_of(path[lease.hit_pages : max(lease.hit_pages, end)]))",
+        "        behind = set(core.ids_of(path[: max(0, end)]))",
     ),
     (
         "out-of-window release leaves a leaf without SWA",
@@ -135,8 +135,8 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "out-of-window release frees the window before the path's last state",
         "tpcache/core/hybrid.py",
-        "            if path[q - 1].comp[dev]:  # type: ignore[index]\n                return q\n",
-        "            if path[q - 1].comp[dev]:  # type: ignore[index]\n                return len(path)\n",
+        "            if self._comp(path[q - 1])[dev]:\n                return q\n",
+        "            if self._comp(path[q - 1])[dev]:\n                return len(path)\n",
     ),
     (
         "a pinned component copy counts as evictable",
