@@ -32,6 +32,14 @@ from tpcache.core.treecore.tree import Node, RadixTree
 _VALID = DeviceState.VALID
 _HOST_VALID = HostState.VALID
 _WRITING = StorageState.WRITING
+
+
+def _host_only_child(node: Node) -> bool:
+    """A child of ``node`` is on host but not on device: its host copy hangs from this node's page,
+    so this node's host copy must stay (for a host-only parent, or a mirror whose device copy goes)."""
+    return any(c.on_host and not c.on_device for c in node.children.values())
+
+
 ROOT = 0  # the root's id: it holds no page and is never removed
 
 
@@ -187,7 +195,7 @@ class TreeCore(BulkReads):
             and node.host_state == _HOST_VALID
             and node.host_pins == 0
             and node.storage_state != _WRITING
-            and not any(c.on_host and not c.on_device for c in node.children.values())
+            and not _host_only_child(node)
         )
 
     def mirror_releasable(self, node_id: int) -> bool:
@@ -200,7 +208,7 @@ class TreeCore(BulkReads):
             node.parent is not None
             and is_mirror(node)
             and node.host_pins == 0
-            and not any(c.on_host and not c.on_device for c in node.children.values())
+            and not _host_only_child(node)
             and (node.comp is None or host_parts_releasable(node))
         )
 
