@@ -125,8 +125,8 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     (
         "out-of-window release frees SWA inside the protected prefix",
         "tpcache/core/hybrid.py",
-        "        behind = set(core.ids_of(path[lease.hit_pages : max(lease.hit_pages, end)]))",
-        "        behind = set(core.ids_of(path[: max(0, end)]))",
+        "        behind = set(path[lease.hit_pages : max(lease.hit_pages, end)])",
+        "        behind = set(path[: max(0, end)])",
     ),
     (
         "out-of-window release leaves a leaf without SWA",
@@ -203,10 +203,10 @@ MUTANTS: list[tuple[str, str, str, str]] = [
     ),
     # the native core's own copy of a promise
     (
-        "a lease's pages left out of its record, in the native core",
+        "a lease's pages left out of its record, in the native core (a holding's entry left out of its term)",
         "tpcache/core/treecore/_account.c",
-        "    write64(buf + 32, (uint64_t)pages);\n",
-        "    write64(buf + 32, 0);\n",
+        "    write64(buf + 16, (uint64_t)key);\n",
+        "    write64(buf + 16, 0);\n",
     ),
 ]
 

@@ -55,7 +55,7 @@ def check_hits(tp: TPCache, toks: list[int]) -> int:
     m = tp.match(toks)
     for page, h in zip(m.device_page_ids, m.page_hashes, strict=False):
         assert torch.equal(tp.device_pool.read_page(page), content(h)), f"device page {page} holds wrong bytes"
-    for node in m.nodes[m.device_pages :]:
+    for node in (tp.core.tree.nodes[i] for i in m.nodes[m.device_pages :]):
         assert torch.equal(tp.host_pool.read_page(node.host_slot), content(node.hash)), "host slot holds wrong bytes"
     return m.device_pages + m.host_pages
 
@@ -203,8 +203,8 @@ def test_restarted_cache_gets_storage_hits_for_durable_pages_only(tmp_path):
         m = second.match(tokens(1, 2, 3, 4))
         assert m.host_pages == 3
         assert check_hits(second, tokens(1, 2, 3)) == 3  # byte-exact from storage
-        for node in m.nodes:
-            assert node.host_state == HostState.VALID
+        for node_id in m.nodes:
+            assert second.core.treecore.host(node_id)[0] == HostState.VALID
         second.release(lease)
     finally:
         second.close()

@@ -84,13 +84,13 @@ def request(tp: TPCache, toks: list[int]) -> tuple[int, int]:
 def check_hit(tp: TPCache, toks: list[int]) -> int:
     """Every page and every component copy the hit reads holds its own bytes; returns the hit."""
     m = tp.match(toks)
-    for node in m.nodes:
+    for node in (tp.core.tree.nodes[i] for i in m.nodes):
         pool, slot = (tp.device_pool, node.device_page) if node.device_state == 2 else (tp.host_pool, node.host_slot)
         assert torch.equal(pool.read_page(slot), content(node.hash, "full")), f"page at depth {node.depth}"
     for spec in tp.config.components():
         device, host = tp.part_pools[spec.name]
         b = (spec.index - 1) * STRIDE
-        for node in m.parts.get(spec.index, []):
+        for node in (tp.core.tree.nodes[i] for i in m.parts.get(spec.index, [])):
             on_device = node.comp[b + DEV] == 2
             pool, slot = (device, node.comp[b + DSLOT]) if on_device else (host, node.comp[b + HSLOT])
             assert torch.equal(pool.read_page(slot), content(node.hash, spec.name)), f"{spec.name} at {node.depth}"

@@ -133,7 +133,8 @@ def test_the_checker_verifies_the_bytes_behind_a_component_of_a_hit():
     sim = cluster(storage=False)
     sim.apply_ops([("lock", PATH, 0), ("insert", 0), ("release", 0)])
     rounds(sim, 2)
-    node = sim.ranks[1].core.match(tokens_for(PATH, PAGE, 0)).parts[1][0]
+    core = sim.ranks[1].core
+    node = core.tree.nodes[core.match(tokens_for(PATH, PAGE, 0)).parts[1][0]]
     sim.ranks[1].io.part_device[1][node.comp[DSLOT]] = -1  # that SWA page's bytes are wrong on rank 1
     with pytest.raises(SimFailure, match="component 1"):
         sim.check([tokens_for(PATH, PAGE, 0)])

@@ -350,11 +350,11 @@ def test_completions_apply_only_as_agreed():
     path = tokens_for((1, 2), 4, 0)
     for rank in sim.ranks:
         assert rank.match(path).device_pages == 2
-        assert all(n.host_state == HostState.WRITING for n in rank.match(path).nodes)
+        assert all(rank.core.treecore.host(i)[0] == HostState.WRITING for i in rank.match(path).nodes)
     slow.due.update({k: (0, op) for k, (_, op) in held.items()})
     sim.round()
     for rank in sim.ranks:
-        assert all(n.host_state == HostState.VALID for n in rank.match(path).nodes)
+        assert all(rank.core.treecore.host(i)[0] == HostState.VALID for i in rank.match(path).nodes)
     assert len({r.core.digest.value for r in sim.ranks}) == 1
 
 

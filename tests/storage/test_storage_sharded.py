@@ -122,7 +122,7 @@ def read(tp: TPCache, toks: list[int]) -> dict[str, Any]:
     m = tp.match(toks)
     exact = all(
         torch.equal(tp.host_pool.read_page(node.host_slot), rank_slice(node.hash, tp.group, tp.rank))
-        for node in m.nodes[m.device_pages : m.device_pages + m.host_pages]
+        for node in (tp.core.tree.nodes[i] for i in m.nodes[m.device_pages : m.device_pages + m.host_pages])
     )
     tp.release(lease)
     tp.drain()

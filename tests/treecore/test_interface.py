@@ -102,9 +102,10 @@ def test_the_bulk_reads_equal_the_reads_one_by_one():
     assert [tc.valid_on_device(i) for i in ids] == [tc.device(i)[0] == DeviceState.VALID for i in ids] == [True] * 5
     core.evict_device(2)
     assert [tc.valid_on_device(i) for i in ids] == [tc.device(i)[0] == DeviceState.VALID for i in ids] != [True] * 5
-    assert tc.handles(ids) == [core.tree.nodes[i] for i in ids] and tc.ids_of(tc.handles(ids)) == ids
     with pytest.raises(KeyError):
-        tc.handles([max(ids) + 100])
+        tc.device_pages([max(ids) + 100])  # an id not in the tree
+    with pytest.raises(KeyError):
+        tc.touch([max(ids) + 100], +1)
 
 
 def test_a_child_is_found_by_its_pages_tokens_and_a_path_reads_back_as_its_tokens():
@@ -240,12 +241,12 @@ def test_a_new_host_page_hangs_from_a_readable_node_and_takes_a_new_id():
     assert new > max(first, second) and tc.parent_of(new) == second and tc.walk_ids(data(1, 2, 3))[-1] == new
     assert tc.host(new) == (HostState.WRITING, slot) and tc.device(new) == (DeviceState.NONE, -1)
     assert not tc.readable(new) and tc.resident_prefix(tc.walk_ids(data(1, 2, 3))) == 3
-    assert tc.unresident(tc.handles([first, second, new])) == []
+    assert tc.unresident([first, second, new]) == []
     tc.update(new, host=(HostState.NONE, -1))
     core.host.free([slot])
-    assert tc.unresident(tc.handles([first, second, new])) == [new]
+    assert tc.unresident([first, second, new]) == [new]
     tc.remove_if_empty(new)
-    assert not tc.exists(new) and tc.id_of(tc.handles([second])[0]) == second
+    assert not tc.exists(new) and tc.exists(second)
     check(core)
 
 
@@ -257,7 +258,7 @@ def test_a_host_mirror_may_go_only_redundant_with_no_host_only_child_least_valua
     assert [tc.storage(i) for i in ids] == [StorageState.DURABLE] * 4 and tc.releasable_mirrors(0) == []
     assert all(tc.mirror_releasable(i) for i in ids) and not tc.mirror_releasable(ROOT)
     key = core.candidates.policy.key
-    assert tc.releasable_mirrors(10) == sorted(ids, key=lambda i: key(tc.handles([i])[0]))
+    assert tc.releasable_mirrors(10) == sorted(ids, key=lambda i: key(core.tree.nodes[i]))
     assert tc.releasable_mirrors(2) == tc.releasable_mirrors(10)[:2]
     before = tc.hit_counts(ids)
     assert before == [tc.view(i).hits for i in ids]
@@ -284,7 +285,7 @@ def test_a_components_host_mirror_may_go_only_on_device_and_durable_by_its_own_k
     for part in (SWA, MAMBA):
         p = core.ledger.parts[part]
         found = [i for i in ids if tc.part_mirror_releasable(i, part)]
-        assert tc.releasable_part_mirrors(part, 10) == sorted(found, key=lambda i: p.key(tc.handles([i])[0]))
+        assert tc.releasable_part_mirrors(part, 10) == sorted(found, key=lambda i: p.key(core.tree.nodes[i]))
         assert tc.releasable_part_mirrors(part, 1) == tc.releasable_part_mirrors(part, 10)[:1]
         assert tc.releasable_part_mirrors(part, 0) == []
     check(core)

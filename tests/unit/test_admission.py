@@ -262,7 +262,7 @@ def test_a_reissued_lookup_makes_the_earlier_ack_stale():
     core.complete(OpKind.STORAGE_QUERY, 2)  # the re-issued one, from page 1: pages 2 and 3
     core.after_commit()
     read = core.inflight[OpKind.STORAGE_READ][0]
-    assert read.num_pages == 2 and read.nodes[0].parent is nodes(core, toks(1))[0]
+    assert read.num_pages == 2 and core.tree.nodes[read.nodes[0]].parent is nodes(core, toks(1))[0]
     check(core)
 
 

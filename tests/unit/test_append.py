@@ -6,8 +6,9 @@ from array import array
 
 import pytest
 
-from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check, inserts
+from tpcache.core import CacheConfig, CacheCore, NoCursor, OutOfPages, check
 from tpcache.core.inserts import Inserter
+from tpcache.core.treecore import core as treecore_core
 from tpcache.core.treecore.holdings import NodeHolding
 from tpcache.replay import drain
 from tpcache.testing.ops import apply, part_slots, random_op
@@ -38,7 +39,7 @@ def grow(core: CacheCore, lease: int, seq: list[int], more: list[int], *, whole:
     hashes = core.match(seq + more).page_hashes
     fresh = core.alloc(lease, n)
     if whole:
-        have = [node.device_page for node in core.match(seq).nodes]
+        have = core.treecore.device_pages(core.match(seq).nodes)
         slots = part_slots(core, lease, len(seq) // P, hashes)
         core.insert(lease, seq + more, have + fresh, slots)
     else:
@@ -94,7 +95,7 @@ def test_append_costs_what_it_adds_not_the_context():
     original = core.tree.walk
     core.tree.walk = lambda data, start=None: calls.append((len(data), start)) or original(data, start)  # type: ignore[method-assign]
     core.append(lease, toks(5, depth=100), core.alloc(lease, 1))
-    cursor = core.lease(lease).device_nodes[-2]
+    cursor = core.tree.nodes[core.lease(lease).device_nodes[-2]]
     assert calls in ([], [(P * 4, cursor)])  # no walk at all (a new page), or one page's from the cursor
     assert chain_top.run is built  # the context's run cache untouched
     assert core.match(seq + toks(5, depth=100)).device_pages == 101
@@ -133,7 +134,7 @@ def test_a_load_that_pins_pages_clears_the_cursor_and_a_refused_one_keeps_it():
     assert (m.device_pages, m.host_pages) == (3, 3)
     core.insert(lease, seq[: 3 * P], m.device_page_ids)
     cursor = core.lease(lease).cursor
-    assert cursor is not None and cursor.depth == 3
+    assert cursor is not None and core.treecore.depths([cursor]) == [3]
     other, _ = core.lock(toks(9, 9, 9))
     core.insert(other, toks(9, 9, 9), core.alloc(other, 3))  # the rest of the device, pinned
     before = snapshot(core), core.digest.value
@@ -141,7 +142,7 @@ def test_a_load_that_pins_pages_clears_the_cursor_and_a_refused_one_keeps_it():
         core.load(lease)
     after = snapshot(core), core.digest.value
     assert after[0].pop("clock") == before[0].pop("clock") + 1  # the refused op still ticked, on every rank
-    assert after == before and core.lease(lease).cursor is cursor
+    assert after == before and core.lease(lease).cursor == cursor
     check(core)
     core.release(other)
     drain(core)
@@ -156,7 +157,7 @@ def test_append_refuses_a_page_the_lease_does_not_hold_and_changes_nothing():
     core = core_of()
     lease = start(core, toks(1, 2))
     stranger = start(core, toks(7))
-    foreign = core.lease(stranger).device_nodes[0].device_page
+    foreign = core.treecore.device_pages(core.lease(stranger).device_nodes[:1])[0]
     before = snapshot(core), core.digest.value
     with pytest.raises(ValueError, match="not held by lease"):
         core.append(lease, toks(3, depth=2), [foreign])
@@ -164,20 +165,16 @@ def test_append_refuses_a_page_the_lease_does_not_hold_and_changes_nothing():
 
 
 def test_a_holding_changes_only_through_its_methods_and_keeps_its_total():
-    class N:
-        def __init__(self, node_id: int) -> None:
-            self.node_id = node_id
-
-    held = NodeHolding(3, 1, [N(i) for i in range(6)])
-    for change in (lambda: held.insert(0, N(9)), lambda: held.pop(), held.clear, lambda: held.__delitem__(0)):
+    held = NodeHolding(3, 1, list(range(6)))  # node ids
+    for change in (lambda: held.insert(0, 9), lambda: held.pop(), held.clear, lambda: held.__delitem__(0)):
         with pytest.raises(TypeError):
             change()
     held.truncate(4)
     held.remove(held[1])
-    held.retain(lambda n: n.node_id != 2)
-    assert [n.node_id for n in held] == [0, 3]
-    assert held.total == held.recount() == NodeHolding(3, 1, [N(3), N(0)]).total  # order does not matter
-    assert held.total != NodeHolding(4, 1, [N(0), N(3)]).total  # another lease's holding differs
+    held.discard({2})
+    assert list(held) == [0, 3]
+    assert held.total == held.recount() == NodeHolding(3, 1, [3, 0]).total  # order does not matter
+    assert held.total != NodeHolding(4, 1, [0, 3]).total  # another lease's holding differs
 
     core = core_of()
     lease = core.lease(start(core, toks(1, 2, 3)))
@@ -203,7 +200,7 @@ def test_touch_is_update_node_by_node(seed):
         on_device = [[n for n in c.tree.nodes.values() if n.parent is not None and n.on_device] for c in cores]
         assert on_device[0], "the schedule left nothing on device"
         a.ledger.tick(), b.ledger.tick()
-        a.ledger.touch(on_device[0], pins, stamp=stamp, hit=hit)
+        a.treecore.touch([n.node_id for n in on_device[0]], pins, stamp=stamp, hit=hit)
         for node in on_device[1]:
             b.ledger.update(node, device_pins=pins, stamp=stamp, hit=hit)
         assert snapshot(a) == snapshot(b) and a.digest.value == b.digest.value
@@ -292,11 +289,11 @@ def test_append_of_the_lease_s_own_pages_caches_them(kernel, monkeypatch):
     """``append`` given the very list the lease holds its pages in (which adopting them empties)
     caches those pages, through the C kernel and through ``_append_new``."""
     if not kernel:
-        monkeypatch.setattr(inserts, "_native", None)
+        monkeypatch.setattr(treecore_core, "_native", None)
     core = core_of()
     lease = start(core, toks(1, 2))
     core.alloc(lease, 1)
     held = core.lease(lease).pages
     assert core.append(lease, toks(3, depth=2), held) == (1, 0)
-    assert list(held) == [] and core.lease(lease).cursor.device_page is not None
+    assert list(held) == [] and core.treecore.device(core.lease(lease).cursor)[1] >= 0
     check(core)

@@ -108,7 +108,7 @@ def test_write_through_backs_up_and_protects_until_the_copy_is_agreed():
     effects = take_transfers(core)
     assert [e.kind for e in effects] == [OpKind.BACKUP] and effects[0].num_pages == 2
     assert core.evictable_device_tokens == 0 and core.protected_device_tokens == 2 * P
-    node = core.match(toks(1)).nodes[0]
+    node = core.tree.nodes[core.match(toks(1)).nodes[0]]
     assert node.host_state == HostState.WRITING
     assert core.match(toks(1, 2)).host_pages == 0
     core.complete(OpKind.BACKUP)
@@ -122,7 +122,7 @@ def test_partial_ack_keeps_only_the_acked_prefix():
     put(core, toks(1, 2, 3))
     core.complete(OpKind.BACKUP, acked_pages=1)
     check(core)
-    states = [n.host_state for n in core.match(toks(1, 2, 3)).nodes]
+    states = [core.tree.nodes[i].host_state for i in core.match(toks(1, 2, 3)).nodes]
     assert states == [HostState.VALID, HostState.NONE, HostState.NONE]
     assert core.host.used == 1
 
@@ -138,7 +138,7 @@ def test_load_back_from_host_becomes_valid_only_when_agreed():
     lease, m = core.lock(toks(1, 2))
     pages = core.load(lease)
     assert len(pages) == 2
-    assert [n.device_state for n in m.nodes] == [DeviceState.LOADING] * 2
+    assert [core.tree.nodes[i].device_state for i in m.nodes] == [DeviceState.LOADING] * 2
     assert core.match(toks(1, 2)).device_pages == 0  # loading is not readable
     [op] = take_transfers(core)
     assert op.kind == OpKind.LOAD and op.device_pages == pages

@@ -101,7 +101,7 @@ def test_load_into_copies_the_leases_hit_and_reports_failure_on_every_rank() -> 
         g.cores[0].load_into(lease, 1, [4, 5])
     ops = g.op("load_into", lease, 0, [10, 11])
     assert [(o.kind, o.device_pages) for o in ops] == [(OpKind.LOAD, [10, 11])] * 2
-    assert [o.host_slots for o in ops] == [[n.host_slot for n in g.cores[0].match(toks(1, 2)).nodes]] * 2
+    assert [o.host_slots for o in ops] == [g.cores[0].treecore.host_slots(g.cores[0].match(toks(1, 2)).nodes)] * 2
     assert g.op("release", lease) == [False, False]  # parked: the load still writes its blocks
     g.land({ops[0].op_id: 0}, rank=0)  # the load failed on rank 0 only
     g.step()
@@ -177,7 +177,7 @@ def test_storage_writes_follow_an_agreed_save() -> None:
     assert [[op.num_pages for op in w] for w in writes] == [[2], [2]]
     g.land()
     g.step()
-    assert all(n.host_state == HostState.VALID for n in g.cores[0].match(toks(1, 2)).nodes)
+    assert all(g.cores[0].treecore.host(i)[0] == HostState.VALID for i in g.cores[0].match(toks(1, 2)).nodes)
     assert g.cores[0].stats.storage_written_pages == 2
 
 

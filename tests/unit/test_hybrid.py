@@ -137,7 +137,7 @@ def test_a_hit_needs_the_swa_window_before_its_boundary():
     assert path[3].device_state == DeviceState.VALID  # the full page stays
     m = core.match(toks(1, 2, 3, 4, 5))
     assert m.device_pages == 3  # boundaries 4 and 5 read page 4's SWA; 3 reads pages 2..3
-    assert [n.node_id for n in m.parts[SWA]] == [path[1].node_id, path[2].node_id]
+    assert m.parts[SWA] == [path[1].node_id, path[2].node_id]
 
 
 def test_a_hit_ends_at_a_state_and_states_are_kept_where_configured():
@@ -313,7 +313,7 @@ def test_load_brings_back_the_window_and_the_state_of_the_hit():
     pages = core.load(lease)
     assert len(pages) == 4
     (op,) = core.inflight[OpKind.LOAD]
-    moved = {pc.part: [op.nodes[i].depth for i in pc.index] for pc in op.parts}
+    moved = {pc.part: [core.tree.nodes[op.nodes[i]].depth for i in pc.index] for pc in op.parts}
     assert moved == {SWA: [3, 4], MAMBA: [4]}  # the window's SWA pages and the state at the boundary
     assert core.match(toks(1, 2, 3, 4)).device_pages == 0  # loading: nothing reads it early
     drain(core)

@@ -46,6 +46,12 @@ def _op(op_id: int, pages: int) -> Transfer:
     return Transfer(op_id, OpKind.BACKUP, [], [], [], [0] * pages)
 
 
+def _native_fields(queues: list, landed: object) -> list[int] | None:
+    """The kernel's fields, from each queue's op ids and page counts (what ``queue_fields`` passes it)."""
+    ids = [[op.op_id for op in q] for q in queues]
+    return _node.queue_fields(ids, [[op.num_pages for op in q] for q in queues], landed)
+
+
 @native
 def test_the_queue_fields_match_the_reference_on_random_queues():
     rng = random.Random(11)
@@ -62,7 +68,7 @@ def test_the_queue_fields_match_the_reference_on_random_queues():
             queues.append(queue)
         for stale in range(rng.randrange(3)):  # retired ops the I/O has not forgotten yet
             landed[stale + 1] = 1
-        assert _node.queue_fields(queues, landed) == reference_queue_fields(queues, landed)
+        assert _native_fields(queues, landed) == reference_queue_fields(queues, landed)
 
 
 @native
@@ -71,13 +77,17 @@ def test_odd_landed_counts_are_read_as_the_reference_reads_them():
     for odd in (None, 1.0, "1", 1 << 70, True):  # None: not landed; the rest: the kernel hands over
         landed = {1: odd, 2: 1}
         assert queue_fields(queues, landed) == reference_queue_fields(queues, landed), odd
-    assert _node.queue_fields(queues, {1: "1"}) is None
+    assert _native_fields(queues, {1: "1"}) is None
     for bad in ([deque([object()])], [deque([Transfer(None, OpKind.LOAD, [], [], [], [])])]):
-        for fields in (_node.queue_fields, reference_queue_fields):  # no op id: both raise
+        for fields in (queue_fields, reference_queue_fields):  # no op id: both raise
             with pytest.raises((AttributeError, TypeError)):
                 fields(bad, {})
+    with pytest.raises(TypeError, match="an int"):
+        _node.queue_fields([["1"]], [[1]], {})  # an op id that is not an int
     with pytest.raises(TypeError):
-        _node.queue_fields(queues, [(1, 1)])  # a landed mapping that is not a dict takes the reference
+        _node.queue_fields([[1]], [[1]], [(1, 1)])  # a landed mapping that is not a dict takes the reference
+    with pytest.raises(TypeError):
+        _node.queue_fields([[1]], [[]], {})  # a page count per op
 
 
 @native

@@ -30,7 +30,7 @@ def test_a_page_loaded_back_into_another_device_page_is_matched_there() -> None:
     core.release(lease)
     m = core.match(chain)
     assert loaded == [0, 1, 2, 5] and m.device_page_ids == [0, 1, 2, 5]
-    assert m.device_page_ids == [n.device_page for n in m.nodes]
+    assert m.device_page_ids == core.treecore.device_pages(m.nodes)
     check(core)
 
 
@@ -43,9 +43,9 @@ def test_branching_and_pruning_keep_cached_pages_right() -> None:
     cache_path(core, b)
     for tokens in (a, b, a[:6]):
         m = core.match(tokens)
-        assert m.device_page_ids == [n.device_page for n in m.nodes[: m.device_pages]]
+        assert m.device_page_ids == core.treecore.device_pages(m.nodes[: m.device_pages])
     core.evict_device(12)
     for tokens in (a, b):
         assert core.match(tokens).device_page_ids == []
-    assert cache_path(core, b) == [n.device_page for n in core.match(b).nodes]
+    assert cache_path(core, b) == core.treecore.device_pages(core.match(b).nodes)
     check(core)

@@ -93,7 +93,7 @@ def test_completions_are_not_applied_when_queue_digests_differ():
     for core, report in zip(cores, reports, strict=True):
         assert core.closed and "backup queues differ" in core.closed_reason
         assert not report.completed and len(core.inflight[OpKind.BACKUP]) == 1  # nothing applied
-        assert all(n.host_state == HostState.WRITING for n in core.inflight[OpKind.BACKUP][0].nodes)
+        assert all(core.treecore.host(i)[0] == HostState.WRITING for i in core.inflight[OpKind.BACKUP][0].nodes)
 
 
 def test_a_health_bit_on_any_rank_closes_every_rank():
@@ -136,7 +136,7 @@ def test_a_candidate_below_a_host_only_chain_is_offered_when_the_chain_is_unpinn
     for _ in range(4):  # write back pages 3 then 2 and drop their device copies: they stay on host
         core.evict_device(1)
         drain(core)
-    x, c, d = (core.match(toks(1, 2, 3)).nodes + [None] * 3)[:3]
+    x, c, d = ([core.tree.nodes[i] for i in core.match(toks(1, 2, 3)).nodes] + [None] * 3)[:3]
     assert x.device_state == DeviceState.VALID and x.host_state == HostState.NONE
     assert c.device_state == DeviceState.NONE and d.host_state == HostState.VALID
     lease, m = core.lock(toks(1, 2, 3))  # pins x on device, c and d on host

@@ -37,7 +37,7 @@ QUERIES = [tokens_for(pages, PAGE, 0) for pages in ((0, 1, 2, 3), (1, 1, 1), (0,
 def match_is_consistent(core: CacheCore, tokens: list[int]) -> None:
     """The page ids a match copies from the run caches are those of its nodes, right now."""
     m = core.match(tokens)
-    assert m.device_page_ids == [n.device_page for n in m.nodes[: m.device_pages]]
+    assert m.device_page_ids == core.treecore.device_pages(m.nodes[: m.device_pages])
 
 
 def run(config: CacheConfig, stream: list) -> CacheCore:
@@ -97,9 +97,10 @@ def test_hits_never_point_at_pages_that_are_not_valid():
         if rng.random() < 0.3 and core.inflight[OpKind.BACKUP]:
             core.complete(OpKind.BACKUP)
         m = core.match(tokens_for(tuple(rng.randrange(3) for _ in range(4)), PAGE, 0))
-        assert m.device_page_ids == [n.device_page for n in m.nodes[: m.device_pages]]
-        for node in m.nodes[: m.device_pages]:
+        hit = [core.tree.nodes[i] for i in m.nodes]
+        assert m.device_page_ids == [n.device_page for n in hit[: m.device_pages]]
+        for node in hit[: m.device_pages]:
             assert core.device.is_owned(node.device_page) and node.device_state == DeviceState.VALID
-        for node in m.nodes[m.device_pages :]:
+        for node in hit[m.device_pages :]:
             assert node.host_state == HostState.VALID
         check(core)

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from tpcache.core.outbox import Outbox
     from tpcache.core.prefetch import Prefetcher
     from tpcache.core.treecore import TreeCore
-    from tpcache.core.treecore.tree import Node
 
 # state -> event -> next state
 TRANSITIONS: dict[str, dict[str, str]] = {
@@ -168,7 +167,7 @@ class Admitter:
         walk = self.core.walk(lease.tokens)
         if self.closed():
             return Shape(walk.num_pages)
-        device, reach = self._reach(self.core.ids_of(walk.nodes), adm.no_staged)
+        device, reach = self._reach(walk.ids, adm.no_staged)
         state = lease.prefetch
         waiting = state is not None and state.status != "done" and not adm.no_staged
         return Shape(walk.num_pages, device, reach - device, waiting)
@@ -188,8 +187,7 @@ class Admitter:
             return self._again(lease, adm, planned, "prefetch")
         if self._loading(lease):
             return self._again(lease, adm, planned, "loading")
-        nodes = self._path(lease)
-        device, reach = self._reach(self.core.ids_of(nodes), adm.no_staged)
+        device, reach = self._reach(self._path(lease), adm.no_staged)
         if reach > device and adm.load_from < 0:
             try:
                 self.loader.load(lease)
@@ -198,7 +196,7 @@ class Admitter:
             adm.load_from, adm.load_to = device, reach
             if self._loading(lease):
                 return self._again(lease, adm, planned, "loading")
-        arrived = self._hold(lease, nodes)
+        arrived = self._hold(lease, self._path(lease))  # (the load may have evicted pages past its reach)
         if arrived < planned.planned_pages and not adm.no_staged:
             adm.no_staged = True  # (load_from stays: what did land is still counted by where it came from)
             self.core.stats.admission_reselects += 1
@@ -224,13 +222,13 @@ class Admitter:
         stats.storage_hit_tokens += storage * ps
         stats.admissions_committed += 1
         self.leases.refresh(lease)
-        pages = self.core.device_pages(self.core.ids_of(walk.nodes[:hit]))
+        pages = self.core.device_pages(walk.ids[:hit])
         return Admitted(hit, pages, (hit - loaded) * ps, (loaded - storage) * ps, storage * ps)
 
     # ------------------------------------------------------------------ internals
 
-    def _path(self, lease: Lease) -> list[Node]:
-        return self.core.walk(lease.tokens).nodes
+    def _path(self, lease: Lease) -> list[int]:
+        return self.core.walk(lease.tokens).ids
 
     def _reach(self, ids: list[int], no_staged: bool) -> tuple[int, int]:
         """(device-valid leading pages, pages a load would reach), by the load's own rule (``loads``)."""
@@ -242,10 +240,10 @@ class Admitter:
         loads = {op.op_id for op in self.outbox.inflight[OpKind.LOAD]}
         return any(op in loads for op in lease.ops)
 
-    def _hold(self, lease: Lease, nodes: list[Node]) -> int:
-        """Pin the device-valid prefix for the lease (its hold) and return its length."""
-        n = self.core.load_reach(self.core.ids_of(nodes))[0]
-        self.leases.pin_device(lease, nodes[:n])
+    def _hold(self, lease: Lease, ids: list[int]) -> int:
+        """Pin the device-valid prefix of the path ``ids`` for the lease (its hold) and return its length."""
+        n = self.core.load_reach(ids)[0]
+        self.leases.pin_device(lease, ids[:n])
         return n
 
     def _again(self, lease: Lease, adm: Admission, planned: Shape, reason: str) -> Materialized:

@@ -33,7 +33,6 @@ from tpcache.core.treecore.components import DEV, HOST, STORE, Part
 from tpcache.core.treecore.core import ROOT
 from tpcache.core.treecore.eviction import Evictor
 from tpcache.core.treecore.part_eviction import PartEvictor
-from tpcache.core.treecore.tree import Node
 
 if TYPE_CHECKING:
     from protocol.round_vector import Agreement
@@ -69,16 +68,16 @@ class Backup:
 
     # ------------------------------------------------------------------ write policies
 
-    def on_insert(self, nodes: list[Node]) -> None:
+    def on_insert(self, ids: list[int]) -> None:
         if self.policy == "write_through":
-            self.back_up(nodes)
+            self.back_up(ids)
 
-    def on_hit(self, nodes: list[Node]) -> None:
+    def on_hit(self, ids: list[int]) -> None:
         if self.policy == "write_through_selective":
-            hits = self.core.hit_counts(self.core.ids_of(nodes))
-            self.back_up([n for n, h in zip(nodes, hits, strict=True) if h >= self.threshold])
+            hits = self.core.hit_counts(ids)
+            self.back_up([i for i, h in zip(ids, hits, strict=True) if h >= self.threshold])
 
-    def back_up(self, nodes: list[Node]) -> None:
+    def back_up(self, ids: list[int]) -> None:
         """Back up device-VALID pages that have no host copy, in the order given.
 
         Tiers are closed cumulatively (a host copy needs its parent on device or host), and every
@@ -88,10 +87,9 @@ class Backup:
         if not self.enabled or not led.host.num_pages:
             return
         core = self.core
-        ids = core.ids_of(nodes)
-        todo: list[Node] = []
+        todo: list[int] = []
         seen: set[int] = set()
-        for node, node_id, (device, host, storage) in zip(nodes, ids, core.tier_states(ids), strict=True):
+        for node_id, (device, host, storage) in zip(ids, core.tier_states(ids), strict=True):
             if (
                 node_id in seen
                 or node_id == ROOT
@@ -101,50 +99,47 @@ class Backup:
             ):
                 continue
             seen.add(node_id)
-            todo.append(node)
+            todo.append(node_id)
         if not todo and not led.parts:
             return
         todo = self._full_slots(todo)
         if led.parts:
-            self._back_up_parts(todo, nodes)
+            self._back_up_parts(todo, ids)
             return
         if not todo:
             return
         self.outbox.issue(OpKind.BACKUP, todo, -1)
         led.stats.backups_issued_pages += len(todo)
 
-    def _full_slots(self, todo: list[Node]) -> list[Node]:
+    def _full_slots(self, todo: list[int]) -> list[int]:
         """Host slots for the full pages of ``todo`` (oldest first); the rest wait in the backlog."""
         core, led = self.core, self.ledger
         slots = self.evictor.alloc_host_upto(len(todo)) if todo else []
-        ids = core.ids_of(todo)
-        for node, node_id in zip(todo[len(slots) :], ids[len(slots) :], strict=True):
+        for node_id in todo[len(slots) :]:
             if node_id not in led.backup_backlog:
-                led.backup_backlog[node_id] = node
+                led.backup_backlog[node_id] = node_id
             led.stats.backup_deferred_host_full += 1
-        for node_id, slot in zip(ids, slots, strict=False):
+        for node_id, slot in zip(todo, slots, strict=False):
             led.backup_backlog.pop(node_id, None)  # backed up by another path: no longer waiting
             core.update(node_id, host=(HostState.WRITING, slot))
         return todo[: len(slots)]
 
-    def _back_up_parts(self, todo: list[Node], nodes: list[Node]) -> None:
+    def _back_up_parts(self, todo: list[int], ids: list[int]) -> None:
         """The backup op of a hybrid model: the full pages ``todo`` (their slots taken), each node's
         component copies with it, and component copies of nodes whose full host copy is valid."""
         core, led = self.core, self.ledger
-        moving = set(core.ids_of(todo))
-        ids = core.ids_of(nodes)
+        moving = set(todo)
         hosts = core.tier_states(ids)
         rest = dict.fromkeys(
-            n for n, i, (_, host, _) in zip(nodes, ids, hosts, strict=True) if i not in moving and host == _HVALID
+            i for i, (_, host, _) in zip(ids, hosts, strict=True) if i not in moving and host == _HVALID
         )
-        order = list(todo) + list(rest)
-        order_ids = core.ids_of(order)
+        order = order_ids = list(todo) + list(rest)
         parts: dict[int, list[int]] = {}
         for p in led.parts.values():
             want = [i for i, node_id in enumerate(order_ids) if _wants_backup(core, node_id, p)]
             slots = self.part_evictor.alloc_host_upto(p, len(want)) if want and p.host.num_pages else []
             for i in want[len(slots) :]:
-                p.backlog.setdefault(order_ids[i], order[i])
+                p.backlog.setdefault(order_ids[i], order_ids[i])
             for i, slot in zip(want, slots, strict=False):
                 p.backlog.pop(order_ids[i], None)
                 # the op reads it
@@ -172,12 +167,12 @@ class Backup:
         short = len(backlog) - led.host.available
         if short > 0:
             self.evictor.evict_host(short)
-        retry: list[Node] = []
+        retry: list[int] = []
         while backlog and len(retry) < led.host.available:
             for node_id in list(itertools.islice(backlog, led.host.available - len(retry))):
-                node = backlog.pop(node_id)
+                del backlog[node_id]
                 if core.device(node_id)[0] == _VALID and core.host(node_id)[0] == _NONE:
-                    retry.append(node)
+                    retry.append(node_id)
         self.back_up(retry)
 
     def retry_part_backlogs(self) -> None:
@@ -186,50 +181,46 @@ class Backup:
         if not self.enabled:
             return
         core = self.core
-        retry: list[Node] = []
+        retry: list[int] = []
         for p in self.ledger.parts.values():
             if not p.backlog:
                 continue
             short = len(p.backlog) - p.host.available
             if short > 0:
                 self.part_evictor.evict_host(p, short)
-            for node_id, node in list(p.backlog.items())[: max(0, p.host.available)]:
+            for node_id in list(p.backlog)[: max(0, p.host.available)]:
                 if not _wants_backup(core, node_id, p):
                     del p.backlog[node_id]
                 elif core.host(node_id)[0] == _HVALID:
-                    retry.append(node)
+                    retry.append(node_id)
         if retry:
-            self.back_up(list(dict(zip(core.ids_of(retry), retry, strict=True)).values()))
+            self.back_up(list(dict.fromkeys(retry)))
 
     # ------------------------------------------------------------------ storage write-out
 
-    def store(self, nodes: list[Node]) -> None:
+    def store(self, ids: list[int]) -> None:
         """Write host-VALID pages to storage; durable only once every rank acked (agreed)."""
         if not self.storage or not self.enabled:
             return
-        states = self.core.tier_states(self.core.ids_of(nodes))
-        todo = [n for n, (_, host, storage) in zip(nodes, states, strict=True) if host == _HVALID and storage == _NONE]
+        states = self.core.tier_states(ids)
+        todo = [i for i, (_, host, storage) in zip(ids, states, strict=True) if host == _HVALID and storage == _NONE]
         if self.ledger.parts:
-            self._store_hybrid(todo, nodes)
+            self._store_hybrid(todo, ids)
             return
         if not todo:
             return
-        self.ledger.settle(todo, storage=StorageState.WRITING, host_pins=+1)  # the op reads the slot
+        self.core.settle(todo, storage=StorageState.WRITING, host_pins=+1)  # the op reads the slot
         self.outbox.issue(OpKind.STORAGE_WRITE, todo, -1)
         self.ledger.stats.storage_write_issued_pages += len(todo)
 
-    def _store_hybrid(self, todo: list[Node], nodes: list[Node]) -> None:
+    def _store_hybrid(self, todo: list[int], ids: list[int]) -> None:
         core, led = self.core, self.ledger
-        moving = set(core.ids_of(todo))
-        others = list(dict.fromkeys(nodes))
-        others_ids = core.ids_of(others)
-        hosts = core.tier_states(others_ids)
-        order = todo + [
-            n
-            for n, i, (_, host, _) in zip(others, others_ids, hosts, strict=True)
-            if i not in moving and host == _HVALID
+        moving = set(todo)
+        others = list(dict.fromkeys(ids))
+        hosts = core.tier_states(others)
+        order = order_ids = todo + [
+            i for i, (_, host, _) in zip(others, hosts, strict=True) if i not in moving and host == _HVALID
         ]
-        order_ids = core.ids_of(order)
         recs = [core.component(i) for i in order_ids]
         parts: dict[int, list[int]] = {}
         for p in led.parts.values():

@@ -48,7 +48,6 @@ from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.allocator import HostAllocator, PageAllocator
 from tpcache.core.treecore.eviction import Evictor
 from tpcache.core.treecore.part_eviction import PartEvictor
-from tpcache.core.treecore.tree import Node
 
 _NO_BACKLOG = mix_ids([])
 
@@ -119,7 +118,7 @@ class CacheCore(Queries, EngineOps):
         return self.ledger.host
 
     @property
-    def backup_backlog(self) -> dict[int, Node]:
+    def backup_backlog(self) -> dict[int, int]:
         return self.ledger.backup_backlog
 
     @property
@@ -179,11 +178,11 @@ class CacheCore(Queries, EngineOps):
         walk = self.tree.walk(as_token_bytes(tokens))
         if self.closed:
             return MatchResult(walk)
-        nodes = walk.nodes
         # buffer mode: host slots only stage, they are never a hit
         dev, host, pages = self.treecore.hit_prefix(walk, not self.staging.enabled)
         i = dev + host
-        result = MatchResult(walk, dev, host, pages, nodes if i == len(nodes) else nodes[:i])
+        ids = walk.ids
+        result = MatchResult(walk, dev, host, pages, ids if i == len(ids) else ids[:i])
         if self.hybrid is not None:
             self.hybrid.match(result, result.device_pages, i)
         return result
@@ -222,13 +221,13 @@ class CacheCore(Queries, EngineOps):
             stats.host_hit_tokens += result.host_pages * ps
         lease = self.book.new(token_bytes, result.walk, result.device_pages + result.host_pages)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
-        nodes = result.nodes
-        on_device = nodes if dev == len(nodes) else nodes[:dev]  # most hits are all on device: no copy
-        led.touch(on_device, +1, stamp=True, hit=True)
-        for node in nodes[dev:]:
-            led.update(node, stamp=True, hit=True, host_pins=+1)
+        ids, core = result.nodes, self.treecore
+        on_device = ids if dev == len(ids) else ids[:dev]  # most hits are all on device: no copy
+        core.touch(on_device, +1, stamp=True, hit=True)
+        for node_id in ids[dev:]:
+            core.update(node_id, stamp=True, hit=True, host_pins=+1)
         lease.device_nodes.extend(on_device)
-        lease.host_nodes.extend(nodes[dev:])
+        lease.host_nodes.extend(ids[dev:])
         if self.hybrid is not None:
             self.hybrid.pin_hit(lease, result)
         self.book.refresh(lease)
@@ -316,7 +315,7 @@ class CacheCore(Queries, EngineOps):
     def hit_host_slots(self, lease_id: int) -> tuple[int, ...]:
         """The host slots of the lease's hit pages, in page order. Pure."""
         core = self.treecore
-        return tuple(core.host_slots(core.ids_of(self.engine_pages.hit_nodes(self.lease(lease_id)))))
+        return tuple(core.host_slots(self.engine_pages.hit_nodes(self.lease(lease_id))))
 
     def release(self, lease_id: int) -> bool:
         """Release (finish or abort) a lease: True when now; with copies into its pages in flight it is

@@ -20,7 +20,6 @@ from tpcache.core.staging import Staging
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.components import DSLOT, HOST, HSLOT
-from tpcache.core.treecore.tree import Node
 
 
 class Completions:
@@ -52,7 +51,7 @@ class Completions:
         if ok < pages:
             core.stats.failed_copy_pages += pages - ok
         waiters = self.leases.waiting_for(op.op_id)
-        ids = core.ids_of(op.nodes)
+        ids = op.nodes
         if op.parts:
             self._parts(op, ids, ok, waiters)
         self._appliers[kind](op, ids, ok, waiters)
@@ -73,7 +72,7 @@ class Completions:
         for pc in op.parts:
             c, base = pc.part, core.part_base(pc.part)
             dslot, hslot, host = base + DSLOT, base + HSLOT, base + HOST
-            failed: list[Node] = []
+            failed: list[int] = []
             for i in pc.index:
                 node_id = ids[i]
                 rec = core.component(node_id)
@@ -90,7 +89,7 @@ class Completions:
                         core.update(node_id, part=c, device=(DeviceState.VALID, rec[dslot]))
                     else:
                         core.free_part_device(node_id, c)
-                        failed.append(op.nodes[i])
+                        failed.append(node_id)
                 elif kind == OpKind.STORAGE_WRITE:
                     core.update(
                         node_id, part=c, storage=StorageState.DURABLE if i < ok else StorageState.NONE, host_pins=-1
@@ -123,7 +122,7 @@ class Completions:
             core.update(node_id, device=(DeviceState.NONE, -1), host_pins=-1)
         core.stats.loads_done_pages += len(landed)
         if op.storage_hits:  # a lock's storage hit, served now that every rank holds it on device
-            from_storage = set(core.ids_of(op.storage_hits))
+            from_storage = set(op.storage_hits)
             served = core.page_size * sum(1 for i in landed if i in from_storage)
             core.stats.storage_hit_tokens += served
             core.stats.lock_storage_hit_tokens += served
@@ -131,15 +130,11 @@ class Completions:
             arrived = set(ids[:ok])  # with nodes that moved only component data
             for lease in waiters:
                 held = lease.prefetch.anchor if lease.prefetch is not None else []
-                anchors = set(core.ids_of(n for tier, n in held if tier == "host"))
-                mine = [
-                    n
-                    for n, i in zip(lease.host_nodes, core.ids_of(lease.host_nodes), strict=True)
-                    if i in arrived and i not in anchors
-                ]
+                anchors = {i for tier, i in held if tier == "host"}
+                mine = [i for i in lease.host_nodes if i in arrived and i not in anchors]
                 self.leases.unpin_host(lease, mine)
         for lease in waiters if failed else ():  # every request sharing a failed load lets go of its pages
-            self.leases.drop_failed_loads(lease, core.handles(failed))
+            self.leases.drop_failed_loads(lease, failed)
 
     def _storage_write(self, op: Transfer, ids: list[int], ok: int, waiters: list[Lease]) -> None:
         core = self.core

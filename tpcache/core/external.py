@@ -40,7 +40,6 @@ from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.allocator import AdoptedPages
 from tpcache.core.treecore.core import ROOT
 from tpcache.core.treecore.eviction import Evictor
-from tpcache.core.treecore.tree import Node
 
 
 def require_engine_mode(config: CacheConfig) -> None:
@@ -104,7 +103,7 @@ class EnginePages:
         given = list(pages)[:n]
         if len(given) < n:
             raise ValueError(f"adopt needs a device page for each of {n} full pages, got {len(given)}")
-        ids = self.core.ids_of(walk.nodes)
+        ids = walk.ids
         cached = [self.core.device(i) for i in ids]  # (state, page): a page is on device where state != NONE
         for i, p in enumerate(given):
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < dev.num_pages:
@@ -144,11 +143,10 @@ class EnginePages:
         if not given:
             return None
         core = self.core
-        nodes = core.walk(lease.tokens).nodes
-        ids = core.ids_of(nodes)
+        ids = core.walk(lease.tokens).ids
         first = core.load_reach(ids)[0]
-        pinned = set(core.ids_of(lease.host_nodes))
-        tail = nodes[first : first + len(given)]
+        pinned = set(lease.host_nodes)
+        tail = ids[first : first + len(given)]
         states = core.tier_states(ids[first : first + len(given)])
         ready = [
             host == HostState.VALID and device == DeviceState.NONE and i in pinned
@@ -190,18 +188,18 @@ class EnginePages:
 
     # ------------------------------------------------------------------ copies to engine blocks
 
-    def hit_nodes(self, lease: Lease) -> list[Node]:
-        """The leading pages of the lease's tokens that are host-VALID and pinned by the lease. Pure."""
+    def hit_nodes(self, lease: Lease) -> list[int]:
+        """The ids of the leading pages of the lease's tokens that are host-VALID and pinned by the
+        lease. Pure."""
         core = self.core
-        pinned = set(core.ids_of(lease.host_nodes))
-        nodes = core.walk(lease.tokens).nodes
-        ids = core.ids_of(nodes)
+        pinned = set(lease.host_nodes)
+        ids = core.walk(lease.tokens).ids
         k = 0
         for (_, host, _), node_id in zip(core.tier_states(ids), ids, strict=True):
             if host != HostState.VALID or node_id not in pinned:
                 break
             k += 1
-        return nodes[:k]
+        return ids[:k]
 
     def save(self, lease: Lease, token_bytes: bytes, blocks: list[int]) -> Transfer | None:
         """Copy the full pages of the tokens the cache lacks from the engine's ``blocks`` into host.
@@ -217,7 +215,7 @@ class EnginePages:
         if len(blocks) < n:
             raise ValueError(f"save needs an engine block for each of {n} full pages, got {len(blocks)}")
         self.ledger.tick()
-        ids = core.ids_of(walk.nodes)
+        ids = walk.ids
         first = 0
         while first < len(ids) and core.host(ids[first])[0] != HostState.NONE:
             first += 1
@@ -235,7 +233,7 @@ class EnginePages:
         if not slots:
             return None
         walk = core.walk(token_bytes)  # eviction may have removed nodes past `first`
-        ids = core.ids_of(walk.nodes)
+        ids = walk.ids
         saved: list[int] = []
         for i, slot in zip(range(first, first + len(slots)), slots, strict=True):
             if i < len(ids):
@@ -246,7 +244,7 @@ class EnginePages:
             saved.append(node_id)
             parent = node_id
         core.stats.backups_issued_pages += len(saved)
-        return self._issue(lease, OpKind.BACKUP, core.handles(saved), blocks[first : first + len(slots)])
+        return self._issue(lease, OpKind.BACKUP, saved, blocks[first : first + len(slots)])
 
     def load_into(self, lease: Lease, first_page: int, blocks: list[int]) -> Transfer | None:
         """Copy pages ``first_page ..`` of the lease's hit into the engine's ``blocks`` (one per page).
@@ -267,8 +265,8 @@ class EnginePages:
         self.ledger.stats.loads_issued_pages += len(blocks)
         return self._issue(lease, OpKind.LOAD, held[first_page : first_page + len(blocks)], blocks)
 
-    def _issue(self, lease: Lease, kind: OpKind, nodes: list[Node], blocks: list[int]) -> Transfer:
-        op = self.outbox.issue(kind, nodes, lease.lease_id, engine_pages=blocks)
+    def _issue(self, lease: Lease, kind: OpKind, ids: list[int], blocks: list[int]) -> Transfer:
+        op = self.outbox.issue(kind, ids, lease.lease_id, engine_pages=blocks)
         self.leases.wait_for(lease, op.op_id)
         self.leases.refresh(lease)
         return op

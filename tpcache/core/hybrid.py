@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from tpcache.core.treecore import TreeCore
     from tpcache.core.treecore.eviction import Evictor
     from tpcache.core.treecore.part_eviction import PartEvictor
-    from tpcache.core.treecore.tree import Node
 
 _VALID = int(DeviceState.VALID)
 _LOADING = int(DeviceState.LOADING)
@@ -67,8 +66,8 @@ class _Available(Sequence[bool]):
 @dataclass
 class LoadPlan:
     pages: int  # the hit P the load serves
-    needs: list[tuple[Part, Node]] = field(default_factory=list)  # component data the hit reads
-    loads: list[tuple[Part, Node]] = field(default_factory=list)  # of those, what comes from host
+    needs: list[tuple[Part, int]] = field(default_factory=list)  # component data the hit reads (node ids)
+    loads: list[tuple[Part, int]] = field(default_factory=list)  # of those, what comes from host
 
 
 class Hybrid:
@@ -88,22 +87,21 @@ class Hybrid:
 
     # ------------------------------------------------------------------ the hit
 
-    def _comp(self, node: Node) -> tuple[int, ...]:
+    def _comp(self, node_id: int) -> tuple[int, ...]:
         """The node's component record (it has one: the configuration has components)."""
-        rec = self.core.component(self.core.id_of(node))
+        rec = self.core.component(node_id)
         assert rec is not None
         return rec
 
-    def hit(self, nodes: list[Node], full: int, mode: int = READABLE, before: int = 0) -> int:
+    def hit(self, ids: list[int], full: int, mode: int = READABLE, before: int = 0) -> int:
         w, s = self.window_part, self.state_part
-        ids = self.core.ids_of(nodes)
         swa = _Available(self.core, ids, w.base, mode, before) if w else None
         state = _Available(self.core, ids, s.base, mode, before) if s else None
         return hit_length(full, self.window, swa, state)
 
-    def needs(self, nodes: list[Node], p: int) -> list[tuple[Part, Node]]:
-        """The component data a hit of ``p`` pages reads, in path order per component."""
-        out: list[tuple[Part, Node]] = []
+    def needs(self, nodes: list[int], p: int) -> list[tuple[Part, int]]:
+        """The component data a hit of ``p`` pages of the path ``nodes`` (ids) reads, in path order per component."""
+        out: list[tuple[Part, int]] = []
         if self.window_part is not None:
             out += [(self.window_part, nodes[i]) for i in window_range(p, self.window)]
         if self.state_part is not None and p:
@@ -112,7 +110,7 @@ class Hybrid:
 
     def match(self, result: MatchResult, full_device: int, full_any: int) -> None:
         """Cut a full-attention match to the hybrid hit (pure)."""
-        nodes = result.walk.nodes
+        nodes = result.walk.ids
         p = self.hit(nodes, full_any)
         dev = self.hit(nodes, min(full_device, p), DEVICE)
         result.device_pages, result.host_pages = dev, p - dev
@@ -125,7 +123,7 @@ class Hybrid:
     def device_run(self, result: MatchResult) -> int:
         """Leading nodes of the hit whose full page is device-valid (pinned on device by ``lock``)."""
         n = result.device_pages
-        states = self.core.tier_states(self.core.ids_of(result.nodes[n:]))
+        states = self.core.tier_states(result.nodes[n:])
         for device_state, _, _ in states:
             if device_state != DeviceState.VALID:
                 break
@@ -138,14 +136,14 @@ class Hybrid:
         lease.hit_pages = len(result.nodes)
         for c, nodes in result.parts.items():
             held = self.held(lease, c)
-            for node, node_id in zip(nodes, core.ids_of(nodes), strict=True):
-                if readable_tier(self._comp(node), self.parts[c].base) == 1:  # type: ignore[arg-type]
+            for node_id in nodes:
+                if readable_tier(self._comp(node_id), self.parts[c].base) == 1:  # type: ignore[arg-type]
                     core.update(node_id, part=c, device_pins=+1, stamp=True)
-                    held.device_nodes.append(node)
+                    held.device_nodes.append(node_id)
                     self.parts[c].behind.pop(node_id, None)  # a window again: no longer behind
                 else:
                     core.update(node_id, part=c, host_pins=+1, stamp=True)
-                    held.host_nodes.append(node)
+                    held.host_nodes.append(node_id)
 
     @staticmethod
     def held(lease: Lease, c: int) -> LeasePart:
@@ -156,7 +154,7 @@ class Hybrid:
 
     # ------------------------------------------------------------------ load
 
-    def plan_load(self, nodes: list[Node], full: int, first_loading: int) -> LoadPlan:
+    def plan_load(self, nodes: list[int], full: int, first_loading: int) -> LoadPlan:
         """The hit a load serves: full pages on device or loadable, component data on device or loadable
         (not at or below a page another request is loading: see ``loads``)."""
         before = first_loading if first_loading >= 0 else len(nodes)
@@ -170,22 +168,21 @@ class Hybrid:
         slots. Refuses (nothing evicted, nothing pinned) when a component pool cannot be met; returns
         nothing when the full pool cannot, whose allocation then refuses."""
         core = self.core
-        pinned: list[tuple[Part, Node]] = []
-        for part, node in plan.needs:
-            if self._comp(node)[part.base + DEV]:
-                node_id = core.id_of(node)
+        pinned: list[tuple[Part, int]] = []
+        for part, node_id in plan.needs:
+            if self._comp(node_id)[part.base + DEV]:
                 core.update(node_id, part=part.index, device_pins=+1, stamp=True)
-                self.held(lease, part.index).device_nodes.append(node)
+                self.held(lease, part.index).device_nodes.append(node_id)
                 part.behind.pop(node_id, None)
-                pinned.append((part, node))
+                pinned.append((part, node_id))
         need: dict[int, int] = {}
         for part, _ in plan.loads:
             need[part.index] = need.get(part.index, 0) + 1
         short = [self.parts[c] for c, n in need.items() if not self.part_evictor.can_alloc_device(self.parts[c], n)]
         if short or not self.evictor.can_alloc_device(full_pages):
-            for part, node in reversed(pinned):
-                core.update(core.id_of(node), part=part.index, device_pins=-1)
-                self.held(lease, part.index).device_nodes.remove(node)
+            for part, node_id in reversed(pinned):
+                core.update(node_id, part=part.index, device_pins=-1)
+                self.held(lease, part.index).device_nodes.remove(node_id)
             if short:
                 p = short[0]
                 raise OutOfPages(
@@ -196,28 +193,26 @@ class Hybrid:
         return {c: self.part_evictor.alloc_device(self.parts[c], n) for c, n in need.items()}
 
     def start_loads(
-        self, lease: Lease, plan: LoadPlan, todo: list[Node], slots: dict[int, list[int]]
-    ) -> tuple[list[Node], list[int], dict[int, list[int]]]:
+        self, lease: Lease, plan: LoadPlan, todo: list[int], slots: dict[int, list[int]]
+    ) -> tuple[list[int], list[int], dict[int, list[int]]]:
         """Mark the component loads, wait for component loads others started, and lay out the op:
         its nodes in path order, the positions moving a full page, and per component those moving it."""
         core, led = self.core, self.ledger
-        for part, node in plan.needs:
-            if self._comp(node)[part.base + DEV] == _LOADING:
+        for part, node_id in plan.needs:
+            if self._comp(node_id)[part.base + DEV] == _LOADING:
                 for op in self.outbox.inflight[OpKind.LOAD]:
                     if op.op_id not in lease.ops and any(
-                        pc.part == part.index and any(op.nodes[i] is node for i in pc.index) for pc in op.parts
+                        pc.part == part.index and any(op.nodes[i] == node_id for i in pc.index) for pc in op.parts
                     ):
                         self.book.wait_for(lease, op.op_id)
         taken = {c: iter(s) for c, s in slots.items()}
-        for part, node in plan.loads:
+        for part, node_id in plan.loads:
             slot = next(taken[part.index])
-            core.update(
-                core.id_of(node), part=part.index, device=(DeviceState.LOADING, slot), device_pins=+1, host_pins=+1
-            )
-            self.held(lease, part.index).device_nodes.append(node)
+            core.update(node_id, part=part.index, device=(DeviceState.LOADING, slot), device_pins=+1, host_pins=+1)
+            self.held(lease, part.index).device_nodes.append(node_id)
         led.stats.part_loads_issued += len(plan.loads)
-        todo_ids, load_ids = core.ids_of(todo), core.ids_of(n for _, n in plan.loads)
-        moved = dict(zip(todo_ids + load_ids, todo + [n for _, n in plan.loads], strict=True))
+        todo_ids, load_ids = todo, [n for _, n in plan.loads]
+        moved = dict.fromkeys(todo_ids + load_ids)
         depth = dict(zip(moved, core.depths(moved), strict=True))
         order_ids = sorted(moved, key=depth.__getitem__)  # path order
         at = {node_id: i for i, node_id in enumerate(order_ids)}
@@ -225,11 +220,11 @@ class Hybrid:
         parts: dict[int, list[int]] = {}
         for (part, _), node_id in zip(plan.loads, load_ids, strict=True):
             parts.setdefault(part.index, []).append(at[node_id])
-        return [moved[i] for i in order_ids], full_index, parts
+        return order_ids, full_index, parts
 
     # ------------------------------------------------------------------ insert
 
-    def check_insert(self, lease: Lease, nodes: list[Node | None], parts: Mapping[int, Sequence[int]]) -> None:
+    def check_insert(self, lease: Lease, nodes: list[int | None], parts: Mapping[int, Sequence[int]]) -> None:
         """Validate the component slots of an insert before anything changes (a refused insert
         changes nothing): each is held by the lease, or is already the node's own."""
         for c, slots in parts.items():
@@ -238,26 +233,25 @@ class Hybrid:
             owned = set(self.held(lease, c).pages)
             base = self.parts[c].base
             for i, slot in enumerate(slots[: len(nodes)]):
-                node = nodes[i]
-                rec = None if node is None else self.core.component(self.core.id_of(node))
+                node_id = nodes[i]
+                rec = None if node_id is None else self.core.component(node_id)
                 if slot < 0 or (rec is not None and rec[base + DSLOT] == slot):
                     continue
                 if slot not in owned:
                     raise ValueError(f"{self.parts[c].name} slot {slot} is not held by lease {lease.lease_id}")
                 owned.discard(slot)
 
-    def adopt(self, lease: Lease, path: list[Node], parts: Mapping[int, Sequence[int]], last: int) -> list[Node]:
-        """Take the component slots the engine filled for nodes on ``path`` that lack that component
-        (a state only where kept); pinned by the lease. Returns the nodes that gained data."""
+    def adopt(self, lease: Lease, path: list[int], parts: Mapping[int, Sequence[int]], last: int) -> list[int]:
+        """Take the component slots the engine filled for nodes on ``path`` (ids) that lack that
+        component (a state only where kept); pinned by the lease. Returns the nodes that gained data."""
         core = self.core
-        ids = core.ids_of(path)
-        gained: list[Node] = []
+        gained: list[int] = []
         for c, slots in parts.items():
             part = self.parts[c]
             held = self.held(lease, c)
             for i, slot in enumerate(slots[: len(path)]):
-                node, node_id = path[i], ids[i]
-                if slot < 0 or core.device(node_id)[0] != DeviceState.VALID or self._comp(node)[part.base + DEV]:
+                node_id = path[i]
+                if slot < 0 or core.device(node_id)[0] != DeviceState.VALID or self._comp(node_id)[part.base + DEV]:
                     continue  # nothing given, no full page to go with it, or the node has its own
                 if slot not in held.pages:
                     continue
@@ -265,11 +259,11 @@ class Hybrid:
                     continue  # a state where none is kept: it stays with the lease
                 held.pages.remove(slot)
                 core.update(node_id, part=c, device=(DeviceState.VALID, slot), device_pins=+1, stamp=True)
-                held.device_nodes.append(node)
-                gained.append(node)
+                held.device_nodes.append(node_id)
+                gained.append(node_id)
         return gained
 
-    def release_out_of_window(self, lease: Lease, path: list[Node]) -> None:
+    def release_out_of_window(self, lease: Lease, path: list[int]) -> None:
         """Let go of the lease's own SWA data behind its window (see the module docstring); it is freed
         now, or by the first commit after the copies still reading it land (a backup keeps it on host)."""
         part = self.window_part
@@ -280,20 +274,20 @@ class Hybrid:
         # path's end, or before its last state when states are kept only every k pages
         end = self._last_state(path) - self.window
         core = self.core
-        behind = set(core.ids_of(path[lease.hit_pages : max(lease.hit_pages, end)]))
+        behind = set(path[lease.hit_pages : max(lease.hit_pages, end)])
         if not behind:
             return
-        kept: list[Node] = []
-        for node, node_id in zip(held.device_nodes, core.ids_of(held.device_nodes), strict=True):
+        kept: list[int] = []
+        for node_id in held.device_nodes:
             if node_id not in behind:
-                kept.append(node)
+                kept.append(node_id)
                 continue
             core.update(node_id, part=part.index, device_pins=-1)
-            part.behind[node_id] = node
+            part.behind[node_id] = node_id
         held.device_nodes = kept
         self.free_behind()
 
-    def _last_state(self, path: list[Node]) -> int:
+    def _last_state(self, path: list[int]) -> int:
         """The deepest page count on ``path`` a hit could end at: its last node with a state (valid
         or loading), or the whole path without a state component. The window before it is kept."""
         part = self.state_part
@@ -364,7 +358,7 @@ class Hybrid:
         out: dict[int, list[tuple[int, int]]] = {}
         for c, held in lease.parts.items():
             base = self.parts[c].base
-            ids = core.ids_of(held.device_nodes)
-            slots = [self._comp(n)[base + DSLOT] for n in held.device_nodes]
+            ids = held.device_nodes
+            slots = [self._comp(n)[base + DSLOT] for n in ids]
             out[c] = sorted((d - 1, slot) for d, slot in zip(core.depths(ids), slots, strict=True))
         return out

@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tpcache.core.backend import NATIVE as _native
 from tpcache.core.hashing import TokenIds, as_token_bytes
 from tpcache.core.records import Lease, NoCursor
 from tpcache.core.tiers import DeviceState
 from tpcache.core.treecore.core import ROOT
-from tpcache.core.treecore.tree import Node, Walk
+from tpcache.core.treecore.tree import Walk
 
 if TYPE_CHECKING:
     from tpcache.core.backup import Backup
@@ -55,11 +54,11 @@ class Inserter:
         data = as_token_bytes(tokens)
         plain = not parts and self.hybrid is None
         kept = self._lock_walk(lease, data) if plain else None
-        walk = self.ledger.tree.walk(data) if kept is None else kept
+        walk = self.core.walk(data) if kept is None else kept
         if plain and (made := self._insert_pinned(lease, walk, pages)) is not None:
             return made
         if kept is not None:  # the lock's walk serves ``_insert_pinned`` only: ``_adopt`` walks the tree as it is
-            walk = self.ledger.tree.walk(data)
+            walk = self.core.walk(data)
         return self._adopt(lease, walk, None, pages, parts)
 
     def _lock_walk(self, lease: Lease, data: bytes) -> Walk | None:
@@ -69,10 +68,9 @@ class Inserter:
         walk, lease.walk = lease.walk, None
         if walk is None or data is not lease.tokens:
             return None
-        k = len(walk.nodes)
-        if k < walk.num_pages and self.core.has_child(
-            self.core.id_of(walk.nodes[-1]) if k else ROOT, data, k * walk.step
-        ):
+        ids = walk.ids
+        k = len(ids)
+        if k < walk.num_pages and self.core.has_child(ids[-1] if k else ROOT, data, k * walk.step):
             return None
         return walk
 
@@ -91,22 +89,20 @@ class Inserter:
             raise NoCursor(f"lease {lease.lease_id} has no sequence to continue: insert the whole sequence")
         if self.hybrid is not None:  # components index pages from the root: insert the whole path
             core = self.core
-            path = core.path_of(core.id_of(cursor))
+            path = core.path_of(cursor)
             before = core.path_tokens(path[-1]) if path else b""
             padded = {c: [-1] * len(path) + list(v) for c, v in parts.items()} if parts else None
             return self.insert(lease, before + as_token_bytes(tokens), core.device_pages(path) + pages, padded)
         data = as_token_bytes(tokens)
         if not parts:  # most appends: ``_append_new``, in C where built (_chain.c; None where it does not apply)
-            chain = _native.append_chain(self.ledger, lease, cursor, data, pages) if _native is not None else None
+            chain = self.core.append_chain(lease, cursor, data, pages)
             if chain is not None:
-                if self.ledger.feed is not None:
-                    self.ledger.feed.fresh(chain)
                 return self._added(lease, chain)
             if (made := self._append_new(lease, cursor, data, pages)) is not None:
                 return made
-        return self._adopt(lease, self.ledger.tree.walk(data, cursor), cursor, pages, parts)
+        return self._adopt(lease, self.core.walk(data, cursor), cursor, pages, parts)
 
-    def _append_new(self, lease: Lease, cursor: Node, data: bytes, pages: list[int]) -> tuple[int, int] | None:
+    def _append_new(self, lease: Lease, cursor: int, data: bytes, pages: list[int]) -> tuple[int, int] | None:
         """``_adopt`` below the cursor when every page is new and the lease holds each of ``pages``
         (a running request's next pages, most appends): the same changes without the walk and the
         plan. None, changing nothing, for any other append (``_adopt`` handles it, or refuses it)."""
@@ -114,13 +110,13 @@ class Inserter:
         step = led.page_size * 4
         n = len(data) // step
         held = lease.pages
-        if not n or len(pages) < n or len(held) < n or self.core.has_child(self.core.id_of(cursor), data, 0):
+        if not n or len(pages) < n or len(held) < n or self.core.has_child(cursor, data, 0):
             return None
         new = pages[:n]  # a copy: ``pages`` may be the lease's own holding, which the adoption empties
         fresh = set(new)
         if len(fresh) != n or not fresh.issubset(held):
             return None
-        depth = self.core.depths((self.core.id_of(cursor),))[0]
+        depth = self.core.depths((cursor,))[0]
         return self._add_new(lease, cursor, depth, data, 0, new, fresh)
 
     def _insert_pinned(self, lease: Lease, walk: Walk, pages: list[int]) -> tuple[int, int] | None:
@@ -131,11 +127,11 @@ class Inserter:
 
         The lease pins whole paths on device (``leases``), so pinning as many nodes as the walk
         matched, one of them its last, is pinning exactly the walk's nodes."""
-        nodes, held = walk.nodes, lease.device_nodes
+        nodes, held = walk.ids, lease.device_nodes
         k, n = len(nodes), walk.num_pages
-        if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] is not nodes[-1]):
+        if len(held) != k or len(pages) < n or lease.host_nodes or (k and held[-1] != nodes[-1]):
             return None
-        if k and not self.core.valid_on_device(self.core.id_of(nodes[-1])):  # VALID pages have VALID ancestors
+        if k and not self.core.valid_on_device(nodes[-1]):  # VALID pages have VALID ancestors
             return None
         # The pages the lock's match read stay the nodes' own while the lease pins them.
         ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)
@@ -147,11 +143,11 @@ class Inserter:
             fresh = set(new)
             if len(fresh) != len(new) or not fresh.issubset(held):
                 return None
-        last = nodes[-1] if nodes else self.ledger.tree.root
+        last = nodes[-1] if nodes else ROOT
         return self._add_new(lease, last, k, walk.token_bytes, k * walk.step, new, fresh)  # a walk from the root
 
     def _add_new(
-        self, lease: Lease, parent: Node, depth: int, data: bytes, offset: int, new: list[int], fresh: set[int] | None
+        self, lease: Lease, parent: int, depth: int, data: bytes, offset: int, new: list[int], fresh: set[int] | None
     ) -> tuple[int, int]:
         """The new pinned chain of ``new`` below ``parent`` (``depth`` pages from the root; the lease
         pins its path and holds ``new``, ``fresh`` as a set, or None when it holds exactly ``new``;
@@ -162,12 +158,12 @@ class Inserter:
             held.empty()
         else:
             held.discard(fresh if fresh is not None else set(new))
-        chain = led.add_pinned_chain(parent, data, offset, new) if new else []
+        chain = self.core.add_pinned_chain(parent, data, offset, new) if new else []
         lease.device_nodes.extend(chain)
         lease.cursor = (chain[-1] if chain else parent) if len(lease.device_nodes) == depth + n else None
         return self._added(lease, chain)
 
-    def _added(self, lease: Lease, chain: list[Node]) -> tuple[int, int]:
+    def _added(self, lease: Lease, chain: list[int]) -> tuple[int, int]:
         self.backup.on_insert(chain)
         self.book.refresh(lease)
         self.ledger.stats.inserted_pages += len(chain)
@@ -177,12 +173,12 @@ class Inserter:
         self,
         lease: Lease,
         walk: Walk,
-        start: Node | None,
+        start: int | None,
         pages: list[int],
         parts: Mapping[int, Sequence[int]] | None,
     ) -> tuple[int, int]:
         """Adopt the walk's pages below ``start`` (None: the root, and ``walk`` covers the whole
-        sequence; a node: the lease's cursor, which the lease pins with its whole path)."""
+        sequence; a node id: the lease's cursor, which the lease pins with its whole path)."""
         lease_id = lease.lease_id
         if len(pages) < walk.num_pages:
             raise ValueError(f"insert needs a device page for each of {walk.num_pages} full pages")
@@ -191,8 +187,7 @@ class Inserter:
         # Validate everything before mutating anything: a refused insert changes nothing.
         core = self.core
         owned = set(lease.pages)
-        nodes = walk.nodes
-        ids = core.ids_of(nodes)
+        nodes = ids = walk.ids
         sides = core.device_sides(ids)  # (device state, device page) of each, in one pass
         plan: list[tuple[int, int]] = []  # (index of an existing node off device, page) to adopt
         duplicates = 0
@@ -220,51 +215,49 @@ class Inserter:
                     raise ValueError(f"page {page} is not held by lease {lease_id}")
                 owned.discard(page)
         if parts:
-            self.hybrid.check_insert(lease, walk.nodes + [None] * (walk.num_pages - len(walk.nodes)), parts)  # type: ignore[union-attr]
+            self.hybrid.check_insert(lease, [*ids, *[None] * (walk.num_pages - len(ids))], parts)  # type: ignore[union-attr]
         led = self.ledger
         led.tick()
-        top = led.tree.root if start is None else start
+        top = ROOT if start is None else start
         taken = {page for _, page in plan}
         taken.update(new)
         lease.pages.discard(taken)  # now in the tree
-        inserted: list[Node] = []
+        inserted: list[int] = []
         for i, page in plan:  # pages the tree has, off device
             core.update(ids[i], device=(DeviceState.VALID, page), stamp=True, device_pins=1)
             sides[i] = (_VALID, page)
-            inserted.append(nodes[i])
-        chain: list[Node] = []
+            inserted.append(ids[i])
+        chain: list[int] = []
         if new:  # stamped as made
-            chain = led.add_pinned_chain(nodes[-1] if nodes else top, walk.token_bytes, len(nodes) * walk.step, new)
+            chain = core.add_pinned_chain(nodes[-1] if nodes else top, walk.token_bytes, len(nodes) * walk.step, new)
             inserted.extend(chain)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
         # pinned it and is stamped again when the lease lets it go, so an insert costs what it adds.
         # Below a cursor the lease pins nothing, so an append needs no look at what it holds.
-        pinned = set(core.ids_of(lease.device_nodes)) if start is None else ()
+        pinned = set(lease.device_nodes) if start is None else ()
         fresh = {i for i, _ in plan}
-        pins: list[Node] = []
-        for i, (node, node_id) in enumerate(zip(nodes, ids, strict=True)):
+        pins: list[int] = []
+        for i, node_id in enumerate(ids):
             if i in fresh:
-                pins.append(node)
+                pins.append(node_id)
             elif sides[i][0] and node_id not in pinned:
                 core.update(node_id, stamp=True, device_pins=1)
-                pins.append(node)
+                pins.append(node_id)
         pins.extend(chain)
         lease.device_nodes.extend(pins)
         # ``append`` may continue from here when the whole sequence is adopted and the lease pins
         # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
         length = len(nodes) + len(chain)
         whole = length == walk.num_pages and all(state == _VALID for state, _ in sides)
-        depth = (0 if start is None else core.depths((core.id_of(start),))[0]) + length
+        depth = (0 if start is None else core.depths((start,))[0]) + length
         last = chain[-1] if chain else nodes[-1] if nodes else top
         lease.cursor = last if whole and len(lease.device_nodes) == depth else None
         if self.hybrid is not None:
             on_device = [n for n, (state, _) in zip(nodes, sides, strict=True) if state == _VALID] + chain
             gained = self.hybrid.adopt(lease, on_device, parts or {}, walk.num_pages - 1)
-            inserted_ids = set(core.ids_of(inserted))
-            self.backup.on_insert(
-                inserted + [n for n, i in zip(gained, core.ids_of(gained), strict=True) if i not in inserted_ids]
-            )
+            inserted_ids = set(inserted)
+            self.backup.on_insert(inserted + [i for i in gained if i not in inserted_ids])
             self.hybrid.release_out_of_window(lease, on_device)
         else:
             self.backup.on_insert(inserted)

@@ -21,7 +21,7 @@ from tpcache.core.tiers import HostState
 from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.accounting import lease_record
 from tpcache.core.treecore.core import ROOT
-from tpcache.core.treecore.tree import Node, Walk
+from tpcache.core.treecore.tree import Walk
 
 # What an agreed flush keeps of a live lease: id, tokens, device pages, component slots by component.
 Kept = tuple[int, bytes, list[int], dict[int, list[int]]]
@@ -93,73 +93,69 @@ class Leases:
 
     # ------------------------------------------------------------------ pins (the caller refreshes)
 
-    def pin_device(self, lease: Lease, nodes: list[Node]) -> None:
+    def pin_device(self, lease: Lease, ids: list[int]) -> None:
         core = self.core
-        pinned = set(core.ids_of(lease.device_nodes))
-        for node, node_id in zip(nodes, core.ids_of(nodes), strict=True):
+        pinned = set(lease.device_nodes)
+        for node_id in ids:
             if node_id not in pinned:
                 lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
                 core.update(node_id, device_pins=+1)
-                lease.device_nodes.append(node)
+                lease.device_nodes.append(node_id)
                 pinned.add(node_id)
 
-    def pin_host(self, lease: Lease, nodes: list[Node]) -> None:
-        for node, node_id in zip(nodes, self.core.ids_of(nodes), strict=True):
+    def pin_host(self, lease: Lease, ids: list[int]) -> None:
+        for node_id in ids:
             self.core.update(node_id, host_pins=+1)
-            lease.host_nodes.append(node)
+            lease.host_nodes.append(node_id)
 
-    def unpin_host(self, lease: Lease, nodes: list[Node]) -> None:
-        for node, node_id in zip(nodes, self.core.ids_of(nodes), strict=True):
+    def unpin_host(self, lease: Lease, ids: list[int]) -> None:
+        for node_id in ids:
             self.core.update(node_id, host_pins=-1)
-            lease.host_nodes.remove(node)
+            lease.host_nodes.remove(node_id)
 
-    def pin_anchor(self, lease: Lease, node: Node) -> list[tuple[str, Node]]:
+    def pin_anchor(self, lease: Lease, node_id: int) -> list[tuple[str, int]]:
         """Pin, for the lease, the node a fetch hangs from on the tier it is readable on, with its
-        device path (see the module invariants). Returns what was pinned, for ``unpin_anchor``."""
+        device path (see the module invariants). Returns what was pinned (tier, node id), for
+        ``unpin_anchor``."""
         core = self.core
-        node_id = core.id_of(node)
         if node_id == ROOT:
             return []
-        pins: list[tuple[str, Node]] = []
-        if core.host(node_id)[0] == HostState.VALID and node not in lease.host_nodes:
-            self.pin_host(lease, [node])
-            pins.append(("host", node))
+        pins: list[tuple[str, int]] = []
+        if core.host(node_id)[0] == HostState.VALID and node_id not in lease.host_nodes:
+            self.pin_host(lease, [node_id])
+            pins.append(("host", node_id))
         before = len(lease.device_nodes)
-        self.pin_device(lease, core.handles(reversed(core.path_on_device([node_id]))))
-        pins += [("device", n) for n in lease.device_nodes[before:]]
+        self.pin_device(lease, list(reversed(core.path_on_device([node_id]))))
+        pins += [("device", i) for i in lease.device_nodes[before:]]
         return pins
 
-    def unpin_anchor(self, lease: Lease, pins: list[tuple[str, Node]]) -> None:
-        for tier, node in reversed(pins):
+    def unpin_anchor(self, lease: Lease, pins: list[tuple[str, int]]) -> None:
+        for tier, node_id in reversed(pins):
             if tier == "host":
-                self.unpin_host(lease, [node])
+                self.unpin_host(lease, [node_id])
             else:
-                self.core.update(self.core.id_of(node), device_pins=-1)
-                lease.device_nodes.remove(node)
+                self.core.update(node_id, device_pins=-1)
+                lease.device_nodes.remove(node_id)
                 lease.cursor = None
 
-    def drop_failed_loads(self, lease: Lease, nodes: list[Node]) -> None:
+    def drop_failed_loads(self, lease: Lease, ids: list[int]) -> None:
         """Let go of device pins on pages whose load failed (they are gone from device)."""
-        core = self.core
-        dropped = set(core.ids_of(nodes))
-        held = core.ids_of(lease.device_nodes)
-        core.touch([i for i in held if i in dropped], -1)
-        keep = {i for i in held if i not in dropped}
-        lease.device_nodes.retain(lambda n: core.id_of(n) in keep)
+        dropped = set(ids)
+        self.core.touch([i for i in lease.device_nodes if i in dropped], -1)
+        lease.device_nodes.discard(dropped)
         lease.cursor = None
 
-    def drop_failed_part_loads(self, lease: Lease, part: int, nodes: list[Node]) -> None:
+    def drop_failed_part_loads(self, lease: Lease, part: int, ids: list[int]) -> None:
         """The same for one component's data whose load failed."""
         held = lease.parts.get(part)
         if held is None:
             return
         core = self.core
-        dropped = set(core.ids_of(nodes))
-        ids = core.ids_of(held.device_nodes)
-        for node_id in ids:
+        dropped = set(ids)
+        for node_id in held.device_nodes:
             if node_id in dropped:
                 core.update(node_id, part=part, device_pins=-1)
-        held.device_nodes = [n for n, i in zip(held.device_nodes, ids, strict=True) if i not in dropped]
+        held.device_nodes = [i for i in held.device_nodes if i not in dropped]
 
     # ------------------------------------------------------------------ across an agreed flush
 
@@ -223,13 +219,13 @@ class Leases:
         lease.kept = 0
         core = self.core
         for c, held in lease.parts.items():  # component pins first: a full page outlives its components
-            for node_id in core.ids_of(held.device_nodes):
+            for node_id in held.device_nodes:
                 core.update(node_id, part=c, device_pins=-1)
-            for node_id in core.ids_of(held.host_nodes):
+            for node_id in held.host_nodes:
                 core.update(node_id, part=c, host_pins=-1)
             led.parts[c].device.free(held.pages)
-        led.touch(lease.device_nodes, -1, stamp=True)  # last used now: LRU by the end of use
-        for node_id in core.ids_of(lease.host_nodes):
+        core.touch(lease.device_nodes, -1, stamp=True)  # last used now: LRU by the end of use
+        for node_id in lease.host_nodes:
             core.update(node_id, host_pins=-1)
         led.device.free(lease.pages)
         del self.table[lease.lease_id]

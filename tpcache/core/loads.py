@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from tpcache.core.leases import Leases
     from tpcache.core.outbox import Outbox
     from tpcache.core.treecore.eviction import Evictor
-    from tpcache.core.treecore.tree import Node
 
 
 class Loader:
@@ -39,14 +38,13 @@ class Loader:
         """Start loading the host pages (and component data) of the lease's hit back to device.
         Returns the device pages of the hit, loading ones included, in page order."""
         core = self.core
-        nodes = core.walk(lease.tokens).nodes
-        ids = core.ids_of(nodes)
+        ids = core.walk(lease.tokens).ids
         _, on_device, reach, first_loading = core.load_reach(ids)
-        prefix: list[Node] = nodes[:on_device]
-        todo: list[Node] = nodes[on_device:reach]
+        prefix: list[int] = ids[:on_device]
+        todo: list[int] = ids[on_device:reach]
         plan = None
         if self.hybrid is not None:
-            plan = self.hybrid.plan_load(nodes, len(prefix) + len(todo), first_loading)
+            plan = self.hybrid.plan_load(ids, len(prefix) + len(todo), first_loading)
             prefix, todo = prefix[: plan.pages], todo[: max(0, plan.pages - len(prefix))]
         # Pin the prefix before allocating: the eviction must not take it (nor its host-only pages).
         before, cursor = len(lease.device_nodes), lease.cursor
@@ -55,21 +53,19 @@ class Loader:
             slots = self.hybrid.reserve(lease, plan, len(todo)) if plan is not None else {}
             pages = self.evictor.alloc_device(len(todo)) if todo else []
         except OutOfPages:  # a refused load changes nothing
-            core.touch(core.ids_of(lease.device_nodes[before:]), -1)
+            core.touch(lease.device_nodes[before:], -1)
             lease.device_nodes.truncate(before)
             lease.cursor = cursor
             raise
-        prefix_ids = ids[: len(prefix)]
-        for node, (device, _, _) in zip(prefix, core.tier_states(prefix_ids), strict=True):
+        for node_id, (device, _, _) in zip(prefix, core.tier_states(prefix), strict=True):
             if device == DeviceState.LOADING:
                 for op in self.outbox.inflight[OpKind.LOAD]:
-                    if node in op.nodes and op.op_id not in lease.ops:
+                    if node_id in op.nodes and op.op_id not in lease.ops:
                         self.book.wait_for(lease, op.op_id)
-        todo_ids = ids[len(prefix) : len(prefix) + len(todo)]
-        for node, node_id, page in zip(todo, todo_ids, pages, strict=True):
+        for node_id, page in zip(todo, pages, strict=True):
             # the lease's pin (a loading page is never evicted) and the op's read of the host slot
             core.update(node_id, device=(DeviceState.LOADING, page), device_pins=+1, host_pins=+1)
-            lease.device_nodes.append(node)
+            lease.device_nodes.append(node_id)
             lease.cursor = None  # a pin off the inserted path: ``append`` needs an insert first
         op = None
         if plan is not None and (todo or plan.loads):
@@ -84,4 +80,4 @@ class Loader:
                 # Pages past the lock's hit were read from storage since: counted once they land.
                 op.storage_hits = todo[max(0, lease.locked_pages - len(prefix)) :]
         self.book.refresh(lease)
-        return core.device_pages(prefix_ids + todo_ids)
+        return core.device_pages(prefix + todo)

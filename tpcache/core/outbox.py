@@ -14,7 +14,6 @@ from tpcache.core.hitrule import QueryPlan
 from tpcache.core.records import OpKind, PartCopy, Ready, ReadyNotAdvanced, Transfer
 from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.components import DSLOT, HSLOT
-from tpcache.core.treecore.tree import Node
 
 
 class Outbox:
@@ -28,7 +27,7 @@ class Outbox:
     def issue(
         self,
         kind: OpKind,
-        nodes: list[Node],
+        nodes: list[int],
         lease_id: int,
         page_hashes: list[int] | None = None,
         *,
@@ -37,16 +36,16 @@ class Outbox:
         query: QueryPlan | None = None,
         engine_pages: list[int] | None = None,
     ) -> Transfer:
-        """A new op over ``nodes`` (their slots as they are now). ``full_index``: the positions whose
+        """A new op over the nodes ``nodes`` names (their slots as they are now). ``full_index``: the positions whose
         full page it moves (None: all); ``parts``: per component, the positions whose data it moves;
         ``engine_pages``: its device side is these engine blocks instead (full attention only)."""
         core = self.core
-        ids = core.ids_of(nodes)
+        ids = list(nodes)
         device_pages, host_slots, hashes = core.copy_sides(ids, full_index)
         op = Transfer(
             op_id=self.next_op,
             kind=kind,
-            nodes=list(nodes),
+            nodes=ids,
             device_pages=device_pages if engine_pages is None else list(engine_pages),
             host_slots=host_slots,
             page_hashes=hashes if page_hashes is None else list(page_hashes),

@@ -31,7 +31,6 @@ from tpcache.core.treecore import TreeCore
 from tpcache.core.treecore.components import readable_tier
 from tpcache.core.treecore.core import ROOT
 from tpcache.core.treecore.eviction import Evictor
-from tpcache.core.treecore.tree import Node
 
 if TYPE_CHECKING:
     from tpcache.core.hybrid import Hybrid
@@ -201,7 +200,7 @@ class Prefetcher:
         # the lease is released, as a lock pins its device prefix: a device page with no host copy
         # cannot go while pinned host pages hang from it (unpinned, it would count as evictable
         # without being so), and an insert meanwhile may have hung the lease's own pages from it.
-        self.leases.unpin_anchor(lease, [(tier, node) for tier, node in state.anchor if tier == "host"])
+        self.leases.unpin_anchor(lease, [(tier, node_id) for tier, node_id in state.anchor if tier == "host"])
         state.anchor = []
         state.ready_pages += landed
         state.nodes = []
@@ -265,21 +264,20 @@ class Prefetcher:
 
     # ------------------------------------------------------------------ internals
 
-    def _continuation(self, state: PrefetchState) -> tuple[Node, int, list[int], list[bytes], list[Node]] | None:
-        """The node the fetch hangs from, the index of the first missing page, and every page's hash
-        and tokens. None when nothing is missing or the parent is not readable on device or host
-        (the new host pages would hang from nothing)."""
+    def _continuation(self, state: PrefetchState) -> tuple[int, int, list[int], list[bytes], list[int]] | None:
+        """The node the fetch hangs from (its id), the index of the first missing page, every page's
+        hash and tokens, and the ids of the resident pages before it. None when nothing is missing
+        or the parent is not readable on device or host (the new host pages would hang from nothing)."""
         core = self.core
         walk = core.walk(state.tokens)
-        nodes = walk.nodes
-        ids = core.ids_of(nodes)
+        ids = walk.ids
         k = core.resident_prefix(ids)
         if k == walk.num_pages:
             return None
         parent = ids[k - 1] if k else ROOT
         if not core.readable(parent):
             return None
-        return core.handles([parent])[0], k, walk.hashes, walk.pages, nodes[:k]
+        return parent, k, walk.hashes, walk.pages, ids[:k]
 
     def _query(self, lease: Lease, retry: bool = False) -> bool:
         state = lease.prefetch
@@ -336,27 +334,26 @@ class Prefetcher:
         state.short = 0
         core = self.core
         ids: list[int] = []
-        parent_id = core.ids_of([parent])[0]
+        parent_id = parent
         for i, slot in zip(range(k, end), slots, strict=True):
             parent_id = core.add_host_page(parent_id, pages[i], hashes[i], slot)
             ids.append(parent_id)
-        nodes = core.handles(ids)
-        self.leases.pin_host(lease, nodes)
+        self.leases.pin_host(lease, ids)
         parts: dict[int, list[int]] = {}
         for c, placed in (part_slots or {}).items():
             for page, slot in placed:
                 core.update(ids[page - k], part=c, host=(HostState.WRITING, slot))
                 parts.setdefault(c, []).append(page - k)
-        op = self.outbox.issue(OpKind.STORAGE_READ, nodes, lease.lease_id, parts=parts or None)
+        op = self.outbox.issue(OpKind.STORAGE_READ, ids, lease.lease_id, parts=parts or None)
         self.leases.wait_for(lease, op.op_id)
         state.op_id = op.op_id
-        state.nodes = nodes
+        state.nodes = ids
         state.anchor = anchor
         _to(state, "slots" if state.status == "deferred" else "hit")
 
     # ------------------------------------------------------------------ components
 
-    def _query_plan(self, k: int, count: int, resident: list[Node]) -> QueryPlan:
+    def _query_plan(self, k: int, count: int, resident: list[int]) -> QueryPlan:
         """What each rank needs to compute its storage hit by the hit rule (see ``hitrule``)."""
         hy = self.hybrid
         assert hy is not None
@@ -364,7 +361,7 @@ class Prefetcher:
         if hy.window_part is not None:
             b = hy.window_part.base
             start = max(0, k - hy.window + 1)
-            comps = [self.core.component(i) for i in self.core.ids_of(resident[start:k])]
+            comps = [self.core.component(i) for i in resident[start:k]]
             before = tuple(readable_tier(comp, b) != 0 for comp in comps)  # type: ignore[arg-type]
         every = hy.state_part.spec.every if hy.state_part is not None else 0
         state_pages = tuple(every < 0 or keeps_state(every, k + i, -1) for i in range(count)) if every else ()

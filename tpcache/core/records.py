@@ -13,7 +13,7 @@ from tpcache.core.treecore.holdings import DEVICE_PINS, HOST_PINS, PAGES, NodeHo
 
 if TYPE_CHECKING:
     from tpcache.core.hitrule import QueryPlan
-    from tpcache.core.treecore.tree import Node, Walk
+    from tpcache.core.treecore.tree import Walk
 
 
 class OpKind(IntEnum):
@@ -48,7 +48,7 @@ class Transfer:
 
     op_id: int
     kind: OpKind
-    nodes: list[Node]
+    nodes: list[int]  # the ids of the nodes it moves
     device_pages: list[int]
     host_slots: list[int]
     page_hashes: list[int]
@@ -61,14 +61,14 @@ class Transfer:
     engine_pages: bool = False  # the device side names the engine's own blocks (core/external.py)
     # A load under a lease opened by lock: the nodes it brings that were not the lock's hit (storage
     # reads landed since); each counts as a storage hit once the round agrees it landed.
-    storage_hits: list[Node] = field(default_factory=list)
+    storage_hits: list[int] = field(default_factory=list)  # (node ids)
 
     @property
     def num_pages(self) -> int:
         return len(self.page_hashes)
 
-    def full_moves(self) -> Iterable[tuple[int, Node]]:
-        """(position, node) of every node whose full page the op moves."""
+    def full_moves(self) -> Iterable[tuple[int, int]]:
+        """(position, node id) of every node whose full page the op moves."""
         if self.full_index is None:
             return enumerate(self.nodes)
         return ((i, self.nodes[i]) for i in self.full_index)
@@ -109,8 +109,8 @@ class PrefetchState:
     deferrals: int = 0
     retry_at: int = 0
     start: int = 0  # page index the current attempt's hit starts at
-    nodes: list[Node] = field(default_factory=list)
-    anchor: list[tuple[str, Node]] = field(default_factory=list)  # pins holding the fetch's parent
+    nodes: list[int] = field(default_factory=list)  # (node ids)
+    anchor: list[tuple[str, int]] = field(default_factory=list)  # pins holding the fetch's parent (tier, node id)
     read: bool = True  # False: a lookup only (agree on the hit, read nothing to host)
     short: int = 0  # deferred: host slots its read lacks (part of the host deficit the round agrees on)
 
@@ -145,10 +145,10 @@ class Admission:
 
 @dataclass
 class LeasePart:
-    """What a lease holds of one component: nodes pinned on device or host, slots allocated to it."""
+    """What a lease holds of one component: nodes pinned on device or host (their ids), slots allocated to it."""
 
-    device_nodes: list[Node] = field(default_factory=list)
-    host_nodes: list[Node] = field(default_factory=list)
+    device_nodes: list[int] = field(default_factory=list)
+    host_nodes: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
 
 
@@ -158,8 +158,8 @@ class Lease:
 
     lease_id: int
     tokens: bytes = b""  # what the request locked: load and prefetch work along this path
-    device_nodes: NodeHolding = field(init=False)  # pinned on device, one pin each
-    host_nodes: NodeHolding = field(init=False)  # pinned on host, one pin each
+    device_nodes: NodeHolding = field(init=False)  # ids of the nodes pinned on device, one pin each
+    host_nodes: NodeHolding = field(init=False)  # ids of the nodes pinned on host, one pin each
     pages: PageHolding = field(init=False)  # device pages allocated to it, not in the tree
     ops: list[int] = field(default_factory=list)  # in-flight op ids this lease waits for
     releasing: bool = False
@@ -172,7 +172,7 @@ class Lease:
     admission: Admission | None = None  # a request admitted in phases (``admission.py``)
     # The end of the sequence its last insert or append adopted, while ``append`` may continue it:
     # the lease pins every device node from the root to it and none below it.
-    cursor: Node | None = None
+    cursor: int | None = None  # (a node id)
     # The walk its lock made of ``tokens``, for the insert of the same bytes (a cache, used once and
     # checked before use; no digest covers it).
     walk: Walk | None = field(default=None, compare=False, repr=False)
@@ -200,8 +200,8 @@ class MatchResult:
     device_pages: int = 0
     host_pages: int = 0
     device_page_array: array = field(default_factory=lambda: array("i"))  # the device prefix's pages
-    nodes: list[Node] = field(default_factory=list)  # device then host prefix nodes
-    parts: dict[int, list[Node]] = field(default_factory=dict)  # per component: the nodes the hit reads
+    nodes: list[int] = field(default_factory=list)  # device then host prefix nodes (their ids)
+    parts: dict[int, list[int]] = field(default_factory=dict)  # per component: the nodes the hit reads (ids)
 
     @property
     def device_page_ids(self) -> list[int]:

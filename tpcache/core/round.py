@@ -71,8 +71,11 @@ def reference_queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping
 
 
 def queue_fields(queues: Iterable[Sequence[Transfer]], landed: Mapping[int, int]) -> list[int]:
-    if _native is not None and type(landed) is dict:  # the same fields in C (_round.c)
-        fields = _native.queue_fields(queues, landed)
+    if _native is not None and type(landed) is dict:  # the same fields in C (_round.c), from plain ints
+        queues = tuple(queues)  # (the same tuple when it is one)
+        ids = [[op.op_id for op in pending] for pending in queues]
+        sizes = [[len(op.page_hashes) for op in pending] for pending in queues]
+        fields = _native.queue_fields(ids, sizes, landed)
         if fields is not None:  # None: a landed count that is not an int64, read as the reference reads it
             return fields
     return reference_queue_fields(queues, landed)

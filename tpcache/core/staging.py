@@ -22,7 +22,6 @@ from collections.abc import Iterable
 
 from tpcache.core.tiers import HostState
 from tpcache.core.treecore import TreeCore
-from tpcache.core.treecore.tree import Node
 
 
 class Staging:
@@ -33,10 +32,10 @@ class Staging:
         self.enabled = core.config.host_mode == "buffer"
         self.candidates: dict[int, None] = {}  # ids of host-resident nodes whose slot may be freed soon
 
-    def note(self, nodes: Iterable[Node]) -> None:
-        """Nodes whose staging may have ended (an agreed copy over them, a lease letting go)."""
+    def note(self, ids: Iterable[int]) -> None:
+        """Nodes (their ids) whose staging may have ended (an agreed copy over them, a lease letting go)."""
         if self.enabled:
-            self.candidates.update(dict.fromkeys(self.core.ids_of(nodes)))
+            self.candidates.update(dict.fromkeys(ids))
 
     def release(self) -> int:
         """Once per commit (and after a release): free every staging slot that is done."""

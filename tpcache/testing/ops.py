@@ -109,12 +109,13 @@ def _compute_and_insert(
 ) -> None:
     """The engine's part of a request: compute what the device hit lacks, then insert it all."""
     match = target.match(tokens)
-    held = {n.node_id for n in core.lease(lease_id).device_nodes}
+    held = set(core.lease(lease_id).device_nodes)
     prefix = []
-    for node in match.nodes[: match.device_pages]:
-        if node.node_id not in held:
+    ids = match.nodes[: match.device_pages]
+    for node_id, page in zip(ids, core.treecore.device_pages(ids), strict=True):
+        if node_id not in held:
             break  # only pages this lease pins are safe from the allocation below
-        prefix.append(node.device_page)
+        prefix.append(page)
     fresh = target.alloc(lease_id, match.num_pages - len(prefix))
     if write_kv is not None:
         for page, page_hash in zip(fresh, match.page_hashes[len(prefix) :], strict=True):

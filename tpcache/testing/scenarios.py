@@ -36,9 +36,10 @@ def check_hit_bytes(tp: TPCache, toks: list[int]) -> tuple[int, int, list[int]]:
     for page, h in zip(m.device_page_ids, m.page_hashes, strict=False):
         if not torch.equal(tp.device_pool.read_page(page), shard_bytes(h, tp.rank)):
             raise AssertionError(f"rank {tp.rank}: device page {page} is a hit but holds other bytes")
-    for node in m.nodes[m.device_pages :]:
-        if not torch.equal(tp.host_pool.read_page(node.host_slot), shard_bytes(node.hash, tp.rank)):
-            raise AssertionError(f"rank {tp.rank}: host slot {node.host_slot} is a hit but holds other bytes")
+    slots = tp.core.treecore.host_slots(m.nodes[m.device_pages :])
+    for slot, h in zip(slots, m.page_hashes[m.device_pages :], strict=False):
+        if not torch.equal(tp.host_pool.read_page(slot), shard_bytes(h, tp.rank)):
+            raise AssertionError(f"rank {tp.rank}: host slot {slot} is a hit but holds other bytes")
     return m.device_pages, m.host_pages, list(m.device_page_ids)
 
 

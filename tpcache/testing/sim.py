@@ -469,13 +469,14 @@ class SimCluster:
                 if self.buffer and m.host_pages:
                     raise SimFailure(f"round {now}: rank {rank.rank} reports {m.host_pages} host pages in buffer mode")
                 answers.append((m.device_pages, m.host_pages, m.device_page_ids))
-                for node in m.nodes[: m.device_pages]:
+                hit = [rank.core.tree.nodes[i] for i in m.nodes]
+                for node in hit[: m.device_pages]:
                     if rank.io.device.get(node.device_page) != node.hash:
                         raise SimFailure(
                             f"round {now}: rank {rank.rank} hit device page {node.device_page} "
                             f"that does not hold page {node.hash:x}"
                         )
-                for node in m.nodes[m.device_pages :]:
+                for node in hit[m.device_pages :]:
                     on_device = node.device_state == DeviceState.VALID  # with components: a longer full run
                     held = rank.io.device.get(node.device_page) if on_device else rank.io.host.get(node.host_slot)
                     if held != node.hash:
@@ -483,12 +484,12 @@ class SimCluster:
                             f"round {now}: rank {rank.rank} hit host slot {node.host_slot} "
                             f"that does not hold page {node.hash:x}"
                         )
-                for node in m.nodes:
+                for node in hit:
                     durable = node.storage_state == StorageState.DURABLE and node.hash not in self.lost
                     if durable and rank.io.storage.get(node.hash) != node.hash:
                         raise SimFailure(f"round {now}: rank {rank.rank} marks page {node.hash:x} durable, not stored")
                 self._check_parts(rank, m)
-                answers[-1] += (sorted((c, [n.node_id for n in ns]) for c, ns in m.parts.items()),)
+                answers[-1] += (sorted((c, list(ns)) for c, ns in m.parts.items()),)
             if len({repr(a) for a, r in zip(answers, live, strict=True) if not r.core.closed}) > 1:
                 raise SimFailure(f"round {now}: ranks answer a match differently: {answers}")
 
@@ -498,7 +499,8 @@ class SimCluster:
         io, now = rank.io, self.now
         for c, nodes in m.parts.items():
             b = rank.core.ledger.parts[c].base
-            for node in nodes:
+            for node_id in nodes:
+                node = rank.core.tree.nodes[node_id]
                 rec = node.comp
                 assert rec is not None
                 device = rec[b + DEV] == DeviceState.VALID
@@ -535,12 +537,9 @@ def snapshot(core: CacheCore) -> dict[str, object]:
         for n in core.tree.nodes.values()
     ]
     leases = [
-        (lid, [n.node_id for n in x.device_nodes], [n.node_id for n in x.host_nodes], x.pages, x.ops, x.releasing)
-        + (None if x.prefetch is None else tuple(x.prefetch.fields()), x.hit_pages, x.cursor and x.cursor.node_id)
-        + tuple(
-            (c, [n.node_id for n in h.device_nodes], [n.node_id for n in h.host_nodes], h.pages)
-            for c, h in x.parts.items()
-        )
+        (lid, list(x.device_nodes), list(x.host_nodes), x.pages, x.ops, x.releasing)
+        + (None if x.prefetch is None else tuple(x.prefetch.fields()), x.hit_pages, x.cursor)
+        + tuple((c, list(h.device_nodes), list(h.host_nodes), h.pages) for c, h in x.parts.items())
         for lid, x in core.leases.items()
     ]
     return {

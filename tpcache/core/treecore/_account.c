@@ -122,26 +122,39 @@ static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-/* touch(nodes, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable delta,
- * protected delta): Ledger.touch's loop (see there), each node offered to ``candidates`` as
- * Candidates.offer does (``lazy_offer``), its heaps loaded at the first push. */
+/* touch(tree_nodes, ids, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable
+ * delta, protected delta): Ledger.touch's loop (see there) over the nodes ``ids`` name in the tree's
+ * nodes dict, each offered to ``candidates`` as Candidates.offer does (``lazy_offer``), its heaps
+ * loaded at the first push. A KeyError names an id not in the tree. */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7)
-        return PyErr_Format(PyExc_TypeError, "touch takes 7 arguments, not %zd", nargs);
-    long long delta = PyLong_AsLongLong(args[1]);
-    int stamp = PyObject_IsTrue(args[2]), hit = PyObject_IsTrue(args[3]);
-    PyObject *clock = args[4];
-    LazyHeaps heaps = {.cands = args[6]};
-    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[5]);
+    if (nargs != 8)
+        return PyErr_Format(PyExc_TypeError, "touch takes 8 arguments, not %zd", nargs);
+    if (!PyDict_CheckExact(args[0]))
+        return PyErr_Format(PyExc_TypeError, "touch takes the tree's nodes dict");
+    PyObject *tree_nodes = args[0];
+    long long delta = PyLong_AsLongLong(args[2]);
+    int stamp = PyObject_IsTrue(args[3]), hit = PyObject_IsTrue(args[4]);
+    PyObject *clock = args[5];
+    LazyHeaps heaps = {.cands = args[7]};
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[6]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "touch takes a sequence of nodes");
+    PyObject *seq = PySequence_Fast(args[1], "touch takes a sequence of node ids");
     if (seq == NULL)
         return NULL;
     int64_t evictable = 0, protected_ = 0;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item;
+        if (!PyLong_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
+            goto fail;
+        }
+        if ((item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed: the tree holds it */
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, key);
+            goto fail;
+        }
         if (!is_node(item)) {
             PyErr_SetString(PyExc_TypeError, "touch: a native Node");
             goto fail;
@@ -180,151 +193,17 @@ fail:
     return NULL;
 }
 
-/* ------------------------------------------------------------------ lease records */
-
-static PyObject *s_lease_id, *s_device_nodes, *s_host_nodes, *s_pages, *s_ops, *s_releasing, *s_cursor,
-    *s_prefetch, *s_admission, *s_parts, *s_hit_pages, *s_record, *s_kept, *s_total, *s_node_id;
-
-static int load_lease_names(void) {
-    if (s_node_id != NULL)
-        return 0;
-    if (INTERN(lease_id) || INTERN(device_nodes) || INTERN(host_nodes) || INTERN(pages) || INTERN(ops) ||
-        INTERN(releasing) || INTERN(cursor) || INTERN(prefetch) || INTERN(admission) || INTERN(parts) ||
-        INTERN(hit_pages) || INTERN(record) || INTERN(kept) || INTERN(total) || INTERN(node_id))
-        return -1;
-    return 0;
-}
-
-/* An int attribute of ``o`` (``sub`` of it when given: lease.pages.total): 0, or -1 and an exception. */
-static int int_attr(PyObject *o, PyObject *name, PyObject *sub, int64_t *out) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (sub == s_total && is_holding(v)) { /* a native holding's total, read without an int object */
-        *out = (int64_t)((Holding *)v)->total;
-        Py_DECREF(v);
-        return 0;
-    }
-    if (v != NULL && sub != NULL)
-        Py_SETREF(v, PyObject_GetAttr(v, sub));
-    int rc = v == NULL ? -1 : field(v, out);
-    Py_XDECREF(v);
-    return rc;
-}
-
-/* 1: o.name is None or empty (no prefetch, no admission, no ops, no parts), 0: it is not, -1: an error. */
-static int attr_empty(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL)
-        return -1;
-    int empty = v == Py_None ? 1 : PyObject_Not(v);
-    Py_DECREF(v);
-    return empty;
-}
-
-/* The records of a lease with no prefetch, admission, ops, components or protected hit
- * (accounting.lease_record, and the kept record of Leases.records): 1 with them set, 0 for any
- * other lease (the reference's), -1 and an exception. */
-static int simple_lease(PyObject *lease, uint64_t tag, uint64_t no_ids, uint64_t *record, uint64_t *kept) {
-    int e;
-    PyObject *names[4] = {s_prefetch, s_admission, s_ops, s_parts};
-    for (int i = 0; i < 4; i++)
-        if ((e = attr_empty(lease, names[i])) <= 0)
-            return e;
-    int64_t id, dn, hn, pages, hit, releasing;
-    if (int_attr(lease, s_hit_pages, NULL, &hit) || int_attr(lease, s_lease_id, NULL, &id) ||
-        int_attr(lease, s_device_nodes, s_total, &dn) || int_attr(lease, s_host_nodes, s_total, &hn) ||
-        int_attr(lease, s_pages, s_total, &pages))
-        return -1;
-    if (hit != 0)
-        return 0;
-    PyObject *r = PyObject_GetAttr(lease, s_releasing), *cursor = r ? PyObject_GetAttr(lease, s_cursor) : NULL;
-    releasing = r ? PyObject_IsTrue(r) : -1;
-    int64_t at = -1;
-    int bad = cursor == NULL || releasing < 0 || (cursor != Py_None && int_attr(cursor, s_node_id, NULL, &at));
-    Py_XDECREF(r);
-    Py_XDECREF(cursor);
-    if (bad)
-        return -1;
-    uint8_t buf[64];
-    write64(buf, tag);
-    write64(buf + 8, (uint64_t)id);
-    write64(buf + 16, (uint64_t)dn);
-    write64(buf + 24, (uint64_t)hn);
-    write64(buf + 32, (uint64_t)pages);
-    write64(buf + 40, no_ids);
-    write64(buf + 48, (uint64_t)(releasing | (at + 1) << 1));
-    write64(buf + 56, no_ids);
-    *record = XXH3_64bits(buf, 64) & DIGEST_MASK;
-    *kept = 0;
-    if (!releasing) {
-        memset(buf, 0, sizeof buf);
-        write64(buf, (uint64_t)id);
-        write64(buf + 8, (uint64_t)pages);
-        *kept = XXH3_64bits(buf, 64) & DIGEST_MASK;
-    }
-    return 1;
-}
-
-/* Replace lease.<name> (an int record) with ``now``; ``*sum`` (mod 2**62) follows. */
-static int swap_record(PyObject *lease, PyObject *name, uint64_t now, uint64_t *sum) {
-    int64_t old;
-    if (int_attr(lease, name, NULL, &old) < 0)
-        return -1;
-    PyObject *v = PyLong_FromUnsignedLongLong(now);
-    int rc = v == NULL ? -1 : PyObject_SetAttr(lease, name, v);
-    Py_XDECREF(v);
-    *sum = (*sum - (uint64_t)old + now) & DIGEST_MASK;
-    return rc;
-}
-
-/* fold_leases(leases, digest, kept_digest, tag, no_ids, records) -> (digest, kept_digest): Ledger.record_leases's
- * loop, re-recording each lease in both sums; ``records(lease)`` gives (record, kept) for the leases the kernel
- * does not take. */
-static PyObject *py_fold_leases(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6)
-        return PyErr_Format(PyExc_TypeError, "fold_leases takes 6 arguments, not %zd", nargs);
-    uint64_t value = PyLong_AsUnsignedLongLongMask(args[1]), kept_sum = PyLong_AsUnsignedLongLongMask(args[2]);
-    uint64_t tag = PyLong_AsUnsignedLongLongMask(args[3]), no_ids = PyLong_AsUnsignedLongLongMask(args[4]);
-    if (PyErr_Occurred() || load_lease_names() < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "fold_leases takes a sequence of leases");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *lease = PySequence_Fast_GET_ITEM(seq, i);
-        uint64_t record, kept;
-        int simple = simple_lease(lease, tag, no_ids, &record, &kept);
-        if (simple == 0) {
-            PyObject *both = PyObject_CallOneArg(args[5], lease);
-            if (both == NULL || !PyArg_ParseTuple(both, "KK", &record, &kept)) {
-                Py_XDECREF(both);
-                goto fail;
-            }
-            Py_DECREF(both);
-        } else if (simple < 0)
-            goto fail;
-        if (swap_record(lease, s_record, record, &value) < 0 || swap_record(lease, s_kept, kept, &kept_sum) < 0)
-            goto fail;
-    }
-    Py_DECREF(seq);
-    return Py_BuildValue("KK", (unsigned long long)value, (unsigned long long)kept_sum);
-fail:
-    Py_DECREF(seq);
-    return NULL;
-}
+/* ------------------------------------------------------------------ holdings */
 
 int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out) {
     int64_t key;
-    if (is_node(item) || PyLong_Check(item)) {
-        if (field(is_node(item) ? ((Node *)item)->node_id : item, &key) < 0)
-            return -1;
-    } else { /* any other node: its node_id */
-        PyObject *id = PyObject_GetAttrString(item, "node_id");
-        int bad = id == NULL || field(id, &key) < 0;
-        Py_XDECREF(id);
-        if (bad)
-            return -1;
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "a holding's entry is a node id or a page (an int), not %.100s",
+                     Py_TYPE(item)->tp_name);
+        return -1;
     }
+    if (field(item, &key) < 0)
+        return -1;
     uint8_t buf[24];
     write64(buf, (uint64_t)lease);
     write64(buf + 8, (uint64_t)kind);
@@ -389,8 +268,6 @@ PyMethodDef account_methods[] = {
      "The reference record, for nodes with components or reference nodes."},
     {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
     {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (the reference for fields it does not take)."},
-    {"fold_leases", (PyCFunction)(void (*)(void))py_fold_leases, METH_FASTCALL,
-     "Ledger.record_leases's loop: leases re-recorded in the state and kept digests."},
     {"set_mix_fallback", (PyCFunction)py_set_mix_fallback, METH_O, "The reference mix, for fields the kernel does not take."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
     {NULL, NULL, 0, NULL},

@@ -253,22 +253,30 @@ static int add_to(PyObject *obj, PyObject *name, long long add, int mask) {
     return rc;
 }
 
-/* The lease's side of the chain: its pages leave lease.pages, its nodes join lease.device_nodes, and
- * lease.cursor moves to the last node if the lease pins exactly the path to it (None otherwise). */
+/* The lease's side of the chain: its pages leave lease.pages, its nodes' ids join lease.device_nodes,
+ * and lease.cursor moves to the last node's id if the lease pins exactly the path to it (None otherwise). */
 static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes,
                  const int64_t *fresh, Py_ssize_t n) {
     int64_t depth = cursor->depth;
-    PyObject *extended = NULL;
+    PyObject *extended = NULL, *ids = PyList_New(n);
+    if (ids == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(ids, i, Py_NewRef(((Node *)PyList_GET_ITEM(nodes, i))->node_id));
     /* Holding exactly the n distinct pages, the lease holds nothing else: emptied, as the reference does. */
     int all = PyList_GET_SIZE(held) == n;
     if (all && PyList_SetSlice(held, 0, n, NULL) == 0)
         ((Holding *)held)->total = 0;
     if ((all ? PyErr_Occurred() != NULL : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
-        (extended = holding_extend((Holding *)pinned_nodes, nodes)) == NULL)
+        (extended = holding_extend((Holding *)pinned_nodes, ids)) == NULL) {
+        Py_DECREF(ids);
         return -1;
+    }
     Py_DECREF(extended);
     int whole = PyList_GET_SIZE(pinned_nodes) == depth + n;
-    return PyObject_SetAttr(lease, s_cursor, whole ? PyList_GET_ITEM(nodes, n - 1) : Py_None);
+    int rc = PyObject_SetAttr(lease, s_cursor, whole ? PyList_GET_ITEM(ids, n - 1) : Py_None);
+    Py_DECREF(ids);
+    return rc;
 }
 
 /* append_chain(ledger, lease, cursor, data, pages) -> the new nodes, or None, changing nothing:

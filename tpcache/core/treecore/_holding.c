@@ -3,11 +3,16 @@
  * the reference; a running request extends its holdings a few times a step, and each change here
  * is one C call instead of a Python method with a super() call in it.
  *
- * Invariant: total == recount() after every method; a method that fails (an entry without a node
- * id, a callback that raises) changes nothing. holdings.py adds the refusals of list's other
- * mutators, as it does for the reference. */
+ * Entries are ints: node ids (a lease's pins) or pages. Nothing here calls Python code or reads an
+ * attribute by name.
+ *
+ * Invariant: total == recount() after every method; a method that fails (an entry that is not an
+ * int) changes nothing. holdings.py adds the refusals of list's other mutators, as it does for the
+ * reference. */
 #include "_node.h"
 
+#include <stdlib.h>
+#include <string.h>
 #include <structmember.h>
 
 #define MASK ((UINT64_C(1) << 62) - 1)
@@ -75,31 +80,39 @@ static PyObject *holding_empty(Holding *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* Where ``entry`` itself is in the list, or -1. */
-static Py_ssize_t position(Holding *self, PyObject *entry) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self); i++)
-        if (PyList_GET_ITEM(self, i) == entry)
-            return i;
-    return -1;
+/* An int entry's value: 1 with ``*out`` set, 0 for an int past int64 (equal to no page or id the
+ * kernels hold), -1 and an exception for anything that is not an int. */
+static int int_value(PyObject *item, int64_t *out) {
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "a holding's entry is a node id or a page (an int), not %.100s",
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return !overflow;
 }
 
 static PyObject *holding_remove(Holding *self, PyObject *item) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self); i++) {
-        PyObject *entry = Py_NewRef(PyList_GET_ITEM(self, i));
-        int same = PyObject_RichCompareBool(entry, item, Py_EQ);
+    int64_t want, have;
+    int fits = int_value(item, &want);
+    if (fits < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; fits && i < PyList_GET_SIZE(self); i++) {
+        PyObject *entry = PyList_GET_ITEM(self, i); /* an int: nothing below runs Python code */
         uint64_t term;
-        Py_ssize_t at = same > 0 ? position(self, entry) : -1; /* where an __eq__ that changed the list left it */
-        if (at >= 0 && (holding_term(self->lease_id, self->kind, entry, &term) < 0 ||
-                        PyList_SetSlice((PyObject *)self, at, at + 1, NULL) < 0))
-            same = -1;
-        Py_DECREF(entry);
-        if (same < 0)
+        if (int_value(entry, &have) <= 0 || have != want)
+            continue;
+        if (holding_term(self->lease_id, self->kind, entry, &term) < 0 ||
+            PyList_SetSlice((PyObject *)self, i, i + 1, NULL) < 0)
             return NULL;
-        if (at >= 0) {
-            self->total = (self->total - term) & MASK;
-            Py_RETURN_NONE;
-        }
+        self->total = (self->total - term) & MASK;
+        Py_RETURN_NONE;
     }
+    PyErr_Clear();
     return PyErr_Format(PyExc_ValueError, "list.remove(x): x not in list");
 }
 
@@ -114,60 +127,78 @@ static PyObject *keep_only(Holding *self, PyObject *kept, PyObject *gone) {
     Py_RETURN_NONE;
 }
 
-/* Split the entries into those ``test`` keeps and the others, in order; ``test`` is a container
- * (keep what it lacks) when ``call`` is 0, a callable (keep what it accepts) otherwise. */
-static PyObject *split(Holding *self, PyObject *test, int call) {
-    PyObject *copy = PyList_GetSlice((PyObject *)self, 0, PyList_GET_SIZE(self)); /* test may change us */
-    PyObject *kept = PyList_New(0), *gone = PyList_New(0), *done = NULL;
-    if (copy == NULL || kept == NULL || gone == NULL)
-        goto out;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(copy); i++) {
-        PyObject *item = PyList_GET_ITEM(copy, i);
-        int keep;
-        if (call) {
-            PyObject *verdict = PyObject_CallOneArg(test, item);
-            keep = verdict == NULL ? -1 : PyObject_IsTrue(verdict);
-            Py_XDECREF(verdict);
-        } else {
-            int in = PySequence_Contains(test, item);
-            keep = in < 0 ? -1 : !in;
-        }
-        if (keep < 0 || PyList_Append(keep ? kept : gone, item) < 0)
-            goto out;
+/* discard(items): drop every entry equal to one of ``items`` (ints: node ids or pages), keeping the
+ * others in order. */
+static PyObject *holding_discard(Holding *self, PyObject *items) {
+    PyObject *seq = PySequence_Fast(items, "a holding discards an iterable of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), used = 0;
+    int64_t local[64], *drop = count <= 64 ? local : PyMem_Malloc((size_t)count * sizeof(int64_t));
+    int rc = drop == NULL ? -1 : 0;
+    if (drop == NULL)
+        PyErr_NoMemory();
+    for (Py_ssize_t i = 0; rc == 0 && i < count; i++) {
+        int fits = int_value(PySequence_Fast_GET_ITEM(seq, i), &drop[used]);
+        if (fits < 0)
+            rc = -1;
+        used += fits > 0; /* an int past int64 is no entry's value */
     }
-    done = keep_only(self, kept, gone);
-out:
-    Py_XDECREF(copy);
-    Py_XDECREF(kept);
-    Py_XDECREF(gone);
-    return done;
+    if (rc == 0)
+        rc = holding_drop_ints(self, drop, used);
+    if (drop != local)
+        PyMem_Free(drop);
+    Py_DECREF(seq);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
-static PyObject *holding_discard(Holding *self, PyObject *items) { return split(self, items, 0); }
+static int compare_int64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether ``v`` is one of the ``count`` values at ``drop`` (sorted ascending when ``sorted``). */
+static int among(const int64_t *drop, Py_ssize_t count, int sorted, int64_t v) {
+    if (sorted)
+        return bsearch(&v, drop, (size_t)count, sizeof *drop, compare_int64) != NULL;
+    for (Py_ssize_t k = 0; k < count; k++)
+        if (drop[k] == v)
+            return 1;
+    return 0;
+}
 
 int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count) {
     PyObject *kept = PyList_New(0), *gone = PyList_New(0), *done = NULL;
+    int64_t *order = NULL; /* a sorted copy when there are many to look up */
+    if (count > 16 && (order = PyMem_Malloc((size_t)count * sizeof *order)) != NULL) {
+        memcpy(order, drop, (size_t)count * sizeof *order);
+        qsort(order, (size_t)count, sizeof *order, compare_int64);
+        drop = order;
+    } else if (count > 16) {
+        PyErr_NoMemory();
+        goto out;
+    }
     for (Py_ssize_t i = 0; kept != NULL && gone != NULL && i < PyList_GET_SIZE(self); i++) {
         PyObject *item = PyList_GET_ITEM(self, i);
-        int overflow = 0, in = 0;
+        int overflow = 0;
         long long v = PyLong_Check(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
         if (v == -1 && PyErr_Occurred())
             goto out;
-        for (Py_ssize_t k = 0; k < count && !in && PyLong_Check(item) && !overflow; k++)
-            in = drop[k] == v; /* (an int past int64 is none of them) */
+        int in = PyLong_Check(item) && !overflow && among(drop, count, order != NULL, v); /* (past int64: none) */
         if (PyList_Append(in ? gone : kept, item) < 0)
             goto out;
     }
     if (kept != NULL && gone != NULL)
         done = keep_only(self, kept, gone);
 out:
+    PyMem_Free(order);
     Py_XDECREF(kept);
     Py_XDECREF(gone);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
 }
-
-static PyObject *holding_retain(Holding *self, PyObject *keep) { return split(self, keep, 1); }
 
 static PyObject *holding_truncate(Holding *self, PyObject *arg) {
     Py_ssize_t length = PyNumber_AsSsize_t(arg, PyExc_OverflowError), size = PyList_GET_SIZE(self);
@@ -199,9 +230,8 @@ static PyMethodDef holding_methods[] = {
     {"extend", (PyCFunction)holding_extend, METH_O, "Add the entries of an iterable."},
     {"empty", (PyCFunction)holding_empty, METH_NOARGS, "Drop every entry (the sum of none is 0)."},
     {"remove", (PyCFunction)holding_remove, METH_O, "Drop the first entry equal to this one (ValueError if none)."},
-    {"discard", (PyCFunction)holding_discard, METH_O, "Drop every entry in a container, keeping the others in order."},
+    {"discard", (PyCFunction)holding_discard, METH_O, "Drop every entry equal to one of these ints, keeping the others in order."},
     {"truncate", (PyCFunction)holding_truncate, METH_O, "Drop every entry from this position on."},
-    {"retain", (PyCFunction)holding_retain, METH_O, "Keep only the entries a callable accepts, in order."},
     {"recount", (PyCFunction)holding_recount, METH_NOARGS, "The total computed from scratch (the invariant's check)."},
     {NULL, NULL, 0, NULL},
 };

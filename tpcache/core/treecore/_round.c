@@ -6,12 +6,6 @@
 #include "_hash.h"
 
 
-static PyObject *s_op_id, *s_page_hashes;
-
-static int load_names(void) {
-    return (s_op_id == NULL && INTERN(op_id)) || (s_page_hashes == NULL && INTERN(page_hashes)) ? -1 : 0;
-}
-
 /* XXH3 of the ``n`` ids at ``items`` as little-endian int64, mod 2**62: 0, or -1 and an exception
  * (OverflowError for an id outside int64, as array('q') raises). */
 static int hash_ids(PyObject *const *items, Py_ssize_t n, uint64_t *out) {
@@ -52,34 +46,26 @@ static PyObject *py_mix_ids(PyObject *mod, PyObject *ids) {
     return rc < 0 ? NULL : PyLong_FromUnsignedLongLong(h);
 }
 
-/* One queue's four fields (round.queue_fields) appended to ``out``: 0; 1 when a landed count is not
- * an int64, which the reference (its caller's fallback) reads as it reads it; or -1 and an exception. */
-static int one_queue(PyObject *pending, PyObject *landed, PyObject *out) {
-    PyObject *ops = PySequence_List(pending);
-    if (ops == NULL)
+/* One queue's four fields (round.queue_fields) appended to ``out``, from its ops' ids and page counts
+ * (two lists of ints, in the queue's order): 0; 1 when a landed count is not an int64, which the
+ * reference (its caller's fallback) reads as it reads it; or -1 and an exception. */
+static int one_queue(PyObject *ids, PyObject *sizes, PyObject *landed, PyObject *out) {
+    if (!PyList_Check(ids) || !PyList_Check(sizes) || PyList_GET_SIZE(ids) != PyList_GET_SIZE(sizes)) {
+        PyErr_SetString(PyExc_TypeError, "queue_fields takes, per queue, a list of op ids and a list of page counts");
         return -1;
-    Py_ssize_t n = PyList_GET_SIZE(ops), got = 0; /* ids[0..got) hold references */
-    PyObject *local[32], **ids = n <= 32 ? local : PyMem_Malloc((size_t)n * sizeof(PyObject *));
-    int64_t done = 0, clean = 0, head = 0;
-    int rc = -1, seen_gap = 0;
-    if (ids == NULL) {
-        PyErr_NoMemory();
-        goto out;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *op = PyList_GET_ITEM(ops, i);
-        if ((ids[i] = PyObject_GetAttr(op, s_op_id)) == NULL)
-            goto out;
-        got = i + 1;
-        if (seen_gap)
-            continue;
-        PyObject *pages = PyDict_GetItemWithError(landed, ids[i]); /* borrowed */
+    PyObject *copy = PyList_GetSlice(ids, 0, PyList_GET_SIZE(ids)); /* a dict lookup cannot change it */
+    if (copy == NULL)
+        return -1;
+    Py_ssize_t n = PyList_GET_SIZE(copy);
+    int64_t done = 0, clean = 0, head = 0;
+    int rc = -1;
+    for (Py_ssize_t i = 0; i < n && PyList_GET_SIZE(sizes) == n; i++) {
+        PyObject *pages = PyDict_GetItemWithError(landed, PyList_GET_ITEM(copy, i)); /* borrowed */
         if (pages == NULL && PyErr_Occurred())
             goto out;
-        if (pages == NULL || pages == Py_None) {
-            seen_gap = 1; /* the first op not finished ends the count */
-            continue;
-        }
+        if (pages == NULL || pages == Py_None)
+            break; /* the first op not finished ends the count */
         int overflow = 0;
         long long landed_pages = PyLong_Check(pages) ? PyLong_AsLongLongAndOverflow(pages, &overflow) : 0;
         if (!PyLong_Check(pages) || overflow) {
@@ -90,18 +76,14 @@ static int one_queue(PyObject *pending, PyObject *landed, PyObject *out) {
         if (i == 0)
             head = landed_pages;
         if (clean == done - 1) {
-            PyObject *hashes = PyObject_GetAttr(op, s_page_hashes);
-            if (hashes == NULL)
-                goto out;
-            Py_ssize_t num_pages = PyObject_Length(hashes);
-            Py_DECREF(hashes);
-            if (num_pages < 0)
+            int64_t num_pages;
+            if (field(PyList_GET_ITEM(sizes, i), &num_pages) < 0)
                 goto out;
             clean += landed_pages == num_pages;
         }
     }
     uint64_t digest;
-    if (hash_ids(ids, n, &digest) < 0)
+    if (hash_ids(PySequence_Fast_ITEMS(copy), n, &digest) < 0)
         goto out;
     int64_t fields[3] = {done, clean, done ? head : 0};
     PyObject *d = PyLong_FromUnsignedLongLong(digest);
@@ -120,44 +102,32 @@ static int one_queue(PyObject *pending, PyObject *landed, PyObject *out) {
     }
     rc = 0;
 out:
-    for (Py_ssize_t i = 0; i < got; i++)
-        Py_DECREF(ids[i]);
-    if (ids != local)
-        PyMem_Free(ids);
-    Py_DECREF(ops);
+    Py_DECREF(copy);
     return rc;
 }
 
-/* queue_fields(queues, landed) -> [digest, done, clean, head_acked] per queue, in order, as
- * round.queue_fields computes them (``landed`` a dict: op id -> pages landed); None when a landed
- * count is not an int64 (the caller falls back to the reference). */
+/* queue_fields(ids, sizes, landed) -> [digest, done, clean, head_acked] per queue, in order, as
+ * round.queue_fields computes them: ``ids[q]`` the op ids in queue q, ``sizes[q]`` their pages,
+ * ``landed`` a dict: op id -> pages landed. None when a landed count is not an int64 (the caller
+ * falls back to the reference). */
 static PyObject *py_queue_fields(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyDict_Check(args[1]))
-        return PyErr_Format(PyExc_TypeError, "queue_fields takes the queues and a dict of landed ops");
-    if (load_names() < 0)
-        return NULL;
-    PyObject *it = PyObject_GetIter(args[0]), *out = it == NULL ? NULL : PyList_New(0), *pending;
-    if (out == NULL)
-        goto fail;
-    while ((pending = PyIter_Next(it)) != NULL) {
-        int rc = one_queue(pending, args[1], out);
-        Py_DECREF(pending);
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]))
+        return PyErr_Format(PyExc_TypeError, "queue_fields takes two lists (op ids, page counts) and a dict of landed ops");
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t q = 0; out != NULL && q < PyList_GET_SIZE(args[0]) && q < PyList_GET_SIZE(args[1]); q++) {
+        PyObject *ids = Py_NewRef(PyList_GET_ITEM(args[0], q)), *sizes = Py_NewRef(PyList_GET_ITEM(args[1], q));
+        int rc = one_queue(ids, sizes, args[2], out);
+        Py_DECREF(ids);
+        Py_DECREF(sizes);
         if (rc < 0)
-            goto fail;
-        if (rc > 0) {
-            Py_DECREF(it);
+            Py_CLEAR(out);
+        else if (rc > 0) {
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
     }
-    if (PyErr_Occurred())
-        goto fail;
-    Py_DECREF(it);
     return out;
-fail:
-    Py_XDECREF(it);
-    Py_XDECREF(out);
-    return NULL;
 }
 
 /* pack_pairs(values) -> array('q', [x0, -x0, x1, -x1, ...]), what the collective sends (no int

@@ -68,7 +68,7 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
     """A lease's contribution to the state digest: what it pins, holds and waits for (its holdings'
     totals, see ``holdings``), where ``append`` continues, and per component what it pins and holds,
     and its protected prefix."""
-    cursor = 0 if lease.cursor is None else lease.cursor.node_id + 1
+    cursor = 0 if lease.cursor is None else lease.cursor + 1
     record = mix(
         LEASE_TAG,
         lease.lease_id,
@@ -82,8 +82,8 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
     fields: list[int] = []
     for c, held in lease.parts.items():
         if held.device_nodes or held.host_nodes or held.pages:  # an empty entry holds nothing
-            fields += [c, len(held.device_nodes), *(n.node_id for n in held.device_nodes)]
-            fields += [len(held.host_nodes), *(n.node_id for n in held.host_nodes), len(held.pages), *held.pages]
+            fields += [c, len(held.device_nodes), *held.device_nodes]
+            fields += [len(held.host_nodes), *held.host_nodes, len(held.pages), *held.pages]
     if not fields and not lease.hit_pages:
         return record
     fields.append(lease.hit_pages)

@@ -1,6 +1,6 @@
 """``TreeCore``'s bulk reads: one call over a path or a list of ids, so that a hot loop pays one
 Python call per operation rather than per page. Each returns plain values (ids, states, pages) but
-``walk``, whose ``nodes`` are the handles of ``walk_ids``'s ids."""
+``walk``, a ``Walk`` that orchestration reads by its ``ids`` (and the tree core by its nodes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 from tpcache.core.tiers import DeviceState, HostState
 from tpcache.core.treecore.accounting import unresident
-from tpcache.core.treecore.tree import Node, RadixTree, Walk
+from tpcache.core.treecore.tree import RadixTree, Walk
 
 _VALID = DeviceState.VALID
 _HOST_VALID = HostState.VALID
@@ -77,9 +77,10 @@ class BulkReads:
         """Every device page a node holds device-VALID; a new set."""
         return {n.device_page for n in self.tree.nodes.values() if n.device_state == _VALID}
 
-    def walk(self, tokens: bytes) -> Walk:
-        """The walk of ``tokens`` (int32 bytes): its ``nodes`` are the handles of ``walk_ids``'s ids. Pure."""
-        return self.tree.walk(tokens)
+    def walk(self, tokens: bytes, start: int | None = None) -> Walk:
+        """The walk of ``tokens`` (int32 bytes) from the root, or from node ``start`` (then the
+        tokens are those of the pages below it): ``walk.ids`` are ``walk_ids``'s ids. Pure."""
+        return self.tree.walk(tokens, None if start is None else self.tree.nodes[start])
 
     def load_reach(self, ids: Sequence[int]) -> tuple[int, int, int, int]:
         """A load's rule along a path (``ids``, first page first): (its device-VALID leading pages;
@@ -122,10 +123,11 @@ class BulkReads:
         node = self.tree.nodes[node_id]
         return node.parent is None or node.host_state == _HOST_VALID or node.device_state == _VALID
 
-    def unresident(self, handles: Sequence[Node]) -> list[int]:
-        """The ids of those of ``handles`` that hold a copy on no tier, in order (a long path is
-        filtered in one pass, in C where built)."""
-        return [n.node_id for n in unresident(handles)]
+    def unresident(self, ids: Sequence[int]) -> list[int]:
+        """Those of ``ids`` whose node holds a copy on no tier, in order (a long path is filtered in
+        one pass, in C where built)."""
+        nodes = self.tree.nodes
+        return [n.node_id for n in unresident([nodes[i] for i in ids])]
 
     def tier_states(self, ids: Iterable[int]) -> list[tuple[int, int, int]]:
         """(device state, host state, storage state) of each node, in order."""

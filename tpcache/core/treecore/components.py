@@ -119,10 +119,10 @@ class Part:
         self.host = HostAllocator(spec.host_slots, f"{spec.name} host")
         self.evictable = 0  # device-valid, unpinned
         self.mirrors: dict[int, Node] = {}  # by node id: on device, on host and durable
-        self.backlog: dict[int, Node] = {}  # nodes whose component waits for a host slot, oldest first
+        self.backlog: dict[int, int] = {}  # nodes whose component waits for a host slot, oldest first
         # SWA data behind a request's window that a copy (or another request) still read when the
         # request let go of it: freed by the first commit that finds it unpinned.
-        self.behind: dict[int, Node] = {}
+        self.behind: dict[int, int] = {}
         self.device_heap: list[Entry] = []
         self.host_heap: list[Entry] = []
 

@@ -9,18 +9,19 @@ return plain values. Which backend holds the nodes (``reference``: the Python of
 ``native``: the C extension built from it) is chosen once by ``tpcache.core.backend``; every method
 behaves the same on both, and ``tests/treecore`` holds both to it.
 
-A few modules still pass node handles between them (a lease's holdings and an op's nodes hold them):
-``ids_of`` and ``handles`` convert at that edge, and nothing outside this package reads a handle's
-fields (``tests/unit/test_architecture.py``).
+A lease's holdings, its cursor and an op's nodes hold ids too: no module outside this package
+passes or receives a node handle (``tests/unit/test_architecture.py``). A ``Walk`` that ``walk``
+returns is read outside by its ``ids``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
+from tpcache.core.backend import NATIVE as _native
 from tpcache.core.config import CacheConfig
-from tpcache.core.records import Stats
+from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.treecore.accounting import is_mirror
 from tpcache.core.treecore.bulk import BulkReads
@@ -81,21 +82,6 @@ class TreeCore(BulkReads):
         self.tree = RadixTree(config.page_size, config.namespace)
         self.candidates = Candidates(config.eviction_policy, self.tree)
         self.ledger = Ledger(config, self.tree, self.candidates)
-
-    # ------------------------------------------------------------------ the edge with handles
-
-    def id_of(self, handle: Node) -> int:
-        """The id of one node handle."""
-        return handle.node_id
-
-    def ids_of(self, handles: Iterable[Node]) -> list[int]:
-        """The ids of these node handles, in order (a lease's or an op's nodes)."""
-        return [n.node_id for n in handles]
-
-    def handles(self, ids: Iterable[int]) -> list[Node]:
-        """The handles of these live node ids, in order; KeyError names an id not in the tree."""
-        nodes = self.tree.nodes
-        return [nodes[i] for i in ids]
 
     # ------------------------------------------------------------------ reads: plain values
 
@@ -273,7 +259,7 @@ class TreeCore(BulkReads):
     def touch(self, ids: Sequence[int], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
         """``update(i, device_pins=..., stamp=..., hit=...)`` for each id in order, in one loop (in C
         where built): pins, stamps and hits change no tier, so no mirror and no neighbour's candidacy."""
-        self.ledger.touch(self.handles(ids), device_pins, stamp, hit)
+        self.ledger.touch(ids, device_pins, stamp, hit)
 
     def settle(
         self,
@@ -285,7 +271,8 @@ class TreeCore(BulkReads):
     ) -> None:
         """``update(i, device=(device, its page), host=(host, its slot), storage=..., host_pins=...)``
         for each id in order (None: that tier unchanged): one agreed copy's change, in one loop."""
-        self.ledger.settle(self.handles(ids), device, host, storage, host_pins)
+        nodes = self.tree.nodes
+        self.ledger.settle([nodes[i] for i in ids], device, host, storage, host_pins)
 
     def free_host_copy(self, node_id: int) -> None:
         """Drop the node's host copy and free its slot (the node may then hold nothing: see
@@ -302,6 +289,28 @@ class TreeCore(BulkReads):
     def dispose(self) -> None:
         """Drop every node (a reset): the tree is empty afterwards and this core is not used again."""
         self.tree.dispose()
+
+    def add_pinned_chain(self, parent: int, data: bytes, offset: int, pages: list[int]) -> list[int]:
+        """New nodes for the pages of ``data`` from byte ``offset`` on, one per page of ``pages``,
+        each below the one before, the first below ``parent``; returns their ids, each larger than
+        every id before it. Each is device VALID on its page, pinned once, stamped now and counted
+        protected. ``parent`` must have no child for the first page."""
+        return [n.node_id for n in self.ledger.add_pinned_chain(self.tree.nodes[parent], data, offset, pages)]
+
+    def append_chain(self, lease: Lease, cursor: int, data: bytes, pages: list[int]) -> list[int] | None:
+        """``add_pinned_chain`` below the lease's cursor for an append whose pages are all new and
+        that the lease holds, with the clock ticked and the lease adopting them (its pages leave
+        ``lease.pages``, their ids join ``lease.device_nodes``, its cursor moves to the last one if
+        it pins exactly that path): the ids, in C where built. None, changing nothing, for any other
+        append (the caller's own steps decide it)."""
+        if _native is None:
+            return None
+        nodes = _native.append_chain(self.ledger, lease, self.tree.nodes[cursor], data, pages)
+        if nodes is None:
+            return None
+        if self.ledger.feed is not None:
+            self.ledger.feed.fresh(nodes)
+        return [n.node_id for n in nodes]
 
     def free_device_pages(self, pages: Sequence[int]) -> None:
         """Return device pages no node holds (a failed load's, a lease's unused ones) to the free list."""

@@ -58,7 +58,7 @@ class Evictor:
         self.ledger = ledger
         self.candidates = candidates
         self.write_back = write_back
-        self.back_up: Callable[[list[Node]], None] = lambda nodes: None  # the core wires the backup layer
+        self.back_up: Callable[[list[int]], None] = lambda ids: None  # the core wires the backup layer (by id)
         self.retention_cap_tokens = ledger.config.retention_cap_tokens
 
     # ------------------------------------------------------------------ allocation
@@ -204,7 +204,7 @@ class Evictor:
         for node in kept:
             self.candidates.offer(node)
         if backups:
-            self.back_up(backups)
+            self.back_up([n.node_id for n in backups])
             if drop_dirty:
                 for node in backups:  # no host slot for its copy: evict it anyway, it is only a cache
                     if node.node_id in led.backup_backlog and is_device_candidate(node):

@@ -4,7 +4,8 @@ A lease's record in the state digest covers every node it pins and every page it
 those lists whole would make each change to a lease cost the length of its path; instead each list
 keeps ``total``, the sum (mod 2**62) of one term per entry, updated by the entry that changed, so a
 request that adds two pages to a 140-page context re-records its lease in O(2). The sum does not
-depend on the order of the entries: ranks that hold the same entries agree.
+depend on the order of the entries: ranks that hold the same entries agree. Entries are ints: the
+ids of the nodes a lease pins, or the pages it holds.
 
 Invariant: ``total == recount()`` after every change; ``invariants.check`` recomputes it. Only the
 methods below change a holding (anything else raises), so the sum cannot drift.
@@ -13,7 +14,7 @@ methods below change a holding (anything else raises), so the sum cannot drift.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import xxhash
@@ -45,8 +46,11 @@ class _Holding(list):
         if items:  # most holdings start empty (a lease's three)
             self.extend(items)
 
-    def _terms(self, items: list[Any]) -> int:
-        return sum(term(self.lease_id, self.kind, key_of(item)) for item in items)
+    def _terms(self, items: list[int]) -> int:
+        try:
+            return sum(term(self.lease_id, self.kind, item) for item in items)
+        except struct.error:
+            raise TypeError("a holding's entry is a node id or a page (an int)") from None
 
     # Each change computes its terms before it changes the list: one that raises changes nothing.
 
@@ -73,12 +77,13 @@ class _Holding(list):
         super().remove(item)
         self.total = (self.total - terms) & DIGEST_MASK
 
-    def discard(self, items: Container[Any]) -> None:
-        """Drop every entry that is in ``items``, keeping the others in order (``remove`` of each,
-        for entries that are distinct, in one pass)."""
-        gone = [item for item in self if item in items]
+    def discard(self, items: Iterable[int]) -> None:
+        """Drop every entry equal to one of ``items``, keeping the others in order (``remove`` of
+        each, for entries that are distinct, in one pass)."""
+        drop = items if isinstance(items, set | frozenset | dict) else set(items)
+        gone = [item for item in self if item in drop]
         if gone:
-            kept = [item for item in self if item not in items]
+            kept = [item for item in self if item not in drop]
             terms = self._terms(gone)
             super().__delitem__(slice(None))
             super().extend(kept)
@@ -89,32 +94,20 @@ class _Holding(list):
         self.total = (self.total - self._terms(self[length:])) & DIGEST_MASK
         super().__delitem__(slice(length, None))
 
-    def retain(self, keep: Callable[[Any], bool]) -> None:
-        """Keep only the entries ``keep`` accepts, in order."""
-        kept = [item for item in self if keep(item)]
-        terms = self._terms(kept)
-        super().clear()
-        super().extend(kept)
-        self.total = terms & DIGEST_MASK
-
     def recount(self) -> int:
         """The total computed from scratch (the invariant's check)."""
         return self._terms(self) & DIGEST_MASK
 
 
-def key_of(item: Any) -> int:
-    """An entry's key: a page is its own, a node is keyed by its id."""
-    return item if isinstance(item, int) else item.node_id
-
-
 def term(lease_id: int, kind: int, key: int) -> int:
-    """One entry's share of a holding's total: the same key under another kind or lease is another term."""
+    """One entry's share of a holding's total (``key``: a node id or a page): the same key under
+    another kind or lease is another term."""
     return _digest(_TERM.pack(lease_id, kind, key)) & DIGEST_MASK
 
 
 def _refuse(self: list, *args: Any, **kwargs: Any) -> None:
     name = type(self).__name__
-    raise TypeError(f"{name} changes only through append/extend/empty/remove/discard/truncate/retain")
+    raise TypeError(f"{name} changes only through append/extend/empty/remove/discard/truncate")
 
 
 class _Refusing:

@@ -60,19 +60,26 @@ def check(core: CacheCore) -> None:
         fetch = lease.prefetch
         if fetch is not None and fetch.status != "done" and core.prefetcher.started.get(lease.lease_id) is not lease:
             fail(f"lease {lease.lease_id}: its fetch is {fetch.status} but not among those a commit ticks")
-        ids = [n.node_id for n in lease.device_nodes]
+        ids = list(lease.device_nodes)
         if len(set(ids)) != len(ids):
             fail(f"lease {lease.lease_id} pins a node twice on device")
         pinned = set(ids)
         for held in (lease.device_nodes, lease.host_nodes, lease.pages):
             if held.total != held.recount():
                 fail(f"lease {lease.lease_id}: a holding's total is stale (changed around its methods)")
-        cursor = lease.cursor
-        if cursor is not None and (
-            len(ids) != cursor.depth or any(n.node_id not in pinned or not n.device_valid for n in cursor.path())
+        for node_id in (*lease.device_nodes, *lease.host_nodes):
+            if node_id not in core.tree.nodes:
+                fail(f"lease {lease.lease_id} pins node {node_id}, which is not in the tree")
+                return
+        cursor = None if lease.cursor is None else core.tree.nodes.get(lease.cursor)
+        if lease.cursor is not None and (
+            cursor is None
+            or len(ids) != cursor.depth
+            or any(n.node_id not in pinned or not n.device_valid for n in cursor.path())
         ):
-            fail(f"lease {lease.lease_id}: it does not pin exactly the valid path to its cursor {cursor.node_id}")
-        for n in lease.device_nodes:  # a lease pins whole paths: no pinned page has an unpinned ancestor
+            fail(f"lease {lease.lease_id}: it does not pin exactly the valid path to its cursor {lease.cursor}")
+        # A lease pins whole paths: no pinned page has an unpinned ancestor.
+        for n in (core.tree.nodes[i] for i in lease.device_nodes):
             if n.parent is not None and n.parent.parent is not None and n.parent.node_id not in pinned:
                 fail(f"lease {lease.lease_id} pins node {n.node_id} but not its parent {n.parent.node_id}")
         for op_id in lease.ops:
@@ -82,10 +89,10 @@ def check(core: CacheCore) -> None:
                 fail(f"lease {lease.lease_id} waits for op {op_id}, which is not in flight")
         for p in lease.pages:
             own(device_owner, p, f"lease {lease.lease_id}")
-        for n in lease.device_nodes:
-            dev_pins[n.node_id] = dev_pins.get(n.node_id, 0) + 1
-        for n in lease.host_nodes:
-            host_pins[n.node_id] = host_pins.get(n.node_id, 0) + 1
+        for node_id in lease.device_nodes:
+            dev_pins[node_id] = dev_pins.get(node_id, 0) + 1
+        for node_id in lease.host_nodes:
+            host_pins[node_id] = host_pins.get(node_id, 0) + 1
         fields = lease.state_fields()
         if lease.record != lease_record(lease, fields):
             fail(f"lease {lease.lease_id}: its digest record is stale (changed outside the ledger)")
@@ -202,10 +209,13 @@ def _check_ops(
         for op in queue:
             for node_id in op.pinned:
                 dev_pins[node_id] = dev_pins.get(node_id, 0) + 1
-            for n in op.nodes:
-                if n.parent is None:
-                    fail(f"op {op.op_id} references a removed node {n.node_id}")
-            for _, n in op.full_moves():
+            nodes = core.tree.nodes
+            for node_id in op.nodes:
+                if node_id not in nodes or nodes[node_id].parent is None:
+                    fail(f"op {op.op_id} references a removed node {node_id}")
+                    return
+            for _, node_id in op.full_moves():
+                n = nodes[node_id]
                 if op.engine_pages and kind == OpKind.LOAD:
                     if n.host_state != HostState.VALID:  # reads under its lease's pins, into engine blocks
                         fail(f"engine load op {op.op_id}: node {n.node_id} is {n!r}")
@@ -266,10 +276,10 @@ def _check_part(core: CacheCore, p: Part, fail: Callable[[str], None]) -> None:
             continue
         for slot in held.pages:
             own(dev_owner, slot, f"lease {lease.lease_id}")
-        for n in held.device_nodes:
-            dpins[n.node_id] = dpins.get(n.node_id, 0) + 1
-        for n in held.host_nodes:
-            hpins[n.node_id] = hpins.get(n.node_id, 0) + 1
+        for node_id in held.device_nodes:
+            dpins[node_id] = dpins.get(node_id, 0) + 1
+        for node_id in held.host_nodes:
+            hpins[node_id] = hpins.get(node_id, 0) + 1
     expect = {
         OpKind.BACKUP: (HOST, 1),  # (field that must be in flight, state)
         OpKind.LOAD: (DEV, 1),
@@ -283,7 +293,7 @@ def _check_part(core: CacheCore, p: Part, fail: Callable[[str], None]) -> None:
                     continue
                 field, state = expect[kind]
                 for i in pc.index:
-                    n = op.nodes[i]
+                    n = core.tree.nodes[op.nodes[i]]
                     if n.comp is None or n.comp[b + field] != state:
                         fail(f"{kind.name} op {op.op_id}: node {n.node_id}'s {p.name} data is not in flight")
                     pins = dpins if kind == OpKind.BACKUP else hpins
@@ -335,6 +345,6 @@ def _check_part(core: CacheCore, p: Part, fail: Callable[[str], None]) -> None:
     if sorted(mirrors) != sorted(p.mirrors):
         fail(f"{p.name} mirror index {sorted(p.mirrors)} != {sorted(mirrors)}")
     for what, table in (("backlog", p.backlog), ("release queue", p.behind)):
-        for node_id, node in table.items():
-            if core.tree.nodes.get(node_id) is not node:
+        for node_id, value in table.items():
+            if node_id not in core.tree.nodes or value != node_id:
                 fail(f"{p.name} {what} holds node {node_id}, which is not in the tree")

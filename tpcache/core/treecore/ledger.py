@@ -11,7 +11,7 @@ counters, the mirror index and the eviction candidate heaps, and each component'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tpcache.core.backend import NATIVE
@@ -22,9 +22,7 @@ from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, StorageState, check_transition
 from tpcache.core.treecore.accounting import (
     EVICTABLE,
-    LEASE_TAG,
     MIRROR,
-    NO_IDS,
     PROTECTED,
     flags_of,
     record_of,
@@ -80,7 +78,7 @@ class Ledger:
         # ever free, so its plan looks at these and not at the whole tree.
         self.mirrors: dict[int, Node] = {}
         # Pages waiting for a host slot to be backed up, oldest first; its length is the host deficit.
-        self.backup_backlog: dict[int, Node] = {}
+        self.backup_backlog: dict[int, int] = {}  # node id -> itself, oldest first
         # A hybrid model's other components, by index (1, 2, ...): pools and summaries of each.
         self.parts: dict[int, Part] = {spec.index: Part(spec, tree) for spec in config.components()}
         # Told about every node before its tiers change (``feed.py``); None: nobody reads the changes.
@@ -176,18 +174,19 @@ class Ledger:
             slot = None if host is None else (host, node.host_slot)
             self.update(node, device=dev, host=slot, storage=storage, host_pins=host_pins)
 
-    def touch(self, nodes: Iterable[Node], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
-        """``update(node, device_pins=..., stamp=..., hit=...)`` for each node in order, in one loop:
-        the same changes, records, counters and offers. A pin, a stamp or a hit changes no tier, so
-        no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
-        if _native is not None:  # the same loop in C (_account.c)
+    def touch(self, ids: Sequence[int], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
+        """``update(node, device_pins=..., stamp=..., hit=...)`` for the node of each id in order, in
+        one loop: the same changes, records, counters and offers. A pin, a stamp or a hit changes no
+        tier, so no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
+        if _native is not None:  # the same loop in C (_account.c), each node found in the tree's dict
             value, evictable, protected = _native.touch(
-                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates
+                self.tree.nodes, ids, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates
             )  # each node offered as ``self.candidates.offer`` does, the heaps read once
             self.digest.value = value
         else:
+            nodes = self.tree.nodes
             value, evictable, protected = touch_nodes(
-                nodes, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
+                [nodes[i] for i in ids], device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
             )
             self.digest.value = value & DIGEST_MASK
         self.evictable_device_pages += evictable
@@ -343,11 +342,6 @@ class Ledger:
         ``records(lease)`` is (its record in the state digest, its record in the kept digest).
         Returns ``kept_digest`` with the leases' kept records replaced."""
         digest = self.digest
-        if _native is not None:  # the same loop in C (_account.c), which calls ``records`` for what it does not take
-            digest.value, kept_digest = _native.fold_leases(
-                leases, digest.value, kept_digest, LEASE_TAG, NO_IDS, records
-            )
-            return kept_digest
         value = digest.value
         for lease in leases:
             record, kept = records(lease)

@@ -199,18 +199,8 @@ class Walk:
     Matched pages are found by their tokens, so a hit costs no hashing; page slices and the hash
     chain of the pages past the match are computed only when asked for."""
 
-    __slots__ = (
-        "nodes",
-        "num_pages",
-        "segments",
-        "matched_pages",
-        "_tokens",
-        "_step",
-        "_seed",
-        "_root_hash",
-        "_pages",
-        "_hashes",
-    )
+    __slots__ = ("nodes", "num_pages", "segments", "matched_pages", "_tokens", "_step", "_seed", "_root_hash")
+    __slots__ += ("_pages", "_hashes", "_ids")  # (the caches)
 
     def __init__(self, token_bytes: bytes, step: int, seed: int, root_hash: int) -> None:
         self.nodes: list[Node] = []  # matched nodes, first page first
@@ -225,6 +215,14 @@ class Walk:
         self._root_hash = root_hash
         self._pages: list[bytes] | None = None
         self._hashes: list[int] | None = None
+        self._ids: list[int] | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        """The matched nodes' ids, first page first (computed once; the walk's nodes do not change)."""
+        if self._ids is None or len(self._ids) != len(self.nodes):
+            self._ids = [n.node_id for n in self.nodes]
+        return self._ids
 
     def device_page_ids(self, count: int) -> array:
         """The device pages of the first ``count`` matched nodes (copied from run caches)."""
