@@ -435,7 +435,7 @@ def test_append_chain_takes_only_new_pages_the_lease_holds_and_otherwise_changes
         assert _node.append_chain(*args) is None, args
         assert state() == before
     assert lease.cursor == cursor.node_id
-    nodes = _node.append_chain(led, lease, cursor, data, fresh)
-    assert [n.device_page for n in nodes] == fresh and lease.cursor == nodes[-1].node_id and lease.pages == []
-    assert led.clock == before[2] + 1 and list(lease.device_nodes) == before[4] + [n.node_id for n in nodes]
+    ids = _node.append_chain(led, lease, cursor, data, fresh)
+    assert [core.tree.nodes[i].device_page for i in ids] == fresh and lease.cursor == ids[-1] and lease.pages == []
+    assert led.clock == before[2] + 1 and list(lease.device_nodes) == before[4] + ids
     check(core)

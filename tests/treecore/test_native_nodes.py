@@ -254,11 +254,13 @@ def test_the_nodes_a_release_may_drop_are_found_as_the_reference_finds_them():
     from tpcache.core.treecore.accounting import _py_unresident
 
     tree = RadixTree(1)
-    nodes, refs = [], []
+    ids = []
     for i, (dev, host) in enumerate([(0, 0), (2, 0), (0, 1), (1, 2), (0, 0)]):
-        for out, node in ((nodes, tree.add_child(tree.root, bytes([i]) * 4, i, 0)), (refs, PyNode(i, None, b"", 0, 0))):
-            node.device_state, node.host_state = dev, host
-            out.append(node)
-    assert unresident(nodes) == _py_unresident(nodes) == [nodes[0], nodes[4]]
-    assert unresident(refs) == _py_unresident(refs) == [refs[0], refs[4]]
-    assert unresident([]) == [] and unresident(tuple(nodes[:1])) == nodes[:1]
+        node = tree.add_child(tree.root, bytes([i]) * 4, i, 0)
+        node.device_state, node.host_state = dev, host
+        ids.append(node.node_id)
+    gone = max(ids) + 1  # an id not in the tree holds nothing: left out
+    assert unresident(tree.nodes, ids + [gone]) == _py_unresident(tree.nodes, ids + [gone]) == [ids[0], ids[4]]
+    assert unresident(tree.nodes, []) == [] and unresident(tree.nodes, tuple(ids[:1])) == ids[:1]
+    with pytest.raises(TypeError):
+        unresident(tree.nodes, [tree.nodes[ids[0]]])  # a handle, not an id

@@ -220,37 +220,36 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     return node_flags((Node *)node, &bits) < 0 ? NULL : PyLong_FromLong(bits);
 }
 
-/* unresident(nodes) -> the nodes with no copy on device or host (both states 0), in order: the
- * filter a release runs over its path and a completion over its op's pages (accounting.unresident).
- * Reference nodes are tested as the reference does. */
-static PyObject *py_unresident(PyObject *mod, PyObject *nodes) {
-    PyObject *seq = PySequence_Fast(nodes, "unresident takes a sequence of nodes");
+/* unresident(tree_nodes, ids) -> those of ``ids`` whose node in the tree's nodes dict has no copy on
+ * device or host (both states 0), in order; an id not in the tree is left out (it holds nothing):
+ * the filter a release runs over its path and a completion over its op's pages (accounting.unresident). */
+static PyObject *py_unresident(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_CheckExact(args[0]))
+        return PyErr_Format(PyExc_TypeError, "unresident takes the tree's nodes dict and a sequence of ids");
+    PyObject *seq = PySequence_Fast(args[1], "unresident takes a sequence of node ids");
     if (seq == NULL)
         return NULL;
     PyObject *out = PyList_New(0);
     Py_ssize_t count = out ? PySequence_Fast_GET_SIZE(seq) : 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        int keep;
-        if (is_node(item)) {
-            int64_t ds, hs;
-            if (field(((Node *)item)->device_state, &ds) || field(((Node *)item)->host_state, &hs))
-                goto fail;
-            keep = ds == 0 && hs == 0;
-        } else {
-            PyObject *d = PyObject_GetAttrString(item, "device_state");
-            int on = d ? PyObject_IsTrue(d) : -1;
-            Py_XDECREF(d);
-            if (on == 0) {
-                PyObject *h = PyObject_GetAttrString(item, "host_state");
-                on = h ? PyObject_IsTrue(h) : -1;
-                Py_XDECREF(h);
-            }
-            if (on < 0)
-                goto fail;
-            keep = !on;
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyLong_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError, "unresident: a node id (an int)");
+            goto fail;
         }
-        if (keep && PyList_Append(out, item) < 0)
+        PyObject *item = PyDict_GetItemWithError(args[0], key); /* borrowed */
+        if (item == NULL && PyErr_Occurred())
+            goto fail;
+        if (item == NULL)
+            continue;
+        if (!is_node(item)) {
+            PyErr_SetString(PyExc_TypeError, "unresident: a native Node");
+            goto fail;
+        }
+        int64_t ds, hs;
+        if (field(((Node *)item)->device_state, &ds) || field(((Node *)item)->host_state, &hs))
+            goto fail;
+        if (ds == 0 && hs == 0 && PyList_Append(out, key) < 0)
             goto fail;
     }
     Py_DECREF(seq);
@@ -262,7 +261,8 @@ fail:
 }
 
 PyMethodDef account_methods[] = {
-    {"unresident", (PyCFunction)py_unresident, METH_O, "The nodes with no copy on device or host (accounting.unresident)."},
+    {"unresident", (PyCFunction)(void (*)(void))py_unresident, METH_FASTCALL,
+     "The ids of the nodes with no copy on device or host (accounting.unresident)."},
     {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (accounting.record_of)."},
     {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
      "The reference record, for nodes with components or reference nodes."},

@@ -256,9 +256,9 @@ static int add_to(PyObject *obj, PyObject *name, long long add, int mask) {
 /* The lease's side of the chain: its pages leave lease.pages, its nodes' ids join lease.device_nodes,
  * and lease.cursor moves to the last node's id if the lease pins exactly the path to it (None otherwise). */
 static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes,
-                 const int64_t *fresh, Py_ssize_t n) {
+                 const int64_t *fresh, Py_ssize_t n, PyObject **out_ids) {
     int64_t depth = cursor->depth;
-    PyObject *extended = NULL, *ids = PyList_New(n);
+    PyObject *extended = NULL, *ids = *out_ids = PyList_New(n);
     if (ids == NULL)
         return -1;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -268,18 +268,14 @@ static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *
     if (all && PyList_SetSlice(held, 0, n, NULL) == 0)
         ((Holding *)held)->total = 0;
     if ((all ? PyErr_Occurred() != NULL : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
-        (extended = holding_extend((Holding *)pinned_nodes, ids)) == NULL) {
-        Py_DECREF(ids);
+        (extended = holding_extend((Holding *)pinned_nodes, ids)) == NULL)
         return -1;
-    }
     Py_DECREF(extended);
     int whole = PyList_GET_SIZE(pinned_nodes) == depth + n;
-    int rc = PyObject_SetAttr(lease, s_cursor, whole ? PyList_GET_ITEM(ids, n - 1) : Py_None);
-    Py_DECREF(ids);
-    return rc;
+    return PyObject_SetAttr(lease, s_cursor, whole ? PyList_GET_ITEM(ids, n - 1) : Py_None);
 }
 
-/* append_chain(ledger, lease, cursor, data, pages) -> the new nodes, or None, changing nothing:
+/* append_chain(ledger, lease, cursor, data, pages) -> the new nodes' ids, or None, changing nothing:
  * Inserter._append_new and _add_new in one call, for an append whose pages are all new below
  * ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full pages of
  * ``data``) are distinct pages the lease holds, in a ledger without components. The ledger ticks and
@@ -331,14 +327,15 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
         out = Py_XNewRef(made); /* None: pages too short for the kernel's hash, before any change */
         goto done;
     }
-    PyObject *nodes = PyTuple_GET_ITEM(made, 0), *digest = NULL;
+    PyObject *nodes = PyTuple_GET_ITEM(made, 0), *digest = NULL, *ids = NULL;
     uint64_t records = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(made, 1));
     int bad = PyObject_SetAttr(ledger, s_clock, clock) < 0 || (digest = PyObject_GetAttr(ledger, s_digest)) == NULL ||
               add_to(digest, s_value, (long long)records, 1) < 0 || add_to(ledger, s_protected, (long long)n, 0) < 0 ||
-              adopt(lease, held, pinned_nodes, (Node *)cursor, nodes, fresh, n) < 0;
+              adopt(lease, held, pinned_nodes, (Node *)cursor, nodes, fresh, n, &ids) < 0;
     Py_XDECREF(digest);
     if (!bad)
-        out = Py_NewRef(nodes);
+        out = Py_NewRef(ids);
+    Py_XDECREF(ids);
 done:
     Py_XDECREF(parts);
     Py_XDECREF(tree);

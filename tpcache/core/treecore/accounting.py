@@ -30,9 +30,10 @@ _NONE = DeviceState.NONE
 _MIRROR = (DeviceState.VALID, HostState.VALID, StorageState.DURABLE)
 
 
-def _py_unresident(nodes: list[Node]) -> list[Node]:
-    """The nodes with no copy on device or host (they count for nothing), in order."""
-    return [n for n in nodes if not (n.device_state or n.host_state)]
+def _py_unresident(nodes: dict[int, Node], ids: Iterable[int]) -> list[int]:
+    """Those of ``ids`` whose node (in the tree's ``nodes``) has no copy on device or host (they
+    count for nothing), in order; an id not in the tree is left out (it holds nothing)."""
+    return [i for i in ids if i in nodes and not (nodes[i].device_state or nodes[i].host_state)]
 
 
 unresident = _py_unresident if _native is None else _native.unresident  # the same filter in C (_account.c)
@@ -88,6 +89,30 @@ def lease_record(lease: Lease, prefetch_fields: list[int]) -> int:
         return record
     fields.append(lease.hit_pages)
     return mix(record, mix_ids(fields))
+
+
+def fold_leases(
+    leases: list[Lease], value: int, kept_digest: int, records: Callable[[Lease], tuple[int, int]]
+) -> tuple[int, int]:
+    """``value`` and ``kept_digest`` (the state digest and the digest of what a flush keeps) with each
+    lease's records replaced by ``records(lease)``'s, which are stored on the lease."""
+    tag, no_ids, mix_ = LEASE_TAG, NO_IDS, mix
+    for lease in leases:
+        if not (lease.ops or lease.parts or lease.hit_pages) and lease.prefetch is None and lease.admission is None:
+            # Most leases (no ops, components, protected hit, fetch or admission): ``records``'
+            # values computed here, without its calls (``lease_record`` with no state fields).
+            cursor, pages, releasing, lid = lease.cursor, lease.pages.total, lease.releasing, lease.lease_id
+            at = 0 if cursor is None else cursor + 1
+            record = mix_(
+                tag, lid, lease.device_nodes.total, lease.host_nodes.total, pages, no_ids, releasing | at << 1, no_ids
+            )
+            kept = 0 if releasing else mix_(lid, pages)
+        else:
+            record, kept = records(lease)
+        value += record - lease.record  # (masked once, after the loop: the sums are mod 2**62)
+        kept_digest += kept - lease.kept
+        lease.record, lease.kept = record, kept
+    return value & DIGEST_MASK, kept_digest & DIGEST_MASK
 
 
 def is_mirror(node: Node) -> bool:

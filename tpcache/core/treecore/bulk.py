@@ -126,8 +126,7 @@ class BulkReads:
     def unresident(self, ids: Sequence[int]) -> list[int]:
         """Those of ``ids`` whose node holds a copy on no tier, in order (a long path is filtered in
         one pass, in C where built)."""
-        nodes = self.tree.nodes
-        return [n.node_id for n in unresident([nodes[i] for i in ids])]
+        return unresident(self.tree.nodes, ids)
 
     def tier_states(self, ids: Iterable[int]) -> list[tuple[int, int, int]]:
         """(device state, host state, storage state) of each node, in order."""

@@ -305,12 +305,11 @@ class TreeCore(BulkReads):
         append (the caller's own steps decide it)."""
         if _native is None:
             return None
-        nodes = _native.append_chain(self.ledger, lease, self.tree.nodes[cursor], data, pages)
-        if nodes is None:
-            return None
-        if self.ledger.feed is not None:
-            self.ledger.feed.fresh(nodes)
-        return [n.node_id for n in nodes]
+        nodes = self.tree.nodes
+        ids = _native.append_chain(self.ledger, lease, nodes[cursor], data, pages)
+        if ids is not None and self.ledger.feed is not None:
+            self.ledger.feed.fresh([nodes[i] for i in ids])
+        return ids
 
     def free_device_pages(self, pages: Sequence[int]) -> None:
         """Return device pages no node holds (a failed load's, a lease's unused ones) to the free list."""
@@ -336,5 +335,4 @@ class TreeCore(BulkReads):
 
     def remove_empty(self, ids: Sequence[int]) -> None:
         """``remove_if_empty`` for each id, last first, skipping ids already removed by an earlier one."""
-        nodes = self.tree.nodes
-        self.ledger.remove_empty([nodes[i] for i in ids if i in nodes])
+        self.ledger.remove_empty(ids)

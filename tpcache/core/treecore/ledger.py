@@ -25,6 +25,7 @@ from tpcache.core.treecore.accounting import (
     MIRROR,
     PROTECTED,
     flags_of,
+    fold_leases,
     record_of,
     touch_nodes,
     unresident,
@@ -240,10 +241,14 @@ class Ledger:
             self.feed.fresh(nodes)
         return nodes
 
-    def remove_empty(self, nodes: list[Node]) -> None:
-        """``remove_if_empty`` for each node, last first; a resident node stays, so only the rest are visited."""
-        for node in reversed(unresident(nodes)):
-            self.remove_if_empty(node)
+    def remove_empty(self, ids: Sequence[int]) -> None:
+        """``remove_if_empty`` for the node of each id, last first, skipping ids no longer in the
+        tree; a resident node stays, so only the rest are visited."""
+        nodes = self.tree.nodes
+        for node_id in reversed(unresident(nodes, ids)):
+            node = nodes.get(node_id)  # (removed as an ancestor of one before)
+            if node is not None:
+                self.remove_if_empty(node)
 
     def remove_if_empty(self, node: Node) -> None:
         """Remove nodes that hold nothing on any tier and are not pinned, leaf upwards."""
@@ -341,14 +346,7 @@ class Ledger:
         """Re-record leases after changes to them (a lease with ``record`` and ``kept`` 0 is new):
         ``records(lease)`` is (its record in the state digest, its record in the kept digest).
         Returns ``kept_digest`` with the leases' kept records replaced."""
-        digest = self.digest
-        value = digest.value
-        for lease in leases:
-            record, kept = records(lease)
-            value = (value - lease.record + record) & DIGEST_MASK
-            kept_digest = (kept_digest - lease.kept + kept) & DIGEST_MASK
-            lease.record, lease.kept = record, kept
-        digest.value = value
+        self.digest.value, kept_digest = fold_leases(leases, self.digest.value, kept_digest, records)
         return kept_digest
 
     def forget_lease(self, lease: Lease) -> None:

@@ -162,17 +162,17 @@ NATIVE_NODES = Node is not PyNode
 
 class Run:
     """A chain of single-child nodes, cached for the walk: their tokens joined (one compare checks
-    the whole chain) and, built on first use, their device pages (a match copies a slice).
+    the whole chain), their ids and, built on first use, their device pages (a walk copies a slice).
 
     Invariant: while ``pages`` is set, ``pages[i] == nodes[i].device_page`` and ``nodes[i].pages_run
     is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run."""
 
-    __slots__ = ("data", "nodes", "pages")
+    __slots__ = ("data", "nodes", "pages", "ids")
 
     def __init__(self, data: bytes, nodes: list[Node]) -> None:
-        self.data = data
-        self.nodes = nodes
+        self.data, self.nodes = data, nodes
         self.pages: array | None = None
+        self.ids = [n.node_id for n in nodes]  # (a node's id never changes)
 
     def device_pages(self) -> array:
         if self.pages is None:
@@ -219,9 +219,15 @@ class Walk:
 
     @property
     def ids(self) -> list[int]:
-        """The matched nodes' ids, first page first (computed once; the walk's nodes do not change)."""
+        """The matched nodes' ids, first page first (computed once, slices of the runs' ids)."""
         if self._ids is None or len(self._ids) != len(self.nodes):
-            self._ids = [n.node_id for n in self.nodes]
+            ids: list[int] = []
+            for seg in self.segments:
+                if type(seg) is tuple:  # (run, first, count)
+                    ids += seg[0].ids[seg[1] : seg[1] + seg[2]]
+                else:
+                    ids.append(seg.node_id)
+            self._ids = ids
         return self._ids
 
     def device_page_ids(self, count: int) -> array:
