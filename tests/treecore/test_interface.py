@@ -162,18 +162,42 @@ def test_touch_and_settle_equal_update_node_by_node():
     one, other = cached((1, 2, 3)), cached((1, 2, 3))
     ids = one.treecore.walk_ids(data(1, 2, 3))
     assert ids == other.treecore.walk_ids(data(1, 2, 3))
-    one.treecore.touch(ids, +1, stamp=True, hit=True)
+    assert one.treecore.touch(ids, +1, stamp=True, hit=True) == []  # every page is on device
     for node_id in ids:
         other.treecore.update(node_id, device_pins=+1, stamp=True, hit=True)
     assert [one.treecore.view(i) for i in ids] == [other.treecore.view(i) for i in ids]
     assert one.digest.value == other.digest.value
     for core in (one, other):
         core.treecore.touch(ids, -1)
+    # A walk's first pages, touched without looking their ids up: the same as by id.
+    one.treecore.touch_walk(one.treecore.walk(data(1, 2, 3)), 2, +1, stamp=True)
+    other.treecore.touch(ids[:2], +1, stamp=True)
+    assert [one.treecore.view(i) for i in ids] == [other.treecore.view(i) for i in ids]
+    assert one.digest.value == other.digest.value
+    for core in (one, other):
+        core.treecore.touch(ids[:2], -1)
     one.treecore.settle(ids, storage=StorageState.WRITING, host_pins=+1)
     for node_id in ids:
         other.treecore.update(node_id, storage=StorageState.WRITING, host_pins=+1)
     assert [one.treecore.view(i) for i in ids] == [other.treecore.view(i) for i in ids]
     assert one.digest.value == other.digest.value
+
+
+def test_touch_returns_the_pages_it_finds_with_no_copy_in_order():
+    core = CacheCore(CacheConfig(page_size=P, device_pages=16))  # on device only
+    lease, _ = core.lock(toks(1, 2, 3))
+    core.insert(lease, toks(1, 2, 3), core.alloc(lease, 3))
+    core.release(lease)
+    tc = core.treecore
+    ids = tc.walk_ids(data(1, 2, 3))
+    tc.touch(ids[1:], +1)  # pinned while their copies go (as a failed load leaves them)
+    for node_id in (ids[2], ids[1]):
+        core.ledger.free_device_copy(core.tree.nodes[node_id])
+    assert tc.unresident(ids) == ids[1:]
+    assert tc.touch(ids[1:], -1) == ids[1:] == tc.unresident(ids)
+    tc.remove_empty(ids)
+    assert [tc.exists(i) for i in ids] == [True, False, False]
+    check(core)
 
 
 def test_a_host_copy_is_idle_only_unpinned_valid_and_with_no_host_only_child():

@@ -222,11 +222,10 @@ class CacheCore(Queries, EngineOps):
         lease = self.book.new(token_bytes, result.walk, result.device_pages + result.host_pages)
         dev = result.device_pages if self.hybrid is None else self.hybrid.device_run(result)
         ids, core = result.nodes, self.treecore
-        on_device = ids if dev == len(ids) else ids[:dev]  # most hits are all on device: no copy
-        core.touch(on_device, +1, stamp=True, hit=True)
+        core.touch_walk(result.walk, dev, +1, stamp=True, hit=True)  # (the hit is the walk's first pages)
         for node_id in ids[dev:]:
             core.update(node_id, stamp=True, hit=True, host_pins=+1)
-        lease.device_nodes.extend(on_device)
+        lease.device_nodes.extend(ids if dev == len(ids) else ids[:dev])  # most hits are all on device: no copy
         lease.host_nodes.extend(ids[dev:])
         if self.hybrid is not None:
             self.hybrid.pin_hit(lease, result)

@@ -224,13 +224,14 @@ class Leases:
             for node_id in held.host_nodes:
                 core.update(node_id, part=c, host_pins=-1)
             led.parts[c].device.free(held.pages)
-        core.touch(lease.device_nodes, -1, stamp=True)  # last used now: LRU by the end of use
+        gone = core.touch(lease.device_nodes, -1, stamp=True)  # last used now: LRU by the end of use
         for node_id in lease.host_nodes:
             core.update(node_id, host_pins=-1)
         led.device.free(lease.pages)
         del self.table[lease.lease_id]
-        # A copy keeps a node; the few with none (a failed copy) may go. Filtered first: a path is long.
-        for node_id in core.unresident(lease.device_nodes) + core.unresident(lease.host_nodes):
+        # A copy keeps a node; the few with none (a failed copy) may go: those the touch found, and
+        # the host pins' (filtered first: a path is long).
+        for node_id in (gone + core.unresident(lease.host_nodes)) if lease.host_nodes else gone:
             if core.exists(node_id):
                 core.remove_if_empty(node_id)
         self.outbox.released(lease.lease_id)

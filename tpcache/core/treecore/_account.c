@@ -123,14 +123,16 @@ static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
 }
 
 /* touch(tree_nodes, ids, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable
- * delta, protected delta): Ledger.touch's loop (see there) over the nodes ``ids`` name in the tree's
- * nodes dict, each offered to ``candidates`` as Candidates.offer does (``lazy_offer``), its heaps
- * loaded at the first push. A KeyError names an id not in the tree. */
+ * delta, protected delta, unresident): Ledger.touch's loop (see there) over the nodes ``ids`` name
+ * in the tree's nodes dict (``tree_nodes`` None: ``ids`` holds the nodes themselves, a walk's), each
+ * offered to ``candidates`` as Candidates.offer does (``lazy_offer``), its heaps loaded at the first
+ * push; ``unresident``: the ids of those with no copy on device or host, in order (``unresident``'s
+ * filter in the same pass). A KeyError names an id not in the tree. */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8)
         return PyErr_Format(PyExc_TypeError, "touch takes 8 arguments, not %zd", nargs);
-    if (!PyDict_CheckExact(args[0]))
-        return PyErr_Format(PyExc_TypeError, "touch takes the tree's nodes dict");
+    if (!PyDict_CheckExact(args[0]) && args[0] != Py_None)
+        return PyErr_Format(PyExc_TypeError, "touch takes the tree's nodes dict (or None)");
     PyObject *tree_nodes = args[0];
     long long delta = PyLong_AsLongLong(args[2]);
     int stamp = PyObject_IsTrue(args[3]), hit = PyObject_IsTrue(args[4]);
@@ -139,18 +141,21 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     unsigned long long value = PyLong_AsUnsignedLongLongMask(args[6]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "touch takes a sequence of node ids");
-    if (seq == NULL)
+    PyObject *seq = PySequence_Fast(args[1], "touch takes a sequence of node ids"), *gone = PyList_New(0);
+    if (seq == NULL || gone == NULL) {
+        Py_XDECREF(seq);
+        Py_XDECREF(gone);
         return NULL;
+    }
     int64_t evictable = 0, protected_ = 0;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item;
-        if (!PyLong_CheckExact(key)) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item = key;
+        if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
             PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
             goto fail;
         }
-        if ((item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed: the tree holds it */
+        if (tree_nodes != Py_None && (item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed */
             if (!PyErr_Occurred())
                 PyErr_SetObject(PyExc_KeyError, key);
             goto fail;
@@ -160,9 +165,11 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             goto fail;
         }
         Node *n = (Node *)item;
-        int64_t pins, state, hits;
+        int64_t pins, state, hits, host;
         uint64_t rec, old = n->record;
-        if (field(n->device_pins, &pins) || field(n->device_state, &state))
+        if (field(n->device_pins, &pins) || field(n->device_state, &state) || field(n->host_state, &host))
+            goto fail;
+        if (state == 0 && host == 0 && PyList_Append(gone, n->node_id) < 0)
             goto fail;
         int64_t now = pins + delta;
         if (set_int(&n->device_pins, now) < 0)
@@ -186,10 +193,11 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     }
     Py_DECREF(seq);
     lazy_clear(&heaps);
-    return Py_BuildValue("KLL", value & DIGEST_MASK, (long long)evictable, (long long)protected_);
+    return Py_BuildValue("KLLN", value & DIGEST_MASK, (long long)evictable, (long long)protected_, gone);
 fail:
     lazy_clear(&heaps);
     Py_DECREF(seq);
+    Py_DECREF(gone);
     return NULL;
 }
 

@@ -143,12 +143,16 @@ flags_of = _native.flags_of if _native is not None else reference_flags_of  # th
 
 def touch_nodes(
     nodes: Iterable[Node], device_pins: int, stamp: bool, hit: bool, clock: int, value: int, offer: Callable[..., None]
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, list[int]]:
     """The reference loop of ``Ledger.touch`` (``_account.c``'s ``touch`` in C): each node's pins
     moved by ``device_pins``, stamped with ``clock`` and hit as asked, re-recorded and offered.
-    Returns the digest's new value (``value`` moved, unmasked), the evictable and protected deltas."""
+    Returns the digest's new value (``value`` moved, unmasked), the evictable and protected deltas,
+    and the ids of the nodes with no copy on device or host, in order."""
     evictable = protected = 0
+    gone = []
     for node in nodes:
+        if not (node.device_state or node.host_state):
+            gone.append(node.node_id)
         pins = node.device_pins
         new = node.device_pins = pins + device_pins
         state = node.device_state
@@ -164,4 +168,4 @@ def touch_nodes(
         node.record = record_of(node)
         value += node.record
         offer(node)
-    return value, evictable, protected
+    return value, evictable, protected, gone

@@ -28,7 +28,7 @@ from tpcache.core.treecore.bulk import BulkReads
 from tpcache.core.treecore.components import HPINS, host_parts_releasable, is_part_mirror
 from tpcache.core.treecore.eviction import Candidates
 from tpcache.core.treecore.ledger import Ledger
-from tpcache.core.treecore.tree import Node, RadixTree
+from tpcache.core.treecore.tree import Node, RadixTree, Walk
 
 _VALID = DeviceState.VALID
 _HOST_VALID = HostState.VALID
@@ -256,10 +256,17 @@ class TreeCore(BulkReads):
             part=part,
         )
 
-    def touch(self, ids: Sequence[int], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
+    def touch(self, ids: Sequence[int], device_pins: int, stamp: bool = False, hit: bool = False) -> list[int]:
         """``update(i, device_pins=..., stamp=..., hit=...)`` for each id in order, in one loop (in C
-        where built): pins, stamps and hits change no tier, so no mirror and no neighbour's candidacy."""
-        self.ledger.touch(ids, device_pins, stamp, hit)
+        where built): pins, stamps and hits change no tier, so no mirror and no neighbour's candidacy.
+        Returns ``unresident(ids)``, found in the same pass (a release's next question)."""
+        return self.ledger.touch(ids, device_pins, stamp, hit)
+
+    def touch_walk(self, walk: Walk, count: int, device_pins: int, stamp: bool = False, hit: bool = False) -> None:
+        """``touch(walk.ids[:count], ...)`` for a walk made by this operation (its nodes are in the
+        tree), without looking its ids up: a lock's hit."""
+        nodes = walk.nodes
+        self.ledger.touch((), device_pins, stamp, hit, nodes if count == len(nodes) else nodes[:count])
 
     def settle(
         self,

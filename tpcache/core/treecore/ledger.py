@@ -175,23 +175,34 @@ class Ledger:
             slot = None if host is None else (host, node.host_slot)
             self.update(node, device=dev, host=slot, storage=storage, host_pins=host_pins)
 
-    def touch(self, ids: Sequence[int], device_pins: int, stamp: bool = False, hit: bool = False) -> None:
-        """``update(node, device_pins=..., stamp=..., hit=...)`` for the node of each id in order, in
-        one loop: the same changes, records, counters and offers. A pin, a stamp or a hit changes no
-        tier, so no mirror and no neighbour's candidacy: a lock or a release pays this per page, not more."""
-        if _native is not None:  # the same loop in C (_account.c), each node found in the tree's dict
-            value, evictable, protected = _native.touch(
-                self.tree.nodes, ids, device_pins, stamp, hit, self.clock, self.digest.value, self.candidates
+    def touch(
+        self, ids: Sequence[int], pins: int, stamp: bool = False, hit: bool = False, nodes: Sequence[Node] | None = None
+    ) -> list[int]:
+        """``update(node, device_pins=pins, stamp=..., hit=...)`` for the node of each id in order
+        (``nodes``: for those nodes, a walk's), in one loop: the same changes, records, counters and
+        offers. A pin, a stamp or a hit changes no tier, so no mirror and no neighbour's candidacy: a
+        lock or a release pays this per page, not more. Returns ``unresident`` of them, in the same pass."""
+        if _native is not None:  # the same loop in C (_account.c), each id found in the tree's dict
+            value, evictable, protected, gone = _native.touch(
+                self.tree.nodes if nodes is None else None,
+                ids if nodes is None else nodes,
+                pins,
+                stamp,
+                hit,
+                self.clock,
+                self.digest.value,
+                self.candidates,
             )  # each node offered as ``self.candidates.offer`` does, the heaps read once
             self.digest.value = value
         else:
-            nodes = self.tree.nodes
-            value, evictable, protected = touch_nodes(
-                [nodes[i] for i in ids], device_pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
+            found = [self.tree.nodes[i] for i in ids] if nodes is None else nodes
+            value, evictable, protected, gone = touch_nodes(
+                found, pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
             )
             self.digest.value = value & DIGEST_MASK
         self.evictable_device_pages += evictable
         self.protected_device_pages += protected
+        return gone
 
     def add(self, parent: Node, tokens: bytes, hash_: int, host: tuple[HostState, int]) -> Node:
         """A new host-only node under ``parent`` (stamped now) with its host slot being written: one
