@@ -263,6 +263,27 @@ def test_only_the_tree_core_reads_a_nodes_fields():
     assert not found, "node fields read outside the tree core (ask TreeCore by id): " + "; ".join(found)
 
 
+def test_no_module_outside_the_tree_core_holds_a_node_handle():
+    """Orchestration keeps and passes node ids only: no module of the core outside ``treecore`` names
+    the node type or reads a walk's nodes (a walk is read by its ``ids``), and the tree core offers
+    no conversion to handles."""
+    paths = sorted((REPO / "tpcache" / "core").glob("*.py"))
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "tpcache.core.treecore.tree":
+                found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names if a.name == "Node"]
+            elif isinstance(node, ast.Attribute) and node.attr in ("ids_of", "handles", "id_of"):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Attribute) and node.attr == "nodes" and "walk" in ast.unparse(node.value):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "node handles outside the tree core (keep node ids): " + "; ".join(found)
+    from tpcache.core.treecore import TreeCore
+
+    assert not {"ids_of", "handles", "id_of"} & set(dir(TreeCore))
+
+
 def test_the_check_of_node_field_reads_finds_them():
     sample = (
         "state = node.device_state\n"
