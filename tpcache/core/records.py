@@ -166,6 +166,7 @@ class Lease:
     prefetch: PrefetchState | None = None
     record: int = 0  # its record in the state digest
     kept: int = 0  # its record in the digest of what a flush keeps (0 while releasing)
+    kept_of: int = field(default=-1, compare=False, repr=False)  # the pages total ``kept`` was made of (-1: none)
     parts: dict[int, LeasePart] = field(default_factory=dict)  # by component (hybrid configurations)
     hit_pages: int = 0  # the hit its lock found: the protected prefix (hybrid configurations)
     locked_pages: int = 0  # the hit (device + host) its lock found: what a later load brings past it came from storage

@@ -106,9 +106,12 @@ def fold_leases(
             record = mix_(
                 tag, lid, lease.device_nodes.total, lease.host_nodes.total, pages, no_ids, releasing | at << 1, no_ids
             )
-            kept = 0 if releasing else mix_(lid, pages)
+            # A running request's pages come and go (alloc, then append): its kept record often stays.
+            kept = 0 if releasing else lease.kept if pages == lease.kept_of else mix_(lid, pages)
+            lease.kept_of = -1 if releasing else pages
         else:
             record, kept = records(lease)
+            lease.kept_of = -1  # (made of more than the pages)
         value += record - lease.record  # (masked once, after the loop: the sums are mod 2**62)
         kept_digest += kept - lease.kept
         lease.record, lease.kept = record, kept
