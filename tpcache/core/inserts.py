@@ -54,11 +54,11 @@ class Inserter:
         data = as_token_bytes(tokens)
         plain = not parts and self.hybrid is None
         kept = self._lock_walk(lease, data) if plain else None
-        walk = self.core.walk(data) if kept is None else kept
+        walk = self.ledger.tree.walk(data) if kept is None else kept
         if plain and (made := self._insert_pinned(lease, walk, pages)) is not None:
             return made
         if kept is not None:  # the lock's walk serves ``_insert_pinned`` only: ``_adopt`` walks the tree as it is
-            walk = self.core.walk(data)
+            walk = self.ledger.tree.walk(data)
         return self._adopt(lease, walk, None, pages, parts)
 
     def _lock_walk(self, lease: Lease, data: bytes) -> Walk | None:

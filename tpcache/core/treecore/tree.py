@@ -200,7 +200,7 @@ class Walk:
     chain of the pages past the match are computed only when asked for."""
 
     __slots__ = ("nodes", "num_pages", "segments", "matched_pages", "_tokens", "_step", "_seed", "_root_hash")
-    __slots__ += ("_pages", "_hashes", "_ids")  # (the caches)
+    __slots__ += ("_pages", "_hashes", "ids")  # (the caches; ``ids``: the nodes' ids, made with them)
 
     def __init__(self, token_bytes: bytes, step: int, seed: int, root_hash: int) -> None:
         self.nodes: list[Node] = []  # matched nodes, first page first
@@ -215,20 +215,7 @@ class Walk:
         self._root_hash = root_hash
         self._pages: list[bytes] | None = None
         self._hashes: list[int] | None = None
-        self._ids: list[int] | None = None
-
-    @property
-    def ids(self) -> list[int]:
-        """The matched nodes' ids, first page first (computed once, slices of the runs' ids)."""
-        if self._ids is None or len(self._ids) != len(self.nodes):
-            ids: list[int] = []
-            for seg in self.segments:
-                if type(seg) is tuple:  # (run, first, count)
-                    ids += seg[0].ids[seg[1] : seg[1] + seg[2]]
-                else:
-                    ids.append(seg.node_id)
-            self._ids = ids
-        return self._ids
+        self.ids: list[int] = []  # the matched nodes' ids, first page first (slices of the runs' ids)
 
     def device_page_ids(self, count: int) -> array:
         """The device pages of the first ``count`` matched nodes (copied from run caches)."""
@@ -304,7 +291,7 @@ class RadixTree:
         step = self.page_size * 4
         node = self.root if start is None else start
         walk = Walk(token_bytes, step, self.seed, node.hash)
-        nodes = walk.nodes
+        nodes, ids = walk.nodes, walk.ids
         segments = walk.segments
         end = walk.num_pages * step
         pos = 0
@@ -319,6 +306,7 @@ class RadixTree:
                 part = run.data[offset : offset + size] if size < 4096 else memoryview(run.data)[offset : offset + size]
                 if token_bytes.startswith(part, pos):
                     nodes.extend(chain[first : first + count])
+                    ids.extend(run.ids[first : first + count])
                     segments.append((run, first, count))
                     pos += count * step
                     node = chain[first + count - 1]
@@ -329,6 +317,7 @@ class RadixTree:
                     if not token_bytes.startswith(child.tokens, pos):
                         return walk
                     nodes.append(child)
+                    ids.append(child.node_id)
                     segments.append(child)
                     pos += step
                 return walk  # pragma: no cover - the whole-chain compare would have matched
@@ -336,6 +325,7 @@ class RadixTree:
             if child is None:
                 break
             nodes.append(child)
+            ids.append(child.node_id)
             segments.append(child)
             pos += step
             node = child
