@@ -182,23 +182,15 @@ class Ledger:
         (``nodes``: for those nodes, a walk's), in one loop: the same changes, records, counters and
         offers. A pin, a stamp or a hit changes no tier, so no mirror and no neighbour's candidacy: a
         lock or a release pays this per page, not more. Returns ``unresident`` of them, in the same pass."""
+        where, items = (self.tree.nodes, ids) if nodes is None else (None, nodes)
         if _native is not None:  # the same loop in C (_account.c), each id found in the tree's dict
-            value, evictable, protected, gone = _native.touch(
-                self.tree.nodes if nodes is None else None,
-                ids if nodes is None else nodes,
-                pins,
-                stamp,
-                hit,
-                self.clock,
-                self.digest.value,
-                self.candidates,
-            )  # each node offered as ``self.candidates.offer`` does, the heaps read once
+            args = (pins, stamp, hit, self.clock, self.digest.value, self.candidates)
+            value, evictable, protected, gone = _native.touch(where, items, *args)  # offers read the heaps once
             self.digest.value = value
         else:
-            found = [self.tree.nodes[i] for i in ids] if nodes is None else nodes
-            value, evictable, protected, gone = touch_nodes(
-                found, pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer
-            )
+            found = items if where is None else [where[i] for i in items]
+            args = (pins, stamp, hit, self.clock, self.digest.value, self.candidates.offer)
+            value, evictable, protected, gone = touch_nodes(found, *args)
             self.digest.value = value & DIGEST_MASK
         self.evictable_device_pages += evictable
         self.protected_device_pages += protected
