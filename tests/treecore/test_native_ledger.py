@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import random
-import struct
 import types
 from array import array
 
@@ -78,8 +77,16 @@ def test_records_flags_and_candidacy_match_the_references(seed):
         assert record_of(node) == reference_record_of(node)
         assert flags_of(node) == reference_flags_of(node)
     node = next(iter(tree.nodes.values()))
-    node.comp = [1, 2, 3]  # a component record: the kernel hands it to the reference
+    node.comp = [1, 2, 3]  # a component record: packed after the node's fields, in C as in the reference
     assert record_of(node) == reference_record_of(node)
+    node.comp = [-(1 << 63), (1 << 63) - 1, 0, -1] * 20  # past the kernel's buffer on the stack
+    assert record_of(node) == reference_record_of(node)
+    for bad, error in (([1 << 63], OverflowError), ([1.5], TypeError)):
+        node.comp = bad
+        with pytest.raises(error):
+            reference_record_of(node)
+        with pytest.raises(error):
+            record_of(node)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
@@ -321,12 +328,13 @@ def test_mix_matches_its_reference():
         fields = [rng.getrandbits(64)] + [rng.randrange(-(1 << 63), 1 << 63) for _ in range(6)] + [rng.getrandbits(64)]
         fields = fields[: rng.randrange(9)]  # "<QqqqqqqQ": the first and the last unsigned
         assert mix(*fields) == reference_mix(*fields)
-    # What the reference refuses, C refuses alike.
-    for bad in ([-1], [1 << 64], [0, 1 << 63], [0] * 7 + [-1], [0] * 9, [1.5]):
-        with pytest.raises((struct.error, TypeError)):
+    # What the reference refuses, C refuses alike: the same error, the same line.
+    for bad in ([-1], [1 << 64], [0, 1 << 63], [0, -(1 << 63) - 1], [0] * 7 + [-1], [0] * 9, [1.5], [0, "1"]):
+        with pytest.raises((TypeError, OverflowError)) as ref:
             reference_mix(*bad)
-        with pytest.raises((struct.error, TypeError)):
+        with pytest.raises((TypeError, OverflowError)) as native:
             mix(*bad)
+        assert (type(native.value), str(native.value)) == (type(ref.value), str(ref.value))
 
 
 def test_token_bytes_match_the_array_reference():
