@@ -347,9 +347,8 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     return node_flags((Node *)node, &bits) < 0 ? NULL : PyLong_FromLong(bits);
 }
 
-/* unresident(nodes) -> the nodes with no copy on device or host (both states 0), in order: the
- * filter a release runs over its path and a completion over its op's pages (accounting.unresident).
- * Reference nodes are tested as the reference does. */
+/* unresident(nodes) -> the native nodes with no copy on device or host (both states 0), in order: the
+ * filter a release runs over its path and a completion over its op's pages (accounting.unresident). */
 static PyObject *py_unresident(PyObject *mod, PyObject *nodes) {
     PyObject *seq = PySequence_Fast(nodes, "unresident takes a sequence of nodes");
     if (seq == NULL)
@@ -358,26 +357,14 @@ static PyObject *py_unresident(PyObject *mod, PyObject *nodes) {
     Py_ssize_t count = out ? PySequence_Fast_GET_SIZE(seq) : 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        int keep;
-        if (is_node(item)) {
-            int64_t ds, hs;
-            if (field(((Node *)item)->device_state, &ds) || field(((Node *)item)->host_state, &hs))
-                goto fail;
-            keep = ds == 0 && hs == 0;
-        } else {
-            PyObject *d = PyObject_GetAttrString(item, "device_state");
-            int on = d ? PyObject_IsTrue(d) : -1;
-            Py_XDECREF(d);
-            if (on == 0) {
-                PyObject *h = PyObject_GetAttrString(item, "host_state");
-                on = h ? PyObject_IsTrue(h) : -1;
-                Py_XDECREF(h);
-            }
-            if (on < 0)
-                goto fail;
-            keep = !on;
+        int64_t ds, hs;
+        if (!is_node(item)) {
+            PyErr_Format(PyExc_TypeError, "unresident takes native Nodes, not %.100s", Py_TYPE(item)->tp_name);
+            goto fail;
         }
-        if (keep && PyList_Append(out, item) < 0)
+        if (field(((Node *)item)->device_state, &ds) || field(((Node *)item)->host_state, &hs))
+            goto fail;
+        if (ds == 0 && hs == 0 && PyList_Append(out, item) < 0)
             goto fail;
     }
     Py_DECREF(seq);
