@@ -125,6 +125,34 @@ def test_offers_and_pops_match_the_reference(policy, seed):
     assert pops > 0
 
 
+@pytest.mark.parametrize("size", [300, 30000])
+def test_a_native_rebuild_and_pops_lay_the_heaps_out_as_heapq(size):
+    """The C sifts are heapq's: a rebuild (heapify, also past the size where heapq changes its
+    traversal) and pops leave the lists entry for entry as the reference's heapq calls leave them,
+    and the candidacy test in C, components included, is the reference's for every node."""
+    trees = random_tree(size, size), random_tree(size, size)
+    rng = random.Random(size)
+    for a, b in zip(trees[0].nodes.values(), trees[1].nodes.values(), strict=True):
+        if a.parent is not None and rng.random() < 0.3:  # component records: idle, written (1) or pinned
+            a.comp = b.comp = [0, -1, rng.choice([0, 1, 2, 2]), -1, 0, 0, rng.choice([0, 0, 1]), 0]
+    native, ref = Candidates("lru", trees[0]), Candidates("lru", trees[1])
+    for a, b in zip(trees[0].nodes.values(), trees[1].nodes.values(), strict=True):
+        assert _node.candidacy(a) == is_device_candidate(b) | is_host_candidate(b) << 1
+    native.rebuild()
+    nodes, key = list(trees[1].nodes.values()), ref.policy.key  # the reference's rebuild, with heapq's heapify
+    device = [key(n) << 64 | n.node_id for n in nodes if is_device_candidate(n)]
+    host = [key(n) << 64 | n.node_id for n in nodes if is_host_candidate(n)]
+    heapq.heapify(device)
+    heapq.heapify(host)
+    assert len(device) > 2500 or size < 2500
+    assert native.device_heap == device and native.host_heap == host
+    assert native.device_heap is native.native.device  # the same list, changed in place
+    for _ in range(len(device) // 2):
+        assert native.pop_device() is not None
+        ref.live(heapq.heappop(device), is_device_candidate)
+    assert native.device_heap == device
+
+
 def test_a_stale_entry_is_skipped_by_the_native_pop():
     core = CacheCore(CacheConfig(page_size=4, device_pages=8))
     lease, _ = core.lock(list(range(8)))

@@ -238,6 +238,18 @@ static int rebuild_due(Heaps *h) {
     return PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64;
 }
 
+/* Exchange the items of two lists (their arrays, sizes and capacities). */
+static void swap_items(PyListObject *a, PyListObject *b) {
+    PyObject **items = a->ob_item;
+    Py_ssize_t size = Py_SIZE(a), allocated = a->allocated;
+    a->ob_item = b->ob_item;
+    Py_SET_SIZE(a, Py_SIZE(b));
+    a->allocated = b->allocated;
+    b->ob_item = items;
+    Py_SET_SIZE(b, size);
+    b->allocated = allocated;
+}
+
 /* candidates.Candidates.rebuild, in place: one entry per candidate, nodes in insertion order,
  * heapified: 0, or -1 and an exception. */
 static int heaps_rebuild(Heaps *h) {
@@ -253,12 +265,11 @@ static int heaps_rebuild(Heaps *h) {
             rc = PyList_Append(which & 1 ? dev : host, entry);
         Py_XDECREF(entry);
     }
-    if (rc == 0)
-        rc = PyList_SetSlice(h->dev, 0, PyList_GET_SIZE(h->dev), dev) < 0 ||
-                     PyList_SetSlice(h->host, 0, PyList_GET_SIZE(h->host), host) < 0 || heap_order(h->dev) < 0 ||
-                     heap_order(h->host) < 0
-                 ? -1
-                 : 0;
+    if (rc == 0) { /* the new entries become the heaps' (the same list objects), the stale ones go */
+        swap_items((PyListObject *)h->dev, (PyListObject *)dev);
+        swap_items((PyListObject *)h->host, (PyListObject *)host);
+        rc = heap_order(h->dev) < 0 || heap_order(h->host) < 0 ? -1 : 0;
+    }
     Py_XDECREF(dev);
     Py_XDECREF(host);
     return rc;

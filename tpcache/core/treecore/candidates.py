@@ -177,12 +177,14 @@ class Candidates:
             self.offer(parent)
 
     def rebuild(self) -> None:
-        """Drop stale entries. Iterates nodes in insertion order, so every rank rebuilds alike. The
-        heaps change in place (the native core holds the same lists)."""
+        """Drop stale entries. Iterates nodes in insertion order, so every rank rebuilds alike."""
+        if _native is not None:  # the same, in C, on the lists the C kernels hold (changed in place)
+            _native.rebuild(self.native)
+            return
         nodes = list(self.tree.nodes.values())
         key = self.policy.key
-        self.device_heap[:] = [key(n) << 64 | n.node_id for n in nodes if is_device_candidate(n)]
-        self.host_heap[:] = [key(n) << 64 | n.node_id for n in nodes if is_host_candidate(n)]
+        self.device_heap = [key(n) << 64 | n.node_id for n in nodes if is_device_candidate(n)]
+        self.host_heap = [key(n) << 64 | n.node_id for n in nodes if is_host_candidate(n)]
         heapq.heapify(self.device_heap)
         heapq.heapify(self.host_heap)
 
