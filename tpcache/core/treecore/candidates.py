@@ -143,7 +143,7 @@ class Candidates:
         """Push ``node`` on the heap of each tier it is a candidate of (older entries of it go stale).
         The heaps are rebuilt when stale entries outnumber the nodes; a rebuild never changes which
         node a pop returns (it keeps one entry per candidate, the current one). With native nodes
-        an instance attribute replaces this with the same test in C (``_account.c``)."""
+        an instance attribute replaces this with the same test in C (``_candidates.c``)."""
         state = node.device_state
         device = state == _VALID and not node.device_pins and is_device_candidate(node)
         host = state == _NONE and node.host_state == _HOST_VALID and not node.host_pins and is_host_candidate(node)
