@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import random
-import struct
 import types
 from array import array
 
@@ -74,8 +73,16 @@ def test_records_flags_and_candidacy_match_the_references(seed):
         assert record_of(node) == reference_record_of(node)
         assert flags_of(node) == reference_flags_of(node)
     node = next(iter(tree.nodes.values()))
-    node.comp = [1, 2, 3]  # a component record: the kernel hands it to the reference
+    node.comp = [1, 2, 3]  # a component record: packed after the node's fields, in C as in the reference
     assert record_of(node) == reference_record_of(node)
+    node.comp = [-(1 << 63), (1 << 63) - 1, 0, -1] * 20  # past the kernel's buffer on the stack
+    assert record_of(node) == reference_record_of(node)
+    for bad, error in (([1 << 63], OverflowError), ([1.5], TypeError)):
+        node.comp = bad
+        with pytest.raises(error):
+            reference_record_of(node)
+        with pytest.raises(error):
+            record_of(node)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
@@ -112,6 +119,34 @@ def test_offers_and_pops_match_the_reference(policy, seed):
         assert popped == expected
         pops += len(popped)
     assert pops > 0
+
+
+@pytest.mark.parametrize("size", [300, 30000])
+def test_a_native_rebuild_and_pops_lay_the_heaps_out_as_heapq(size):
+    """The C sifts are heapq's: a rebuild (heapify, also past the size where heapq changes its
+    traversal) and pops leave the lists entry for entry as the reference's heapq calls leave them,
+    and the candidacy test in C, components included, is the reference's for every node."""
+    trees = random_tree(size, size), random_tree(size, size)
+    rng = random.Random(size)
+    for a, b in zip(trees[0].nodes.values(), trees[1].nodes.values(), strict=True):
+        if a.parent is not None and rng.random() < 0.3:  # component records: idle, written (1) or pinned
+            a.comp = b.comp = [0, -1, rng.choice([0, 1, 2, 2]), -1, 0, 0, rng.choice([0, 0, 1]), 0]
+    native, ref = Candidates("lru", trees[0]), Candidates("lru", trees[1])
+    for a, b in zip(trees[0].nodes.values(), trees[1].nodes.values(), strict=True):
+        assert _node.candidacy(a) == is_device_candidate(b) | is_host_candidate(b) << 1
+    native.rebuild()
+    nodes, key = list(trees[1].nodes.values()), ref.policy.key  # the reference's rebuild, with heapq's heapify
+    device = [key(n) << 64 | n.node_id for n in nodes if is_device_candidate(n)]
+    host = [key(n) << 64 | n.node_id for n in nodes if is_host_candidate(n)]
+    heapq.heapify(device)
+    heapq.heapify(host)
+    assert len(device) > 2500 or size < 2500
+    assert native.device_heap == device and native.host_heap == host
+    assert native.device_heap is native.native.device  # the same list, changed in place
+    for _ in range(len(device) // 2):
+        assert native.pop_device() is not None
+        ref.live(heapq.heappop(device), is_device_candidate)
+    assert native.device_heap == device
 
 
 def test_a_stale_entry_is_skipped_by_the_native_pop():
@@ -319,12 +354,13 @@ def test_mix_matches_its_reference():
         fields = [rng.getrandbits(64)] + [rng.randrange(-(1 << 63), 1 << 63) for _ in range(6)] + [rng.getrandbits(64)]
         fields = fields[: rng.randrange(9)]  # "<QqqqqqqQ": the first and the last unsigned
         assert mix(*fields) == reference_mix(*fields)
-    # What the reference refuses, C refuses alike.
-    for bad in ([-1], [1 << 64], [0, 1 << 63], [0] * 7 + [-1], [0] * 9, [1.5]):
-        with pytest.raises((struct.error, TypeError)):
+    # What the reference refuses, C refuses alike: the same error, the same line.
+    for bad in ([-1], [1 << 64], [0, 1 << 63], [0, -(1 << 63) - 1], [0] * 7 + [-1], [0] * 9, [1.5], [0, "1"]):
+        with pytest.raises((TypeError, OverflowError)) as ref:
             reference_mix(*bad)
-        with pytest.raises((struct.error, TypeError)):
+        with pytest.raises((TypeError, OverflowError)) as native:
             mix(*bad)
+        assert (type(native.value), str(native.value)) == (type(ref.value), str(ref.value))
 
 
 def test_token_bytes_match_the_array_reference():

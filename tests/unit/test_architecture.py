@@ -4,6 +4,7 @@ threads, clocks, sockets or torch.distributed, core modules small enough to read
 the core reading its state only through its named queries."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -154,6 +155,56 @@ def test_native_headers_include_no_cycle():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+# The native tree core calls no Python code and reads no Python attribute by name: what it needs is
+# handed to it (arguments, a ``Heaps`` object, the values ``bind`` takes once). The row copy and the
+# shard records (tpcache/io) are held to the same. What still does, by file and count: an append's
+# chain (``_chain.c``: append_chain reads the ledger, its tree and the lease). Each count may only
+# fall, and the list with it.
+PYTHON_FROM_NATIVE_ROOTS = ("tpcache/core/treecore", "tpcache/io")
+PYTHON_FROM_NATIVE_ALLOWED = {"_chain.c": 15}
+PYTHON_FROM_NATIVE = re.compile(
+    r"\b(?:_?PyObject_(?:Call|Vectorcall|GetAttr|SetAttr|DelAttr)\w*|PyImport_\w+|PyEval_\w+|PyRun_\w+)\s*\("
+)
+
+
+def _python_from_native(text: str) -> list[str]:
+    """The calls of Python code and attribute lookups by name in C source ``text``, comments left out."""
+    code = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+    return [m.group(0).rstrip("( ") for m in PYTHON_FROM_NATIVE.finditer(code)]
+
+
+def test_the_native_core_calls_no_python():
+    sources = [p for root in PYTHON_FROM_NATIVE_ROOTS for ext in ("*.c", "*.h") for p in (REPO / root).glob(ext)]
+    assert len(sources) >= 12
+    found = {p.name: len(_python_from_native(p.read_text())) for p in sources}
+    for name, count in sorted(found.items()):
+        allowed = PYTHON_FROM_NATIVE_ALLOWED.get(name, 0)
+        assert count <= allowed, f"{name} calls Python or reads attributes by name {count} times (allowed {allowed})"
+        assert count == allowed, f"{name}: {count} calls of Python left, {allowed} allowed: lower its allowance"
+    assert set(PYTHON_FROM_NATIVE_ALLOWED) <= set(found), "an allowance for a file that is gone"
+
+
+def test_the_check_of_python_from_native_finds_them():
+    sample = """
+    /* PyObject_GetAttr(o, name) in a comment is not a call */
+    PyObject *v = PyObject_GetAttrString(o, "x"), *r = PyObject_CallOneArg(fn, v);
+    int rc = PyObject_SetAttr(o, name, v);  // PyImport_ImportModule("x") here neither
+    PyObject *m = PyImport_ImportModule("array"), *s = PyObject_CallMethod(m, "f", NULL);
+    r = PyObject_Vectorcall(fn, args, 2, NULL); r = _PyObject_CallNoArgs(fn);
+    PyObject_RichCompareBool(a, b, Py_LT); PyList_Append(l, v); PyObject_GetBuffer(o, &view, 0);
+    """
+    found = _python_from_native(sample)
+    assert found == [
+        "PyObject_GetAttrString",
+        "PyObject_CallOneArg",
+        "PyObject_SetAttr",
+        "PyImport_ImportModule",
+        "PyObject_CallMethod",
+        "PyObject_Vectorcall",
+        "_PyObject_CallNoArgs",
+    ]
 
 
 # ----------------------------------------------------------------------------- the core's state, from outside

@@ -23,13 +23,31 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 
 def reference_mix(*fields: int) -> int:
-    """A 62-bit mix of up to eight int64/uint64 fields (unused fields are zero)."""
+    """A 62-bit mix of up to eight int64/uint64 fields (unused fields are zero; the first and the
+    last are uint64). Bad fields raise ``bad_fields``'s error."""
     padded = list(fields) + [0] * (8 - len(fields))
-    return xxhash.xxh3_64_intdigest(_RECORD.pack(*padded)) & DIGEST_MASK
+    try:
+        packed = _RECORD.pack(*padded)
+    except struct.error:
+        raise bad_fields(fields) from None
+    return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
 
 
-if _native is not None:  # the same value in C (_account.c); it calls the reference for fields it does not take
-    _native.set_mix_fallback(reference_mix)
+def bad_fields(fields: tuple[int, ...]) -> Exception:
+    """What ``mix`` raises for fields it cannot pack (both cores raise the same): TypeError for more
+    than eight fields or one that is not an int, OverflowError for one out of its range."""
+    if len(fields) > 8:
+        return TypeError(f"mix takes at most 8 fields, not {len(fields)}")
+    for i, v in enumerate(fields):
+        if not isinstance(v, int):
+            return TypeError(f"mix: field {i} is not an int")
+        unsigned = i in (0, 7)
+        if not (0 <= v < 1 << 64 if unsigned else -(1 << 63) <= v < 1 << 63):
+            return OverflowError(f"mix: field {i} is out of range ({'uint64' if unsigned else 'int64'})")
+    return TypeError(f"mix: fields it cannot pack: {fields!r}")
+
+
+if _native is not None:  # the same value in C (_account.c), and the same errors
     mix = _native.mix
 else:
     mix = reference_mix

@@ -22,18 +22,13 @@ static inline void write64(uint8_t *p, uint64_t v) {
     memcpy(p, &v, 8);
 }
 
-/* The reference record (accounting.reference_record_of), called for what the kernel does not cover: a node with a
- * component record, or a reference node. Set once by accounting.py. */
-static PyObject *record_fallback = NULL;
-
 /* The record of a native node without components: 0 and an exception on a field that is not an int. */
-int record_native(Node *n, uint64_t *out) {
+static int node_fields(Node *n, uint8_t buf[64]) {
     int64_t ds, hs, ss, dp, hp, last, hits, created;
     if (field(n->device_state, &ds) || field(n->host_state, &hs) || field(n->storage_state, &ss) ||
         field(n->device_pins, &dp) || field(n->host_pins, &hp) || field(n->last_access, &last) ||
         field(n->hits, &hits) || field(n->created_at, &created))
         return -1;
-    uint8_t buf[64];
     write64(buf, n->hash);
     write64(buf + 8, (uint64_t)(ds | hs << 2 | ss << 4));
     write64(buf + 16, (uint64_t)n->device_page);
@@ -42,26 +37,60 @@ int record_native(Node *n, uint64_t *out) {
     write64(buf + 40, (uint64_t)last);
     write64(buf + 48, (uint64_t)hits);
     write64(buf + 56, (uint64_t)created);
+    return 0;
+}
+
+int record_native(Node *n, uint64_t *out) {
+    uint8_t buf[64];
+    if (node_fields(n, buf) < 0)
+        return -1;
     *out = XXH3_64bits(buf, 64) & DIGEST_MASK;
     return 0;
 }
 
-int record_any(PyObject *node, uint64_t *out) {
-    if (is_node(node) && ((Node *)node)->comp == Py_None)
-        return record_native((Node *)node, out);
-    if (record_fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_node.record_of: no reference record for this node");
+enum { COMP_ON_STACK = 64 }; /* component fields packed on the stack (8 components); more: the heap */
+
+/* The record of a node with a component record (a list of ints): its fields and then each component
+ * field as a little-endian int64, as accounting.reference_record_of packs them. */
+static int record_with_parts(Node *n, uint64_t *out) {
+    PyObject *rec = n->comp;
+    if (!PyList_Check(rec)) {
+        PyErr_Format(PyExc_TypeError, "a node's component record is a list of ints, not %.100s", Py_TYPE(rec)->tp_name);
         return -1;
     }
-    PyObject *r = PyObject_CallOneArg(record_fallback, node);
-    if (r == NULL)
+    Py_ssize_t count = PyList_GET_SIZE(rec);
+    uint8_t stack[64 + 8 * COMP_ON_STACK], *buf = count <= COMP_ON_STACK ? stack : PyMem_Malloc(64 + 8 * (size_t)count);
+    if (buf == NULL) {
+        PyErr_NoMemory();
         return -1;
-    unsigned long long v = PyLong_AsUnsignedLongLong(r);
-    Py_DECREF(r);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
+    }
+    int rc = node_fields(n, buf);
+    for (Py_ssize_t i = 0; rc == 0 && i < count; i++) {
+        PyObject *v = PyList_GET_ITEM(rec, i);
+        int overflow = 0;
+        long long x = PyLong_Check(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : 0;
+        if (!PyLong_Check(v) || overflow) {
+            PyErr_Format(PyLong_Check(v) ? PyExc_OverflowError : PyExc_TypeError,
+                         "a component record's field %zd is not an int64", i);
+            rc = -1;
+        } else
+            write64(buf + 64 + 8 * i, (uint64_t)x);
+    }
+    if (rc == 0)
+        *out = XXH3_64bits(buf, 64 + 8 * (size_t)count) & DIGEST_MASK;
+    if (buf != stack)
+        PyMem_Free(buf);
+    return rc;
+}
+
+int record_any(PyObject *node, uint64_t *out) {
+    if (!is_node(node)) {
+        PyErr_Format(PyExc_TypeError, "record_of takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
         return -1;
-    *out = v;
-    return 0;
+    }
+    if (((Node *)node)->comp == Py_None)
+        return record_native((Node *)node, out);
+    return record_with_parts((Node *)node, out);
 }
 
 static PyObject *py_record_of(PyObject *mod, PyObject *node) {
@@ -71,55 +100,32 @@ static PyObject *py_record_of(PyObject *mod, PyObject *node) {
     return PyLong_FromUnsignedLongLong(r);
 }
 
-static PyObject *py_set_record_fallback(PyObject *mod, PyObject *fn) {
-    Py_INCREF(fn);
-    Py_XSETREF(record_fallback, fn);
-    Py_RETURN_NONE;
-}
-
-static PyObject *mix_fallback = NULL; /* digest.reference_mix, set once by digest.py */
-
-/* The reference's answer (its value, or what it raises) for fields the kernel does not take. */
-static PyObject *mix_by_reference(PyObject *const *args, Py_ssize_t nargs) {
-    if (mix_fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_node.mix: no reference mix set");
-        return NULL;
-    }
-    return PyObject_Vectorcall(mix_fallback, args, (size_t)nargs, NULL);
-}
-
-/* mix(*fields): digest.mix, XXH3-64 of up to eight fields packed as "<QqqqqqqQ" (the first and
- * last unsigned, the rest signed; unused fields zero), masked to 62 bits. A field that does not
- * fit or is not an int goes to the reference, which raises what it raises. */
+/* mix(*fields): digest.mix, XXH3-64 of up to eight int fields packed as "<QqqqqqqQ" (the first and
+ * last unsigned, the rest signed; unused fields zero), masked to 62 bits. Bad fields raise what
+ * digest.reference_mix raises for them (digest.bad_fields): TypeError for more than eight or one
+ * that is not an int, OverflowError for one out of its range. */
 static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs > 8)
-        return mix_by_reference(args, nargs);
+        return PyErr_Format(PyExc_TypeError, "mix takes at most 8 fields, not %zd", nargs);
     uint8_t buf[64] = {0};
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (!PyLong_Check(args[i]))
-            return mix_by_reference(args, nargs);
+            return PyErr_Format(PyExc_TypeError, "mix: field %zd is not an int", i);
         uint64_t v;
+        int overflow = 0;
         if (i == 0 || i == 7) {
             v = PyLong_AsUnsignedLongLong(args[i]);
-        } else {
-            int overflow;
+            overflow = v == (uint64_t)-1 && PyErr_Occurred();
+        } else
             v = (uint64_t)PyLong_AsLongLongAndOverflow(args[i], &overflow);
-            if (overflow)
-                return mix_by_reference(args, nargs);
-        }
-        if (PyErr_Occurred()) {
+        if (overflow) {
             PyErr_Clear();
-            return mix_by_reference(args, nargs);
+            return PyErr_Format(PyExc_OverflowError, "mix: field %zd is out of range (%s)", i,
+                                i == 0 || i == 7 ? "uint64" : "int64");
         }
         write64(buf + 8 * i, v);
     }
     return PyLong_FromUnsignedLongLong(XXH3_64bits(buf, 64) & DIGEST_MASK);
-}
-
-static PyObject *py_set_mix_fallback(PyObject *mod, PyObject *fn) {
-    Py_INCREF(fn);
-    Py_XSETREF(mix_fallback, fn);
-    Py_RETURN_NONE;
 }
 
 /* touch(tree_nodes, ids, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable
@@ -272,11 +278,8 @@ PyMethodDef account_methods[] = {
     {"unresident", (PyCFunction)(void (*)(void))py_unresident, METH_FASTCALL,
      "The ids of the nodes with no copy on device or host (accounting.unresident)."},
     {"record_of", (PyCFunction)py_record_of, METH_O, "A node's digest record (accounting.record_of)."},
-    {"set_record_fallback", (PyCFunction)py_set_record_fallback, METH_O,
-     "The reference record, for nodes with components or reference nodes."},
     {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL, "Ledger.touch's loop over a path."},
-    {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (the reference for fields it does not take)."},
-    {"set_mix_fallback", (PyCFunction)py_set_mix_fallback, METH_O, "The reference mix, for fields the kernel does not take."},
+    {"mix", (PyCFunction)(void (*)(void))py_mix, METH_FASTCALL, "digest.mix (see there)."},
     {"flags_of", (PyCFunction)py_flags_of, METH_O, "accounting.reference_flags_of (see there)."},
     {NULL, NULL, 0, NULL},
 };

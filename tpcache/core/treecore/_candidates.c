@@ -1,7 +1,9 @@
 /* The eviction candidates' kernels in C: which heap a node is a candidate of, its offer (with the
- * policy's key and heapq's push), offers around a change, and pops that skip stale entries.
- * eviction.py keeps the Python versions as the reference; tests hold the two equal (same heaps
- * entry for entry, same pops).
+ * policy's key), offers around a change, pops that skip stale entries and the heaps' rebuild, on a
+ * ``Heaps`` object that holds the two heaps, the tree's nodes and the policy's key kind. The heaps
+ * are lists of ints laid out as heapq lays them (the same sifts here), so a pop from Python's heapq
+ * and one from here agree. candidates.py keeps the Python versions as the reference; tests hold the
+ * two equal (same heaps entry for entry, same pops).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -9,43 +11,84 @@
 
 #include "_node.h"
 
-/* eviction.py's is_device_candidate, is_host_candidate and host_subtree_droppable, for what the
- * kernel leaves to the reference: a page whose children live only on host, a node with components,
- * a reference node. Set once by eviction.py. */
-static PyObject *is_device_candidate = NULL, *is_host_candidate = NULL, *subtree_droppable = NULL;
+enum { STRIDE = 8, PART_HOST = 2, PART_HPINS = 6, HOST_WRITING = 1 }; /* components.py */
 
-static PyObject *py_set_candidacy(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "set_candidacy takes 3 functions, not %zd", nargs);
-    Py_INCREF(args[0]);
-    Py_XSETREF(is_device_candidate, args[0]);
-    Py_INCREF(args[1]);
-    Py_XSETREF(is_host_candidate, args[1]);
-    Py_INCREF(args[2]);
-    Py_XSETREF(subtree_droppable, args[2]);
-    Py_RETURN_NONE;
-}
-
-static int call_bool(PyObject *fn, PyObject *node) {
-    if (fn == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_node: eviction's candidacy functions are not set");
+/* components.host_parts_idle: 1 no component host copy of the node is written or pinned, 0 one is,
+ * -1 and an exception (a record that is not a list of ints). */
+static int parts_idle(Node *n) {
+    PyObject *rec = n->comp;
+    if (rec == Py_None)
+        return 1;
+    if (!PyList_Check(rec)) {
+        PyErr_SetString(PyExc_TypeError, "a node's component record is a list of ints");
         return -1;
     }
-    PyObject *r = PyObject_CallOneArg(fn, node);
-    if (r == NULL)
+    for (Py_ssize_t b = 0; b < PyList_GET_SIZE(rec); b += STRIDE) {
+        if (b + PART_HPINS >= PyList_GET_SIZE(rec)) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            return -1;
+        }
+        int64_t host, pins;
+        if (field(PyList_GET_ITEM(rec, b + PART_HOST), &host) || field(PyList_GET_ITEM(rec, b + PART_HPINS), &pins))
+            return -1;
+        if (host == HOST_WRITING || pins != 0)
+            return 0;
+    }
+    return 1;
+}
+
+static int not_native(PyObject *o) {
+    PyErr_Format(PyExc_TypeError, "eviction candidates: a native Node, not %.100s", Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+/* Push the children of ``n`` that have a host copy on ``stack``: 0, or -1 and an exception. */
+static int push_host_children(Node *n, PyObject *stack) {
+    PyObject *child;
+    Py_ssize_t pos = 0;
+    while (kids_next(n, &pos, &child)) {
+        int64_t hs;
+        if (!is_node(child))
+            return not_native(child);
+        if (field(((Node *)child)->host_state, &hs))
+            return -1;
+        if (hs != 0 && PyList_Append(stack, child) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* eviction.host_subtree_droppable: 1 the host-only pages below ``n`` can all go with it, 0 not, -1
+ * and an exception. */
+static int subtree_droppable(Node *n) {
+    PyObject *stack = PyList_New(0);
+    if (stack == NULL || push_host_children(n, stack) < 0) {
+        Py_XDECREF(stack);
         return -1;
-    int v = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return v;
+    }
+    int rc = 1;
+    while (rc == 1 && PyList_GET_SIZE(stack) > 0) {
+        Py_ssize_t last = PyList_GET_SIZE(stack) - 1;
+        Node *child = (Node *)Py_NewRef(PyList_GET_ITEM(stack, last));
+        int64_t hs, hp, ds;
+        if (PyList_SetSlice(stack, last, last + 1, NULL) < 0 || field(child->host_state, &hs) ||
+            field(child->host_pins, &hp) || field(child->device_state, &ds))
+            rc = -1;
+        else if (hs != 2 || hp != 0 || ds != 0)
+            rc = 0;
+        else if ((rc = parts_idle(child)) == 1 && push_host_children(child, stack) < 0)
+            rc = -1;
+        Py_DECREF(child);
+    }
+    Py_DECREF(stack);
+    return rc;
 }
 
 /* Which heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error
- * (eviction.Candidates.offer's test). */
+ * (eviction.is_device_candidate | eviction.is_host_candidate << 1). */
 int candidacy(PyObject *obj) {
-    if (!is_node(obj)) {
-        int d = call_bool(is_device_candidate, obj), h = d < 0 ? -1 : call_bool(is_host_candidate, obj);
-        return d < 0 || h < 0 ? -1 : d | h << 1;
-    }
+    if (!is_node(obj))
+        return not_native(obj);
     Node *n = (Node *)obj;
     int64_t state, pins, hs, hp;
     if (field(n->device_state, &state) || field(n->device_pins, &pins) || field(n->host_state, &hs) ||
@@ -60,7 +103,7 @@ int candidacy(PyObject *obj) {
         while (kids_next(n, &pos, &child)) {
             int64_t cd, ch;
             if (!is_node(child))
-                return call_bool(is_device_candidate, obj);
+                return not_native(child);
             if (field(((Node *)child)->device_state, &cd) || field(((Node *)child)->host_state, &ch))
                 return -1;
             if (cd != 0)
@@ -69,20 +112,17 @@ int candidacy(PyObject *obj) {
         }
         if (!host_children || hs != 0)
             return 1;
-        return call_bool(subtree_droppable, obj);
+        return subtree_droppable(n);
     }
     if (state != 0 || hs != 2 || hp != 0)
         return 0;
-    if (n->comp != Py_None) {
-        int h = call_bool(is_host_candidate, obj);
-        return h < 0 ? -1 : h << 1;
-    }
+    int idle = parts_idle(n);
+    if (idle <= 0)
+        return idle;
     while (kids_next(n, &pos, &child)) {
         int64_t ch;
-        if (!is_node(child)) {
-            int h = call_bool(is_host_candidate, obj);
-            return h < 0 ? -1 : h << 1;
-        }
+        if (!is_node(child))
+            return not_native(child);
         if (field(((Node *)child)->host_state, &ch))
             return -1;
         if (ch != 0)
@@ -90,7 +130,6 @@ int candidacy(PyObject *obj) {
     }
     return 2;
 }
-
 /* A node's heap entry, ``key << 64 | node_id`` with candidates.LRU/LFU/FIFO.key: kind 0 LRU, 1 LFU,
  * 2 FIFO. The key's fields are 64-bit words, most significant first: ``entry_words`` gives them
  * little-endian (node id first), how many (4, or 5 for LFU), or -1 and an exception for a field
@@ -194,96 +233,63 @@ static int entry_cmp(PyObject *entry, const uint64_t *w, int k) {
 #endif
 }
 
-static PyObject *heappush = NULL, *heappop = NULL; /* _heapq's, so heaps are laid out as heapq lays them */
-static PyObject *s_device_heap, *s_host_heap, *s_tree, *s_nodes, *s_key_kind, *s_rebuild;
-
-static int load_heapq(void) {
-    if (heappush != NULL)
-        return 0;
-    if (INTERN(device_heap) || INTERN(host_heap) || INTERN(tree) || INTERN(nodes) || INTERN(key_kind) || INTERN(rebuild))
-        return -1;
-    PyObject *m = PyImport_ImportModule("_heapq");
-    if (m == NULL)
-        return -1;
-    heappop = PyObject_GetAttrString(m, "heappop");
-    heappush = heappop ? PyObject_GetAttrString(m, "heappush") : NULL;
-    Py_DECREF(m);
-    return heappush == NULL ? -1 : 0;
+/* A push now would rebuild the heaps first (candidates.Candidates._push's test). */
+static int rebuild_due(Heaps *h) {
+    return PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64;
 }
 
-static int key_kind(PyObject *cands, long *kind) {
-    if (load_heapq() < 0)
-        return -1;
-    PyObject *k = PyObject_GetAttr(cands, s_key_kind);
-    if (k == NULL)
-        return -1;
-    *kind = PyLong_AsLong(k);
-    Py_DECREF(k);
-    return *kind == -1 && PyErr_Occurred() ? -1 : 0;
+/* Exchange the items of two lists (their arrays, sizes and capacities). */
+static void swap_items(PyListObject *a, PyListObject *b) {
+    PyObject **items = a->ob_item;
+    Py_ssize_t size = Py_SIZE(a), allocated = a->allocated;
+    a->ob_item = b->ob_item;
+    Py_SET_SIZE(a, Py_SIZE(b));
+    a->allocated = b->allocated;
+    b->ob_item = items;
+    Py_SET_SIZE(b, size);
+    b->allocated = allocated;
 }
 
-static int push(PyObject *heap, Node *n, long kind) {
-    PyObject *entry = heap_entry(n, kind);
-    if (entry == NULL)
-        return -1;
-    PyObject *args[2] = {heap, entry};
-    PyObject *r = PyObject_Vectorcall(heappush, args, 2, NULL);
-    Py_DECREF(entry);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-static int load_lists(Heaps *h) {
-    Py_XSETREF(h->dev, PyObject_GetAttr(h->cands, s_device_heap));
-    Py_XSETREF(h->host, PyObject_GetAttr(h->cands, s_host_heap));
-    if (h->dev == NULL || h->host == NULL)
-        return -1;
-    if (!PyList_Check(h->dev) || !PyList_Check(h->host)) {
-        PyErr_SetString(PyExc_TypeError, "the candidates' heaps are lists");
-        return -1;
+/* candidates.Candidates.rebuild, in place: one entry per candidate, nodes in insertion order,
+ * heapified: 0, or -1 and an exception. */
+static int heaps_rebuild(Heaps *h) {
+    PyObject *dev = PyList_New(0), *host = PyList_New(0), *node;
+    Py_ssize_t pos = 0;
+    int rc = dev == NULL || host == NULL ? -1 : 0;
+    while (rc == 0 && PyDict_Next(h->nodes, &pos, NULL, &node)) {
+        int which = candidacy(node);
+        PyObject *entry = which > 0 ? heap_entry((Node *)node, h->kind) : NULL;
+        if (which < 0 || (which > 0 && entry == NULL))
+            rc = -1;
+        else if (which > 0)
+            rc = PyList_Append(which & 1 ? dev : host, entry);
+        Py_XDECREF(entry);
     }
-    return 0;
-}
-
-int heaps_load(Heaps *h, PyObject *cands) {
-    h->cands = cands;
-    h->dev = h->host = h->nodes = NULL;
-    if (key_kind(cands, &h->kind) < 0)
-        return -1;
-    PyObject *tree = PyObject_GetAttr(cands, s_tree);
-    h->nodes = tree ? PyObject_GetAttr(tree, s_nodes) : NULL;
-    Py_XDECREF(tree);
-    if (h->nodes == NULL || load_lists(h) < 0)
-        return -1;
-    if (!PyDict_Check(h->nodes)) {
-        PyErr_SetString(PyExc_TypeError, "the tree's nodes are a dict");
-        return -1;
+    if (rc == 0) { /* the new entries become the heaps' (the same list objects), the stale ones go */
+        swap_items((PyListObject *)h->dev, (PyListObject *)dev);
+        swap_items((PyListObject *)h->host, (PyListObject *)host);
+        rc = heap_order(h->dev) < 0 || heap_order(h->host) < 0 ? -1 : 0;
     }
-    return 0;
+    Py_XDECREF(dev);
+    Py_XDECREF(host);
+    return rc;
 }
 
-void heaps_clear(Heaps *h) {
-    Py_CLEAR(h->dev);
-    Py_CLEAR(h->host);
-    Py_CLEAR(h->nodes);
-}
-
-/* eviction.Candidates.offer and _push, for the policies written here (``key_kind`` >= 0); any other
- * policy, or a reference node, gets ``candidates._push(node, which)``. */
+/* candidates.Candidates._push: ``node`` on the device heap (``which & 1``) and the host heap
+ * (``which & 2``), the heaps rebuilt first when stale entries outnumber the nodes. */
 int heaps_push(Heaps *h, PyObject *node, int which) {
-    if (h->kind < 0 || !is_node(node)) {
-        PyObject *r = PyObject_CallMethod(h->cands, "_push", "Oi", node, which);
-        Py_XDECREF(r);
-        return r == NULL || load_lists(h) < 0 ? -1 : 0;
-    }
-    if (PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64) {
-        PyObject *r = PyObject_CallMethodNoArgs(h->cands, s_rebuild); /* the heaps are new lists after it */
-        Py_XDECREF(r);
-        if (r == NULL || load_lists(h) < 0)
+    if (rebuild_due(h) && heaps_rebuild(h) < 0)
+        return -1;
+    if (which & 1) {
+        PyObject *entry = heap_entry((Node *)node, h->kind);
+        if (entry == NULL || heap_push(h->dev, entry) < 0)
             return -1;
     }
-    if ((which & 1 && push(h->dev, (Node *)node, h->kind) < 0) || (which & 2 && push(h->host, (Node *)node, h->kind) < 0))
-        return -1;
+    if (which & 2) {
+        PyObject *entry = heap_entry((Node *)node, h->kind);
+        if (entry == NULL || heap_push(h->host, entry) < 0)
+            return -1;
+    }
     return 0;
 }
 
@@ -292,18 +298,16 @@ int heaps_offer(Heaps *h, PyObject *node) {
     return which <= 0 ? which : heaps_push(h, node, which);
 }
 
-/* offer(candidates, node): ``heaps_offer``. */
+int offer1(PyObject *cands, PyObject *node) {
+    Heaps *h = as_heaps(cands);
+    return h == NULL ? -1 : heaps_offer(h, node);
+}
+
+/* offer(heaps, node): candidates.Candidates.offer. */
 static PyObject *py_offer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "offer takes 2 arguments, not %zd", nargs);
     return offer1(args[0], args[1]) < 0 ? NULL : Py_NewRef(Py_None);
-}
-
-int offer1(PyObject *cands, PyObject *node) {
-    LazyHeaps h = {.cands = cands};
-    int rc = lazy_offer(&h, node);
-    lazy_clear(&h);
-    return rc;
 }
 
 static int state_field(PyObject *node, int device, int64_t *out) {
@@ -311,24 +315,18 @@ static int state_field(PyObject *node, int device, int64_t *out) {
 }
 
 int lazy_offer(LazyHeaps *h, PyObject *node) {
-    int which = candidacy(node); /* most offers push nothing: no need for the heaps */
+    int which = candidacy(node); /* most offers push nothing */
     if (which <= 0)
         return which;
     if (!h->loaded) {
-        if (heaps_load(&h->heaps, h->cands) < 0) {
-            heaps_clear(&h->heaps);
+        if (as_heaps(h->cands) == NULL)
             return -1;
-        }
         h->loaded = 1;
     }
-    return heaps_push(&h->heaps, node, which);
+    return heaps_push((Heaps *)h->cands, node, which);
 }
 
-void lazy_clear(LazyHeaps *h) {
-    if (h->loaded)
-        heaps_clear(&h->heaps);
-    h->loaded = 0;
-}
+void lazy_clear(LazyHeaps *h) { h->loaded = 0; }
 
 int lazy_offer_around(LazyHeaps *h, PyObject *node) {
     if (lazy_offer(h, node) < 0)
@@ -336,35 +334,27 @@ int lazy_offer_around(LazyHeaps *h, PyObject *node) {
     PyObject *first = ((Node *)node)->parent;
     if (!is_node(first) || !is_node(((Node *)first)->parent))
         return 0;
-    Py_INCREF(first); /* an offer may run Python: hold what the walk stands on */
-    PyObject *parent = Py_NewRef(first);
-    int rc = -1;
-    if (lazy_offer(h, parent) < 0)
-        goto done;
+    if (lazy_offer(h, first) < 0)
+        return -1;
+    PyObject *parent = first; /* offers change no tree: the walk's nodes stay where they are */
     for (;;) {
         int64_t ds, hs;
         if (state_field(parent, 1, &ds) || state_field(parent, 0, &hs))
-            goto done;
+            return -1;
         if (!(ds == 0 && hs != 0))
             break;
         PyObject *up = ((Node *)parent)->parent;
-        if (!is_node(up) || !is_node(((Node *)up)->parent)) {
-            rc = 0;
-            goto done;
-        }
-        Py_SETREF(parent, Py_NewRef(up));
+        if (!is_node(up) || !is_node(((Node *)up)->parent))
+            return 0;
+        parent = up;
     }
     int64_t ds;
     if (state_field(parent, 1, &ds))
-        goto done;
-    rc = parent != first && ds == 2 ? lazy_offer(h, parent) : 0;
-done:
-    Py_DECREF(parent);
-    Py_DECREF(first);
-    return rc < 0 ? -1 : 0;
+        return -1;
+    return parent != first && ds == 2 ? (lazy_offer(h, parent) < 0 ? -1 : 0) : 0;
 }
 
-/* offer_around(candidates, node): eviction.Candidates.offer_around (see there). */
+/* offer_around(heaps, node): candidates.Candidates.offer_around (see there). */
 static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "offer_around takes 2 arguments, not %zd", nargs);
@@ -377,7 +367,7 @@ static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_
 }
 
 /* Whether a popped (or top) entry is live: its node is a candidate of ``which`` with the key it was
- * pushed with (eviction.Candidates.live). 1 and the node (a new reference) in ``*out``, 0 stale,
+ * pushed with (candidates.Candidates.live). 1 and the node (a new reference) in ``*out``, 0 stale,
  * -1 and an exception. */
 static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, PyObject **out) {
     if (!PyLong_Check(entry)) {
@@ -389,11 +379,6 @@ static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, P
     Py_XDECREF(id);
     if (node == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    if (!is_node(node)) {
-        PyErr_SetString(PyExc_TypeError, "pop: a tree of native nodes");
-        return -1;
-    }
-    Py_INCREF(node); /* candidacy may run Python (its fallbacks) */
     int c = candidacy(node), live = c < 0 ? -1 : 0;
     if (c > 0 && c & which) {
         uint64_t w[5];
@@ -401,26 +386,17 @@ static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, P
         live = cmp == -2 ? -1 : cmp == 0;
     }
     if (live > 0)
-        *out = node;
-    else
-        Py_DECREF(node);
+        *out = Py_NewRef(node);
     return live;
 }
 
-/* A push now would rebuild the heaps first (heaps_push's test). */
-static int rebuild_due(Heaps *h) {
-    return PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64;
-}
-
-/* The next live candidate of ``heap`` (a new reference) or None: eviction.Candidates._pop with live()
- * (a current entry: its node is a candidate of that tier, with the key it was pushed with). ``nodes``
- * is the tree's nodes dict, ``kind`` the policy's key kind. NULL and an exception on an error. */
-PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) {
-    if (load_heapq() < 0)
-        return NULL;
+/* The next live candidate of the device (``which`` 1) or host (2) heap, a new reference, or None:
+ * candidates.Candidates._pop with live(). NULL and an exception on an error. */
+PyObject *pop_candidate(Heaps *h, long which) {
+    PyObject *heap = which == 1 ? h->dev : h->host;
     while (PyList_GET_SIZE(heap) > 0) {
-        PyObject *entry = PyObject_CallOneArg(heappop, heap), *node = NULL;
-        int live = entry == NULL ? -1 : entry_node(entry, which, nodes, kind, &node);
+        PyObject *entry = heap_pop(heap), *node = NULL;
+        int live = entry == NULL ? -1 : entry_node(entry, which, h->nodes, h->kind, &node);
         Py_XDECREF(entry);
         if (live < 0)
             return NULL;
@@ -437,11 +413,11 @@ PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind) 
  * depends on its node alone, not on the heap), and the node is next unless a live entry is below
  * its own (heapq pops the least int). 1 yes, 0 no, -1 and an exception. */
 int heaps_next_pop(Heaps *h, Node *node) {
-    if (h->kind < 0 || rebuild_due(h))
+    if (rebuild_due(h))
         return 0;
     uint64_t w[5];
     int k = entry_words(node, h->kind, w);
-    if (k < 0 || load_heapq() < 0)
+    if (k < 0)
         return -1;
     int first = 1;
     while (PyList_GET_SIZE(h->dev) > 0) {
@@ -454,7 +430,7 @@ int heaps_next_pop(Heaps *h, Node *node) {
             first = below == 0 ? 1 : live < 0 ? -1 : 0;
             break;
         }
-        PyObject *gone = PyObject_CallOneArg(heappop, h->dev); /* stale, below the node's entry */
+        PyObject *gone = heap_pop(h->dev); /* stale, below the node's entry */
         if (gone == NULL) {
             first = -1;
             break;
@@ -464,33 +440,37 @@ int heaps_next_pop(Heaps *h, Node *node) {
     return first;
 }
 
-/* pop(candidates, heap, which) -> the next live candidate of ``heap`` or None (``pop_candidate``). */
+/* pop(heaps, which) -> the next live candidate of the device (1) or host (2) heap, or None. */
 static PyObject *py_pop(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3)
-        return PyErr_Format(PyExc_TypeError, "pop takes 3 arguments, not %zd", nargs);
-    PyObject *heap = args[1], *out = NULL;
-    long which = PyLong_AsLong(args[2]);
-    if (which == -1 && PyErr_Occurred())
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "pop takes 2 arguments, not %zd", nargs);
+    Heaps *h = as_heaps(args[0]);
+    long which = h == NULL ? -1 : PyLong_AsLong(args[1]);
+    if (h == NULL || (which == -1 && PyErr_Occurred()))
         return NULL;
-    Heaps h;
-    if (heaps_load(&h, args[0]) < 0) {
-        heaps_clear(&h);
-        return NULL;
-    }
-    if (!PyList_Check(heap) || h.kind < 0)
-        PyErr_Format(PyExc_TypeError, "pop takes a heap list, of a policy written here");
-    else
-        out = pop_candidate(heap, which, h.nodes, h.kind);
-    heaps_clear(&h);
-    return out;
+    if (which != 1 && which != 2)
+        return PyErr_Format(PyExc_ValueError, "pop: which is 1 (device) or 2 (host), not %ld", which);
+    return pop_candidate(h, which);
+}
+
+/* rebuild(heaps): candidates.Candidates.rebuild, in place. */
+static PyObject *py_rebuild(PyObject *mod, PyObject *heaps) {
+    Heaps *h = as_heaps(heaps);
+    return h == NULL || heaps_rebuild(h) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* candidacy(node) -> 1 device, 2 host, 0 neither (eviction's is_device_candidate | is_host_candidate << 1). */
+static PyObject *py_candidacy(PyObject *mod, PyObject *node) {
+    int which = candidacy(node);
+    return which < 0 ? NULL : PyLong_FromLong(which);
 }
 
 PyMethodDef candidate_methods[] = {
-    {"set_candidacy", (PyCFunction)(void (*)(void))py_set_candidacy, METH_FASTCALL,
-     "eviction's is_device_candidate, is_host_candidate and host_subtree_droppable."},
-    {"offer", (PyCFunction)(void (*)(void))py_offer, METH_FASTCALL, "eviction.Candidates.offer (see there)."},
+    {"candidacy", (PyCFunction)py_candidacy, METH_O, "is_device_candidate | is_host_candidate << 1 (see candidates.py)."},
+    {"offer", (PyCFunction)(void (*)(void))py_offer, METH_FASTCALL, "candidates.Candidates.offer (see there)."},
     {"offer_around", (PyCFunction)(void (*)(void))py_offer_around, METH_FASTCALL,
-     "eviction.Candidates.offer_around (see there)."},
-    {"pop", (PyCFunction)(void (*)(void))py_pop, METH_FASTCALL, "eviction.Candidates._pop (see there)."},
+     "candidates.Candidates.offer_around (see there)."},
+    {"pop", (PyCFunction)(void (*)(void))py_pop, METH_FASTCALL, "candidates.Candidates._pop (see there)."},
+    {"rebuild", (PyCFunction)py_rebuild, METH_O, "candidates.Candidates.rebuild, in place."},
     {NULL, NULL, 0, NULL},
 };

@@ -42,17 +42,7 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
     return out;
 }
 
-static PyObject *device_valid = NULL; /* tiers.DeviceState.VALID, the value the reference stores */
-static PyObject *s_next_id, *s_page_size, *s_seed, *s_nodes; /* the tree's attribute names, interned */
-
-static int load_valid(void) {
-    if (device_valid != NULL)
-        return 0;
-    if (INTERN_AS(s_next_id, "_next_id") || INTERN(page_size) || INTERN(seed) || INTERN(nodes))
-        return -1;
-    device_valid = device_state_member("VALID");
-    return device_valid == NULL ? -1 : 0;
-}
+static PyObject *s_next_id, *s_page_size, *s_seed, *s_nodes; /* the tree's attribute names (append_chain's) */
 
 enum { STACK_INPUT = 4096 }; /* pages of up to 1022 tokens hash from a buffer on the stack */
 
@@ -79,14 +69,12 @@ static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t s
 
 /* Add the chain's nodes below ``parent``; ``nodes`` receives them. 0, or -1 and an exception (the
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
-static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const char *data, Py_ssize_t step,
-                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes,
-                     uint64_t *records) {
-    PyObject *next = PyObject_GetAttr(tree, s_next_id);
-    long long next_id = next ? PyLong_AsLongLong(next) : -1;
-    Py_XDECREF(next);
-    if (PyErr_Occurred())
+static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
+                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, uint64_t *records) {
+    if (DEVICE_VALID == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "pinned_chain: the tier states are not bound (tree.py binds them)");
         return -1;
+    }
     uint64_t h = parent->hash;
     Py_ssize_t count = PyList_GET_SIZE(pages);
     PyObject *one = PyLong_FromLong(1);
@@ -103,7 +91,7 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
             Py_XDECREF(id);
             goto done;
         }
-        Py_SETREF(node->device_state, Py_NewRef(device_valid));
+        Py_SETREF(node->device_state, Py_NewRef(DEVICE_VALID));
         node->device_page = page;
         Py_SETREF(node->device_pins, Py_NewRef(one));
         uint64_t rec;
@@ -122,12 +110,8 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
             goto done;
     }
     rc = 0;
-    /* As the reference: the tree's next id and its runs change only once every node is in. */
-    PyObject *after = PyLong_FromLongLong(next_id + count);
-    if (after == NULL || PyObject_SetAttr(tree, s_next_id, after) < 0)
-        rc = -1;
-    Py_XDECREF(after);
-    if (rc == 0 && kids_count(first) == 2)
+    /* As the reference: the tree's runs change only once every node is in (its next id: the caller's). */
+    if (kids_count(first) == 2)
         invalidate_runs((PyObject *)first);
 done:
     Py_DECREF(up);
@@ -135,60 +119,48 @@ done:
     return rc;
 }
 
-/* pinned_chain(tree, parent, token_bytes, offset, pages, clock) -> (nodes, sum of their records), or
- * None for pages not in a list (the reference handles those).
- * The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes,
- * each below the one before, device VALID on its page, pinned once, recorded, ids from the tree's. */
-static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssize_t offset, PyObject *pages,
-                       PyObject *clock) {
-    if (load_valid() < 0)
-        return NULL;
-    PyObject *size = PyObject_GetAttr(tree, s_page_size);
-    PyObject *seed_obj = size ? PyObject_GetAttr(tree, s_seed) : NULL;
-    PyObject *tree_nodes = seed_obj ? PyObject_GetAttr(tree, s_nodes) : NULL;
-    Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : -1;
-    unsigned long long seed = seed_obj ? PyLong_AsUnsignedLongLong(seed_obj) : 0;
-    Py_XDECREF(size);
-    PyObject *out = NULL, *nodes = NULL;
-    if (tree_nodes == NULL || PyErr_Occurred())
-        goto done;
+/* The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes, each
+ * below the one before, device VALID on its page, pinned once, recorded, their ids ``next_id`` on and
+ * added to ``tree_nodes``: (nodes, sum of their records), or NULL and an exception. */
+static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step, uint64_t seed, PyObject *parent,
+                        PyObject *data, Py_ssize_t offset, PyObject *pages, PyObject *clock) {
+    if (!PyDict_Check(tree_nodes) || step <= 0)
+        return PyErr_Format(PyExc_TypeError, "pinned_chain: the tree's nodes dict and a page of at least one token");
     Py_ssize_t count = PyList_GET_SIZE(pages);
-    if (offset < 0 || offset + count * step > PyBytes_GET_SIZE(data)) {
-        PyErr_SetString(PyExc_ValueError, "pinned_chain: fewer tokens than pages");
-        goto done;
-    }
+    if (offset < 0 || offset + count * step > PyBytes_GET_SIZE(data))
+        return PyErr_Format(PyExc_ValueError, "pinned_chain: fewer tokens than pages");
     if (count > 0) {
         int taken = kids_at((Node *)parent, PyBytes_AS_STRING(data) + offset, step) != NULL;
         taken = taken == 0 && PyErr_Occurred() ? -1 : taken;
-        if (taken != 0) {
-            if (taken > 0)
-                PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", ((Node *)parent)->node_id);
-            goto done;
-        }
+        if (taken > 0)
+            PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", ((Node *)parent)->node_id);
+        if (taken != 0)
+            return NULL;
     }
-    nodes = PyList_New(0);
+    PyObject *nodes = PyList_New(0), *out = NULL;
     uint64_t records = 0;
-    if (nodes == NULL ||
-        add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages, clock, nodes,
-                  &records) < 0)
-        goto done;
-    out = Py_BuildValue("(OK)", nodes, (unsigned long long)records);
-done:
+    if (nodes != NULL && add_chain(tree_nodes, next_id, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed,
+                                   pages, clock, nodes, &records) == 0)
+        out = Py_BuildValue("(OK)", nodes, (unsigned long long)records);
     Py_XDECREF(nodes);
-    Py_XDECREF(tree_nodes);
-    Py_XDECREF(seed_obj);
     return out;
 }
 
+/* pinned_chain(tree_nodes, next_id, page_size, seed, parent, token_bytes, offset, pages, clock)
+ *     -> (nodes, sum of their records), or None for pages not in a list (the reference handles those):
+ * Ledger.add_pinned_chain's new nodes (``pinned``), their ids from ``next_id`` on (the caller moves
+ * the tree's next id past them). */
 static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6)
-        return PyErr_Format(PyExc_TypeError, "pinned_chain takes 6 arguments, not %zd", nargs);
-    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
-    if (offset == -1 && PyErr_Occurred())
+    if (nargs != 9)
+        return PyErr_Format(PyExc_TypeError, "pinned_chain takes 9 arguments, not %zd", nargs);
+    long long next_id = PyLong_AsLongLong(args[1]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]), offset = PyLong_AsSsize_t(args[6]);
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred())
         return NULL;
-    if (!is_node(args[1]) || !PyBytes_Check(args[2]) || !PyList_Check(args[4]))
+    if (!is_node(args[4]) || !PyBytes_Check(args[5]) || !PyList_Check(args[7]))
         Py_RETURN_NONE; /* the reference takes any other sequence of pages (and refuses what it refuses) */
-    return pinned(args[0], args[1], args[2], offset, args[4], args[5]);
+    return pinned(args[0], next_id, size * 4, seed, args[4], args[5], offset, args[7], args[8]);
 }
 
 static PyObject *s_pages, *s_device_nodes, *s_cursor;             /* a lease's attribute names, interned */
@@ -198,7 +170,8 @@ enum { APPEND_MAX = 64 }; /* pages one append_chain takes (more: the reference) 
 static int load_append(void) {
     if (s_protected != NULL)
         return 0;
-    return load_valid() < 0 || INTERN(pages) || INTERN(device_nodes) || INTERN(cursor) || INTERN(tree) ||
+    return INTERN_AS(s_next_id, "_next_id") || INTERN(page_size) || INTERN(seed) || INTERN(nodes) || INTERN(pages) ||
+                   INTERN(device_nodes) || INTERN(cursor) || INTERN(tree) ||
                    INTERN(parts) || INTERN(clock) || INTERN(digest) || INTERN(value) ||
                    INTERN_AS(s_protected, "protected_device_pages")
                ? -1
@@ -322,11 +295,20 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     }
     clock = tick == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(tick + 1); /* Ledger.tick */
     taken = clock ? PyList_GetSlice(pages, 0, n) : NULL;
-    made = taken ? pinned(tree, cursor, data, 0, taken, clock) : NULL;
-    if (made == NULL || made == Py_None) {
-        out = Py_XNewRef(made); /* None: pages too short for the kernel's hash, before any change */
+    PyObject *seed = taken ? PyObject_GetAttr(tree, s_seed) : NULL, *next = seed ? PyObject_GetAttr(tree, s_next_id) : NULL;
+    PyObject *tree_nodes = next ? PyObject_GetAttr(tree, s_nodes) : NULL;
+    long long next_id = next ? PyLong_AsLongLong(next) : -1;
+    unsigned long long seed_value = seed ? PyLong_AsUnsignedLongLong(seed) : 0;
+    made = tree_nodes && !PyErr_Occurred() ? pinned(tree_nodes, next_id, step, seed_value, cursor, data, 0, taken, clock) : NULL;
+    PyObject *after = made ? PyLong_FromLongLong(next_id + n) : NULL;
+    if (after == NULL || PyObject_SetAttr(tree, s_next_id, after) < 0)
+        Py_CLEAR(made);
+    Py_XDECREF(after);
+    Py_XDECREF(seed);
+    Py_XDECREF(next);
+    Py_XDECREF(tree_nodes);
+    if (made == NULL)
         goto done;
-    }
     PyObject *nodes = PyTuple_GET_ITEM(made, 0), *digest = NULL, *ids = NULL;
     uint64_t records = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(made, 1));
     int bad = PyObject_SetAttr(ledger, s_clock, clock) < 0 || (digest = PyObject_GetAttr(ledger, s_digest)) == NULL ||

@@ -19,10 +19,7 @@
 
 #include "_node.h"
 
-static PyObject *device_none = NULL; /* tiers.DeviceState.NONE, the value the reference stores */
-
 int heaps_next_pop(Heaps *h, Node *node); /* _candidates.c */
-static PyObject *s_pages; /* "pages", interned (load_names) */
 
 /* 1: a leaf drop_device_leaf takes (and not in the backlog, whose pop drop_device counts); 0: not. */
 static int plain_leaf(Node *n, PyObject *backlog) {
@@ -56,7 +53,7 @@ static int plain_leaf(Node *n, PyObject *backlog) {
 static int drop_pages(Node *n) {
     if (n->pages_run == Py_None)
         return 0;
-    if (PyObject_SetAttr(n->pages_run, s_pages, Py_None) < 0)
+    if (run_forget_pages(n->pages_run) < 0)
         return -1;
     Py_SETREF(n->pages_run, Py_NewRef(Py_None));
     return 0;
@@ -68,7 +65,7 @@ static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_Ne
 typedef struct {
     PyObject *owned, *free, *digest, *backlog;
     PyObject *dropped; /* a list each dropped leaf is appended to (the ledger's change feed), or NULL */
-    Heaps heaps;
+    Heaps *heaps;
     uint64_t value;
     long long evictable;
 } Pool;
@@ -83,7 +80,7 @@ static int offer_parent(Pool *s, Node *parent, int take, PyObject **next) {
         return which;
     if (take && which == 1) {
         int plain = plain_leaf(parent, s->backlog);
-        int first = plain > 0 ? heaps_next_pop(&s->heaps, parent) : plain;
+        int first = plain > 0 ? heaps_next_pop(s->heaps, parent) : plain;
         if (first < 0)
             return -1;
         if (first) {
@@ -91,7 +88,7 @@ static int offer_parent(Pool *s, Node *parent, int take, PyObject **next) {
             return 0;
         }
     }
-    return heaps_offer(&s->heaps, (PyObject *)parent);
+    return heaps_offer(s->heaps, (PyObject *)parent);
 }
 
 /* Free the device page of a plain leaf and take the leaf out of the tree (drop_device_leaf, then
@@ -110,14 +107,14 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     Py_XDECREF(freed);
     if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
-    set_field(&n->device_state, device_none);
+    set_field(&n->device_state, DEVICE_NONE);
     n->device_page = -1;
     s->evictable -= 1;
     s->value = (s->value - n->record) & DIGEST_MASK;
     n->record = 0;
     Node *parent = (Node *)Py_NewRef(n->parent);
     int rc = -1;
-    if (kids_del(parent, n) < 0 || PyDict_DelItem(s->heaps.nodes, n->node_id) < 0)
+    if (kids_del(parent, n) < 0 || PyDict_DelItem(s->heaps->nodes, n->node_id) < 0)
         goto done;
     set_field(&n->parent, Py_None);
     set_field(&n->run, Py_None);
@@ -129,62 +126,43 @@ done:
     return rc;
 }
 
-/* The attribute names drop_leaves reads and writes, interned once (a lookup by C string makes and
- * interns a str each time: a tenth of a short call). */
-static PyObject *s_device, *s_owned, *s_free, *s_digest, *s_backlog, *s_value, *s_evictable;
-
-static int load_names(void) {
-    if (s_pages != NULL) /* the last one made */
-        return 0;
-    if (INTERN(device) || INTERN_AS(s_owned, "_owned") || INTERN_AS(s_free, "_free") || INTERN(digest) ||
-        INTERN_AS(s_backlog, "backup_backlog") || INTERN(value) || INTERN_AS(s_evictable, "evictable_device_pages") ||
-        INTERN(pages))
-        return -1;
-    return 0;
-}
-
-/* o.name, or NULL once anything before it failed (no lookup runs with an exception set). */
-static PyObject *attr(PyObject *o, PyObject *name) {
-    return o == NULL || PyErr_Occurred() ? NULL : PyObject_GetAttr(o, name);
-}
-
-/* drop_leaves(candidates, ledger, want[, dropped]) -> (pages freed, node or None): pop device
- * candidates and drop the plain leaves among them until ``want`` are freed (then None), the heap is
- * empty (None), or a candidate is not a plain leaf (returned, off its heap, for the caller's loop).
- * ``dropped``, a list: each leaf dropped is appended to it. */
+/* drop_leaves(heaps, owned, free, backlog, tally, want[, dropped]) -> (pages freed, node or None):
+ * pop device candidates off ``heaps`` and drop the plain leaves among them until ``want`` are freed
+ * (then None), the heap is empty (None), or a candidate is not a plain leaf (returned, off its heap,
+ * for the caller's loop). ``owned`` and ``free`` are the device allocator's (a bytearray, a list),
+ * ``backlog`` the backup backlog (a dict by node id), ``tally`` a list [digest value, evictable
+ * device pages] updated in place on every way out, errors included. ``dropped``, a list: each leaf
+ * dropped is appended to it. */
 static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 && nargs != 4)
-        return PyErr_Format(PyExc_TypeError, "drop_leaves takes 3 or 4 arguments, not %zd", nargs);
-    if (nargs == 4 && args[3] != Py_None && !PyList_Check(args[3]))
+    if (nargs != 6 && nargs != 7)
+        return PyErr_Format(PyExc_TypeError, "drop_leaves takes 6 or 7 arguments, not %zd", nargs);
+    if (nargs == 7 && args[6] != Py_None && !PyList_Check(args[6]))
         return PyErr_Format(PyExc_TypeError, "drop_leaves: dropped must be a list or None");
-    PyObject *cands = args[0], *ledger = args[1];
-    Py_ssize_t want = PyLong_AsSsize_t(args[2]);
+    Pool s = {0};
+    s.heaps = as_heaps(args[0]);
+    if (s.heaps == NULL)
+        return NULL;
+    s.owned = args[1];
+    s.free = args[2];
+    s.backlog = args[3];
+    PyObject *tally = args[4];
+    if (!PyByteArray_Check(s.owned) || !PyList_Check(s.free) || !PyDict_Check(s.backlog) || !PyList_Check(tally) ||
+        PyList_GET_SIZE(tally) != 2)
+        return PyErr_Format(PyExc_TypeError, "drop_leaves: a bytearray, a list, a dict and a list of 2 ints");
+    Py_ssize_t want = PyLong_AsSsize_t(args[5]);
     if (want == -1 && PyErr_Occurred())
         return NULL;
-    if (device_none == NULL && (device_none = device_state_member("NONE")) == NULL)
+    if (DEVICE_NONE == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "drop_leaves: the tier states are not bound (tree.py binds them)");
         return NULL;
-    if (load_names() < 0)
-        return NULL;
-    Pool s = {0};
-    s.dropped = nargs == 4 && args[3] != Py_None ? args[3] : NULL; /* borrowed: the caller holds it */
-    PyObject *device = attr(ledger, s_device), *count = NULL, *value = NULL, *out = NULL, *node = NULL;
-    PyObject *next = NULL; /* a parent that drop handed back: a plain leaf, the next pop */
-    s.owned = attr(device, s_owned);
-    s.free = attr(device, s_free);
-    s.digest = attr(ledger, s_digest);
-    s.backlog = attr(ledger, s_backlog);
-    value = attr(s.digest, s_value);
-    count = attr(ledger, s_evictable);
-    if (PyErr_Occurred() || heaps_load(&s.heaps, cands) < 0)
-        goto fail;
-    if (!PyByteArray_Check(s.owned) || !PyList_Check(s.free) || !PyDict_Check(s.backlog) || s.heaps.kind < 0) {
-        PyErr_SetString(PyExc_TypeError, "drop_leaves: a native ledger of a policy written here");
-        goto fail;
     }
-    s.value = PyLong_AsUnsignedLongLong(value);
-    s.evictable = PyLong_AsLongLong(count);
+    s.dropped = nargs == 7 && args[6] != Py_None ? args[6] : NULL; /* borrowed: the caller holds it */
+    s.value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(tally, 0));
+    s.evictable = PyLong_AsLongLong(PyList_GET_ITEM(tally, 1));
     if (PyErr_Occurred())
-        goto fail;
+        return NULL;
+    PyObject *out = NULL, *node = NULL;
+    PyObject *next = NULL; /* a parent that drop handed back: a plain leaf, the next pop */
     Py_ssize_t freed = 0;
     int ok = 0;
     while (freed < want) {
@@ -192,7 +170,7 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
             node = next;
             next = NULL;
         } else {
-            node = pop_candidate(s.heaps.dev, 1, s.heaps.nodes, s.heaps.kind); /* dev is current: see heaps_offer */
+            node = pop_candidate(s.heaps, 1);
             if (node == NULL)
                 goto write_back;
             if (node == Py_None)
@@ -213,28 +191,22 @@ write_back:; /* the digest and the counter, also on an error: the nodes already 
     PyObject *type, *exc, *tb; /* an error's exception waits while the write-back runs */
     PyErr_Fetch(&type, &exc, &tb);
     PyObject *v = PyLong_FromUnsignedLongLong(s.value), *e = PyLong_FromLongLong(s.evictable);
-    if (v == NULL || e == NULL || PyObject_SetAttr(s.digest, s_value, v) < 0 ||
-        PyObject_SetAttr(ledger, s_evictable, e) < 0)
+    if (v == NULL || e == NULL) {
         ok = 0;
-    Py_XDECREF(v);
-    Py_XDECREF(e);
+        Py_XDECREF(v);
+        Py_XDECREF(e);
+    } else { /* the list holds two items (checked above; no Python code ran since) */
+        PyList_SetItem(tally, 0, v);
+        PyList_SetItem(tally, 1, e);
+    }
     if (type != NULL) {
         PyErr_Clear();
         PyErr_Restore(type, exc, tb); /* the first error is the one reported */
     }
     if (ok)
         out = Py_BuildValue("(nO)", freed, node == NULL ? Py_None : node);
-fail:
     Py_XDECREF(next);
     Py_XDECREF(node);
-    Py_XDECREF(device);
-    Py_XDECREF(count);
-    Py_XDECREF(value);
-    Py_XDECREF(s.owned);
-    Py_XDECREF(s.free);
-    Py_XDECREF(s.digest);
-    Py_XDECREF(s.backlog);
-    heaps_clear(&s.heaps);
     return out;
 }
 

@@ -9,11 +9,9 @@
 
 enum { STATE_NONE = 0, STATE_VALID = 2 }; /* tiers.DeviceState and HostState */
 
-static PyObject *valid_member = NULL; /* DeviceState.VALID, the object most nodes on a hit hold */
-
 /* A node's tier state (an IntEnum member) into ``*out``: 0, or -1 and an exception. */
 static int state(PyObject *v, long *out) {
-    if (v == valid_member) {
+    if (v != NULL && v == DEVICE_VALID) { /* the object most nodes on a hit hold */
         *out = STATE_VALID;
         return 0;
     }
@@ -42,8 +40,6 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         Py_RETURN_NONE;
     if (!PyBytes_Check(data) || step <= 0)
         return PyErr_Format(PyExc_ValueError, "lookup takes token bytes and a page of at least one byte");
-    if (valid_member == NULL && (valid_member = device_state_member("VALID")) == NULL)
-        return NULL; /* tried again at the next call */
     Py_ssize_t pages = PyBytes_GET_SIZE(data) / step, dev = 0, host = 0;
     PyObject *ids = PyBytes_FromStringAndSize(NULL, pages * 4); /* int32 per page, as array('i') holds them */
     if (ids == NULL)

@@ -140,20 +140,6 @@ static int set_by_tokens(PyObject *d, Node *node) {
     return rc;
 }
 
-/* array.array(typecode, raw): a new array of ``raw``'s bytes read as that type; NULL and an exception
- * if the array module cannot be loaded (tried again at the next call). */
-PyObject *array_from_bytes(const char *typecode, PyObject *raw) {
-    static PyObject *array_type;
-    if (array_type == NULL) {
-        PyObject *m = PyImport_ImportModule("array");
-        array_type = m ? PyObject_GetAttrString(m, "array") : NULL;
-        Py_XDECREF(m);
-        if (array_type == NULL)
-            return NULL;
-    }
-    return PyObject_CallFunction(array_type, "sO", typecode, raw);
-}
-
 PyObject *kids_at(Node *n, const char *key, Py_ssize_t len) {
     PyObject *kids = n->kids, *found = NULL;
     if (kids == NULL)
@@ -451,12 +437,12 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__node(void) {
-    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&HoldingType) < 0)
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&HoldingType) < 0 || PyType_Ready(&HeapsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddFunctions(m, candidate_methods) < 0 || PyModule_AddFunctions(m, evict_methods) < 0 ||
+    if (PyModule_AddFunctions(m, candidate_methods) < 0 || PyModule_AddFunctions(m, bind_methods) < 0 || PyModule_AddFunctions(m, evict_methods) < 0 ||
         PyModule_AddFunctions(m, chain_methods) < 0 || PyModule_AddFunctions(m, settle_methods) < 0 ||
         PyModule_AddFunctions(m, round_methods) < 0 ||
         PyModule_AddFunctions(m, pool_methods) < 0 || PyModule_AddFunctions(m, lookup_methods) < 0) {
@@ -464,7 +450,8 @@ PyMODINIT_FUNC PyInit__node(void) {
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 ||
-        PyModule_AddObjectRef(m, "Holding", (PyObject *)&HoldingType) < 0) {
+        PyModule_AddObjectRef(m, "Holding", (PyObject *)&HoldingType) < 0 ||
+        PyModule_AddObjectRef(m, "Heaps", (PyObject *)&HeapsType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -36,24 +36,34 @@ extern PyMethodDef settle_methods[];    /* _settle.c */
 extern PyMethodDef round_methods[];     /* _round.c */
 extern PyMethodDef pool_methods[];      /* _pool.c */
 extern PyMethodDef lookup_methods[];    /* _lookup.c */
+extern PyMethodDef bind_methods[];      /* _bind.c */
 
-/* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error. */
+/* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error
+ * (TypeError for what is not a native node). */
 int candidacy(PyObject *node); /* _candidates.c */
-/* Candidates.offer(node): 0, or -1 and an exception. */
-int offer1(PyObject *cands, PyObject *node);
-/* A Candidates' heaps, its tree's nodes dict (new references) and its policy's key kind, loaded
- * once for a loop of offers and pops; ``heaps_offer`` keeps dev and host current across a rebuild. */
+/* The device and host candidate heaps of one tree (lists of ints laid out as heapq lays them), the
+ * tree's nodes dict and the policy's key kind (0 LRU, 1 LFU, 2 FIFO): the ``Heaps`` object a
+ * candidates.Candidates makes once and hands to the kernels. */
 typedef struct {
-    PyObject *cands, *dev, *host, *nodes;
+    PyObject_HEAD
+    PyObject *dev, *host, *nodes;
     long kind;
 } Heaps;
-int heaps_load(Heaps *h, PyObject *cands); /* 0, or -1 and an exception (then heaps_clear) */
-void heaps_clear(Heaps *h);
+extern PyTypeObject HeapsType;
+/* ``o`` as Heaps, or NULL and a TypeError (_heap.c). */
+Heaps *as_heaps(PyObject *o);
+/* heapq.heappush(heap, entry), stealing ``entry``: 0, or -1 and an exception (_heap.c). */
+int heap_push(PyObject *heap, PyObject *entry);
+/* heapq.heappop(heap) of a non-empty heap: the least entry (a new reference), or NULL and an exception. */
+PyObject *heap_pop(PyObject *heap);
+/* heapq.heapify(heap): 0, or -1 and an exception. */
+int heap_order(PyObject *heap);
+/* Candidates.offer(node) on a Heaps object: 0, or -1 and an exception. */
+int offer1(PyObject *heaps, PyObject *node);
 int heaps_offer(Heaps *h, PyObject *node); /* Candidates.offer(node): 0, or -1 and an exception */
-/* Heaps loaded at the first push of a loop of offers (most offers push nothing). */
+/* A Heaps object checked at the first push of a loop of offers (most offers push nothing). */
 typedef struct {
     PyObject *cands;
-    Heaps heaps;
     int loaded;
 } LazyHeaps;
 int lazy_offer(LazyHeaps *h, PyObject *node);        /* Candidates.offer: 0, or -1 and an exception */
@@ -61,8 +71,9 @@ int lazy_offer_around(LazyHeaps *h, PyObject *node); /* Candidates.offer_around,
 void lazy_clear(LazyHeaps *h);
 /* Push a candidate of ``which`` heaps (candidacy's answer) as Candidates._push: 0, or -1 and an exception. */
 int heaps_push(Heaps *h, PyObject *node, int which);
-/* The next live candidate of a heap (a new reference), None when there is none, NULL on an error. */
-PyObject *pop_candidate(PyObject *heap, long which, PyObject *nodes, long kind);
+/* The next live candidate of the device (1) or host (2) heap (a new reference), None when there is
+ * none, NULL on an error. */
+PyObject *pop_candidate(Heaps *h, long which);
 
 /* A node's page tokens, as a new bytes object. */
 static inline PyObject *node_tokens(Node *n) { return PyBytes_FromStringAndSize(n->tok, Py_SIZE(n)); }
@@ -76,7 +87,8 @@ PyObject *kids_get(Node *n, PyObject *key);
 /* The child whose tokens are the ``len`` bytes at ``key`` (borrowed), or NULL: then an exception is
  * set on an error only. */
 PyObject *kids_at(Node *n, const char *key, Py_ssize_t len);
-/* array.array(typecode, raw) (a new reference; _node.c), or NULL and an exception. */
+/* array.array(typecode, raw) for typecode "i" or "q" and bytes ``raw`` (a new reference; _bind.c), or
+ * NULL and an exception. */
 PyObject *array_from_bytes(const char *typecode, PyObject *raw);
 /* Add ``child`` under its tokens: 0, 1 if a child has those tokens already (nothing changed), or -1
  * and an exception. */
@@ -105,8 +117,8 @@ int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
  * an exception (_account.c). */
 int record_native(Node *n, uint64_t *out);
-/* Any node's digest record: ``record_native``, or the reference's for a node with components or a
- * reference node: 0, or -1 and an exception (_account.c). */
+/* A native node's digest record, with its component record if it has one (accounting.record_of):
+ * 0, or -1 and an exception (a TypeError for anything but a native node; _account.c). */
 int record_any(PyObject *node, uint64_t *out);
 /* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it, its tokens the ``len`` bytes
  * at ``tok`` (_node.c). */
@@ -190,16 +202,11 @@ static inline int set_int(PyObject **slot, int64_t v) {
     return 0;
 }
 
-/* tiers.DeviceState.<name> (a new reference), the value the reference stores in a node; NULL and
- * an exception if it cannot be imported. */
-static inline PyObject *device_state_member(const char *name) {
-    PyObject *tiers = PyImport_ImportModule("tpcache.core.tiers");
-    PyObject *cls = tiers ? PyObject_GetAttrString(tiers, "DeviceState") : NULL;
-    PyObject *member = cls ? PyObject_GetAttrString(cls, name) : NULL;
-    Py_XDECREF(tiers);
-    Py_XDECREF(cls);
-    return member;
-}
+/* tiers.DeviceState.NONE and .VALID, the values the reference stores in a node, and tree.Run's
+ * ``pages`` slot (its class and offset): bound once by tree.py (``bind``, _bind.c); NULL before. */
+extern PyObject *DEVICE_NONE, *DEVICE_VALID;
+/* run.pages = None for a tree.Run (tree.drop_pages's first half): 0, or -1 and an exception. */
+int run_forget_pages(PyObject *run);
 
 /* RadixTree._invalidate: drop the runs through ``node`` and those of the single-child chain above it. */
 static inline void invalidate_runs(PyObject *cur) {

@@ -58,8 +58,7 @@ def reference_record_of(node: Node) -> int:
     return xxhash.xxh3_64_intdigest(packed) & DIGEST_MASK
 
 
-if _native is not None:  # the same records, in C (_account.c); it calls the reference for component records
-    _native.set_record_fallback(reference_record_of)
+if _native is not None:  # the same records, in C (_account.c), component records included
     record_of = _native.record_of
 else:
     record_of = reference_record_of

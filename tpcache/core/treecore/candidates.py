@@ -120,8 +120,6 @@ def is_host_candidate(node: Node) -> bool:
 
 
 _native = NATIVE
-if _native is not None:  # the candidacy test in C; it calls these for the cases it leaves to them
-    _native.set_candidacy(is_device_candidate, is_host_candidate, host_subtree_droppable)
 
 
 class Candidates:
@@ -130,18 +128,22 @@ class Candidates:
     def __init__(self, policy: str, tree: RadixTree) -> None:
         self.policy = make_policy(policy)
         self.tree = tree
+        self.key_kind = KEY_KINDS[self.policy.name]  # how _candidates.c builds each policy's key
         self.device_heap: list[Entry] = []
         self.host_heap: list[Entry] = []
-        self.key_kind = KEY_KINDS.get(self.policy.name, -1)  # the policies the C kernels build keys for
-        if _native is not None:  # the same offers and pops in C (_candidates.c)
-            self.offer = functools.partial(_native.offer, self)  # type: ignore[method-assign]
-            self.offer_around = functools.partial(_native.offer_around, self)  # type: ignore[method-assign]
+        if _native is not None:  # the same offers and pops in C (_candidates.c), on heaps it holds
+            # The C kernels are handed ``native``, never this object: the heaps are its lists (changed
+            # in place, also by ``rebuild``), the tree's nodes its dict, the key kind its int.
+            self.native = _native.Heaps(tree.nodes, self.key_kind)
+            self.device_heap, self.host_heap = self.native.device, self.native.host
+            self.offer = functools.partial(_native.offer, self.native)  # type: ignore[method-assign]
+            self.offer_around = functools.partial(_native.offer_around, self.native)  # type: ignore[method-assign]
 
     def offer(self, node: Node) -> None:
         """Push ``node`` on the heap of each tier it is a candidate of (older entries of it go stale).
         The heaps are rebuilt when stale entries outnumber the nodes; a rebuild never changes which
         node a pop returns (it keeps one entry per candidate, the current one). With native nodes
-        an instance attribute replaces this with the same test in C (``_account.c``)."""
+        an instance attribute replaces this with the same test in C (``_candidates.c``)."""
         state = node.device_state
         device = state == _VALID and not node.device_pins and is_device_candidate(node)
         host = state == _NONE and node.host_state == _HOST_VALID and not node.host_pins and is_host_candidate(node)
@@ -176,6 +178,9 @@ class Candidates:
 
     def rebuild(self) -> None:
         """Drop stale entries. Iterates nodes in insertion order, so every rank rebuilds alike."""
+        if _native is not None:  # the same, in C, on the lists the C kernels hold (changed in place)
+            _native.rebuild(self.native)
+            return
         nodes = list(self.tree.nodes.values())
         key = self.policy.key
         self.device_heap = [key(n) << 64 | n.node_id for n in nodes if is_device_candidate(n)]
@@ -185,13 +190,13 @@ class Candidates:
 
     def pop_device(self) -> Node | None:
         """The device candidate that goes first, off its heap (None: there is none)."""
-        if _native is not None and self.key_kind >= 0:
-            return _native.pop(self, self.device_heap, 1)  # the same loop in C
+        if _native is not None:
+            return _native.pop(self.native, 1)  # the same loop in C
         return self._pop(self.device_heap, is_device_candidate)
 
     def pop_host(self) -> Node | None:
-        if _native is not None and self.key_kind >= 0:
-            return _native.pop(self, self.host_heap, 2)
+        if _native is not None:
+            return _native.pop(self.native, 2)
         return self._pop(self.host_heap, is_host_candidate)
 
     def live(self, entry: Entry, is_candidate: Callable[[Node], bool]) -> Node | None:

@@ -163,13 +163,16 @@ class Evictor:
         # Without write-back, the plain leaves among the candidates go in one C loop (_evict.c);
         # it hands back the first other candidate, which the loop below treats as its own.
         leaves = _native.drop_leaves if _native is not None and not self.write_back and free_clean else None
+        pool = (self.candidates.native, led.device._owned, led.device._free, led.backup_backlog) if leaves else ()
         while (want := n - freed - (len(backups) if count_backups else 0)) > 0:
-            if leaves is not None and self.candidates.key_kind >= 0:
-                if led.feed is None:
-                    dropped, node = leaves(self.candidates, led, want)
-                else:  # the feed learns which leaves went
-                    gone: list[Node] = []
-                    dropped, node = leaves(self.candidates, led, want, gone)
+            if leaves is not None:
+                gone: list[Node] | None = None if led.feed is None else []  # the feed learns which leaves went
+                tally = [led.digest.value, led.evictable_device_pages]  # kept by the loop, also on an error
+                try:
+                    dropped, node = leaves(*pool, tally, want, gone)
+                finally:
+                    led.digest.value, led.evictable_device_pages = tally
+                if gone is not None:
                     led.feed.dropped_device_leaves(gone)
                 freed += dropped
                 if node is None:

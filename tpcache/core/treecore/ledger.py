@@ -161,8 +161,9 @@ class Ledger:
         if self.feed is not None:
             self.feed.before_all(nodes)
         if _native is not None:  # the same loop in C (_settle.c), up to a node it leaves to update
+            heaps = self.candidates.native  # the C kernels' heaps (candidates.Candidates.native)
             value, evictable, protected, stopped = _native.settle(
-                nodes, device, host, storage, host_pins, self.digest.value, self.candidates, self.mirrors, TRANSITIONS
+                nodes, device, host, storage, host_pins, self.digest.value, heaps, self.mirrors, TRANSITIONS
             )
             self.digest.value = value
             self.evictable_device_pages += evictable
@@ -184,7 +185,7 @@ class Ledger:
         lock or a release pays this per page, not more. Returns ``unresident`` of them, in the same pass."""
         where, items = (self.tree.nodes, ids) if nodes is None else (None, nodes)
         if _native is not None:  # the same loop in C (_account.c), each id found in the tree's dict
-            args = (pins, stamp, hit, self.clock, self.digest.value, self.candidates)
+            args = (pins, stamp, hit, self.clock, self.digest.value, self.candidates.native)
             value, evictable, protected, gone = _native.touch(where, items, *args)  # offers read the heaps once
             self.digest.value = value
         else:
@@ -215,9 +216,11 @@ class Ledger:
         ``pages``, each below the one before, the first below ``parent`` (an insert's new pages):
         each device VALID on its page, pinned once, stamped now, recorded, and counted protected."""
         if _native is not None and not self.parts:  # the same nodes, hashes and records in C (_chain.c)
-            made = _native.pinned_chain(self.tree, parent, token_bytes, offset, pages, self.clock)
+            at = self.tree.nodes, self.tree._next_id, self.page_size, self.tree.seed  # ids from the tree's next on
+            made = _native.pinned_chain(*at, parent, token_bytes, offset, pages, self.clock)
             if made is not None:
                 nodes, records = made
+                self.tree._next_id += len(nodes)
                 self.digest.value = (self.digest.value + records) & DIGEST_MASK
                 self.protected_device_pages += len(nodes)
                 if self.feed is not None:

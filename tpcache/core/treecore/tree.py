@@ -185,6 +185,10 @@ class Run:
         return self.pages
 
 
+if NATIVE is not None:  # what the C kernels store, clear and copy, bound once (_node.c's bind)
+    NATIVE.bind(DeviceState.NONE, DeviceState.VALID, Run.__dict__["pages"], array("i", [0]), array("q", [0]))
+
+
 def drop_pages(node: Node) -> None:
     """Forget the cached device page of ``node`` (call before changing it)."""
     run = node.pages_run
