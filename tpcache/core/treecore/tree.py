@@ -20,6 +20,7 @@ import xxhash
 from tpcache.core.backend import NATIVE
 from tpcache.core.hashing import namespace_seed, root_hash
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.runs import Run, agreeing, drop_pages, mark
 
 _U64 = struct.Struct("<Q")
 
@@ -160,39 +161,6 @@ Node, _chain_below = (NATIVE.Node, NATIVE.chain_below) if NATIVE is not None els
 NATIVE_NODES = Node is not PyNode
 
 
-class Run:
-    """A chain of single-child nodes, cached for the walk: their tokens joined (one compare checks
-    the whole chain) and, built on first use, their device pages (a match copies a slice).
-
-    Invariant: while ``pages`` is set, ``pages[i] == nodes[i].device_page`` and ``nodes[i].pages_run
-    is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run."""
-
-    __slots__ = ("data", "nodes", "pages")
-
-    def __init__(self, data: bytes, nodes: list[Node]) -> None:
-        self.data = data
-        self.nodes = nodes
-        self.pages: array | None = None
-
-    def device_pages(self) -> array:
-        if self.pages is None:
-            for node in self.nodes:
-                other = node.pages_run
-                if other is not None and other is not self:
-                    other.pages = None  # a node's page is cached by one run at most
-                node.pages_run = self
-            self.pages = array("i", [node.device_page for node in self.nodes])
-        return self.pages
-
-
-def drop_pages(node: Node) -> None:
-    """Forget the cached device page of ``node`` (call before changing it)."""
-    run = node.pages_run
-    if run is not None:
-        run.pages = None
-        node.pages_run = None
-
-
 class Walk:
     """The result of following a token sequence down the tree (pure, nothing is stamped).
 
@@ -320,16 +288,8 @@ class RadixTree:
                     node = chain[first + count - 1]
                     continue
                 # The pages diverge inside the chain: every node on it has one child, so the
-                # match ends at the last page that agrees. The number of leading pages that agree
-                # is found by halving (a run of pages compared at once), not page by page.
-                view = memoryview(run.data)
-                lo, hi = 0, count - 1  # lo pages agree; the whole chain (count) does not
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if token_bytes.startswith(view[offset + lo * step : offset + mid * step], pos + lo * step):
-                        lo = mid
-                    else:
-                        hi = mid - 1
+                # match ends at the last page that agrees.
+                lo = agreeing(token_bytes, pos, run, first, count, step)
                 if lo:
                     nodes.extend(chain[first : first + lo])
                     segments.append((run, first, lo))
@@ -363,9 +323,7 @@ class RadixTree:
             found = chain, b"".join(c.tokens for c in chain)
         chain, data = found
         run = Run(data, chain)
-        node.run, node.run_at = run, 0
-        for i, c in enumerate(chain[:-1]):
-            c.run, c.run_at = run, i + 1
+        mark(run, node)
         return run, 0
 
     @staticmethod
