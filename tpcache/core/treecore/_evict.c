@@ -64,14 +64,38 @@ static int drop_pages(Node *n) {
 
 static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_NewRef(value)); }
 
+enum { BATCH = 256 }; /* freed pages joining the free list at once: one growth of the list, not one each */
+
 /* The state drop_leaves works on, read once per call and written back on every way out. */
 typedef struct {
     PyObject *owned, *free, *digest, *backlog;
+    PyObject *batch[BATCH]; /* freed pages (new references) not yet on the free list, in order */
+    Py_ssize_t batched;
     PyObject *dropped; /* a list each dropped leaf is appended to (the ledger's change feed), or NULL */
     Heaps heaps;
     uint64_t value;
     long long evictable;
 } Pool;
+
+/* The batched pages onto the end of the free list, in the order they were freed: 0, or -1 and an
+ * exception (those pages are then lost to the pool, as after any failed append). */
+static int flush_pages(Pool *s) {
+    Py_ssize_t k = s->batched, at = PyList_GET_SIZE(s->free);
+    s->batched = 0;
+    if (k == 0)
+        return 0;
+    PyObject *tail = PyList_New(k);
+    if (tail == NULL) {
+        for (Py_ssize_t i = 0; i < k; i++)
+            Py_DECREF(s->batch[i]);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < k; i++)
+        PyList_SET_ITEM(tail, i, s->batch[i]);
+    int rc = PyList_SetSlice(s->free, at, at, tail);
+    Py_DECREF(tail);
+    return rc;
+}
 
 /* Offer the parent of a leaf just dropped, as drop_device_leaf does; with ``take`` (the loop pops
  * again) a parent that is now a plain leaf and would be the next pop is handed back in ``*next``
@@ -106,8 +130,11 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     }
     owned[page] = 0;
     PyObject *freed = PyLong_FromLongLong(page);
-    int bad = freed == NULL || PyList_Append(s->free, freed) < 0 || drop_pages(n) < 0;
-    Py_XDECREF(freed);
+    if (freed != NULL && s->batched == BATCH && flush_pages(s) < 0)
+        Py_CLEAR(freed);
+    if (freed != NULL)
+        s->batch[s->batched++] = freed; /* the free list's, at the next flush */
+    int bad = freed == NULL || drop_pages(n) < 0;
     if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
     set_field(&n->device_state, device_none);
@@ -209,9 +236,16 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
         freed++;
     }
     ok = 1;
-write_back:; /* the digest and the counter, also on an error: the nodes already dropped stay dropped */
+write_back:; /* the digest, the counter and the free list, also on an error: the nodes already dropped stay dropped */
     PyObject *type, *exc, *tb; /* an error's exception waits while the write-back runs */
     PyErr_Fetch(&type, &exc, &tb);
+    if (flush_pages(&s) < 0) {
+        ok = 0;
+        if (type == NULL)
+            PyErr_Fetch(&type, &exc, &tb); /* reported once the rest is written back */
+        else
+            PyErr_Clear();
+    }
     PyObject *v = PyLong_FromUnsignedLongLong(s.value), *e = PyLong_FromLongLong(s.evictable);
     if (v == NULL || e == NULL || PyObject_SetAttr(s.digest, s_value, v) < 0 ||
         PyObject_SetAttr(ledger, s_evictable, e) < 0)
