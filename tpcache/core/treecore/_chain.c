@@ -110,8 +110,8 @@ static int add_chain(PyObject *tree, PyObject *tree_nodes, Node *parent, const c
         int added = kids_add(up, node);
         if (added > 0)
             PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", up->node_id);
-        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 ||
-                  PyList_Append(nodes, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
+        PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the list is made with room for each) */
+        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
         Py_DECREF(id);
         if (!bad) {
             node->record = rec;
@@ -166,7 +166,7 @@ static PyObject *pinned(PyObject *tree, PyObject *parent, PyObject *data, Py_ssi
             goto done;
         }
     }
-    nodes = PyList_New(0);
+    nodes = PyList_New(count);
     uint64_t records = 0;
     if (nodes == NULL ||
         add_chain(tree, tree_nodes, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages, clock, nodes,
@@ -349,15 +349,15 @@ done:
 static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     if (!is_node(start))
         Py_RETURN_NONE;
-    PyObject *nodes = PyList_New(0);
+    Py_ssize_t count = 0, size = 0;
+    for (Node *cur = (Node *)start; cur->kids != NULL && Py_IS_TYPE(cur->kids, &NodeType); cur = (Node *)cur->kids)
+        count++;
+    PyObject *nodes = PyList_New(count); /* filled below: no growth step by step */
     if (nodes == NULL)
         return NULL;
-    Py_ssize_t size = 0;
-    for (Node *cur = (Node *)start; cur->kids != NULL && Py_IS_TYPE(cur->kids, &NodeType); cur = (Node *)cur->kids) {
-        if (PyList_Append(nodes, cur->kids) < 0) {
-            Py_DECREF(nodes);
-            return NULL;
-        }
+    Node *cur = (Node *)start;
+    for (Py_ssize_t i = 0; i < count; i++, cur = (Node *)cur->kids) {
+        PyList_SET_ITEM(nodes, i, Py_NewRef(cur->kids));
         size += Py_SIZE(cur->kids);
     }
     PyObject *data = PyBytes_FromStringAndSize(NULL, size);
