@@ -135,12 +135,13 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     unsigned long long value = PyLong_AsUnsignedLongLongMask(args[5]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "touch takes a sequence of nodes");
+    /* A list (a lease's holding is a list subclass) is read in place, its length read again each
+     * turn (an offer may run Python): PySequence_Fast would copy it. */
+    PyObject *seq = PyList_Check(args[0]) ? Py_NewRef(args[0]) : PySequence_Fast(args[0], "touch takes a sequence of nodes");
     if (seq == NULL)
         return NULL;
     int64_t evictable = 0, protected_ = 0;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         if (!is_node(item)) {
             PyErr_SetString(PyExc_TypeError, "touch: a native Node");
@@ -345,12 +346,12 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
  * filter a release runs over its path and a completion over its op's pages (accounting.unresident).
  * Reference nodes are tested as the reference does. */
 static PyObject *py_unresident(PyObject *mod, PyObject *nodes) {
-    PyObject *seq = PySequence_Fast(nodes, "unresident takes a sequence of nodes");
+    /* A list is read in place (as in touch), its length read again each turn. */
+    PyObject *seq = PyList_Check(nodes) ? Py_NewRef(nodes) : PySequence_Fast(nodes, "unresident takes a sequence of nodes");
     if (seq == NULL)
         return NULL;
     PyObject *out = PyList_New(0);
-    Py_ssize_t count = out ? PySequence_Fast_GET_SIZE(seq) : 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         int keep;
         if (is_node(item)) {
