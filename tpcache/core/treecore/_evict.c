@@ -64,13 +64,13 @@ static int drop_pages(Node *n) {
 
 static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_NewRef(value)); }
 
-enum { BATCH = 256 }; /* freed pages joining the free list at once: one growth of the list, not one each */
+enum { BATCH = 4096 }; /* most freed pages joining the free list at once (one growth of it, not one each) */
 
 /* The state drop_leaves works on, read once per call and written back on every way out. */
 typedef struct {
     PyObject *owned, *free, *digest, *backlog;
-    PyObject *batch[BATCH]; /* freed pages (new references) not yet on the free list, in order */
-    Py_ssize_t batched;
+    PyObject *tail; /* a list of the freed pages not yet on the free list, in order (made with room) */
+    Py_ssize_t batched, room, left; /* left: pages the call still wants, this one included */
     PyObject *dropped; /* a list each dropped leaf is appended to (the ledger's change feed), or NULL */
     Heaps heaps;
     uint64_t value;
@@ -80,21 +80,34 @@ typedef struct {
 /* The batched pages onto the end of the free list, in the order they were freed: 0, or -1 and an
  * exception (those pages are then lost to the pool, as after any failed append). */
 static int flush_pages(Pool *s) {
-    Py_ssize_t k = s->batched, at = PyList_GET_SIZE(s->free);
-    s->batched = 0;
-    if (k == 0)
+    PyObject *tail = s->tail;
+    if (tail == NULL)
         return 0;
-    PyObject *tail = PyList_New(k);
-    if (tail == NULL) {
-        for (Py_ssize_t i = 0; i < k; i++)
-            Py_DECREF(s->batch[i]);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < k; i++)
-        PyList_SET_ITEM(tail, i, s->batch[i]);
+    Py_SET_SIZE(tail, s->batched); /* its filled items (the rest of its room is empty) */
+    s->tail = NULL;
+    s->batched = s->room = 0;
+    Py_ssize_t at = PyList_GET_SIZE(s->free);
     int rc = PyList_SetSlice(s->free, at, at, tail);
     Py_DECREF(tail);
     return rc;
+}
+
+/* A freed page (a new reference, taken) into the batch: 0, or -1 and an exception. */
+static int batch_page(Pool *s, PyObject *page, Py_ssize_t left) {
+    if (s->batched == s->room && flush_pages(s) < 0) {
+        Py_DECREF(page);
+        return -1;
+    }
+    if (s->tail == NULL) {
+        s->room = left < 1 ? 1 : left > BATCH ? BATCH : left;
+        if ((s->tail = PyList_New(s->room)) == NULL) {
+            s->room = 0;
+            Py_DECREF(page);
+            return -1;
+        }
+    }
+    PyList_SET_ITEM(s->tail, s->batched++, page);
+    return 0;
 }
 
 /* Offer the parent of a leaf just dropped, as drop_device_leaf does; with ``take`` (the loop pops
@@ -130,11 +143,7 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     }
     owned[page] = 0;
     PyObject *freed = PyLong_FromLongLong(page);
-    if (freed != NULL && s->batched == BATCH && flush_pages(s) < 0)
-        Py_CLEAR(freed);
-    if (freed != NULL)
-        s->batch[s->batched++] = freed; /* the free list's, at the next flush */
-    int bad = freed == NULL || drop_pages(n) < 0;
+    int bad = freed == NULL || batch_page(s, freed, s->left) < 0 || drop_pages(n) < 0; /* the free list's, at the next flush */
     if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
     set_field(&n->device_state, device_none);
@@ -230,6 +239,7 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
             if (!plain)
                 break; /* the caller's */
         }
+        s.left = want - freed;
         if (drop(&s, (Node *)node, freed + 1 < want, &next) < 0)
             goto write_back;
         Py_CLEAR(node);
