@@ -98,8 +98,13 @@ static int batch_page(Pool *s, PyObject *page, Py_ssize_t left) {
         Py_DECREF(page);
         return -1;
     }
+    if (s->tail == NULL && left <= 1) { /* the call's last page (most calls under write-back free one) */
+        int rc = PyList_Append(s->free, page);
+        Py_DECREF(page);
+        return rc;
+    }
     if (s->tail == NULL) {
-        s->room = left < 1 ? 1 : left > BATCH ? BATCH : left;
+        s->room = left > BATCH ? BATCH : left;
         if ((s->tail = PyList_New(s->room)) == NULL) {
             s->room = 0;
             Py_DECREF(page);
@@ -143,7 +148,7 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     }
     owned[page] = 0;
     PyObject *freed = PyLong_FromLongLong(page);
-    int bad = freed == NULL || batch_page(s, freed, s->left) < 0 || drop_pages(n) < 0; /* the free list's, at the next flush */
+    int bad = freed == NULL || batch_page(s, freed, s->left) < 0 || drop_pages(n) < 0; /* listed at a flush */
     if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
     set_field(&n->device_state, device_none);

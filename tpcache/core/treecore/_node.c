@@ -23,10 +23,10 @@
 /* Freed nodes of one token size, kept for the next allocations (linked through ``kids``). An
  * eviction frees about as many pages as the insert after it makes, and a page of 512 tokens is a
  * node past pymalloc's 512 bytes, so each would otherwise cost a malloc and a free of the C
- * library (a tenth of a replay). At most FREE_BYTES of nodes wait (a request's worth of pages of 16
- * tokens, whose freed nodes pymalloc would otherwise hand back to the system and fault in again):
+ * library (a tenth of a replay). At most FREE_BYTES of nodes wait (about a request's new pages of 16
+ * tokens on the conversation trace; more keeps colder memory and costs a replay with a host tier):
  * what they hold is bounded. */
-enum { FREE_BYTES = 2 << 20 };
+enum { FREE_BYTES = 256 << 10 };
 static Node *free_nodes = NULL;
 static Py_ssize_t free_len = -1, free_count = 0;
 

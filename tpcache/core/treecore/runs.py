@@ -62,14 +62,15 @@ def drop_pages(node: Node) -> None:
 
 def agreeing(data: bytes, pos: int, run: Run, first: int, count: int, step: int) -> int:
     """How many of the ``count`` pages of ``run`` from its ``first`` agree with ``data`` from byte
-    ``pos``, when not all of them do: found by halving (runs of pages compared at once)."""
+    ``pos``, when not all of them do: runs of pages compared at once, growing while they agree
+    (most walks part within a few pages), then halving the last run that did not."""
     view: Any = memoryview(run.data)
     offset = first * step
-    lo, hi = 0, count - 1  # lo pages agree; all count do not
+    lo, hi, size = 0, count - 1, 1  # lo pages agree; all count do not
     while lo < hi:
-        mid = (lo + hi + 1) // 2
+        mid = min(lo + size, hi)
         if data.startswith(view[offset + lo * step : offset + mid * step], pos + lo * step):
-            lo = mid
+            lo, size = mid, 2 * size
         else:
-            hi = mid - 1
+            hi, size = mid - 1, 1
     return lo
