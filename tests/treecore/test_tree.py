@@ -1,5 +1,6 @@
 """The page walk with run caches gives exactly what a page-by-page walk gives, under any mutations."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,3 +101,54 @@ def test_a_chain_is_the_children_added_one_below_the_other():
     assert reference_walk(a, b"".join(pages)) == reference_walk(b, b"".join(pages))
     assert a.walk(b"".join(pages)).nodes[-1].node_id == chain[-1].node_id
     assert len(a) == len(b) == 6
+
+
+def _name(named: dict, run) -> object:
+    if run is None:
+        return None
+    return named.setdefault(id(run), (len(named), tuple(n.node_id for n in run.nodes)))
+
+
+def test_run_marks_and_page_copies_in_c_equal_the_reference_loops(monkeypatch):
+    """``mark_run`` and ``run_pages`` (``_chain.c``) leave the marks, the page caches and the pages
+    the Python loops of ``runs`` leave, a page cached by another run included."""
+    from tpcache.core.treecore import runs
+
+    if runs._mark_run is None:
+        pytest.skip("the native extension is not built")
+    seen = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(runs, "_mark_run", None)
+            monkeypatch.setattr(runs, "_run_pages", None)
+        tree = RadixTree(PAGE)
+        for path in ((1, 2, 0, 1, 2, 0), (1, 2, 2), (0, 1, 1, 1)):
+            add_path(tree, path)
+        for node in tree.nodes.values():
+            node.device_page = 3 * node.node_id + 1
+        by_id = tree.nodes
+        first, _ = tree._run(by_id[3])  # nodes 4, 5, 6 (node 2 branches to 3 and 7)
+        lower, _ = tree._run(by_id[8])  # nodes 9, 10, 11
+        pages = [list(first.device_pages()), list(lower.device_pages())]
+        again, _ = tree._run(by_id[4])  # nodes 5 and 6, whose pages ``first`` caches
+        pages.append(list(again.device_pages()))
+        named: dict[int, object] = {}  # each run by its order of first sight, and its nodes
+        marks = {i: (_name(named, n.run), n.run_at, _name(named, n.pages_run)) for i, n in sorted(by_id.items())}
+        seen.append((pages, marks, first.pages is None, [len(r.nodes) for r in (first, lower, again)]))
+    assert seen[0] == seen[1]
+    assert seen[0][2]  # ``again`` took a page ``first`` cached: ``first`` forgot its pages
+
+
+def test_a_walk_that_diverges_inside_a_run_matches_the_agreeing_pages():
+    tree = RadixTree(PAGE)
+    path = tuple(i % 3 for i in range(40))
+    add_path(tree, path)
+    tree.walk(path_tokens(path))  # builds the run
+    for cut in (0, 1, 2, 17, 38, 39):
+        other = path[:cut] + (7,) + path[cut + 1 :]
+        walk = tree.walk(path_tokens(other))
+        assert [n.node_id for n in walk.nodes] == reference_walk(tree, path_tokens(other))
+        assert len(walk.nodes) == cut
+        for node in tree.nodes.values():
+            node.device_page = 5 * node.node_id
+        assert list(walk.device_page_ids(cut)) == [5 * n.node_id for n in walk.nodes]

@@ -147,15 +147,17 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     unsigned long long value = PyLong_AsUnsignedLongLongMask(args[6]);
     if (PyErr_Occurred() || stamp < 0 || hit < 0)
         return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "touch takes a sequence of node ids"), *gone = PyList_New(0);
+    /* A list (a lease's holding is a list subclass) is read in place, its length read again each
+     * turn: PySequence_Fast would copy it. */
+    PyObject *seq = PyList_Check(args[1]) ? Py_NewRef(args[1]) : PySequence_Fast(args[1], "touch takes a sequence of node ids");
+    PyObject *gone = seq ? PyList_New(0) : NULL;
     if (seq == NULL || gone == NULL) {
         Py_XDECREF(seq);
         Py_XDECREF(gone);
         return NULL;
     }
     int64_t evictable = 0, protected_ = 0;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item = key;
         if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
             PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
@@ -240,12 +242,12 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
 static PyObject *py_unresident(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyDict_CheckExact(args[0]))
         return PyErr_Format(PyExc_TypeError, "unresident takes the tree's nodes dict and a sequence of ids");
-    PyObject *seq = PySequence_Fast(args[1], "unresident takes a sequence of node ids");
+    /* A list is read in place (as in touch), its length read again each turn. */
+    PyObject *seq = PyList_Check(args[1]) ? Py_NewRef(args[1]) : PySequence_Fast(args[1], "unresident takes a sequence of node ids");
     if (seq == NULL)
         return NULL;
     PyObject *out = PyList_New(0);
-    Py_ssize_t count = out ? PySequence_Fast_GET_SIZE(seq) : 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyLong_CheckExact(key)) {
             PyErr_SetString(PyExc_TypeError, "unresident: a node id (an int)");

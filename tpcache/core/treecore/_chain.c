@@ -98,8 +98,8 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
         int added = kids_add(up, node);
         if (added > 0)
             PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", up->node_id);
-        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 ||
-                  PyList_Append(nodes, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
+        PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the list is made with room for each) */
+        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
         Py_DECREF(id);
         if (!bad) {
             node->record = rec;
@@ -137,7 +137,7 @@ static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step
         if (taken != 0)
             return NULL;
     }
-    PyObject *nodes = PyList_New(0), *out = NULL;
+    PyObject *nodes = PyList_New(count), *out = NULL;
     uint64_t records = 0;
     if (nodes != NULL && add_chain(tree_nodes, next_id, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed,
                                    pages, clock, nodes, &records) == 0)
@@ -336,15 +336,15 @@ done:
 static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     if (!is_node(start))
         Py_RETURN_NONE;
-    PyObject *nodes = PyList_New(0);
+    Py_ssize_t count = 0, size = 0;
+    for (Node *cur = (Node *)start; cur->kids != NULL && Py_IS_TYPE(cur->kids, &NodeType); cur = (Node *)cur->kids)
+        count++;
+    PyObject *nodes = PyList_New(count); /* filled below: no growth step by step */
     if (nodes == NULL)
         return NULL;
-    Py_ssize_t size = 0;
-    for (Node *cur = (Node *)start; cur->kids != NULL && Py_IS_TYPE(cur->kids, &NodeType); cur = (Node *)cur->kids) {
-        if (PyList_Append(nodes, cur->kids) < 0) {
-            Py_DECREF(nodes);
-            return NULL;
-        }
+    Node *cur = (Node *)start;
+    for (Py_ssize_t i = 0; i < count; i++, cur = (Node *)cur->kids) {
+        PyList_SET_ITEM(nodes, i, Py_NewRef(cur->kids));
         size += Py_SIZE(cur->kids);
     }
     PyObject *data = PyBytes_FromStringAndSize(NULL, size);
@@ -364,8 +364,74 @@ static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     return out;
 }
 
+/* mark_run(run, node, chain) -> True, or False changing nothing for a node or chain of the reference
+ * type: RadixTree._run's marks, ``node`` gets the run at 0 and each chain node but the last the run
+ * at its own start (run_at = i + 1). */
+static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "mark_run takes 3 arguments, not %zd", nargs);
+    PyObject *run = args[0], *chain = args[2];
+    if (!is_node(args[1]) || !PyList_CheckExact(chain))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(chain);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!is_node(PyList_GET_ITEM(chain, i)))
+            Py_RETURN_FALSE;
+    Node *node = (Node *)args[1];
+    Py_SETREF(node->run, Py_NewRef(run));
+    if (set_int(&node->run_at, 0) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i + 1 < n; i++) {
+        Node *c = (Node *)PyList_GET_ITEM(chain, i);
+        Py_SETREF(c->run, Py_NewRef(run));
+        if (set_int(&c->run_at, i + 1) < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *s_run_pages; /* "pages", interned */
+
+/* run_pages(run, nodes) -> array('i') of the nodes' device pages, each node's ``pages_run`` set to
+ * ``run`` (another run caching a node's page forgets its pages): Run.device_pages's loop. None,
+ * changing nothing, for nodes of the reference type or a page past int32 (the reference's). */
+static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "run_pages takes 2 arguments, not %zd", nargs);
+    PyObject *run = args[0], *nodes = args[1];
+    if (!PyList_CheckExact(nodes))
+        Py_RETURN_NONE;
+    if (s_run_pages == NULL && INTERN_AS(s_run_pages, "pages"))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(nodes, i);
+        if (!is_node(item) || ((Node *)item)->device_page < INT32_MIN || ((Node *)item)->device_page > INT32_MAX)
+            Py_RETURN_NONE;
+    }
+    PyObject *raw = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (raw == NULL)
+        return NULL;
+    int32_t *dst = (int32_t *)PyBytes_AS_STRING(raw);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Node *node = (Node *)PyList_GET_ITEM(nodes, i);
+        PyObject *other = node->pages_run;
+        if (other != Py_None && other != run && PyObject_SetAttr(other, s_run_pages, Py_None) < 0) {
+            Py_DECREF(raw);
+            return NULL;
+        }
+        Py_SETREF(node->pages_run, Py_NewRef(run));
+        dst[i] = (int32_t)node->device_page;
+    }
+    PyObject *out = array_from_bytes("i", raw);
+    Py_DECREF(raw);
+    return out;
+}
+
 PyMethodDef chain_methods[] = {
     {"chain_below", (PyCFunction)py_chain_below, METH_O, "RadixTree._run's chain and its joined tokens (see _chain.c)."},
+    {"mark_run", (PyCFunction)(void (*)(void))py_mark_run, METH_FASTCALL, "RadixTree._run's marks on its chain."},
+    {"run_pages", (PyCFunction)(void (*)(void))py_run_pages, METH_FASTCALL, "Run.device_pages's loop (see _chain.c)."},
     {"token_bytes", (PyCFunction)py_token_bytes, METH_O, "hashing.as_token_bytes of a list or tuple of ints, or None."},
     {"pinned_chain", (PyCFunction)(void (*)(void))py_pinned_chain, METH_FASTCALL,
      "Ledger.add_pinned_chain's nodes and records (see _chain.c)."},

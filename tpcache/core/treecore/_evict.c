@@ -61,14 +61,56 @@ static int drop_pages(Node *n) {
 
 static void set_field(PyObject **slot, PyObject *value) { Py_SETREF(*slot, Py_NewRef(value)); }
 
+enum { BATCH = 4096 }; /* most freed pages joining the free list at once (one growth of it, not one each) */
+
 /* The state drop_leaves works on, read once per call and written back on every way out. */
 typedef struct {
     PyObject *owned, *free, *digest, *backlog;
+    PyObject *tail; /* a list of the freed pages not yet on the free list, in order (made with room) */
+    Py_ssize_t batched, room, left; /* left: pages the call still wants, this one included */
     PyObject *dropped; /* a list each dropped leaf is appended to (the ledger's change feed), or NULL */
     Heaps *heaps;
     uint64_t value;
     long long evictable;
 } Pool;
+
+/* The batched pages onto the end of the free list, in the order they were freed: 0, or -1 and an
+ * exception (those pages are then lost to the pool, as after any failed append). */
+static int flush_pages(Pool *s) {
+    PyObject *tail = s->tail;
+    if (tail == NULL)
+        return 0;
+    Py_SET_SIZE(tail, s->batched); /* its filled items (the rest of its room is empty) */
+    s->tail = NULL;
+    s->batched = s->room = 0;
+    Py_ssize_t at = PyList_GET_SIZE(s->free);
+    int rc = PyList_SetSlice(s->free, at, at, tail);
+    Py_DECREF(tail);
+    return rc;
+}
+
+/* A freed page (a new reference, taken) into the batch: 0, or -1 and an exception. */
+static int batch_page(Pool *s, PyObject *page, Py_ssize_t left) {
+    if (s->batched == s->room && flush_pages(s) < 0) {
+        Py_DECREF(page);
+        return -1;
+    }
+    if (s->tail == NULL && left <= 1) { /* the call's last page (most calls under write-back free one) */
+        int rc = PyList_Append(s->free, page);
+        Py_DECREF(page);
+        return rc;
+    }
+    if (s->tail == NULL) {
+        s->room = left > BATCH ? BATCH : left;
+        if ((s->tail = PyList_New(s->room)) == NULL) {
+            s->room = 0;
+            Py_DECREF(page);
+            return -1;
+        }
+    }
+    PyList_SET_ITEM(s->tail, s->batched++, page);
+    return 0;
+}
 
 /* Offer the parent of a leaf just dropped, as drop_device_leaf does; with ``take`` (the loop pops
  * again) a parent that is now a plain leaf and would be the next pop is handed back in ``*next``
@@ -103,8 +145,7 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     }
     owned[page] = 0;
     PyObject *freed = PyLong_FromLongLong(page);
-    int bad = freed == NULL || PyList_Append(s->free, freed) < 0 || drop_pages(n) < 0;
-    Py_XDECREF(freed);
+    int bad = freed == NULL || batch_page(s, freed, s->left) < 0 || drop_pages(n) < 0; /* listed at a flush */
     if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
     set_field(&n->device_state, DEVICE_NONE);
@@ -181,15 +222,23 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
             if (!plain)
                 break; /* the caller's */
         }
+        s.left = want - freed;
         if (drop(&s, (Node *)node, freed + 1 < want, &next) < 0)
             goto write_back;
         Py_CLEAR(node);
         freed++;
     }
     ok = 1;
-write_back:; /* the digest and the counter, also on an error: the nodes already dropped stay dropped */
+write_back:; /* the digest, the counter and the free list, also on an error: the nodes already dropped stay dropped */
     PyObject *type, *exc, *tb; /* an error's exception waits while the write-back runs */
     PyErr_Fetch(&type, &exc, &tb);
+    if (flush_pages(&s) < 0) {
+        ok = 0;
+        if (type == NULL)
+            PyErr_Fetch(&type, &exc, &tb); /* reported once the rest is written back */
+        else
+            PyErr_Clear();
+    }
     PyObject *v = PyLong_FromUnsignedLongLong(s.value), *e = PyLong_FromLongLong(s.evictable);
     if (v == NULL || e == NULL) {
         ok = 0;

@@ -23,8 +23,10 @@
 /* Freed nodes of one token size, kept for the next allocations (linked through ``kids``). An
  * eviction frees about as many pages as the insert after it makes, and a page of 512 tokens is a
  * node past pymalloc's 512 bytes, so each would otherwise cost a malloc and a free of the C
- * library (a tenth of a replay). At most FREE_CAP nodes wait: what they hold is bounded. */
-enum { FREE_CAP = 256 };
+ * library (a tenth of a replay). At most FREE_BYTES of nodes wait (about a request's new pages of 16
+ * tokens on the conversation trace; more keeps colder memory and costs a replay with a host tier):
+ * what they hold is bounded. */
+enum { FREE_BYTES = 256 << 10 };
 static Node *free_nodes = NULL;
 static Py_ssize_t free_len = -1, free_count = 0;
 
@@ -35,7 +37,7 @@ static void node_dealloc(Node *self) {
     Py_ssize_t len = Py_SIZE(self);
     if (free_count == 0)
         free_len = len;
-    if (len == free_len && free_count < FREE_CAP) {
+    if (len == free_len && (size_t)(free_count + 1) * (offsetof(Node, tok) + (size_t)len) <= FREE_BYTES) {
         self->kids = (PyObject *)free_nodes;
         free_nodes = self;
         free_count++;

@@ -20,6 +20,7 @@ import xxhash
 from tpcache.core.backend import NATIVE
 from tpcache.core.hashing import namespace_seed, root_hash
 from tpcache.core.tiers import DeviceState, HostState, StorageState
+from tpcache.core.treecore.runs import Run, agreeing, drop_pages, mark
 
 _U64 = struct.Struct("<Q")
 
@@ -160,41 +161,8 @@ Node, _chain_below = (NATIVE.Node, NATIVE.chain_below) if NATIVE is not None els
 NATIVE_NODES = Node is not PyNode
 
 
-class Run:
-    """A chain of single-child nodes, cached for the walk: their tokens joined (one compare checks
-    the whole chain), their ids and, built on first use, their device pages (a walk copies a slice).
-
-    Invariant: while ``pages`` is set, ``pages[i] == nodes[i].device_page`` and ``nodes[i].pages_run
-    is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run."""
-
-    __slots__ = ("data", "nodes", "pages", "ids")
-
-    def __init__(self, data: bytes, nodes: list[Node]) -> None:
-        self.data, self.nodes = data, nodes
-        self.pages: array | None = None
-        self.ids = [n.node_id for n in nodes]  # (a node's id never changes)
-
-    def device_pages(self) -> array:
-        if self.pages is None:
-            for node in self.nodes:
-                other = node.pages_run
-                if other is not None and other is not self:
-                    other.pages = None  # a node's page is cached by one run at most
-                node.pages_run = self
-            self.pages = array("i", [node.device_page for node in self.nodes])
-        return self.pages
-
-
 if NATIVE is not None:  # what the C kernels store, clear and copy, bound once (_node.c's bind)
     NATIVE.bind(DeviceState.NONE, DeviceState.VALID, Run.__dict__["pages"], array("i", [0]), array("q", [0]))
-
-
-def drop_pages(node: Node) -> None:
-    """Forget the cached device page of ``node`` (call before changing it)."""
-    run = node.pages_run
-    if run is not None:
-        run.pages = None
-        node.pages_run = None
 
 
 class Walk:
@@ -317,14 +285,12 @@ class RadixTree:
                     continue
                 # The pages diverge inside the chain: every node on it has one child, so the
                 # match ends at the last page that agrees.
-                for child in chain[first : first + count]:
-                    if not token_bytes.startswith(child.tokens, pos):
-                        return walk
-                    nodes.append(child)
-                    ids.append(child.node_id)
-                    segments.append(child)
-                    pos += step
-                return walk  # pragma: no cover - the whole-chain compare would have matched
+                lo = agreeing(token_bytes, pos, run, first, count, step)
+                if lo:
+                    nodes.extend(chain[first : first + lo])
+                    ids.extend(run.ids[first : first + lo])
+                    segments.append((run, first, lo))
+                return walk
             child = node.child_at(token_bytes, pos, step)
             if child is None:
                 break
@@ -355,9 +321,7 @@ class RadixTree:
             found = chain, b"".join(c.tokens for c in chain)
         chain, data = found
         run = Run(data, chain)
-        node.run, node.run_at = run, 0
-        for i, c in enumerate(chain[:-1]):
-            c.run, c.run_at = run, i + 1
+        mark(run, node)
         return run, 0
 
     @staticmethod
