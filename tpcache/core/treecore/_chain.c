@@ -390,8 +390,6 @@ static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_TRUE;
 }
 
-static PyObject *s_run_pages; /* "pages", interned */
-
 /* run_pages(run, nodes) -> array('i') of the nodes' device pages, each node's ``pages_run`` set to
  * ``run`` (another run caching a node's page forgets its pages): Run.device_pages's loop. None,
  * changing nothing, for nodes of the reference type or a page past int32 (the reference's). */
@@ -401,8 +399,6 @@ static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t n
     PyObject *run = args[0], *nodes = args[1];
     if (!PyList_CheckExact(nodes))
         Py_RETURN_NONE;
-    if (s_run_pages == NULL && INTERN_AS(s_run_pages, "pages"))
-        return NULL;
     Py_ssize_t n = PyList_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(nodes, i);
@@ -416,7 +412,7 @@ static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t n
     for (Py_ssize_t i = 0; i < n; i++) {
         Node *node = (Node *)PyList_GET_ITEM(nodes, i);
         PyObject *other = node->pages_run;
-        if (other != Py_None && other != run && PyObject_SetAttr(other, s_run_pages, Py_None) < 0) {
+        if (other != Py_None && other != run && run_forget_pages(other) < 0) {
             Py_DECREF(raw);
             return NULL;
         }
