@@ -459,19 +459,27 @@ def test_append_chain_takes_only_new_pages_the_lease_holds_and_otherwise_changes
     data = as_token_bytes(list(range(8, 16)))
     state = lambda: (snapshot(core), led.digest.value, led.clock, list(lease.pages), list(lease.device_nodes))  # noqa: E731
     before = state()
+    tree = led.tree
+
+    def append_chain(cur, data, pages, clock=None):
+        clock = led.clock + 1 if clock is None else clock
+        at = tree.nodes, tree._next_id, config.page_size, tree.seed, clock, lease.pages, lease.device_nodes
+        return _node.append_chain(*at, cur, data, pages)
+
     refused = [
-        (led, lease, cursor, data, [fresh[0], foreign]),  # a page the lease does not hold
-        (led, lease, cursor, data, [fresh[0], fresh[0]]),  # the same page twice
-        (led, lease, cursor, data, fresh[:1]),  # fewer pages than the data's
-        (led, lease, cursor, b"", fresh),  # nothing to add
-        (led, lease, cursor, data, tuple(fresh)),  # pages not in a list
-        (led, lease, led.tree.root, as_token_bytes(tokens), fresh),  # the first page is below the root already
+        (cursor, data, [fresh[0], foreign]),  # a page the lease does not hold
+        (cursor, data, [fresh[0], fresh[0]]),  # the same page twice
+        (cursor, data, fresh[:1]),  # fewer pages than the data's
+        (cursor, b"", fresh),  # nothing to add
+        (cursor, data, tuple(fresh)),  # pages not in a list
+        (led.tree.root, as_token_bytes(tokens), fresh),  # the first page is below the root already
     ]
     for args in refused:
-        assert _node.append_chain(*args) is None, args
+        assert append_chain(*args) is None, args
         assert state() == before
+    assert append_chain(cursor, data, fresh, clock=1 << 63) is None and state() == before  # a clock past int64
     assert lease.cursor == cursor.node_id
-    ids = _node.append_chain(led, lease, cursor, data, fresh)
+    ids = core.treecore.append_chain(lease, cursor.node_id, data, fresh)
     assert [core.tree.nodes[i].device_page for i in ids] == fresh and lease.cursor == ids[-1] and lease.pages == []
     assert led.clock == before[2] + 1 and list(lease.device_nodes) == before[4] + ids
     check(core)

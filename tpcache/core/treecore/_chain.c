@@ -42,7 +42,6 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
     return out;
 }
 
-static PyObject *s_next_id, *s_page_size, *s_seed, *s_nodes; /* the tree's attribute names (append_chain's) */
 
 enum { STACK_INPUT = 4096 }; /* pages of up to 1022 tokens hash from a buffer on the stack */
 
@@ -163,20 +162,7 @@ static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     return pinned(args[0], next_id, size * 4, seed, args[4], args[5], offset, args[7], args[8]);
 }
 
-static PyObject *s_pages, *s_device_nodes, *s_cursor;             /* a lease's attribute names, interned */
-static PyObject *s_tree, *s_parts, *s_clock, *s_digest, *s_value, *s_protected; /* the ledger's */
 enum { APPEND_MAX = 64 }; /* pages one append_chain takes (more: the reference) */
-
-static int load_append(void) {
-    if (s_protected != NULL)
-        return 0;
-    return INTERN_AS(s_next_id, "_next_id") || INTERN(page_size) || INTERN(seed) || INTERN(nodes) || INTERN(pages) ||
-                   INTERN(device_nodes) || INTERN(cursor) || INTERN(tree) ||
-                   INTERN(parts) || INTERN(clock) || INTERN(digest) || INTERN(value) ||
-                   INTERN_AS(s_protected, "protected_device_pages")
-               ? -1
-               : 0;
-}
 
 /* Whether page ``p`` is an entry of ``held`` (int entries compared by value, as a set of ints does). */
 static int holds(PyObject *held, int64_t p) {
@@ -212,24 +198,11 @@ static int fresh_pages(PyObject *pages, Py_ssize_t n, PyObject *held, int64_t *o
     return 1;
 }
 
-/* ``obj.<name> += add`` for an int attribute, masked to the digest's 62 bits when ``mask``: 0, or -1. */
-static int add_to(PyObject *obj, PyObject *name, long long add, int mask) {
-    PyObject *v = PyObject_GetAttr(obj, name), *by = v ? PyLong_FromLongLong(add) : NULL;
-    PyObject *sum = by ? PyNumber_Add(v, by) : NULL, *cap = sum && mask ? PyLong_FromUnsignedLongLong(DIGEST_MASK) : NULL;
-    if (cap != NULL)
-        Py_SETREF(sum, PyNumber_And(sum, cap));
-    int rc = sum == NULL || (mask && cap == NULL) ? -1 : PyObject_SetAttr(obj, name, sum);
-    Py_XDECREF(v);
-    Py_XDECREF(by);
-    Py_XDECREF(sum);
-    Py_XDECREF(cap);
-    return rc;
-}
-
-/* The lease's side of the chain: its pages leave lease.pages, its nodes' ids join lease.device_nodes,
- * and lease.cursor moves to the last node's id if the lease pins exactly the path to it (None otherwise). */
-static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes,
-                 const int64_t *fresh, Py_ssize_t n, PyObject **out_ids) {
+/* The lease's side of the chain: its pages leave ``held`` (lease.pages), its nodes' ids join
+ * ``pinned_nodes`` (lease.device_nodes). ``*whole``: whether the lease then pins exactly the path to
+ * the last node (the caller moves its cursor there, or clears it). */
+static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes, const int64_t *fresh,
+                 Py_ssize_t n, PyObject **out_ids, int *whole) {
     int64_t depth = cursor->depth;
     PyObject *extended = NULL, *ids = *out_ids = PyList_New(n);
     if (ids == NULL)
@@ -244,89 +217,55 @@ static int adopt(PyObject *lease, PyObject *held, PyObject *pinned_nodes, Node *
         (extended = holding_extend((Holding *)pinned_nodes, ids)) == NULL)
         return -1;
     Py_DECREF(extended);
-    int whole = PyList_GET_SIZE(pinned_nodes) == depth + n;
-    return PyObject_SetAttr(lease, s_cursor, whole ? PyList_GET_ITEM(ids, n - 1) : Py_None);
+    *whole = PyList_GET_SIZE(pinned_nodes) == depth + n;
+    return 0;
 }
 
-/* append_chain(ledger, lease, cursor, data, pages) -> the new nodes' ids, or None, changing nothing:
- * Inserter._append_new and _add_new in one call, for an append whose pages are all new below
- * ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full pages of
- * ``data``) are distinct pages the lease holds, in a ledger without components. The ledger ticks and
- * the nodes are pinned_chain's (stamped with the new clock, recorded in the digest, counted
- * protected); the lease adopts them (``adopt``). None for any other append, and for holdings or pages
- * the kernel does not take: the reference decides those. */
+/* append_chain(tree_nodes, next_id, page_size, seed, clock, held, pinned_nodes, cursor, data, pages)
+ * -> (ids, records, whole), or None, changing nothing: Inserter._append_new and _add_new's tree and
+ * holding changes in one call (TreeCore.append_chain makes the rest: the tree's next id, the ledger's
+ * clock, digest and protected count, the lease's cursor), for an append whose pages are all new
+ * below ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full pages of
+ * ``data``) are distinct pages the lease holds (``held``, its pages). The nodes are pinned_chain's,
+ * with ids from ``next_id`` on, stamped ``clock`` (the ticked clock); ``records``: the sum of their
+ * records; the lease adopts them (``adopt``, ``whole``). None for any other append, and for holdings,
+ * pages or a clock the kernel does not take: the reference decides those. */
 static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5)
-        return PyErr_Format(PyExc_TypeError, "append_chain takes 5 arguments, not %zd", nargs);
-    PyObject *ledger = args[0], *lease = args[1], *cursor = args[2], *data = args[3], *pages = args[4];
-    if (!is_node(cursor) || !PyBytes_Check(data) || !PyList_Check(pages))
-        Py_RETURN_NONE;
-    if (load_append() < 0)
+    if (nargs != 10)
+        return PyErr_Format(PyExc_TypeError, "append_chain takes 10 arguments, not %zd", nargs);
+    PyObject *tree_nodes = args[0], *clock = args[4], *held = args[5], *pinned_nodes = args[6];
+    PyObject *cursor = args[7], *data = args[8], *pages = args[9];
+    long long next_id = PyLong_AsLongLong(args[1]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[2]);
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred())
         return NULL;
-    PyObject *parts = PyObject_GetAttr(ledger, s_parts), *tree = NULL, *held = NULL, *pinned_nodes = NULL;
-    PyObject *out = NULL, *taken = NULL, *made = NULL, *clock = NULL, *size = NULL;
+    if (!PyDict_CheckExact(tree_nodes) || size <= 0)
+        return PyErr_Format(PyExc_TypeError, "append_chain takes the tree's nodes dict and its page size");
+    int64_t stamp;
+    if (!is_node(cursor) || !PyBytes_Check(data) || !PyList_Check(pages) || !is_holding(held) ||
+        !is_holding(pinned_nodes) || field(clock, &stamp) < 0) {
+        PyErr_Clear(); /* a clock past int64: the reference's */
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t step = size * 4, n = PyBytes_GET_SIZE(data) / step;
     int64_t fresh[APPEND_MAX];
-    int plain = parts == NULL ? -1 : !PyObject_IsTrue(parts);
-    if (plain > 0) {
-        tree = PyObject_GetAttr(ledger, s_tree);
-        size = tree ? PyObject_GetAttr(tree, s_page_size) : NULL;
-        held = size ? PyObject_GetAttr(lease, s_pages) : NULL;
-        pinned_nodes = held ? PyObject_GetAttr(lease, s_device_nodes) : NULL;
-    }
-    Py_ssize_t step = size ? PyLong_AsSsize_t(size) * 4 : 0;
-    if (plain < 0 || (plain > 0 && pinned_nodes == NULL) || PyErr_Occurred())
-        goto done;
-    Py_ssize_t n = step > 0 ? PyBytes_GET_SIZE(data) / step : 0;
-    if (!plain || !is_holding(held) || !is_holding(pinned_nodes) || n == 0 || n > APPEND_MAX ||
-        PyList_GET_SIZE(pages) < n || PyList_GET_SIZE(held) < n || !fresh_pages(pages, n, held, fresh)) {
-        out = Py_NewRef(Py_None);
-        goto done;
-    }
+    if (n == 0 || n > APPEND_MAX || PyList_GET_SIZE(pages) < n || PyList_GET_SIZE(held) < n ||
+        !fresh_pages(pages, n, held, fresh))
+        Py_RETURN_NONE;
     if (kids_at((Node *)cursor, PyBytes_AS_STRING(data), step) != NULL || PyErr_Occurred()) {
-        out = PyErr_Occurred() ? NULL : Py_NewRef(Py_None); /* a page already below the cursor: _adopt's */
-        goto done;
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE; /* a page already below the cursor: _adopt's */
     }
-    PyObject *now = PyObject_GetAttr(ledger, s_clock);
-    long long tick = now ? PyLong_AsLongLong(now) : -1;
-    Py_XDECREF(now);
-    if (tick == LLONG_MAX) { /* a clock the kernel cannot advance: the reference's */
-        out = Py_NewRef(Py_None);
-        goto done;
-    }
-    clock = tick == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(tick + 1); /* Ledger.tick */
-    taken = clock ? PyList_GetSlice(pages, 0, n) : NULL;
-    PyObject *seed = taken ? PyObject_GetAttr(tree, s_seed) : NULL, *next = seed ? PyObject_GetAttr(tree, s_next_id) : NULL;
-    PyObject *tree_nodes = next ? PyObject_GetAttr(tree, s_nodes) : NULL;
-    long long next_id = next ? PyLong_AsLongLong(next) : -1;
-    unsigned long long seed_value = seed ? PyLong_AsUnsignedLongLong(seed) : 0;
-    made = tree_nodes && !PyErr_Occurred() ? pinned(tree_nodes, next_id, step, seed_value, cursor, data, 0, taken, clock) : NULL;
-    PyObject *after = made ? PyLong_FromLongLong(next_id + n) : NULL;
-    if (after == NULL || PyObject_SetAttr(tree, s_next_id, after) < 0)
-        Py_CLEAR(made);
-    Py_XDECREF(after);
-    Py_XDECREF(seed);
-    Py_XDECREF(next);
-    Py_XDECREF(tree_nodes);
-    if (made == NULL)
-        goto done;
-    PyObject *nodes = PyTuple_GET_ITEM(made, 0), *digest = NULL, *ids = NULL;
-    uint64_t records = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(made, 1));
-    int bad = PyObject_SetAttr(ledger, s_clock, clock) < 0 || (digest = PyObject_GetAttr(ledger, s_digest)) == NULL ||
-              add_to(digest, s_value, (long long)records, 1) < 0 || add_to(ledger, s_protected, (long long)n, 0) < 0 ||
-              adopt(lease, held, pinned_nodes, (Node *)cursor, nodes, fresh, n, &ids) < 0;
-    Py_XDECREF(digest);
-    if (!bad)
-        out = Py_NewRef(ids);
+    PyObject *taken = PyList_GetSlice(pages, 0, n), *out = NULL, *ids = NULL;
+    PyObject *made = taken ? pinned(tree_nodes, next_id, step, seed, cursor, data, 0, taken, clock) : NULL;
+    int whole = 0;
+    if (made != NULL && adopt(held, pinned_nodes, (Node *)cursor, PyTuple_GET_ITEM(made, 0), fresh, n, &ids, &whole) == 0)
+        out = Py_BuildValue("(OOO)", ids, PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False);
     Py_XDECREF(ids);
-done:
-    Py_XDECREF(parts);
-    Py_XDECREF(tree);
-    Py_XDECREF(size);
-    Py_XDECREF(clock);
     Py_XDECREF(made);
     Py_XDECREF(taken);
-    Py_XDECREF(held);
-    Py_XDECREF(pinned_nodes);
     return out;
 }
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from tpcache.core.backend import NATIVE as _native
 from tpcache.core.config import CacheConfig
+from tpcache.core.digest import DIGEST_MASK
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.treecore.accounting import is_mirror
@@ -310,12 +311,32 @@ class TreeCore(BulkReads):
         ``lease.pages``, their ids join ``lease.device_nodes``, its cursor moves to the last one if
         it pins exactly that path): the ids, in C where built. None, changing nothing, for any other
         append (the caller's own steps decide it)."""
-        if _native is None:
+        led, tree = self.ledger, self.tree
+        if _native is None or led.parts:
             return None
-        nodes = self.tree.nodes
-        ids = _native.append_chain(self.ledger, lease, nodes[cursor], data, pages)
-        if ids is not None and self.ledger.feed is not None:
-            self.ledger.feed.fresh([nodes[i] for i in ids])
+        nodes, clock = tree.nodes, led.clock + 1
+        made = _native.append_chain(
+            nodes,
+            tree._next_id,
+            self.page_size,
+            tree.seed,
+            clock,
+            lease.pages,
+            lease.device_nodes,
+            nodes[cursor],
+            data,
+            pages,
+        )
+        if made is None:
+            return None
+        ids, records, whole = made
+        tree._next_id += len(ids)
+        led.clock = clock
+        led.digest.value = (led.digest.value + records) & DIGEST_MASK
+        led.protected_device_pages += len(ids)
+        lease.cursor = ids[-1] if whole else None
+        if led.feed is not None:
+            led.feed.fresh([nodes[i] for i in ids])
         return ids
 
     def free_device_pages(self, pages: Sequence[int]) -> None:
