@@ -66,10 +66,11 @@ static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t s
     *h = XXH3_64bits_digest(&state);
 }
 
-/* Add the chain's nodes below ``parent``; ``nodes`` receives them. 0, or -1 and an exception (the
+/* Add the chain's nodes below ``parent``; ``nodes`` receives them and ``ids`` (unless NULL) their
+ * ids, the nodes' own id objects. 0, or -1 and an exception (the
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
 static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
-                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, uint64_t *records) {
+                     uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, PyObject *ids, uint64_t *records) {
     if (DEVICE_VALID == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "pinned_chain: the tier states are not bound (tree.py binds them)");
         return -1;
@@ -97,7 +98,9 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
         int added = kids_add(up, node);
         if (added > 0)
             PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", up->node_id);
-        PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the list is made with room for each) */
+        PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the lists are made with room for each) */
+        if (ids != NULL)
+            PyList_SET_ITEM(ids, i, Py_NewRef(id));
         int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
         Py_DECREF(id);
         if (!bad) {
@@ -120,7 +123,7 @@ done:
 
 /* The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes, each
  * below the one before, device VALID on its page, pinned once, recorded, their ids ``next_id`` on and
- * added to ``tree_nodes``: (nodes, sum of their records), or NULL and an exception. */
+ * added to ``tree_nodes``: (nodes, sum of their records, their ids), or NULL and an exception. */
 static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step, uint64_t seed, PyObject *parent,
                         PyObject *data, Py_ssize_t offset, PyObject *pages, PyObject *clock) {
     if (!PyDict_Check(tree_nodes) || step <= 0)
@@ -136,17 +139,20 @@ static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step
         if (taken != 0)
             return NULL;
     }
-    PyObject *nodes = PyList_New(count), *out = NULL;
+    PyObject *nodes = PyList_New(count), *ids = PyList_New(count), *out = NULL;
     uint64_t records = 0;
-    if (nodes != NULL && add_chain(tree_nodes, next_id, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed,
-                                   pages, clock, nodes, &records) == 0)
-        out = Py_BuildValue("(OK)", nodes, (unsigned long long)records);
+    if (nodes != NULL && ids != NULL &&
+        add_chain(tree_nodes, next_id, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages, clock,
+                  nodes, ids, &records) == 0)
+        out = Py_BuildValue("(OKO)", nodes, (unsigned long long)records, ids);
     Py_XDECREF(nodes);
+    Py_XDECREF(ids);
     return out;
 }
 
 /* pinned_chain(tree_nodes, next_id, page_size, seed, parent, token_bytes, offset, pages, clock)
- *     -> (nodes, sum of their records), or None for pages not in a list (the reference handles those):
+ *     -> (nodes, sum of their records, their ids), or None for pages not in a list (the reference
+ * handles those):
  * Ledger.add_pinned_chain's new nodes (``pinned``), their ids from ``next_id`` on (the caller moves
  * the tree's next id past them). */
 static PyObject *py_pinned_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {

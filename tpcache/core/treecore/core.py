@@ -303,7 +303,8 @@ class TreeCore(BulkReads):
         each below the one before, the first below ``parent``; returns their ids, each larger than
         every id before it. Each is device VALID on its page, pinned once, stamped now and counted
         protected. ``parent`` must have no child for the first page."""
-        return [n.node_id for n in self.ledger.add_pinned_chain(self.tree.nodes[parent], data, offset, pages)]
+        made = self.ledger.add_pinned_chain(self.tree.nodes[parent], data, offset, pages, ids=True)
+        return made  # type: ignore[return-value]  # (ids=True: the ids)
 
     def append_chain(self, lease: Lease, cursor: int, data: bytes, pages: list[int]) -> list[int] | None:
         """``add_pinned_chain`` below the lease's cursor for an append whose pages are all new and

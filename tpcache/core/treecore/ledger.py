@@ -211,21 +211,24 @@ class Ledger:
             self.feed.fresh((node,))
         return node
 
-    def add_pinned_chain(self, parent: Node, token_bytes: bytes, offset: int, pages: list[int]) -> list[Node]:
+    def add_pinned_chain(
+        self, parent: Node, token_bytes: bytes, offset: int, pages: list[int], ids: bool = False
+    ) -> list[Node] | list[int]:
         """New nodes for the pages of ``token_bytes`` from byte ``offset`` on, one per page of
         ``pages``, each below the one before, the first below ``parent`` (an insert's new pages):
-        each device VALID on its page, pinned once, stamped now, recorded, and counted protected."""
+        each device VALID on its page, pinned once, stamped now, recorded, and counted protected.
+        ``ids``: their ids instead (in C, the nodes' own id objects)."""
         if _native is not None and not self.parts:  # the same nodes, hashes and records in C (_chain.c)
             at = self.tree.nodes, self.tree._next_id, self.page_size, self.tree.seed  # ids from the tree's next on
             made = _native.pinned_chain(*at, parent, token_bytes, offset, pages, self.clock)
             if made is not None:
-                nodes, records = made
+                nodes, records, made_ids = made
                 self.tree._next_id += len(nodes)
                 self.digest.value = (self.digest.value + records) & DIGEST_MASK
                 self.protected_device_pages += len(nodes)
                 if self.feed is not None:
                     self.feed.fresh(nodes)
-                return nodes
+                return made_ids if ids else nodes
         step, seed, h = self.page_size * 4, self.tree.seed, parent.hash
         tokens, hashes = [], []
         for start in range(offset, offset + len(pages) * step, step):
@@ -245,7 +248,7 @@ class Ledger:
         self.protected_device_pages += len(nodes)
         if self.feed is not None:
             self.feed.fresh(nodes)
-        return nodes
+        return [node.node_id for node in nodes] if ids else nodes
 
     def remove_empty(self, ids: Sequence[int]) -> None:
         """``remove_if_empty`` for the node of each id, last first, skipping ids no longer in the
