@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 from tpcache.core.backend import NATIVE as _native
 from tpcache.core.config import CacheConfig
-from tpcache.core.digest import DIGEST_MASK
 from tpcache.core.records import Lease, Stats
 from tpcache.core.tiers import DeviceState, HostState, StorageState
 from tpcache.core.treecore.accounting import is_mirror
@@ -303,8 +302,7 @@ class TreeCore(BulkReads):
         each below the one before, the first below ``parent``; returns their ids, each larger than
         every id before it. Each is device VALID on its page, pinned once, stamped now and counted
         protected. ``parent`` must have no child for the first page."""
-        made = self.ledger.add_pinned_chain(self.tree.nodes[parent], data, offset, pages, ids=True)
-        return made  # type: ignore[return-value]  # (ids=True: the ids)
+        return self.ledger.add_pinned_chain(self.tree.nodes[parent], data, offset, pages)
 
     def append_chain(self, lease: Lease, cursor: int, data: bytes, pages: list[int]) -> list[int] | None:
         """``add_pinned_chain`` below the lease's cursor for an append whose pages are all new and
@@ -331,13 +329,9 @@ class TreeCore(BulkReads):
         if made is None:
             return None
         ids, records, whole = made
-        tree._next_id += len(ids)
         led.clock = clock
-        led.digest.value = (led.digest.value + records) & DIGEST_MASK
-        led.protected_device_pages += len(ids)
+        led.count_chain([nodes[i] for i in ids], records)
         lease.cursor = ids[-1] if whole else None
-        if led.feed is not None:
-            led.feed.fresh([nodes[i] for i in ids])
         return ids
 
     def free_device_pages(self, pages: Sequence[int]) -> None:

@@ -211,24 +211,26 @@ class Ledger:
             self.feed.fresh((node,))
         return node
 
-    def add_pinned_chain(
-        self, parent: Node, token_bytes: bytes, offset: int, pages: list[int], ids: bool = False
-    ) -> list[Node] | list[int]:
-        """New nodes for the pages of ``token_bytes`` from byte ``offset`` on, one per page of
-        ``pages``, each below the one before, the first below ``parent`` (an insert's new pages):
-        each device VALID on its page, pinned once, stamped now, recorded, and counted protected.
-        ``ids``: their ids instead (in C, the nodes' own id objects)."""
+    def count_chain(self, nodes: list[Node], records: int) -> None:
+        """The tree's next id, digest, protected count and feed moved for a native chain of new pinned
+        ``nodes`` (``records``: the sum of their records)."""
+        self.tree._next_id += len(nodes)
+        self.digest.value = (self.digest.value + records) & DIGEST_MASK
+        self.protected_device_pages += len(nodes)
+        if self.feed is not None:
+            self.feed.fresh(nodes)
+
+    def add_pinned_chain(self, parent: Node, token_bytes: bytes, offset: int, pages: list[int]) -> list[int]:
+        """The ids of new nodes for the pages of ``token_bytes`` from byte ``offset`` on, one per page
+        of ``pages``, each below the one before, the first below ``parent`` (an insert's new pages):
+        each device VALID on its page, pinned once, stamped now, recorded, and counted protected."""
         if _native is not None and not self.parts:  # the same nodes, hashes and records in C (_chain.c)
             at = self.tree.nodes, self.tree._next_id, self.page_size, self.tree.seed  # ids from the tree's next on
             made = _native.pinned_chain(*at, parent, token_bytes, offset, pages, self.clock)
             if made is not None:
-                nodes, records, made_ids = made
-                self.tree._next_id += len(nodes)
-                self.digest.value = (self.digest.value + records) & DIGEST_MASK
-                self.protected_device_pages += len(nodes)
-                if self.feed is not None:
-                    self.feed.fresh(nodes)
-                return made_ids if ids else nodes
+                nodes, records, ids = made  # (ids: the nodes' own id objects)
+                self.count_chain(nodes, records)
+                return ids
         step, seed, h = self.page_size * 4, self.tree.seed, parent.hash
         tokens, hashes = [], []
         for start in range(offset, offset + len(pages) * step, step):
@@ -248,7 +250,7 @@ class Ledger:
         self.protected_device_pages += len(nodes)
         if self.feed is not None:
             self.feed.fresh(nodes)
-        return [node.node_id for node in nodes] if ids else nodes
+        return [node.node_id for node in nodes]
 
     def remove_empty(self, ids: Sequence[int]) -> None:
         """``remove_if_empty`` for the node of each id, last first, skipping ids no longer in the
