@@ -8,6 +8,7 @@ import copy
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -100,6 +101,41 @@ def test_children_keep_their_shape_and_stay_read_only():
     with pytest.raises(ValueError, match="already has a child"):
         ref.link(PyNode(9, ref, a, 0, 0))
     assert tree.root.only_child is node
+
+
+@pytest.mark.parametrize("page_tokens", [4, 512])
+def test_many_children_are_found_by_their_tokens_as_the_reference_finds_them(page_tokens: int) -> None:
+    """Past a few children a node keeps them in a dict keyed by their tokens (hashed with XXH3, compared
+    in full): every lookup, link and unlink, through a branch point's growth to 40 children and back,
+    answers as the reference node does, keeps the order children were added, and never confuses two
+    pages that share all but their last token."""
+    tree = RadixTree(page_tokens)
+    ref = PyNode(0, None, b"", 0, 0)
+    step = page_tokens * 4
+    pages = [bytes(step - 1) + bytes([i]) for i in range(40)]  # alike but for the last byte
+    kids, refs = {}, {}
+    for i, k in enumerate(pages):
+        kids[k] = tree.add_child(tree.root, k, i, 0)
+        refs[k] = PyNode(i + 1, ref, k, i, 0)
+        ref.link(refs[k])
+    strangers = [bytes(step - 1) + bytes([200]), b"x" * step, b"", pages[0][:-1]]
+    rng = random.Random(7)
+    order = pages[:]
+    rng.shuffle(order)
+    for gone in order:
+        assert tree.root.num_children == ref.num_children
+        assert [c.tokens for c in tree.root.child_nodes()] == [c.tokens for c in ref.child_nodes()]
+        assert dict(tree.root.children).keys() == ref.children.keys()
+        for k in pages + strangers:
+            mine, theirs = tree.root.child(k), ref.child(k)
+            assert (mine is kids.get(k)) and (theirs is refs.get(k))
+            assert tree.root.child_at(b"?" + k, 1, len(k)) is mine
+        node = kids.pop(gone)
+        tree.remove_leaf(node)
+        ref.unlink(refs.pop(gone))
+        with pytest.raises(KeyError):
+            tree.root.unlink(node)
+    assert tree.root.num_children == 0 and tree.root.child_nodes() == []
 
 
 def test_a_dropped_tree_frees_its_nodes():

@@ -118,156 +118,11 @@ static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)n;
 }
 
-/* ------------------------------------------------------------------ children */
+/* ------------------------------------------------------------------ children (_kids.c) */
 
-/* Up to this many children (a dict of them) a removal or a lookup at a position scans them: no hash
- * of a page's tokens (2 KiB for a page of 512 tokens), whose bytes object would be made just for it. */
-enum { SCAN_KIDS = 16 };
+static PyObject *node_children(Node *self, void *c) { return kids_view(self); }
 
-/* Whether ``key`` equals node ``b``'s tokens: 1 or 0, or -1 and an exception. */
-static int same_tokens(PyObject *key, Node *b) {
-    if (PyBytes_Check(key))
-        return PyBytes_GET_SIZE(key) == Py_SIZE(b) && memcmp(PyBytes_AS_STRING(key), b->tok, (size_t)Py_SIZE(b)) == 0;
-    PyObject *mine = node_tokens(b);
-    int same = mine ? PyObject_RichCompareBool(key, mine, Py_EQ) : -1;
-    Py_XDECREF(mine);
-    return same;
-}
-
-/* PyDict_SetItem(d, the node's tokens, node): 0, or -1 and an exception. */
-static int set_by_tokens(PyObject *d, Node *node) {
-    PyObject *key = node_tokens(node);
-    int rc = key ? PyDict_SetItem(d, key, (PyObject *)node) : -1;
-    Py_XDECREF(key);
-    return rc;
-}
-
-PyObject *kids_at(Node *n, const char *key, Py_ssize_t len) {
-    PyObject *kids = n->kids, *found = NULL;
-    if (kids == NULL)
-        return NULL;
-    if (Py_IS_TYPE(kids, &NodeType)) {
-        Node *only = (Node *)kids;
-        return Py_SIZE(only) == len && memcmp(only->tok, key, (size_t)len) == 0 ? kids : NULL;
-    }
-    if (PyDict_GET_SIZE(kids) <= SCAN_KIDS) {
-        Py_ssize_t at = 0;
-        PyObject *v;
-        while (found == NULL && PyDict_Next(kids, &at, NULL, &v)) {
-            Node *c = (Node *)v; /* children are nodes: kids_add is the only way in */
-            if (Py_SIZE(c) == len && memcmp(c->tok, key, (size_t)len) == 0)
-                found = v;
-        }
-        return found;
-    }
-    PyObject *k = PyBytes_FromStringAndSize(key, len);
-    found = k ? PyDict_GetItemWithError(kids, k) : NULL;
-    Py_XDECREF(k);
-    return found;
-}
-
-PyObject *kids_get(Node *n, PyObject *key) {
-    if (n->kids == NULL)
-        return NULL;
-    if (Py_IS_TYPE(n->kids, &NodeType)) {
-        int same = same_tokens(key, (Node *)n->kids);
-        return same > 0 ? n->kids : NULL;
-    }
-    return PyDict_GetItemWithError(n->kids, key);
-}
-
-int kids_add(Node *n, Node *child) {
-    if (n->kids == NULL) {
-        n->kids = Py_NewRef(child);
-        return 0;
-    }
-    if (Py_IS_TYPE(n->kids, &NodeType)) {
-        Node *only = (Node *)n->kids;
-        if (Py_SIZE(only) == Py_SIZE(child) && memcmp(only->tok, child->tok, (size_t)Py_SIZE(child)) == 0)
-            return 1;
-        PyObject *d = PyDict_New();
-        if (d == NULL || set_by_tokens(d, only) < 0 || set_by_tokens(d, child) < 0) {
-            Py_XDECREF(d);
-            return -1;
-        }
-        Py_SETREF(n->kids, d);
-        return 0;
-    }
-    PyObject *key = node_tokens(child);
-    int in = key ? PyDict_Contains(n->kids, key) : -1;
-    if (in == 0)
-        in = PyDict_SetItem(n->kids, key, (PyObject *)child);
-    else if (in > 0)
-        in = 1;
-    Py_XDECREF(key);
-    return in;
-}
-
-int kids_del(Node *n, Node *child) {
-    if (n->kids == (PyObject *)child) {
-        Py_CLEAR(n->kids);
-        return 0;
-    }
-    PyObject *key = NULL;
-    if (n->kids != NULL && !Py_IS_TYPE(n->kids, &NodeType)) {
-        if (PyDict_GET_SIZE(n->kids) <= SCAN_KIDS) {
-            /* found by identity: its stored key carries its hash, where a new key of the page's
-             * tokens would be hashed again (2 KiB for a page of 512 tokens) */
-            Py_ssize_t pos = 0;
-            PyObject *k, *v;
-            while (PyDict_Next(n->kids, &pos, &k, &v))
-                if (v == (PyObject *)child) {
-                    key = Py_NewRef(k);
-                    break;
-                }
-        } else
-            key = node_tokens(child);
-    }
-    if (key == NULL || PyDict_GetItemWithError(n->kids, key) != (PyObject *)child) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_KeyError, "node %S is not a child of node %S", child->node_id, n->node_id);
-        Py_XDECREF(key);
-        return -1;
-    }
-    int rc = PyDict_DelItem(n->kids, key);
-    Py_DECREF(key);
-    if (rc < 0)
-        return -1;
-    if (PyDict_GET_SIZE(n->kids) == 1) { /* back to the one-child shape */
-        Py_ssize_t pos = 0;
-        PyObject *only;
-        PyDict_Next(n->kids, &pos, NULL, &only);
-        Py_SETREF(n->kids, Py_NewRef(only));
-    }
-    return 0;
-}
-
-int kids_next(Node *n, Py_ssize_t *pos, PyObject **child) {
-    if (n->kids == NULL)
-        return 0;
-    if (Py_IS_TYPE(n->kids, &NodeType)) {
-        if (*pos != 0)
-            return 0;
-        *pos = 1;
-        *child = n->kids;
-        return 1;
-    }
-    return PyDict_Next(n->kids, pos, NULL, child);
-}
-
-static PyObject *node_children(Node *self, void *c) {
-    PyObject *d;
-    if (self->kids != NULL && !Py_IS_TYPE(self->kids, &NodeType))
-        d = Py_NewRef(self->kids);
-    else {
-        d = PyDict_New();
-        if (d != NULL && self->kids != NULL && set_by_tokens(d, (Node *)self->kids) < 0)
-            Py_CLEAR(d);
-    }
-    PyObject *view = d ? PyDictProxy_New(d) : NULL;
-    Py_XDECREF(d);
-    return view;
-}
+static PyObject *node_child_nodes(Node *self, PyObject *unused) { return kids_list(self); }
 
 static PyObject *node_get_tokens(Node *self, void *c) { return node_tokens(self); }
 
@@ -397,6 +252,7 @@ static PyMethodDef node_methods[] = {
     {"path", (PyCFunction)node_path, METH_NOARGS, "Nodes from the first page down to this one (the root excluded)."},
     {"__copy__", (PyCFunction)node_copy, METH_NOARGS, "A shallow copy (its fields, not its place in the tree)."},
     {"child", (PyCFunction)node_child, METH_O, "The child for these page tokens, or None."},
+    {"child_nodes", (PyCFunction)node_child_nodes, METH_NOARGS, "The children, in the order they were added (a new list)."},
     {"child_at", (PyCFunction)(void (*)(void))node_child_at, METH_FASTCALL,
      "child(data[pos:pos + step]) for bytes data and pos >= 0, without the slice."},
     {"link", (PyCFunction)node_link, METH_O, "Add a child under its tokens (ValueError if that page has one)."},
@@ -439,7 +295,7 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__node(void) {
-    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&HoldingType) < 0 || PyType_Ready(&HeapsType) < 0)
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&TokKeyType) < 0 || PyType_Ready(&HoldingType) < 0 || PyType_Ready(&HeapsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)

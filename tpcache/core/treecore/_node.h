@@ -17,9 +17,9 @@
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
     FIELDS(DECLARE)
-    /* The children, keyed by their tokens: NULL when there is none, the child itself when there is
-     * one (most nodes: a chain costs no dict), a dict of two or more. Changed only by kids_add and
-     * kids_del, which keep that shape. */
+    /* The children: NULL when there is none, the child itself when there is one (most nodes: a chain
+     * costs no dict), a dict of two or more keyed by their tokens (_kids.c). Changed only by kids_add
+     * and kids_del, which keep that shape. */
     PyObject *kids;
     uint64_t hash, record;
     int64_t device_page, host_slot;
@@ -97,6 +97,11 @@ int kids_add(Node *n, Node *child);
 int kids_del(Node *n, Node *child);
 /* The next child (borrowed) as PyDict_Next gives it: 1, or 0 when there is no more; ``*pos`` 0 first. */
 int kids_next(Node *n, Py_ssize_t *pos, PyObject **child);
+/* The children in the order they were added (a new list), or NULL and an exception. */
+PyObject *kids_list(Node *n);
+/* The children by their tokens, a read-only mapping made now (Node.children), or NULL and an exception. */
+PyObject *kids_view(Node *n);
+extern PyTypeObject TokKeyType; /* a children dict's key (_kids.c) */
 
 /* One entry's term in a lease's holding (holdings._Holding._term): XXH3 of the little-endian
  * (lease, kind, key), key a page or a node's id, mod 2**62: 0, or -1 and an exception (_account.c). */

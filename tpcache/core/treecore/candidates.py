@@ -82,14 +82,14 @@ def make_policy(name: str) -> EvictionPolicy:
 
 def host_subtree_droppable(node: Node) -> bool:
     """The host-only pages below ``node`` can all go with it: valid, unpinned, not on device."""
-    stack = [c for c in node.children.values() if c.host_state != HostState.NONE]
+    stack = [c for c in node.child_nodes() if c.host_state != HostState.NONE]
     while stack:
         child = stack.pop()
         if child.host_state != HostState.VALID or child.host_pins or child.device_state != DeviceState.NONE:
             return False
         if child.comp is not None and not host_parts_idle(child):
             return False  # a component copy of it is read (a storage write) or pinned
-        stack.extend(c for c in child.children.values() if c.host_state != HostState.NONE)
+        stack.extend(c for c in child.child_nodes() if c.host_state != HostState.NONE)
     return True
 
 
@@ -99,7 +99,7 @@ def is_device_candidate(node: Node) -> bool:
     if node.device_state != DeviceState.VALID or node.device_pins or node.parent is None:
         return False
     host_children = False
-    for child in node.children.values():
+    for child in node.child_nodes():
         if child.device_state != DeviceState.NONE:
             return False
         host_children = host_children or child.host_state != HostState.NONE
@@ -116,7 +116,7 @@ def is_host_candidate(node: Node) -> bool:
         return False
     if node.comp is not None and not host_parts_idle(node):
         return False  # a component copy on host is being written or read
-    return not any(c.host_state != HostState.NONE for c in node.children.values())
+    return not any(c.host_state != HostState.NONE for c in node.child_nodes())
 
 
 _native = NATIVE

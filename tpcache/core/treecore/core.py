@@ -38,7 +38,7 @@ _WRITING = StorageState.WRITING
 def _host_only_child(node: Node) -> bool:
     """A child of ``node`` is on host but not on device: its host copy hangs from this node's page,
     so this node's host copy must stay (for a host-only parent, or a mirror whose device copy goes)."""
-    return any(c.on_host and not c.on_device for c in node.children.values())
+    return any(c.on_host and not c.on_device for c in node.child_nodes())
 
 
 ROOT = 0  # the root's id: it holds no page and is never removed
@@ -119,7 +119,7 @@ class TreeCore(BulkReads):
 
     def children_of(self, node_id: int) -> list[int]:
         """The children's ids, ascending (an order every rank and backend agrees on)."""
-        return sorted(c.node_id for c in self.tree.nodes[node_id].children.values())
+        return sorted(c.node_id for c in self.tree.nodes[node_id].child_nodes())
 
     def path_of(self, node_id: int) -> list[int]:
         """Ids from the first page down to this node, the root excluded (the root: empty)."""

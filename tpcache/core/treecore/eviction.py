@@ -138,7 +138,7 @@ class Evictor:
                 and parent.parent is not None
                 and parent.device_state == DeviceState.VALID
                 and not parent.device_pins
-                and all(c.node_id in gone or c.device_state == DeviceState.NONE for c in parent.children.values())
+                and all(c.node_id in gone or c.device_state == DeviceState.NONE for c in parent.child_nodes())
             ):
                 stack.append(parent)
         for entry in popped:
@@ -243,11 +243,11 @@ class Evictor:
     def _drop_host_subtree(self, node: Node) -> None:
         led = self.ledger
         order: list[Node] = []
-        stack = [c for c in node.children.values() if c.host_state != HostState.NONE]
+        stack = [c for c in node.child_nodes() if c.host_state != HostState.NONE]
         while stack:
             child = stack.pop()
             order.append(child)
-            stack.extend(c for c in child.children.values() if c.host_state != HostState.NONE)
+            stack.extend(c for c in child.child_nodes() if c.host_state != HostState.NONE)
         for child in reversed(order):  # leaves first
             led.free_host_copy(child)
             led.remove_if_empty(child)
@@ -278,5 +278,5 @@ def _next_in_line(node: Node | None, child: Node) -> bool:
         and node.device_state == DeviceState.VALID
         and not node.device_pins
         and node.host_state == HostState.NONE
-        and all(c is child or c.device_state == DeviceState.NONE for c in node.children.values())
+        and all(c is child or c.device_state == DeviceState.NONE for c in node.child_nodes())
     )

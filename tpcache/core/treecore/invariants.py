@@ -108,7 +108,7 @@ def check(core: CacheCore) -> None:
         if node.record != record:
             fail(f"node {node.node_id}: its digest record is stale (a field changed outside the ledger)")
         digest.add(record)
-        if node.parent.children.get(node.tokens) is not node:
+        if node.parent.child(node.tokens) is not node:
             fail(f"node {node.node_id} is not its parent's child")
         parent_root = node.parent.parent is None
         if node.device_state == DeviceState.VALID and not parent_root and node.parent.device_state != DeviceState.VALID:
@@ -185,12 +185,12 @@ def _check_storage_off(core: CacheCore, fail: Callable[[str], None]) -> None:
 
 def _host_only_below_droppable(node: Node) -> bool:
     """The host-only pages hanging from ``node`` could go with it (so evicting it is possible)."""
-    stack = [c for c in node.children.values() if c.on_host and not c.on_device]
+    stack = [c for c in node.child_nodes() if c.on_host and not c.on_device]
     while stack:
         child = stack.pop()
         if child.host_state != HostState.VALID or child.host_pins or not host_parts_idle(child):
             return False
-        stack.extend(c for c in child.children.values() if c.on_host)
+        stack.extend(c for c in child.child_nodes() if c.on_host)
     return True
 
 

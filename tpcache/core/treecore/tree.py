@@ -109,6 +109,10 @@ class PyNode:
         """The child for these page tokens, or None."""
         return self.children.get(tokens)
 
+    def child_nodes(self) -> list[Node]:
+        """The children, in the order they were added (a new list)."""
+        return list(self.children.values())
+
     def child_at(self, data: bytes, pos: int, step: int) -> Node | None:
         """``child(data[pos : pos + step])`` for ``pos`` >= 0 (the C type needs no slice)."""
         if pos < 0 or step < 0:
