@@ -2,9 +2,9 @@
 
 Every edge is exactly one page of ``page_size`` token ids, so a divergence always falls on a node
 boundary: inserts never split a node and no in-flight copy ever sees its node change shape.
-Children are found by the page's exact tokens (a dict keyed by bytes), so a lookup never depends
-on a hash being collision-free and a hit costs no hashing; each node also carries its page's
-chain hash, the page's identity for digests and storage keys.
+Children are found by the page's exact tokens (compared in full: a dict keyed by bytes here, by
+the tokens in place in the native node), so a lookup never depends on a hash being collision-free;
+each node also carries its page's chain hash, the page's identity for digests and storage keys.
 
 Tier data (device page, host slot, storage state, pins, and a hybrid model's per-component record)
 lives on the node; the ledger (``ledger.py``) makes every change to it.
