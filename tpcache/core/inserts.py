@@ -187,7 +187,7 @@ class Inserter:
         # Validate everything before mutating anything: a refused insert changes nothing.
         core = self.core
         owned = set(lease.pages)
-        nodes = ids = walk.ids
+        ids = walk.ids  # the nodes the walk found
         sides = core.device_sides(ids)  # (device state, device page) of each, in one pass
         plan: list[tuple[int, int]] = []  # (index of an existing node off device, page) to adopt
         duplicates = 0
@@ -208,7 +208,7 @@ class Inserter:
             owned.discard(page)
             plan.append((i, page))
         # The pages past the walk become new nodes, each below the one before.
-        new = [] if loading else pages[len(nodes) : walk.num_pages]
+        new = [] if loading else pages[len(ids) : walk.num_pages]
         if not owned.issuperset(new) or len(set(new)) != len(new):
             for page in new:  # name the first page that is not the lease's to give
                 if page not in owned:
@@ -229,7 +229,7 @@ class Inserter:
             inserted.append(ids[i])
         chain: list[int] = []
         if new:  # stamped as made
-            chain = core.add_pinned_chain(nodes[-1] if nodes else top, walk.token_bytes, len(nodes) * walk.step, new)
+            chain = core.add_pinned_chain(ids[-1] if ids else top, walk.token_bytes, len(ids) * walk.step, new)
             inserted.extend(chain)
         # The lease pins its whole device path, so nothing it holds has an evictable-looking ancestor.
         # Only what it did not pin yet is touched (and stamped): the rest was stamped when the lease
@@ -248,13 +248,13 @@ class Inserter:
         lease.device_nodes.extend(pins)
         # ``append`` may continue from here when the whole sequence is adopted and the lease pins
         # exactly its path (a lock of other tokens, or a stop at a loading page, leaves none).
-        length = len(nodes) + len(chain)
+        length = len(ids) + len(chain)
         whole = length == walk.num_pages and all(state == _VALID for state, _ in sides)
         depth = (0 if start is None else core.depths((start,))[0]) + length
-        last = chain[-1] if chain else nodes[-1] if nodes else top
+        last = chain[-1] if chain else ids[-1] if ids else top
         lease.cursor = last if whole and len(lease.device_nodes) == depth else None
         if self.hybrid is not None:
-            on_device = [n for n, (state, _) in zip(nodes, sides, strict=True) if state == _VALID] + chain
+            on_device = [n for n, (state, _) in zip(ids, sides, strict=True) if state == _VALID] + chain
             gained = self.hybrid.adopt(lease, on_device, parts or {}, walk.num_pages - 1)
             inserted_ids = set(inserted)
             self.backup.on_insert(inserted + [i for i in gained if i not in inserted_ids])
