@@ -418,6 +418,7 @@ def main() -> int:
     peers.add_argument("--cache-tokens", type=int, default=3_000_000, help="every cache holds this many tokens' pages")
     peers.add_argument("--gc-pages", type=int, default=1_000_000, help="cached pages for the GC figure (0: none)")
     peers.add_argument("--gc-caches", nargs="+", choices=["native", "reference", "dict", "vllm", "sglang"])
+    peers.add_argument("--gc-rounds", type=int, default=5, help="interleaved empty/built rounds of the GC figure")
     peers.add_argument("--vllm-python", default=sys.executable, help="the interpreter with vLLM")
     peers.add_argument("--sglang-python", default=str(SGLANG_PYTHON), help="the interpreter with SGLang")
     args = ap.parse_args()

@@ -42,13 +42,16 @@ here (on a GPU server they live on the device), and a thread pool would only spi
 machine. CPU per page is over the stream's full pages; medians of ``--repeats`` passes with their
 spread.
 
-The GC figure: in each cache's process, one workload (200,000 small objects made and dropped, then
-five full collections forced by ``gc.collect()``, each timed through ``gc.callbacks``) runs
-once beside an empty cache sized for ``--gc-pages`` pages and once after building the cache to
-``--gc-pages`` cached pages of 16 tokens (requests of 140 pages sharing none). The figure is the
-longest full (generation 2) collection of the second run minus that of the first, in this thread's
-CPU time and in wall time; the number of full collections each run saw is printed, so the figure
-cannot read 0 by never collecting.
+The GC figure, in each cache's process (``gc_figure`` says why it is measured so): one workload
+(200,000 small objects made and dropped, then five full collections forced by ``gc.collect()``,
+each timed through ``gc.callbacks``) runs beside a fresh empty cache sized for ``--gc-pages`` pages
+and beside a fresh cache built to ``--gc-pages`` cached pages of 16 tokens (requests of 140 pages
+sharing none, each then served once more, a hit), alternately, in ``--gc-rounds`` rounds, with what
+the process held before frozen (``gc.freeze()``). Each round's difference is the longest full
+(generation 2) collection beside the built cache minus that beside the empty one; the figure is the
+median of the rounds' differences with their spread, in this thread's CPU time and in wall time.
+Every half's longest pause and number of full collections are kept, and a half that saw none fails
+the run, so the figure cannot read 0 by never collecting.
 """
 
 from __future__ import annotations
@@ -266,7 +269,8 @@ def full_pauses(cpu: list[float], wall: list[float]) -> Any:
 
 def gc_workload() -> dict[str, Any]:
     """The same work beside either cache: garbage made and dropped (young collections), then
-    ``GC_FORCED`` full collections forced and timed. The longest full pause and how many ran."""
+    ``GC_FORCED`` full collections forced and timed. The longest full pause and how many ran; a run
+    that saw no full collection raises ``GcError`` (its figure would read 0 by never collecting)."""
     cpu: list[float] = []
     wall: list[float] = []
     cb = full_pauses(cpu, wall)
@@ -279,28 +283,97 @@ def gc_workload() -> dict[str, Any]:
             gc.collect()
     finally:
         gc.callbacks.remove(cb)
+    if not cpu:
+        raise GcError(f"the GC workload saw no full collection after {GC_FORCED} gc.collect() calls")
     return {"full_collections": len(cpu), "max_cpu_ms": max(cpu) * 1e3, "max_wall_ms": max(wall) * 1e3}
 
 
-def gc_figure(engine: str, pages: int) -> dict[str, Any]:
-    from bench_core import CONTEXT_PAGES, sequence
+def context_tokens(n: int) -> Any:
+    """Request ``i``'s token ids for ``i`` in ``range(n)``, equal to ``array("i", sequence(i,
+    CONTEXT_PAGES))`` of ``bench_core`` but sliced from one ring of ids instead of made an int at a
+    time (a rebuilt cache would otherwise spend most of its build making them)."""
+    from bench_core import CONTEXT_PAGES, PAGE
 
-    page_size = 16
-    cache = CACHES[engine](page_size, pages + CONTEXT_PAGES)
-    empty = gc_workload()
-    n = pages // CONTEXT_PAGES
+    length, period = CONTEXT_PAGES * PAGE, 50_000
+    ring = array("i", range(period))
+    ring.extend(ring[:length])
     for i in range(n):
-        cache.serve(cache.prepare(array("i", sequence(i, CONTEXT_PAGES)), i))
-    built = gc_workload()
+        start = (i * 31 + 1) % period
+        tokens = array("i", [i])
+        tokens.extend(ring[start : start + length - 1])
+        yield tokens
+
+
+def gc_half(engine: str, pages: int, build: bool) -> dict[str, Any]:
+    """One cache sized for ``pages`` pages (plus one request), the only cache alive while
+    ``gc_workload`` runs beside it, torn down after. Built, it holds ``pages`` cached pages (requests
+    of ``CONTEXT_PAGES`` pages sharing none), each request then served once more, a hit: a cache is
+    built to be hit, and what a lookup leaves behind (tpcache's run caches, SGLang's touched nodes)
+    is part of what a collection walks. Empty, it serves nothing."""
+    from bench_core import CONTEXT_PAGES
+
+    cache = CACHES[engine](16, pages + CONTEXT_PAGES)
+    n = pages // CONTEXT_PAGES if build else 0
+    for i, tokens in enumerate(context_tokens(n)):
+        cache.serve(cache.prepare(tokens, i))
+    for i, tokens in enumerate(context_tokens(n)):
+        cache.serve(cache.prepare(tokens, n + i))
+    gc.collect()  # the build's own garbage is not the workload's
+    out = gc_workload()
     del cache
     gc.collect()
-    return {
-        "cached_pages": n * CONTEXT_PAGES,
-        "empty": empty,
-        "built": built,
-        "figure_cpu_ms": built["max_cpu_ms"] - empty["max_cpu_ms"],
-        "figure_wall_ms": built["max_wall_ms"] - empty["max_wall_ms"],
-    }
+    return out
+
+
+def gc_figure(engine: str, pages: int, rounds: int) -> dict[str, Any]:
+    """The longest full-collection pause beside a cache built to ``pages`` cached pages minus the
+    same workload's beside an empty cache, measured ``rounds`` times in this one process.
+
+    Each round runs two halves: one beside a fresh empty cache of the same config, one beside a
+    fresh cache built to ``pages`` pages (``gc_half``); only that cache is alive during its half,
+    and it is torn down and collected before the next. The halves alternate which goes first, so a
+    machine whose speed drifts (a full collection here takes 1 ms one second and 5 ms a few seconds
+    later, in this thread's CPU time, on a shared machine) moves both alike. Why not build once and
+    compare against the process before building: one such pair measures the drift between the two,
+    seconds apart, as much as the cache. Why not keep an empty cache beside the built one: the
+    built one would then be in the empty half's collections too. Why one process: the
+    interpreter's own objects and memory layout are the same in both halves, and separate
+    processes differ by more than the figure.
+
+    What the process held before (its imports, the trace) is frozen first (``gc.freeze()``), as
+    vLLM's engine core does after start-up and SGLang does on request: both halves leave it alike,
+    and without it SGLang's imports alone make each full collection last about 300 ms, whose noise
+    would swamp the figure. A warm-up half runs first and is not counted.
+
+    The figure is the median over rounds of (built minus empty), each side its longest full pause
+    (generation 2), in thread CPU time and in wall time, with the spread over rounds; every half's
+    longest pause and number of full collections are kept. A half without a full collection fails
+    the run (``GcError``), so the figure cannot read 0 by never collecting."""
+    import statistics
+
+    from bench_core import CONTEXT_PAGES
+
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    try:
+        gc_half(engine, pages, build=False)  # warm-up: the workload's first run sets up the allocator
+        halves: dict[str, list[dict[str, Any]]] = {"empty": [], "built": []}
+        for r in range(rounds):
+            for side in ("empty", "built") if r % 2 == 0 else ("built", "empty"):
+                halves[side].append(gc_half(engine, pages, build=side == "built"))
+    finally:
+        gc.unfreeze()
+    out: dict[str, Any] = {"cached_pages": pages // CONTEXT_PAGES * CONTEXT_PAGES, "rounds": rounds, **halves}
+    for clock in ("cpu", "wall"):
+        pairs = zip(halves["empty"], halves["built"], strict=True)
+        diffs = [b[f"max_{clock}_ms"] - e[f"max_{clock}_ms"] for e, b in pairs]
+        out[f"figure_{clock}_ms"] = statistics.median(diffs)
+        out[f"spread_{clock}_ms"] = [min(diffs), max(diffs)]
+        for side in ("empty", "built"):
+            out[f"{side}_{clock}_ms"] = statistics.median(h[f"max_{clock}_ms"] for h in halves[side])
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    return out
 
 
 def worker(engine: str, trace: str, limit: int) -> int:
@@ -322,7 +395,10 @@ def worker(engine: str, trace: str, limit: int) -> int:
         if cmd["op"] == "pass":
             say(one_pass(engine, cmd["page_size"], cmd["pages"], requests))
         else:
-            say(gc_figure(engine, cmd["pages"]))
+            try:
+                say(gc_figure(engine, cmd["pages"], cmd["rounds"]))
+            except GcError as exc:
+                say({"error": str(exc)})
     return 0
 
 
@@ -387,6 +463,10 @@ class PeerError(RuntimeError):
     """A peer cannot run here; the message is one line naming it and why."""
 
 
+class GcError(RuntimeError):
+    """The GC figure cannot be measured: a workload saw no full collection."""
+
+
 def start(
     engines: list[str], pythons: dict[str, str], trace: str, limit: int
 ) -> tuple[dict[str, Worker], dict[str, Any]]:
@@ -438,6 +518,8 @@ def run(args: Any) -> dict[str, Any]:
     trace = Path(args.trace)
     if not trace.exists():
         raise PeerError(f"bench_core --peers: the trace {trace} does not exist; pass --trace PATH")
+    if args.gc_rounds < 1:
+        raise PeerError(f"bench_core --peers: --gc-rounds is {args.gc_rounds}; it must be at least 1")
     engines = [e for e in ENGINES if e not in PEERS or e in args.peers]
     pythons = {"vllm": args.vllm_python, "sglang": args.sglang_python}
     workers, info = start(engines, pythons, str(trace), args.trace_requests)
@@ -462,7 +544,12 @@ def run(args: Any) -> dict[str, Any]:
         if args.gc_pages:
             out["gc"] = {
                 "pages": args.gc_pages,
-                "engines": {e: workers[e].ask(op="gc", pages=args.gc_pages) for e in engines if e in gc_caches},
+                "rounds": args.gc_rounds,
+                "engines": {
+                    e: workers[e].ask(op="gc", pages=args.gc_pages, rounds=args.gc_rounds)
+                    for e in engines
+                    if e in gc_caches
+                },
             }
             print_gc(out["gc"], sys.stderr)
     finally:
@@ -489,13 +576,19 @@ def print_table(ps: int, out: dict[str, Any], fh: Any) -> None:
 
 
 def print_gc(g: dict[str, Any], fh: Any) -> None:
-    print(f"longest full collection, {g['pages']:,} cached pages of 16 tokens minus an empty cache (ms):", file=fh)
-    print(f"  {'cache':<10} {'cpu':>8} {'wall':>8} {'empty cpu':>10} {'built cpu':>10} {'full GCs':>9}", file=fh)
+    print(
+        f"longest full collection, {g['pages']:,} cached pages of 16 tokens minus an empty cache (ms), "
+        f"medians of {g['rounds']} interleaved rounds:",
+        file=fh,
+    )
+    head = f"  {'cache':<10} {'cpu':>8} {'spread':>15} {'wall':>8} {'empty cpu':>10} {'built cpu':>10} {'full GCs':>9}"
+    print(head, file=fh)
     for e, r in g["engines"].items():
-        n = f"{r['empty']['full_collections']}/{r['built']['full_collections']}"
+        spread = f"{r['spread_cpu_ms'][0]:.2f}..{r['spread_cpu_ms'][1]:.2f}"
+        fulls = [h["full_collections"] for side in ("empty", "built") for h in r[side]]
         print(
-            f"  {e:<10} {r['figure_cpu_ms']:>8.2f} {r['figure_wall_ms']:>8.2f} {r['empty']['max_cpu_ms']:>10.2f} "
-            f"{r['built']['max_cpu_ms']:>10.2f} {n:>9}",
+            f"  {e:<10} {r['figure_cpu_ms']:>8.2f} {spread:>15} {r['figure_wall_ms']:>8.2f} "
+            f"{r['empty_cpu_ms']:>10.2f} {r['built_cpu_ms']:>10.2f} {min(fulls):>9}",
             file=fh,
         )
 

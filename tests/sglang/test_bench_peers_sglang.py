@@ -36,4 +36,5 @@ def test_sglang_beside_the_core_on_a_tiny_trace(tmp_path):
         for row in rows.values():
             assert row["hit_rate"] == round(expected_hit_rate(trace, ps), 4) > 0
     figure = d["gc"]["engines"]["sglang"]
-    assert figure["cached_pages"] == 1960 and figure["built"]["full_collections"] >= 5
+    assert figure["cached_pages"] == 1960 and len(figure["built"]) == figure["rounds"] == 5
+    assert all(h["full_collections"] >= 5 for h in figure["built"] + figure["empty"])

@@ -152,3 +152,37 @@ def test_a_walk_that_diverges_inside_a_run_matches_the_agreeing_pages():
         for node in tree.nodes.values():
             node.device_page = 5 * node.node_id
         assert list(walk.device_page_ids(cut)) == [5 * n.node_id for n in walk.nodes]
+
+
+def test_a_native_run_is_not_walked_by_the_collector(monkeypatch):
+    """A run of native nodes keeps its nodes and ids where a collection untracks them, so a full
+    collection does not visit the cached pages one by one; ``mark_run`` and ``run_pages`` still do
+    the run's marks and page copies (they answer True and an array, not the reference's fallback)."""
+    import gc
+
+    from tpcache.core.treecore import runs
+
+    if runs._mark_run is None:
+        pytest.skip("the native extension is not built")
+    answers: list[object] = []
+
+    def spy(kernel):
+        def call(*args):
+            answers.append(kernel(*args))
+            return answers[-1]
+
+        return call
+
+    monkeypatch.setattr(runs, "_mark_run", spy(runs._mark_run))
+    monkeypatch.setattr(runs, "_run_pages", spy(runs._run_pages))
+    tree = RadixTree(PAGE)
+    add_path(tree, (1, 2, 0, 1, 2, 0))
+    for node in tree.nodes.values():
+        node.device_page = 3 * node.node_id + 1
+    walk = tree.walk(path_tokens((1, 2, 0, 1, 2, 0)))  # builds the run below the root
+    assert list(walk.device_page_ids(6)) == [3 * i + 1 for i in range(1, 7)]
+    run = tree.root.run
+    assert [n.node_id for n in run.nodes] == list(run.ids) == [1, 2, 3, 4, 5, 6]
+    assert answers[0] is True and list(answers[1]) == [3 * i + 1 for i in range(1, 7)]
+    gc.collect()
+    assert gc.is_tracked(run) and not gc.is_tracked(run.nodes) and not gc.is_tracked(run.ids)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import venv
+from array import array
 from pathlib import Path
 
 from tpcache.testing.child import run_in_own_session
@@ -53,6 +54,7 @@ def test_peers_table_on_a_tiny_trace(tmp_path):
     trace = tiny_trace(tmp_path / "t.jsonl")
     argv = [sys.executable, str(SCRIPT), "--peers", "vllm", "--trace", str(trace), "--trace-requests", "12"]
     argv += ["--repeats", "2", "--cache-tokens", "200000", "--gc-pages", "2000", "--gc-caches", "native", "dict"]
+    argv += ["--gc-rounds", "3"]
     log = tmp_path / "log"
     code = run_in_own_session([*argv, "--json"], log, os.environ, 300)  # its workers go with it
     out = log.read_text()
@@ -72,10 +74,29 @@ def test_peers_table_on_a_tiny_trace(tmp_path):
         assert rows["dict"]["x_dict"] == 1.0
     assert f"16-token pages: {200_000 // 16:,}-page caches" in out
     assert set(d["gc"]["engines"]) == {"native", "dict"}
+    assert d["gc"]["rounds"] == 3 and "medians of 3 interleaved rounds" in out
     for name, figure in d["gc"]["engines"].items():
         assert figure["cached_pages"] == 1960, name
-        for run_ in ("empty", "built"):  # the workload forces its full collections
-            assert figure[run_]["full_collections"] >= 5 and figure[run_]["max_cpu_ms"] > 0
+        for side in ("empty", "built"):  # each half of each round forces its full collections
+            assert len(figure[side]) == 3, name
+            assert all(h["full_collections"] >= 5 and h["max_cpu_ms"] > 0 for h in figure[side]), name
+        for clock in ("cpu", "wall"):  # the median of the rounds' differences, inside their spread
+            lo, hi = figure[f"spread_{clock}_ms"]
+            pairs = zip(figure["empty"], figure["built"], strict=True)
+            diffs = sorted(b[f"max_{clock}_ms"] - e[f"max_{clock}_ms"] for e, b in pairs)
+            assert [lo, figure[f"figure_{clock}_ms"], hi] == [diffs[0], diffs[1], diffs[2]], name
+
+
+def test_gc_tokens_are_the_benchmark_sequences(monkeypatch):
+    """The GC figure's requests, sliced from a ring, are ``bench_core.sequence``'s token ids."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_core
+    import core_peers
+
+    tokens = list(core_peers.context_tokens(1700))
+    assert len(tokens) == 1700
+    for i in (0, 1, 1541, 1612, 1613, 1699):  # 1541 to 1612 run past the ring's end
+        assert tokens[i] == array("i", bench_core.sequence(i, bench_core.CONTEXT_PAGES)), i
 
 
 def test_a_missing_peer_is_named_in_one_line(tmp_path):
@@ -91,6 +112,12 @@ def test_a_missing_peer_is_named_in_one_line(tmp_path):
     missing = run("vllm", "--trace", str(trace), "--vllm-python", str(python))
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.strip().splitlines() == [f"bench_core --peers: vllm: vllm is not installed for {python}"]
+
+
+def test_gc_rounds_below_one_is_one_line(tmp_path):
+    out = run("vllm", "--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--gc-rounds", "0")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == ["bench_core --peers: --gc-rounds is 0; it must be at least 1"]
 
 
 def test_a_missing_trace_is_one_line(tmp_path):

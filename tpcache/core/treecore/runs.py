@@ -20,18 +20,23 @@ class Run:
     the whole chain), their ids and, built on first use, their device pages (a walk copies a slice).
 
     Invariant: while ``pages`` is set, ``pages[i] == nodes[i].device_page`` and ``nodes[i].pages_run
-    is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run."""
+    is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run.
+
+    ``nodes`` and ``ids`` are tuples: holding only native nodes (which the collector does not track)
+    and ints, they are untracked at their first collection, so a full collection does not walk the
+    cached pages one by one (lists would be, a page at a time, in every run)."""
 
     __slots__ = ("data", "nodes", "pages", "ids")
 
     def __init__(self, data: bytes, nodes: list[Node]) -> None:
-        self.data, self.nodes = data, nodes
+        self.data, self.nodes = data, tuple(nodes)
         self.pages: array | None = None
-        self.ids = [n.node_id for n in nodes]  # (a node's id never changes)
+        self.ids = tuple([n.node_id for n in nodes])  # (a node's id never changes)
 
     def device_pages(self) -> array:
         if self.pages is None:
-            pages = None if _run_pages is None else _run_pages(self, self.nodes)  # None: not native nodes
+            # (the kernel takes a list; None: not native nodes)
+            pages = None if _run_pages is None else _run_pages(self, list(self.nodes))
             if pages is None:
                 for node in self.nodes:
                     other = node.pages_run
@@ -43,9 +48,10 @@ class Run:
         return self.pages
 
 
-def mark(run: Run, node: Node) -> None:
-    """``node.run = run`` at 0, and each node of the run but its last gets it at its own start."""
-    if _mark_run is not None and _mark_run(run, node, run.nodes):
+def mark(run: Run, node: Node, chain: list[Node]) -> None:
+    """``node.run = run`` at 0, and each node of the run but its last gets it at its own start
+    (``chain``: the run's nodes as the list the kernel takes)."""
+    if _mark_run is not None and _mark_run(run, node, chain):
         return
     node.run, node.run_at = run, 0
     for i, c in enumerate(run.nodes[:-1]):
