@@ -155,8 +155,9 @@ def test_a_walk_that_diverges_inside_a_run_matches_the_agreeing_pages():
 
 
 def test_a_native_run_is_not_walked_by_the_collector(monkeypatch):
-    """A run of native nodes keeps its nodes and ids where a collection untracks them, so a full
-    collection does not visit the cached pages one by one; ``mark_run`` and ``run_pages`` still do
+    """A run of native nodes keeps its nodes and ids where a collection untracks them, and the run and
+    its page array are untracked too, so a full collection visits neither the cached pages one by one
+    nor one object per cached chain; ``mark_run`` and ``run_pages`` still do
     the run's marks and page copies (they answer True and an array, not the reference's fallback)."""
     import gc
 
@@ -185,4 +186,5 @@ def test_a_native_run_is_not_walked_by_the_collector(monkeypatch):
     assert [n.node_id for n in run.nodes] == list(run.ids) == [1, 2, 3, 4, 5, 6]
     assert answers[0] is True and list(answers[1]) == [3 * i + 1 for i in range(1, 7)]
     gc.collect()
-    assert gc.is_tracked(run) and not gc.is_tracked(run.nodes) and not gc.is_tracked(run.ids)
+    assert not gc.is_tracked(run.nodes) and not gc.is_tracked(run.ids)
+    assert not gc.is_tracked(run) and not gc.is_tracked(run.pages)  # in no cycle the tree does not break

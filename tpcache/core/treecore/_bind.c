@@ -43,6 +43,11 @@ static PyObject *py_bind(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+void run_untrack(PyObject *run) {
+    if (run_type != NULL && Py_IS_TYPE(run, run_type))
+        PyObject_GC_UnTrack(run);
+}
+
 int run_forget_pages(PyObject *run) {
     if (run_type == NULL || !Py_IS_TYPE(run, run_type)) {
         PyErr_SetString(PyExc_TypeError, "a node's pages_run is a tree.Run (bound by tree.py)");

@@ -323,6 +323,7 @@ static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t na
         if (!is_node(PyList_GET_ITEM(chain, i)))
             Py_RETURN_FALSE;
     Node *node = (Node *)args[1];
+    run_untrack(run); /* (its nodes are native: nothing the collector could free goes through it) */
     Py_SETREF(node->run, Py_NewRef(run));
     if (set_int(&node->run_at, 0) < 0)
         return NULL;
@@ -366,6 +367,8 @@ static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t n
     }
     PyObject *out = array_from_bytes("i", raw);
     Py_DECREF(raw);
+    if (out != NULL && PyObject_IS_GC(out))
+        PyObject_GC_UnTrack(out); /* an array refers to no object: the collector need not walk it */
     return out;
 }
 

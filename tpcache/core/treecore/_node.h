@@ -212,6 +212,11 @@ static inline int set_int(PyObject **slot, int64_t v) {
 extern PyObject *DEVICE_NONE, *DEVICE_VALID;
 /* run.pages = None for a tree.Run (tree.drop_pages's first half): 0, or -1 and an exception. */
 int run_forget_pages(PyObject *run);
+/* Stop the collector tracking a tree.Run (anything else is left alone). A run of native nodes is in
+ * no cycle the tree does not break itself (its nodes point to it; dispose clears those), and the
+ * collector cannot see native nodes anyway: tracked, one object per cached chain would be walked by
+ * every full collection (tens of milliseconds at a hundred thousand chains). */
+void run_untrack(PyObject *run);
 
 /* RadixTree._invalidate: drop the runs through ``node`` and those of the single-child chain above it. */
 static inline void invalidate_runs(PyObject *cur) {
