@@ -77,6 +77,13 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
     }
     uint64_t h = parent->hash;
     Py_ssize_t count = PyList_GET_SIZE(pages);
+    /* Every new node's record packs the same fields but its hash and page: read once. A clock or
+     * state past int64 leaves each record to record_native (and its error). */
+    Fields f = {.host_slot = -1, .dp = 1};
+    int known = field(clock, &f.last) == 0 && field(DEVICE_VALID, &f.ds) == 0;
+    if (!known)
+        PyErr_Clear();
+    f.created = f.last;
     PyObject *one = PyLong_FromLong(1);
     Node *up = (Node *)Py_NewRef(parent), *first = parent;
     int rc = -1;
@@ -101,7 +108,11 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
         PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the lists are made with room for each) */
         if (ids != NULL)
             PyList_SET_ITEM(ids, i, Py_NewRef(id));
-        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
+        f.hash = h;
+        f.device_page = page;
+        if (known)
+            rec = record_fields(&f);
+        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || (!known && record_native(node, &rec) < 0);
         Py_DECREF(id);
         if (!bad) {
             node->record = rec;

@@ -117,6 +117,13 @@ int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
  * an exception (_account.c). */
 int record_native(Node *n, uint64_t *out);
+/* The fields a record hashes, read (or known) once: the tier states, pins, stamps and hits as ints. */
+typedef struct {
+    uint64_t hash;
+    int64_t ds, hs, ss, device_page, host_slot, dp, hp, last, hits, created;
+} Fields;
+/* record_native's value for a node without components whose fields are ``f`` (_account.c). */
+uint64_t record_fields(const Fields *f);
 /* A native node's digest record, with its component record if it has one (accounting.record_of):
  * 0, or -1 and an exception (a TypeError for anything but a native node; _account.c). */
 int record_any(PyObject *node, uint64_t *out);
