@@ -168,35 +168,35 @@ static PyObject *heap_entry(Node *n, long kind) {
 }
 
 /* A node's heap entry as the comparisons below take it: its ``k`` words (``entry_words``) and, where
- * ints are arrays of digits (before 3.12), its digits, made once for a loop of comparisons. */
+ * ints are arrays of digits (before 3.12), how many digits it has. */
 typedef struct {
     uint64_t w[5];
     int k;
-#if PY_VERSION_HEX < 0x030C0000
-    Py_ssize_t size;                                      /* its digits, the leading zeros left out */
-    digit d[(5 * 64 + PyLong_SHIFT - 1) / PyLong_SHIFT]; /* least significant first */
-#endif
+    Py_ssize_t size;
 } Key;
 
 /* ``key`` for a node: 0, or -1 and an exception (``entry_words``). */
 static int node_key(Node *n, long kind, Key *key) {
     if ((key->k = entry_words(n, kind, key->w)) < 0)
         return -1;
-#if PY_VERSION_HEX < 0x030C0000
-    Py_ssize_t bits = 64 * key->k, count = (bits + PyLong_SHIFT - 1) / PyLong_SHIFT;
-    key->size = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t bit = i * PyLong_SHIFT, word = bit / 64, off = bit % 64;
-        uint64_t v = key->w[word] >> off;
-        if (off + PyLong_SHIFT > 64 && word + 1 < key->k)
-            v |= key->w[word + 1] << (64 - off);
-        key->d[i] = (digit)(v & PyLong_MASK);
-        if (key->d[i] != 0)
-            key->size = i + 1;
-    }
-#endif
+    int top = key->k - 1;
+    while (top > 0 && key->w[top] == 0)
+        top--;
+    Py_ssize_t bits = key->w[top] == 0 ? 0 : 64 * top + 64 - __builtin_clzll(key->w[top]);
+    key->size = (bits + PyLong_SHIFT - 1) / PyLong_SHIFT;
     return 0;
 }
+
+#if PY_VERSION_HEX < 0x030C0000
+/* The key's digit ``i`` (least significant first), made when a comparison gets to it. */
+static inline digit key_digit(const Key *key, Py_ssize_t i) {
+    Py_ssize_t bit = i * PyLong_SHIFT, word = bit / 64, off = bit % 64;
+    uint64_t v = key->w[word] >> off;
+    if (off + PyLong_SHIFT > 64 && word + 1 < key->k)
+        v |= key->w[word + 1] << (64 - off);
+    return (digit)(v & PyLong_MASK);
+}
+#endif
 
 /* A heap entry (an int) against a node's entry given as its ``key``, without making the node's: -1
  * below it, 0 equal, 1 above; -2 and an exception on an error. */
@@ -214,9 +214,11 @@ static int entry_cmp(PyObject *entry, const Key *key) {
     if (size != key->size)
         return size < key->size ? -1 : 1;
     const digit *d = ((PyLongObject *)entry)->ob_digit;
-    for (Py_ssize_t i = size - 1; i >= 0; i--)
-        if (d[i] != key->d[i])
-            return d[i] < key->d[i] ? -1 : 1;
+    for (Py_ssize_t i = size - 1; i >= 0; i--) {
+        digit mine = key_digit(key, i);
+        if (d[i] != mine)
+            return d[i] < mine ? -1 : 1;
+    }
     return 0;
 #else
     const uint64_t *w = key->w;
