@@ -13,17 +13,23 @@
     X(node_id) X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
     X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
 
-#define DECLARE(name) PyObject *name;
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
-    FIELDS(DECLARE)
+    /* The fields in the order the kernels read them (a touch, a candidacy, a drop), so that those
+     * reads span as few cache lines as they can: a node of 16-token pages is a 256-byte block of
+     * pymalloc that starts 48 bytes into a line, and a touch reads the lines up to ``host_slot``. */
+    PyObject *parent;
     /* The children, keyed by their tokens: NULL when there is none, the child itself when there is
      * one (most nodes: a chain costs no dict), a dict of two or more. Changed only by kids_add and
      * kids_del, which keep that shape. */
     PyObject *kids;
+    PyObject *device_state, *device_pins, *host_state, *host_pins, *storage_state;
+    PyObject *last_access, *created_at, *hits, *comp;
     uint64_t hash, record;
     int64_t device_page, host_slot;
+    PyObject *node_id;
     int64_t depth; /* pages above it to the root (the root's is 0); fixed when the node is made */
+    PyObject *run, *run_at, *pages_run;
     char tok[];
 } Node;
 
