@@ -145,6 +145,28 @@ static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
     return PyLong_FromUnsignedLongLong(XXH3_64bits(buf, 64) & DIGEST_MASK);
 }
 
+enum { PATH_ON_STACK = 128 }; /* nodes of a path found on the stack; more: the heap */
+
+/* The nodes of ``ids`` found by following parents up from the last one's (found in ``tree_nodes``)
+ * for as long as each parent's id is the next id down (the same object: a lease holds its nodes'
+ * own ids), into ``found``; the rest are left NULL (the caller looks those up, and reports what the
+ * lookup finds wrong). A path costs one lookup in the tree's dict, not one a page. Pure. */
+static void path_up(PyObject *tree_nodes, PyObject *const *ids, Py_ssize_t n, Node **found) {
+    memset(found, 0, (size_t)n * sizeof(Node *));
+    PyObject *last = PyLong_CheckExact(ids[n - 1]) ? PyDict_GetItemWithError(tree_nodes, ids[n - 1]) : NULL;
+    if (!is_node(last)) {
+        PyErr_Clear();
+        return;
+    }
+    found[n - 1] = (Node *)last;
+    for (Py_ssize_t i = n - 2; i >= 0; i--) {
+        PyObject *up = found[i + 1]->parent;
+        if (!is_node(up) || ((Node *)up)->node_id != ids[i])
+            return;
+        found[i] = (Node *)up;
+    }
+}
+
 /* touch(tree_nodes, ids, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable
  * delta, protected delta, unresident): Ledger.touch's loop (see there) over the nodes ``ids`` name
  * in the tree's nodes dict (``tree_nodes`` None: ``ids`` holds the nodes themselves, a walk's), each
@@ -175,13 +197,24 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     }
     int64_t evictable = 0, protected_ = 0, stamp_value = 0;
     int stamped = 0; /* the clock's value read (at the first stamp) */
+    /* A touch changes no parent and no entry of the tree's dict: the nodes found first stay theirs. */
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    int by_id = tree_nodes != Py_None && count > 0;
+    Node *stack[PATH_ON_STACK], **found = !by_id || count <= PATH_ON_STACK ? stack : PyMem_Malloc((size_t)count * sizeof(Node *));
+    if (found == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (by_id)
+        path_up(tree_nodes, PySequence_Fast_ITEMS(seq), count, found);
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item = key;
-        if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
+        if (by_id && i < count && found[i] != NULL)
+            item = (PyObject *)found[i];
+        else if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
             PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
             goto fail;
-        }
-        if (tree_nodes != Py_None && (item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed */
+        } else if (tree_nodes != Py_None && (item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed */
             if (!PyErr_Occurred())
                 PyErr_SetObject(PyExc_KeyError, key);
             goto fail;
@@ -226,8 +259,12 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     }
     Py_DECREF(seq);
     lazy_clear(&heaps);
+    if (found != stack)
+        PyMem_Free(found);
     return Py_BuildValue("KLLN", value & DIGEST_MASK, (long long)evictable, (long long)protected_, gone);
 fail:
+    if (found != stack)
+        PyMem_Free(found);
     lazy_clear(&heaps);
     Py_DECREF(seq);
     Py_DECREF(gone);

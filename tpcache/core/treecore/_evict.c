@@ -38,8 +38,8 @@ static int plain_leaf(Node *n, PyObject *backlog) {
         /* A chain goes leaf first: the parent's turn reads the next node up (its grandparent
          * here), most often not in the cache; fetch it now, a drop ahead of its use, without
          * reading it here (that read would wait for it). */
-        for (size_t line = 0; line < offsetof(Node, tok); line += 64)
-            __builtin_prefetch((char *)up + line);
+        for (size_t at = 0; at < offsetof(Node, tok) + 63; at += 64) /* each line its fields touch */
+            __builtin_prefetch((char *)up + at);
         __builtin_prefetch(parent->node_id); /* its id (an int object of its own), which its drop reads */
         int64_t pds;
         if (field(parent->device_state, &pds))
