@@ -34,7 +34,7 @@ static int plain_leaf(Node *n, PyObject *backlog) {
         return 0;
     Node *parent = (Node *)n->parent;
     PyObject *up = parent->parent;
-    if (up != Py_None) { /* a parent that is not the root (a node's parent is a Node or None) */
+    if (up != NULL && up != Py_None) { /* not the root (a parent is a Node, or None for the root) */
         /* A chain goes leaf first: the parent's turn reads the next node up (its grandparent
          * here), most often not in the cache; fetch it now, a drop ahead of its use, without
          * reading it here (that read would wait for it). */

@@ -8,7 +8,9 @@
 /* The fields Python code reads most are object pointers (T_OBJECT_EX): the interpreter specializes
  * those attribute accesses as it does __slots__. The page's hash, its digest record, its device
  * page and host slot and its depth are C integers instead: each would otherwise be an int object of
- * its own per page (32-40 bytes), and Python reads them rarely (the kernels read them directly). */
+ * its own per page (32-40 bytes), and Python reads them rarely (the kernels read them directly).
+ * Each object field is declared in Node below and listed in FIELDS once: dealloc clears, a copy
+ * copies, and Python reads and writes, each one listed. */
 #define FIELDS(X)                                                                                     \
     X(node_id) X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
     X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
