@@ -239,14 +239,15 @@ static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject 
 }
 
 /* append_chain(tree_nodes, next_id, page_size, seed, clock, held, pinned_nodes, cursor, data, pages)
- * -> (ids, records, whole), or None, changing nothing: Inserter._append_new and _add_new's tree and
- * holding changes in one call (TreeCore.append_chain makes the rest: the tree's next id, the ledger's
- * clock, digest and protected count, the lease's cursor), for an append whose pages are all new
- * below ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full pages of
- * ``data``) are distinct pages the lease holds (``held``, its pages). The nodes are pinned_chain's,
- * with ids from ``next_id`` on, stamped ``clock`` (the ticked clock); ``records``: the sum of their
- * records; the lease adopts them (``adopt``, ``whole``). None for any other append, and for holdings,
- * pages or a clock the kernel does not take: the reference decides those. */
+ * -> (ids, records, whole, nodes), or None, changing nothing: Inserter._append_new and _add_new's
+ * tree and holding changes in one call (TreeCore.append_chain makes the rest: the tree's next id,
+ * the ledger's clock, digest and protected count, the lease's cursor), for an append whose pages are
+ * all new below ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full
+ * pages of ``data``) are distinct pages the lease holds (``held``, its pages). The nodes are
+ * pinned_chain's, with ids from ``next_id`` on, stamped ``clock`` (the ticked clock); ``records``:
+ * the sum of their records; the lease adopts them (``adopt``, ``whole``); ``nodes``: the new nodes
+ * (the ledger's count and feed take them, with no lookup of their ids). None for any other append,
+ * and for holdings, pages or a clock the kernel does not take: the reference decides those. */
 static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10)
         return PyErr_Format(PyExc_TypeError, "append_chain takes 10 arguments, not %zd", nargs);
@@ -279,7 +280,7 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     PyObject *made = taken ? pinned(tree_nodes, next_id, step, seed, cursor, data, 0, taken, clock) : NULL;
     int whole = 0;
     if (made != NULL && adopt(held, pinned_nodes, (Node *)cursor, PyTuple_GET_ITEM(made, 0), fresh, n, &ids, &whole) == 0)
-        out = Py_BuildValue("(OOO)", ids, PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False);
+        out = Py_BuildValue("(OOOO)", ids, PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False, PyTuple_GET_ITEM(made, 0));
     Py_XDECREF(ids);
     Py_XDECREF(made);
     Py_XDECREF(taken);
