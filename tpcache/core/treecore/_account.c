@@ -145,7 +145,10 @@ static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
     return PyLong_FromUnsignedLongLong(XXH3_64bits(buf, 64) & DIGEST_MASK);
 }
 
-enum { PATH_ON_STACK = 128 }; /* nodes of a path found on the stack; more: the heap */
+/* The nodes of the path a touch finds, kept between calls (grown to the longest path touched; no
+ * Python code runs during a touch, so no touch starts inside another). */
+static Node **path_nodes = NULL;
+static Py_ssize_t path_room = 0;
 
 /* The nodes of ``ids`` found by following parents up from the last one's (found in ``tree_nodes``)
  * for as long as each parent's id is the next id down (the same object: a lease holds its nodes'
@@ -200,11 +203,16 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     /* A touch changes no parent and no entry of the tree's dict: the nodes found first stay theirs. */
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     int by_id = tree_nodes != Py_None && count > 0;
-    Node *stack[PATH_ON_STACK], **found = !by_id || count <= PATH_ON_STACK ? stack : PyMem_Malloc((size_t)count * sizeof(Node *));
-    if (found == NULL) {
-        PyErr_NoMemory();
-        goto fail;
+    if (by_id && count > path_room) {
+        Node **grown = PyMem_Realloc(path_nodes, (size_t)count * sizeof(Node *));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        path_nodes = grown;
+        path_room = count;
     }
+    Node **found = path_nodes;
     if (by_id)
         path_up(tree_nodes, PySequence_Fast_ITEMS(seq), count, found);
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
@@ -259,12 +267,8 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     }
     Py_DECREF(seq);
     lazy_clear(&heaps);
-    if (found != stack)
-        PyMem_Free(found);
     return Py_BuildValue("KLLN", value & DIGEST_MASK, (long long)evictable, (long long)protected_, gone);
 fail:
-    if (found != stack)
-        PyMem_Free(found);
     lazy_clear(&heaps);
     Py_DECREF(seq);
     Py_DECREF(gone);
