@@ -183,6 +183,21 @@ def test_touch_and_settle_equal_update_node_by_node():
     assert one.digest.value == other.digest.value
 
 
+def test_touch_by_ids_in_any_order_equals_update_node_by_node():
+    """A path is found by following parents up from its last page; ids that are no path (two
+    branches, a page twice, a path backwards, an id not in the tree) touch what one by one does."""
+    one, other = cached((1, 2, 3), (1, 4, 5)), cached((1, 2, 3), (1, 4, 5))
+    a, b = one.treecore.walk_ids(data(1, 2, 3)), one.treecore.walk_ids(data(1, 4, 5))
+    ids = [a[0], b[1], a[2], a[2], *reversed(b), a[1], *a]
+    one.treecore.touch(ids, +1, stamp=True, hit=True)
+    for node_id in ids:
+        other.treecore.update(node_id, device_pins=+1, stamp=True, hit=True)
+    assert [one.treecore.view(i) for i in a + b] == [other.treecore.view(i) for i in a + b]
+    assert one.digest.value == other.digest.value
+    with pytest.raises(KeyError):
+        one.treecore.touch([a[0], a[1], max(a + b) + 100, a[2]], -1)  # inside a path found from its end
+
+
 def test_touch_returns_the_pages_it_finds_with_no_copy_in_order():
     core = CacheCore(CacheConfig(page_size=P, device_pages=16))  # on device only
     lease, _ = core.lock(toks(1, 2, 3))

@@ -22,29 +22,43 @@ static inline void write64(uint8_t *p, uint64_t v) {
     memcpy(p, &v, 8);
 }
 
-/* The record of a native node without components: 0 and an exception on a field that is not an int. */
-static int node_fields(Node *n, uint8_t buf[64]) {
-    int64_t ds, hs, ss, dp, hp, last, hits, created;
-    if (field(n->device_state, &ds) || field(n->host_state, &hs) || field(n->storage_state, &ss) ||
-        field(n->device_pins, &dp) || field(n->host_pins, &hp) || field(n->last_access, &last) ||
-        field(n->hits, &hits) || field(n->created_at, &created))
-        return -1;
-    write64(buf, n->hash);
-    write64(buf + 8, (uint64_t)(ds | hs << 2 | ss << 4));
-    write64(buf + 16, (uint64_t)n->device_page);
-    write64(buf + 24, (uint64_t)n->host_slot);
-    write64(buf + 32, (uint64_t)dp << 32 | (uint64_t)hp);
-    write64(buf + 40, (uint64_t)last);
-    write64(buf + 48, (uint64_t)hits);
-    write64(buf + 56, (uint64_t)created);
-    return 0;
+/* The 64 bytes a record hashes first: a node's fields, little-endian, as accounting.reference_record_of
+ * packs them. */
+static void pack_fields(const Fields *f, uint8_t buf[64]) {
+    write64(buf, f->hash);
+    write64(buf + 8, (uint64_t)(f->ds | f->hs << 2 | f->ss << 4));
+    write64(buf + 16, (uint64_t)f->device_page);
+    write64(buf + 24, (uint64_t)f->host_slot);
+    write64(buf + 32, (uint64_t)f->dp << 32 | (uint64_t)f->hp);
+    write64(buf + 40, (uint64_t)f->last);
+    write64(buf + 48, (uint64_t)f->hits);
+    write64(buf + 56, (uint64_t)f->created);
+}
+
+uint64_t record_fields(const Fields *f) {
+    uint8_t buf[64];
+    pack_fields(f, buf);
+    return XXH3_64bits(buf, 64) & DIGEST_MASK;
+}
+
+/* A native node's fields as its record packs them: 0, or -1 and an exception on a field that is not
+ * an int64. */
+static int node_fields(Node *n, Fields *f) {
+    f->hash = n->hash;
+    f->device_page = n->device_page;
+    f->host_slot = n->host_slot;
+    return field(n->device_state, &f->ds) || field(n->host_state, &f->hs) || field(n->storage_state, &f->ss) ||
+                   field(n->device_pins, &f->dp) || field(n->host_pins, &f->hp) || field(n->last_access, &f->last) ||
+                   field(n->hits, &f->hits) || field(n->created_at, &f->created)
+               ? -1
+               : 0;
 }
 
 int record_native(Node *n, uint64_t *out) {
-    uint8_t buf[64];
-    if (node_fields(n, buf) < 0)
+    Fields f;
+    if (node_fields(n, &f) < 0)
         return -1;
-    *out = XXH3_64bits(buf, 64) & DIGEST_MASK;
+    *out = record_fields(&f);
     return 0;
 }
 
@@ -64,7 +78,10 @@ static int record_with_parts(Node *n, uint64_t *out) {
         PyErr_NoMemory();
         return -1;
     }
-    int rc = node_fields(n, buf);
+    Fields f;
+    int rc = node_fields(n, &f);
+    if (rc == 0)
+        pack_fields(&f, buf);
     for (Py_ssize_t i = 0; rc == 0 && i < count; i++) {
         PyObject *v = PyList_GET_ITEM(rec, i);
         int overflow = 0;
@@ -128,6 +145,31 @@ static PyObject *py_mix(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
     return PyLong_FromUnsignedLongLong(XXH3_64bits(buf, 64) & DIGEST_MASK);
 }
 
+/* The nodes of the path a touch finds, kept between calls (grown to the longest path touched; no
+ * Python code runs during a touch, so no touch starts inside another). */
+static Node **path_nodes = NULL;
+static Py_ssize_t path_room = 0;
+
+/* The nodes of ``ids`` found by following parents up from the last one's (found in ``tree_nodes``)
+ * for as long as each parent's id is the next id down (the same object: a lease holds its nodes'
+ * own ids), into ``found``; the rest are left NULL (the caller looks those up, and reports what the
+ * lookup finds wrong). A path costs one lookup in the tree's dict, not one a page. Pure. */
+static void path_up(PyObject *tree_nodes, PyObject *const *ids, Py_ssize_t n, Node **found) {
+    memset(found, 0, (size_t)n * sizeof(Node *));
+    PyObject *last = PyLong_CheckExact(ids[n - 1]) ? PyDict_GetItemWithError(tree_nodes, ids[n - 1]) : NULL;
+    if (!is_node(last)) {
+        PyErr_Clear();
+        return;
+    }
+    found[n - 1] = (Node *)last;
+    for (Py_ssize_t i = n - 2; i >= 0; i--) {
+        PyObject *up = found[i + 1]->parent;
+        if (!is_node(up) || ((Node *)up)->node_id != ids[i])
+            return;
+        found[i] = (Node *)up;
+    }
+}
+
 /* touch(tree_nodes, ids, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable
  * delta, protected delta, unresident): Ledger.touch's loop (see there) over the nodes ``ids`` name
  * in the tree's nodes dict (``tree_nodes`` None: ``ids`` holds the nodes themselves, a walk's), each
@@ -156,14 +198,31 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         Py_XDECREF(gone);
         return NULL;
     }
-    int64_t evictable = 0, protected_ = 0;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item = key;
-        if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
-            PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
+    int64_t evictable = 0, protected_ = 0, stamp_value = 0;
+    int stamped = 0; /* the clock's value read (at the first stamp) */
+    /* A touch changes no parent and no entry of the tree's dict: the nodes found first stay theirs. */
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    int by_id = tree_nodes != Py_None && count > 0;
+    if (by_id && count > path_room) {
+        Node **grown = PyMem_Realloc(path_nodes, (size_t)count * sizeof(Node *));
+        if (grown == NULL) {
+            PyErr_NoMemory();
             goto fail;
         }
-        if (tree_nodes != Py_None && (item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed */
+        path_nodes = grown;
+        path_room = count;
+    }
+    Node **found = path_nodes;
+    if (by_id)
+        path_up(tree_nodes, PySequence_Fast_ITEMS(seq), count, found);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item = key;
+        if (by_id && i < count && found[i] != NULL)
+            item = (PyObject *)found[i];
+        else if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
+            PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
+            goto fail;
+        } else if (tree_nodes != Py_None && (item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed */
             if (!PyErr_Occurred())
                 PyErr_SetObject(PyExc_KeyError, key);
             goto fail;
@@ -173,13 +232,14 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             goto fail;
         }
         Node *n = (Node *)item;
-        int64_t pins, state, hits, host;
+        Fields f; /* read once: the record is made from them as they change */
         uint64_t rec, old = n->record;
-        if (field(n->device_pins, &pins) || field(n->device_state, &state) || field(n->host_state, &host))
+        if (node_fields(n, &f) < 0)
             goto fail;
-        if (state == 0 && host == 0 && PyList_Append(gone, n->node_id) < 0)
+        int64_t pins = f.dp, state = f.ds;
+        if (state == 0 && f.hs == 0 && PyList_Append(gone, n->node_id) < 0)
             goto fail;
-        int64_t now = pins + delta;
+        int64_t now = f.dp = pins + delta;
         if (set_int(&n->device_pins, now) < 0)
             goto fail;
         if (state == 2)
@@ -189,10 +249,16 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         if (stamp) {
             Py_INCREF(clock);
             Py_SETREF(n->last_access, clock);
+            if (!stamped && field(clock, &stamp_value) < 0)
+                goto fail;
+            stamped = 1;
+            f.last = stamp_value;
         }
-        if (hit && (field(n->hits, &hits) || set_int(&n->hits, hits + 1) < 0))
+        if (hit && set_int(&n->hits, ++f.hits) < 0)
             goto fail;
-        if (record_any(item, &rec) < 0)
+        if (n->comp == Py_None)
+            rec = record_fields(&f);
+        else if (record_any(item, &rec) < 0)
             goto fail;
         n->record = rec;
         value += rec - old;

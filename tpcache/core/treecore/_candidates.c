@@ -167,38 +167,62 @@ static PyObject *heap_entry(Node *n, long kind) {
 #endif
 }
 
-/* A heap entry (an int) against a node's entry given as its ``k`` words, without making the node's:
- * -1 below it, 0 equal, 1 above; -2 and an exception on an error. */
-static int entry_cmp(PyObject *entry, const uint64_t *w, int k) {
+/* A node's heap entry as the comparisons below take it: its ``k`` words (``entry_words``) and, where
+ * ints are arrays of digits (before 3.12), how many digits it has. */
+typedef struct {
+    uint64_t w[5];
+    int k;
+    Py_ssize_t size;
+} Key;
+
+/* ``key`` for a node: 0, or -1 and an exception (``entry_words``). */
+static int node_key(Node *n, long kind, Key *key) {
+    if ((key->k = entry_words(n, kind, key->w)) < 0)
+        return -1;
+    int top = key->k - 1;
+    while (top > 0 && key->w[top] == 0)
+        top--;
+    Py_ssize_t bits = key->w[top] == 0 ? 0 : 64 * top + 64 - __builtin_clzll(key->w[top]);
+    key->size = (bits + PyLong_SHIFT - 1) / PyLong_SHIFT;
+    return 0;
+}
+
+#if PY_VERSION_HEX < 0x030C0000
+/* The key's digit ``i`` (least significant first), made when a comparison gets to it. */
+static inline digit key_digit(const Key *key, Py_ssize_t i) {
+    Py_ssize_t bit = i * PyLong_SHIFT, word = bit / 64, off = bit % 64;
+    uint64_t v = key->w[word] >> off;
+    if (off + PyLong_SHIFT > 64 && word + 1 < key->k)
+        v |= key->w[word + 1] << (64 - off);
+    return (digit)(v & PyLong_MASK);
+}
+#endif
+
+/* A heap entry (an int) against a node's entry given as its ``key``, without making the node's: -1
+ * below it, 0 equal, 1 above; -2 and an exception on an error. */
+static int entry_cmp(PyObject *entry, const Key *key) {
     if (!PyLong_Check(entry)) {
         PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
         return -2;
     }
 #if PY_VERSION_HEX < 0x030C0000
-    /* The entry's 30-bit digits gathered into 64-bit words, least significant first. */
-    Py_ssize_t digits = Py_SIZE(entry);
-    if (digits < 0)
+    /* As int comparison compares: the sign and the number of digits, then the digits from the most
+     * significant (most often the first differs: the entries' leading words are their stamps). */
+    Py_ssize_t size = Py_SIZE(entry);
+    if (size < 0)
         return -1; /* negative: below every entry */
+    if (size != key->size)
+        return size < key->size ? -1 : 1;
     const digit *d = ((PyLongObject *)entry)->ob_digit;
-    uint64_t t[5] = {0};
-    for (Py_ssize_t i = 0, bit = 0; i < digits; i++, bit += PyLong_SHIFT) {
-        uint64_t v = d[i];
-        Py_ssize_t word = bit / 64, off = bit % 64;
-        uint64_t spill = off + PyLong_SHIFT > 64 ? v >> (64 - off) : 0;
-        if (word >= k || (spill && word + 1 >= k)) {
-            if (v != 0)
-                return 1; /* wider than the node's entry: above it */
-            continue;
-        }
-        t[word] |= v << off;
-        if (spill)
-            t[word + 1] |= spill;
+    for (Py_ssize_t i = size - 1; i >= 0; i--) {
+        digit mine = key_digit(key, i);
+        if (d[i] != mine)
+            return d[i] < mine ? -1 : 1;
     }
-    for (int i = k - 1; i >= 0; i--)
-        if (t[i] != w[i])
-            return t[i] < w[i] ? -1 : 1;
     return 0;
 #else
+    const uint64_t *w = key->w;
+    int k = key->k;
     unsigned char bytes[40];
 #if PY_VERSION_HEX >= 0x030D0000
     Py_ssize_t need = PyLong_AsNativeBytes(entry, bytes, (Py_ssize_t)(8 * k),
@@ -381,8 +405,8 @@ static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, P
         return PyErr_Occurred() ? -1 : 0;
     int c = candidacy(node), live = c < 0 ? -1 : 0;
     if (c > 0 && c & which) {
-        uint64_t w[5];
-        int k = entry_words((Node *)node, kind, w), cmp = k < 0 ? -2 : entry_cmp(entry, w, k);
+        Key key;
+        int cmp = node_key((Node *)node, kind, &key) < 0 ? -2 : entry_cmp(entry, &key);
         live = cmp == -2 ? -1 : cmp == 0;
     }
     if (live > 0)
@@ -415,14 +439,13 @@ PyObject *pop_candidate(Heaps *h, long which) {
 int heaps_next_pop(Heaps *h, Node *node) {
     if (rebuild_due(h))
         return 0;
-    uint64_t w[5];
-    int k = entry_words(node, h->kind, w);
-    if (k < 0)
+    Key key;
+    if (node_key(node, h->kind, &key) < 0)
         return -1;
     int first = 1;
     while (PyList_GET_SIZE(h->dev) > 0) {
         PyObject *top = Py_NewRef(PyList_GET_ITEM(h->dev, 0)), *other = NULL;
-        int cmp = entry_cmp(top, w, k), below = cmp == -2 ? -1 : cmp < 0;
+        int cmp = entry_cmp(top, &key), below = cmp == -2 ? -1 : cmp < 0;
         int live = below > 0 ? entry_node(top, 1, h->nodes, h->kind, &other) : below;
         Py_XDECREF(other);
         Py_DECREF(top);

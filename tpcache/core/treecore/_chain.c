@@ -77,6 +77,13 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
     }
     uint64_t h = parent->hash;
     Py_ssize_t count = PyList_GET_SIZE(pages);
+    /* Every new node's record packs the same fields but its hash and page: read once. A clock or
+     * state past int64 leaves each record to record_native (and its error). */
+    Fields f = {.host_slot = -1, .dp = 1};
+    int known = field(clock, &f.last) == 0 && field(DEVICE_VALID, &f.ds) == 0;
+    if (!known)
+        PyErr_Clear();
+    f.created = f.last;
     PyObject *one = PyLong_FromLong(1);
     Node *up = (Node *)Py_NewRef(parent), *first = parent;
     int rc = -1;
@@ -101,7 +108,11 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
         PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the lists are made with room for each) */
         if (ids != NULL)
             PyList_SET_ITEM(ids, i, Py_NewRef(id));
-        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || record_native(node, &rec) < 0;
+        f.hash = h;
+        f.device_page = page;
+        if (known)
+            rec = record_fields(&f);
+        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || (!known && record_native(node, &rec) < 0);
         Py_DECREF(id);
         if (!bad) {
             node->record = rec;
@@ -228,14 +239,15 @@ static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject 
 }
 
 /* append_chain(tree_nodes, next_id, page_size, seed, clock, held, pinned_nodes, cursor, data, pages)
- * -> (ids, records, whole), or None, changing nothing: Inserter._append_new and _add_new's tree and
- * holding changes in one call (TreeCore.append_chain makes the rest: the tree's next id, the ledger's
- * clock, digest and protected count, the lease's cursor), for an append whose pages are all new
- * below ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full pages of
- * ``data``) are distinct pages the lease holds (``held``, its pages). The nodes are pinned_chain's,
- * with ids from ``next_id`` on, stamped ``clock`` (the ticked clock); ``records``: the sum of their
- * records; the lease adopts them (``adopt``, ``whole``). None for any other append, and for holdings,
- * pages or a clock the kernel does not take: the reference decides those. */
+ * -> (ids, records, whole, nodes), or None, changing nothing: Inserter._append_new and _add_new's
+ * tree and holding changes in one call (TreeCore.append_chain makes the rest: the tree's next id,
+ * the ledger's clock, digest and protected count, the lease's cursor), for an append whose pages are
+ * all new below ``cursor`` (it has no child for the first) and whose first n ``pages`` (n = the full
+ * pages of ``data``) are distinct pages the lease holds (``held``, its pages). The nodes are
+ * pinned_chain's, with ids from ``next_id`` on, stamped ``clock`` (the ticked clock); ``records``:
+ * the sum of their records; the lease adopts them (``adopt``, ``whole``); ``nodes``: the new nodes
+ * (the ledger's count and feed take them, with no lookup of their ids). None for any other append,
+ * and for holdings, pages or a clock the kernel does not take: the reference decides those. */
 static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10)
         return PyErr_Format(PyExc_TypeError, "append_chain takes 10 arguments, not %zd", nargs);
@@ -268,7 +280,7 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     PyObject *made = taken ? pinned(tree_nodes, next_id, step, seed, cursor, data, 0, taken, clock) : NULL;
     int whole = 0;
     if (made != NULL && adopt(held, pinned_nodes, (Node *)cursor, PyTuple_GET_ITEM(made, 0), fresh, n, &ids, &whole) == 0)
-        out = Py_BuildValue("(OOO)", ids, PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False);
+        out = Py_BuildValue("(OOOO)", ids, PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False, PyTuple_GET_ITEM(made, 0));
     Py_XDECREF(ids);
     Py_XDECREF(made);
     Py_XDECREF(taken);

@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "_node.h"
@@ -32,10 +33,13 @@ static int plain_leaf(Node *n, PyObject *backlog) {
     if (ds != 2 || dp != 0 || hs != 0 || hp != 0)
         return 0;
     Node *parent = (Node *)n->parent;
-    if (is_node(parent->parent)) {
+    PyObject *up = parent->parent;
+    if (up != NULL && up != Py_None) { /* not the root (a parent is a Node, or None for the root) */
         /* A chain goes leaf first: the parent's turn reads the next node up (its grandparent
-         * here), most often not in the cache; fetch it now, a drop ahead of its use. */
-        __builtin_prefetch(((Node *)parent->parent)->parent);
+         * here), most often not in the cache; fetch it now, a drop ahead of its use, without
+         * reading it here (that read would wait for it). */
+        for (size_t at = 0; at < offsetof(Node, tok) + 63; at += 64) /* each line its fields touch */
+            __builtin_prefetch((char *)up + at);
         __builtin_prefetch(parent->node_id); /* its id (an int object of its own), which its drop reads */
         int64_t pds;
         if (field(parent->device_state, &pds))

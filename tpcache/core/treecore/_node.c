@@ -49,7 +49,7 @@ static void node_dealloc(Node *self) {
 /* Node(...)'s fields, on a node just allocated with room for its tokens. */
 static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char *tok, uint64_t hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
-        memset(&self->node_id, 0, offsetof(Node, tok) - offsetof(Node, node_id)); /* nothing for dealloc to clear */
+        memset(&self->parent, 0, offsetof(Node, tok) - offsetof(Node, parent)); /* nothing for dealloc to clear */
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
         return -1;
     }

@@ -8,22 +8,30 @@
 /* The fields Python code reads most are object pointers (T_OBJECT_EX): the interpreter specializes
  * those attribute accesses as it does __slots__. The page's hash, its digest record, its device
  * page and host slot and its depth are C integers instead: each would otherwise be an int object of
- * its own per page (32-40 bytes), and Python reads them rarely (the kernels read them directly). */
+ * its own per page (32-40 bytes), and Python reads them rarely (the kernels read them directly).
+ * Each object field is declared in Node below and listed in FIELDS once: dealloc clears, a copy
+ * copies, and Python reads and writes, each one listed. */
 #define FIELDS(X)                                                                                     \
     X(node_id) X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
     X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
 
-#define DECLARE(name) PyObject *name;
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
-    FIELDS(DECLARE)
+    /* The fields in the order the kernels read them (a touch, a candidacy, a drop), so that those
+     * reads span as few cache lines as they can: a node of 16-token pages is a 256-byte block of
+     * pymalloc that starts 48 bytes into a line, and a touch reads the lines up to ``host_slot``. */
+    PyObject *parent;
     /* The children: NULL when there is none, the child itself when there is one (most nodes: a chain
      * costs no dict), a dict of two or more keyed by their tokens (_kids.c). Changed only by kids_add
      * and kids_del, which keep that shape. */
     PyObject *kids;
+    PyObject *device_state, *device_pins, *host_state, *host_pins, *storage_state;
+    PyObject *last_access, *created_at, *hits, *comp;
     uint64_t hash, record;
     int64_t device_page, host_slot;
+    PyObject *node_id;
     int64_t depth; /* pages above it to the root (the root's is 0); fixed when the node is made */
+    PyObject *run, *run_at, *pages_run;
     char tok[];
 } Node;
 
@@ -122,6 +130,13 @@ int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
  * an exception (_account.c). */
 int record_native(Node *n, uint64_t *out);
+/* The fields a record hashes, read (or known) once: the tier states, pins, stamps and hits as ints. */
+typedef struct {
+    uint64_t hash;
+    int64_t ds, hs, ss, device_page, host_slot, dp, hp, last, hits, created;
+} Fields;
+/* record_native's value for a node without components whose fields are ``f`` (_account.c). */
+uint64_t record_fields(const Fields *f);
 /* A native node's digest record, with its component record if it has one (accounting.record_of):
  * 0, or -1 and an exception (a TypeError for anything but a native node; _account.c). */
 int record_any(PyObject *node, uint64_t *out);

@@ -328,9 +328,9 @@ class TreeCore(BulkReads):
         )
         if made is None:
             return None
-        ids, records, whole = made
+        ids, records, whole, chain = made
         led.clock = clock
-        led.count_chain([nodes[i] for i in ids], records)
+        led.count_chain(chain, records)
         lease.cursor = ids[-1] if whole else None
         return ids
 
