@@ -407,7 +407,8 @@ def _lockstep(page_size: int, policy: str, host_pages: int, seed: int, monkeypat
         appended.append(made is not None)
         return made
 
-    monkeypatch.setattr(treecore_core, "_native", types.SimpleNamespace(append_chain=append_chain))
+    native = types.SimpleNamespace(append_chain=append_chain, pinned_chain=lambda *args: _node.pinned_chain(*args))
+    monkeypatch.setattr(treecore_core, "_native", native)
     rng = random.Random(seed)
     for step in range(250):
         op = random_op(rng, page_size, requests=0.4, appends=0.2)

@@ -302,7 +302,15 @@ class TreeCore(BulkReads):
         each below the one before, the first below ``parent``; returns their ids, each larger than
         every id before it. Each is device VALID on its page, pinned once, stamped now and counted
         protected. ``parent`` must have no child for the first page."""
-        return self.ledger.add_pinned_chain(self.tree.nodes[parent], data, offset, pages)
+        led, tree = self.ledger, self.tree
+        if _native is not None and not led.parts:  # the same nodes, hashes and records in C (_chain.c)
+            at = tree.nodes, tree._next_id, self.page_size, tree.seed  # (ids from the tree's next on)
+            made = _native.pinned_chain(*at, tree.nodes[parent], data, offset, pages, led.clock)
+            if made is not None:
+                nodes, records, ids = made  # (ids: the nodes' own id objects)
+                led.count_chain(nodes, records)
+                return ids
+        return led.add_pinned_chain(tree.nodes[parent], data, offset, pages)
 
     def append_chain(self, lease: Lease, cursor: int, data: bytes, pages: list[int]) -> list[int] | None:
         """``add_pinned_chain`` below the lease's cursor for an append whose pages are all new and

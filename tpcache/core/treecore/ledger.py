@@ -223,14 +223,8 @@ class Ledger:
     def add_pinned_chain(self, parent: Node, token_bytes: bytes, offset: int, pages: list[int]) -> list[int]:
         """The ids of new nodes for the pages of ``token_bytes`` from byte ``offset`` on, one per page
         of ``pages``, each below the one before, the first below ``parent`` (an insert's new pages):
-        each device VALID on its page, pinned once, stamped now, recorded, and counted protected."""
-        if _native is not None and not self.parts:  # the same nodes, hashes and records in C (_chain.c)
-            at = self.tree.nodes, self.tree._next_id, self.page_size, self.tree.seed  # ids from the tree's next on
-            made = _native.pinned_chain(*at, parent, token_bytes, offset, pages, self.clock)
-            if made is not None:
-                nodes, records, ids = made  # (ids: the nodes' own id objects)
-                self.count_chain(nodes, records)
-                return ids
+        each device VALID on its page, pinned once, stamped now, recorded, and counted protected.
+        (The reference: ``TreeCore.add_pinned_chain`` calls the native kernel, which does the same.)"""
         step, seed, h = self.page_size * 4, self.tree.seed, parent.hash
         tokens, hashes = [], []
         for start in range(offset, offset + len(pages) * step, step):
