@@ -55,13 +55,32 @@ PyTypeObject TokKeyType = {
     .tp_doc = "A child page's tokens as a children dict's key (by reference, XXH3-hashed).",
 };
 
+/* The seed of the keys' hashes, drawn from the interpreter's own keyed hash of a constant at the first
+ * key (so PYTHONHASHSEED governs it as it governs bytes): only a dict's layout depends on it, never
+ * an order or a decision, and tokens a client chose cannot be made to collide without knowing it. */
+static uint64_t key_seed;
+static int key_seeded = 0;
+
+static int seed_keys(void) {
+    PyObject *probe = PyBytes_FromString("tpcache children");
+    Py_hash_t h = probe ? PyObject_Hash(probe) : -1;
+    Py_XDECREF(probe);
+    if (h == -1)
+        return -1;
+    key_seed = (uint64_t)h;
+    key_seeded = 1;
+    return 0;
+}
+
 /* A key for ``len`` bytes at ``tok`` (a new reference; ``owner`` taken as a new reference when not
  * NULL), or NULL and an exception. */
 static PyObject *tok_key(const char *tok, Py_ssize_t len, PyObject *owner) {
+    if (!key_seeded && seed_keys() < 0)
+        return NULL;
     TokKey *k = PyObject_New(TokKey, &TokKeyType);
     if (k == NULL)
         return NULL;
-    Py_hash_t h = (Py_hash_t)XXH3_64bits(tok, (size_t)len);
+    Py_hash_t h = (Py_hash_t)XXH3_64bits_withSeed(tok, (size_t)len, key_seed);
     k->hash = h == -1 ? -2 : h; /* -1 means an error to the interpreter */
     k->owner = Py_XNewRef(owner);
     k->tok = tok;
@@ -104,16 +123,9 @@ PyObject *kids_at(Node *n, const char *key, Py_ssize_t len) {
 }
 
 PyObject *kids_get(Node *n, PyObject *key) {
-    if (n->kids == NULL)
+    if (n->kids == NULL || !PyBytes_Check(key)) /* a page's tokens are bytes: nothing else names a child */
         return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(key, &view, PyBUF_SIMPLE) < 0) { /* not tokens: no child has it */
-        PyErr_Clear();
-        return NULL;
-    }
-    PyObject *found = kids_at(n, view.buf, view.len);
-    PyBuffer_Release(&view);
-    return found;
+    return kids_at(n, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
 }
 
 int kids_add(Node *n, Node *child) {

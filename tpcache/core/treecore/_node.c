@@ -205,7 +205,7 @@ static PyGetSetDef node_getset[] = {
     {"on_host", (getter)node_on_host, NULL, "Holds a host slot (valid or being written).", NULL},
     {"resident", (getter)node_resident, NULL, "Holds a copy on device or host.", NULL},
     {"tokens", (getter)node_get_tokens, NULL, "The page's token ids, int32 bytes (held inline).", NULL},
-    {"children", (getter)node_children, NULL, "The children by their tokens (a read-only view).", NULL},
+    {"children", (getter)node_children, NULL, "The children by their tokens (a read-only mapping made when read: a snapshot).", NULL},
     {"num_children", (getter)node_num_children, NULL, "How many children.", NULL},
     {"only_child", (getter)node_only_child, NULL, "The child when there is exactly one, else None.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
