@@ -321,18 +321,18 @@ static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     return out;
 }
 
-/* mark_run(run, node, chain) -> True, or False changing nothing for a node or chain of the reference
- * type: RadixTree._run's marks, ``node`` gets the run at 0 and each chain node but the last the run
+/* mark_run(run, node, chain) -> True, or False changing nothing for a node or chain (a list or tuple)
+ * of the reference type: RadixTree._run's marks, ``node`` gets the run at 0 and each chain node but the last the run
  * at its own start (run_at = i + 1). */
 static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3)
         return PyErr_Format(PyExc_TypeError, "mark_run takes 3 arguments, not %zd", nargs);
     PyObject *run = args[0], *chain = args[2];
-    if (!is_node(args[1]) || !PyList_CheckExact(chain))
+    if (!is_node(args[1]) || !(PyList_CheckExact(chain) || PyTuple_CheckExact(chain)))
         Py_RETURN_FALSE;
-    Py_ssize_t n = PyList_GET_SIZE(chain);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(chain);
     for (Py_ssize_t i = 0; i < n; i++)
-        if (!is_node(PyList_GET_ITEM(chain, i)))
+        if (!is_node(PySequence_Fast_GET_ITEM(chain, i)))
             Py_RETURN_FALSE;
     Node *node = (Node *)args[1];
     run_untrack(run); /* (its nodes are native: nothing the collector could free goes through it) */
@@ -340,7 +340,7 @@ static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t na
     if (set_int(&node->run_at, 0) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i + 1 < n; i++) {
-        Node *c = (Node *)PyList_GET_ITEM(chain, i);
+        Node *c = (Node *)PySequence_Fast_GET_ITEM(chain, i);
         Py_SETREF(c->run, Py_NewRef(run));
         if (set_int(&c->run_at, i + 1) < 0)
             return NULL;
@@ -348,18 +348,18 @@ static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_TRUE;
 }
 
-/* run_pages(run, nodes) -> array('i') of the nodes' device pages, each node's ``pages_run`` set to
+/* run_pages(run, nodes) -> array('i') of the nodes' device pages (``nodes`` a list or tuple), each node's ``pages_run`` set to
  * ``run`` (another run caching a node's page forgets its pages): Run.device_pages's loop. None,
  * changing nothing, for nodes of the reference type or a page past int32 (the reference's). */
 static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "run_pages takes 2 arguments, not %zd", nargs);
     PyObject *run = args[0], *nodes = args[1];
-    if (!PyList_CheckExact(nodes))
+    if (!PyList_CheckExact(nodes) && !PyTuple_CheckExact(nodes))
         Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(nodes, i);
+        PyObject *item = PySequence_Fast_GET_ITEM(nodes, i);
         if (!is_node(item) || ((Node *)item)->device_page < INT32_MIN || ((Node *)item)->device_page > INT32_MAX)
             Py_RETURN_NONE;
     }
@@ -368,7 +368,7 @@ static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t n
         return NULL;
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(raw);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Node *node = (Node *)PyList_GET_ITEM(nodes, i);
+        Node *node = (Node *)PySequence_Fast_GET_ITEM(nodes, i);
         PyObject *other = node->pages_run;
         if (other != Py_None && other != run && run_forget_pages(other) < 0) {
             Py_DECREF(raw);

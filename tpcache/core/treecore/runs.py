@@ -35,8 +35,7 @@ class Run:
 
     def device_pages(self) -> array:
         if self.pages is None:
-            # (the kernel takes a list; None: not native nodes)
-            pages = None if _run_pages is None else _run_pages(self, list(self.nodes))
+            pages = None if _run_pages is None else _run_pages(self, self.nodes)  # None: not native nodes
             if pages is None:
                 for node in self.nodes:
                     other = node.pages_run
@@ -48,10 +47,9 @@ class Run:
         return self.pages
 
 
-def mark(run: Run, node: Node, chain: list[Node]) -> None:
-    """``node.run = run`` at 0, and each node of the run but its last gets it at its own start
-    (``chain``: the run's nodes as the list the kernel takes)."""
-    if _mark_run is not None and _mark_run(run, node, chain):
+def mark(run: Run, node: Node) -> None:
+    """``node.run = run`` at 0, and each node of the run but its last gets it at its own start."""
+    if _mark_run is not None and _mark_run(run, node, run.nodes):
         return
     node.run, node.run_at = run, 0
     for i, c in enumerate(run.nodes[:-1]):

@@ -325,7 +325,7 @@ class RadixTree:
             found = chain, b"".join(c.tokens for c in chain)
         chain, data = found
         run = Run(data, chain)
-        mark(run, node, chain)
+        mark(run, node)
         return run, 0
 
     @staticmethod
