@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from tests.waits import HANG_GUARD_S, landed, prefetched, stepped_until
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.tiers import HostState
@@ -152,11 +153,17 @@ def run_mirror_scenario(mirror_release: bool) -> dict[str, int]:
         for i in range(40):
             request(tp, tokens(2 * i, 2 * i + 1))
             tp.drain()  # copies land before the next request: the outcome does not depend on thread timing
-        for _ in range(2000):  # let the backup -> storage -> release pipeline settle
-            if not tp.core.backup_backlog and not any(tp.core.inflight.values()):
-                break
-            tp.step()
-            time.sleep(0.0005)
+        if mirror_release:  # the backup -> storage -> release pipeline settles
+            stepped_until(
+                tp,
+                lambda: not tp.core.backup_backlog and not any(tp.core.inflight.values()),
+                "backups and storage writes still pending",
+            )
+        else:  # it never settles (backups wait for host room that never comes): rounds, each landing
+            deadline = time.monotonic() + HANG_GUARD_S
+            for _ in range(200):
+                tp.step()
+                landed(tp, deadline)
         return {
             k: tp.core.stats.__dict__[k]
             for k in ("inserted_pages", "backup_rejected_host_full", "storage_written_pages", "mirrors_released_pages")
@@ -194,11 +201,7 @@ def test_restarted_cache_gets_storage_hits_for_durable_pages_only(tmp_path):
         lease, m = second.lock(tokens(1, 2, 3, 4))
         assert m.device_pages + m.host_pages == 0
         assert second.prefetch(lease)
-        for _ in range(4000):  # rounds until the agreed lookup and read land (bounded, not timed)
-            second.step()
-            if second.core.prefetch_status(lease)[0] == "done":
-                break
-            time.sleep(0.0005)
+        prefetched(second, lease)
         assert second.core.prefetch_status(lease) == ("done", 3)  # the durable pages, not page 4
         m = second.match(tokens(1, 2, 3, 4))
         assert m.host_pages == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.waits import prefetched
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.engine.external import EngineCache
@@ -71,10 +72,7 @@ def test_cuda_pages_come_back_from_storage() -> None:
     second = make(other, backend)
     lease, _ = second.lock(toks(7, 8))
     assert second.prefetch(lease)
-    for _ in range(100_000):
-        if second.prefetch_status(lease)[0] == "done":
-            break
-        second.step()
+    prefetched(second, lease)
     op = second.load_into(lease, 0, [10, 11])
     second.step()
     assert second.outcome(op) == 2

@@ -2,11 +2,11 @@
 Mamba states each in their own device and host pools, through transfers and storage, byte-exact."""
 
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.waits import prefetched, settled
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.treecore.components import DEV, DSLOT, HSLOT, STRIDE
@@ -97,25 +97,18 @@ def check_hit(tp: TPCache, toks: list[int]) -> int:
     return m.device_pages + m.host_pages
 
 
-def settle(tp: TPCache, rounds: int = 4000) -> None:
-    for _ in range(rounds):  # bounded, not timed: rounds until nothing is in flight
-        if tp.step().idle:
-            return
-        time.sleep(0.0005)
-
-
 def test_components_survive_device_host_device_cycles_under_pressure():
     tp = make(config())
     try:
         paths = [tokens(k, *range(1, 6)) for k in range(6)]  # 6 pages each; pools hold about 2 paths
         for toks in paths:
             request(tp, toks)
-            settle(tp)  # its backups land: its SWA copies on device become evictable
+            settled(tp)  # its backups land: its SWA copies on device become evictable
         hits = 0
         for toks in paths + paths:
             dev, host = request(tp, toks)  # hits from device or loaded back from host, verified below
             hits += host
-            settle(tp)
+            settled(tp)
             assert check_hit(tp, toks) == 6
         assert hits > 0 and tp.core.stats.part_loads_issued > 0
         assert tp.core.stats.swa_released_pages > 0  # SWA behind each request's window was freed
@@ -128,7 +121,7 @@ def test_a_restarted_cache_serves_every_component_from_storage(tmp_path):
     first = make(cfg, storage=FileBackend(tmp_path, capacity_bytes=1 << 24, shard=(0, 1)))
     try:
         request(first, tokens(1, 2, 3, 4))
-        settle(first)
+        settled(first)
         assert first.core.stats.storage_written_pages == 4
     finally:
         first.close()
@@ -137,16 +130,12 @@ def test_a_restarted_cache_serves_every_component_from_storage(tmp_path):
         lease, m = second.lock(tokens(1, 2, 3, 4, 5))
         assert m.device_pages + m.host_pages == 0
         assert second.prefetch(lease)
-        for _ in range(4000):
-            second.step()
-            if second.core.prefetch_status(lease)[0] == "done":
-                break
-            time.sleep(0.0005)
+        prefetched(second, lease)
         assert second.match(tokens(1, 2, 3, 4)).host_pages == 4  # the window's SWA and the state came too
         assert check_hit(second, tokens(1, 2, 3, 4)) == 4  # byte-exact from storage, every component
         loaded = second.load(lease)
         loaded.wait(timeout=10)
-        settle(second)
+        settled(second)
         assert second.match(tokens(1, 2, 3, 4)).device_pages == 4
         assert check_hit(second, tokens(1, 2, 3, 4)) == 4
         assert sorted(second.part_slots(lease)) == ["mamba", "swa"]

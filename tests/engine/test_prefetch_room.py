@@ -1,11 +1,10 @@
 """A storage prefetch when the host pool holds only mirrors of device pages (host pages equal to or
 fewer than device pages, both pools full): it makes room through agreed mirror release."""
 
-import time
-
 import pytest
 
 from tests.engine.test_engine import check_hits, make, request, tokens
+from tests.waits import prefetched
 from tpcache.core import CacheConfig
 from tpcache.io.storage import FileBackend
 
@@ -17,11 +16,7 @@ def fetch(tp, toks) -> tuple[str, int]:
     try:
         if m.device_pages + m.host_pages < len(m.page_hashes):
             assert tp.prefetch(lease)
-            for _ in range(4000):  # rounds until the agreed lookup and read land (bounded, not timed)
-                tp.step()
-                if tp.core.prefetch_status(lease)[0] == "done":
-                    break
-                time.sleep(0.0005)
+            prefetched(tp, lease)
             return tp.core.prefetch_status(lease)
         return "resident", 0
     finally:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from tests.engine.test_external_pages import block, engine_kv, make, run_ranks, same, toks
+from tests.waits import HANG_GUARD_S, landed
 from tpcache.integrations.vllm.faults import FaultPlan
 from tpcache.integrations.vllm.messages import ANSWER, LOAD, LOOKUP, RELEASE, SAVE, StepOps
 from tpcache.integrations.vllm.worker import WorkerSide
@@ -189,11 +190,13 @@ def storage_lookup(steps: list[list[tuple]], stop_when_hit: bool = False) -> lis
         out = [dict(worker.run_step(StepOps(i, ops)).report.hits) for i, ops in enumerate(steps)]
         if stop_when_hit:
             stores[rank].gate.set()
-            for _ in range(20000):  # bounded, not timed: rounds until the read landed on every rank
+            deadline = time.monotonic() + HANG_GUARD_S
+            while True:  # rounds until the read landed on every rank
                 out.append(dict(worker.run_step(StepOps(len(out), [])).report.hits))
                 if out[-1]:
                     break
-                time.sleep(0.001)
+                assert time.monotonic() < deadline, "the storage read never landed"
+                landed(worker.cache, deadline)
         stores[rank].gate.set()
         return out
 

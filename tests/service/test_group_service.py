@@ -9,6 +9,7 @@ import pytest
 
 from tests.service.checks import cache_round_trip
 from tests.service.harness import running_service, wait_for
+from tests.waits import prefetched
 from tpcache.io.storage import StorageKey
 
 pytestmark = pytest.mark.multiprocess
@@ -65,10 +66,7 @@ def test_a_tp2_service_stores_model_shards_that_a_tp1_group_reads(tmp_path: Path
     def lookup(tp):  # noqa: ANN001, ANN202
         lease, _ = tp.lock(toks)
         assert tp.prefetch(lease)
-        for _ in range(4000):
-            tp.step()
-            if tp.core.prefetch_status(lease)[0] == "done":
-                break
+        prefetched(tp, lease)
         status = tp.core.prefetch_status(lease)
         tp.release(lease)
         tp.drain()

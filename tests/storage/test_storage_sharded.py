@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.waits import prefetched
 from tpcache.comm import SimGroup
 from tpcache.comm.parallel import ParallelGroup, Shard
 from tpcache.core import CacheConfig
@@ -113,11 +113,7 @@ def read(tp: TPCache, toks: list[int]) -> dict[str, Any]:
     lease, m = tp.lock(toks)
     assert m.device_pages + m.host_pages == 0
     assert tp.prefetch(lease)
-    for _ in range(4000):  # rounds until the agreed lookup and read land (bounded, not timed)
-        tp.step()
-        if tp.core.prefetch_status(lease)[0] == "done":
-            break
-        time.sleep(0.0005)
+    prefetched(tp, lease)
     status = tp.core.prefetch_status(lease)
     m = tp.match(toks)
     exact = all(
