@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-from tests.waits import HANG_GUARD_S, landed, prefetched, stepped_until
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.tiers import HostState
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import FileBackend, MemoryBackend
+from tpcache.testing.waits import HANG_GUARD_S, landed, prefetched, stepped_until
 
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, heads_per_rank=2, head_dim=8, dtype="float16", page_size=PAGE)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.waits import prefetched
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.engine.external import EngineCache
 from tpcache.integrations.vllm.layout import engine_kv_from_vllm
 from tpcache.io.storage import MemoryBackend
+from tpcache.testing.waits import prefetched
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -6,13 +6,13 @@ import threading
 import pytest
 import torch
 
-from tests.waits import prefetched, settled
 from tpcache.comm import SimGroup
 from tpcache.core import CacheConfig
 from tpcache.core.treecore.components import DEV, DSLOT, HSLOT, STRIDE
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout, state_layout
 from tpcache.io.storage import FileBackend
+from tpcache.testing.waits import prefetched, settled
 
 PAGE = 16
 FULL = KVLayout(num_layers=2, heads_per_rank=2, head_dim=8, dtype="float16", page_size=PAGE)

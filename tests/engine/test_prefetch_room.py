@@ -4,9 +4,9 @@ fewer than device pages, both pools full): it makes room through agreed mirror r
 import pytest
 
 from tests.engine.test_engine import check_hits, make, request, tokens
-from tests.waits import prefetched
 from tpcache.core import CacheConfig
 from tpcache.io.storage import FileBackend
+from tpcache.testing.waits import prefetched
 
 PREFIXES = 12  # two pages each: three times what the device pool holds
 

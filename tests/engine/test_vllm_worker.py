@@ -8,11 +8,11 @@ import time
 from typing import Any
 
 from tests.engine.test_external_pages import block, engine_kv, make, run_ranks, same, toks
-from tests.waits import HANG_GUARD_S, landed
 from tpcache.integrations.vllm.faults import FaultPlan
 from tpcache.integrations.vllm.messages import ANSWER, LOAD, LOOKUP, RELEASE, SAVE, StepOps
 from tpcache.integrations.vllm.worker import WorkerSide
 from tpcache.io.storage import MemoryBackend
+from tpcache.testing.waits import HANG_GUARD_S, landed
 
 PAGE = 16
 

@@ -9,8 +9,8 @@ import pytest
 
 from tests.service.checks import cache_round_trip
 from tests.service.harness import running_service, wait_for
-from tests.waits import prefetched
 from tpcache.io.storage import StorageKey
+from tpcache.testing.waits import prefetched
 
 pytestmark = pytest.mark.multiprocess
 

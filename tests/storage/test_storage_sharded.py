@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.waits import prefetched
 from tpcache.comm import SimGroup
 from tpcache.comm.parallel import ParallelGroup, Shard
 from tpcache.core import CacheConfig
@@ -21,6 +20,7 @@ from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import StorageKey, StorageKeyError
 from tpcache.io.storage.sharded import ModelShape, ShardedStorage, ShardLayoutError, open_shared_storage
 from tpcache.io.storage.shared_file import SharedFileStore
+from tpcache.testing.waits import prefetched
 
 PAGE = 4
 LAYERS, HEADS, DIM = 4, 4, 8

@@ -21,6 +21,7 @@ from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.testing.ops import apply, random_op, tokens_for
 from tpcache.testing.registry import rank_rng, scenario
+from tpcache.testing.waits import prefetched
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, heads_per_rank=1, head_dim=8, dtype="float32", page_size=PAGE)
@@ -150,11 +151,7 @@ def storage_restart(
             toks = tokens_for(path, PAGE, 0)
             lease, _ = tp.lock(toks)
             tp.prefetch(lease)
-            for _ in range(20_000):
-                if tp.core.prefetch_status(lease)[0] == "done":
-                    break
-                tp.step()
-            ready.append(tp.core.prefetch_status(lease)[1])
+            ready.append(prefetched(tp, lease)[1])
             check_hit_bytes(tp, toks)  # every host hit holds this rank's bytes for that page
             tp.release(lease)
             tp.step()
