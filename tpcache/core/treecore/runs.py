@@ -28,10 +28,10 @@ class Run:
 
     __slots__ = ("data", "nodes", "pages", "ids")
 
-    def __init__(self, data: bytes, nodes: list[Node]) -> None:
-        self.data, self.nodes = data, tuple(nodes)
+    def __init__(self, nodes: tuple[Node, ...], data: bytes, ids: tuple[int, ...]) -> None:
+        """``ids``: the nodes' ids, in order (a node's id never changes)."""
+        self.data, self.nodes, self.ids = data, nodes, ids
         self.pages: array | None = None
-        self.ids = tuple([n.node_id for n in nodes])  # (a node's id never changes)
 
     def device_pages(self) -> array:
         if self.pages is None:
