@@ -23,8 +23,9 @@ class Run:
     is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run.
 
     ``nodes`` and ``ids`` are tuples: holding only native nodes (which the collector does not track)
-    and ints, they are untracked at their first collection, so a full collection does not walk the
-    cached pages one by one (lists would be, a page at a time, in every run)."""
+    and ints, they are untracked (made so by ``chain_below``, else at their first collection), so a
+    full collection does not walk the cached pages one by one (lists would be, a page at a time, in
+    every run)."""
 
     __slots__ = ("data", "nodes", "pages", "ids")
 
