@@ -187,7 +187,9 @@ def test_an_entry_equal_to_a_live_one_only_in_its_low_words_is_stale(policy):
 @pytest.mark.parametrize("seed", range(4))
 def test_a_native_holding_keeps_the_entries_and_total_of_the_reference(seed):
     """Random changes to a native holding and a ``ReferenceHolding`` side by side: the same entries,
-    the same total, and the total its recount gives; a refused change changes neither."""
+    the same total, and the total its recount gives; a refused change changes neither. The total is
+    read after some changes only: the native one sums the terms of entries added since it was last
+    read when it is read or an entry goes, so changes run with such entries pending too."""
     rng = random.Random(seed)
     nodes = list(random_tree(seed, 30).nodes)  # (node ids)
     lease, kind = rng.randrange(1 << 40), rng.choice([DEVICE_PINS, HOST_PINS, PAGES])
@@ -224,7 +226,8 @@ def test_a_native_holding_keeps_the_entries_and_total_of_the_reference(seed):
                     with pytest.raises(TypeError, match="an int"):
                         change(held)
         assert list(native) == list(ref)
-        assert native.total == ref.total == native.recount() == ref.recount()
+        if rng.random() < 0.3:
+            assert native.total == ref.total == native.recount() == ref.recount()
     assert native.total == sum(term(lease, kind, e) for e in native) % (1 << 62)
     assert (native.lease_id, native.kind) == (lease, kind)
     with pytest.raises(ValueError, match="not in list"):

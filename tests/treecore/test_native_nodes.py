@@ -287,12 +287,14 @@ def test_a_chain_below_a_node_is_gathered_as_the_reference_does():
     tree = RadixTree(2)
     pages = [bytes([i]) * 8 for i in range(1, 6)]
     top = tree.add_chain(tree.root, pages, list(range(5)), 0)
-    nodes, data = chain_below(tree.root)
-    assert nodes == top and data == b"".join(pages)
+    nodes, data, ids = chain_below(tree.root)
+    assert nodes == tuple(top) and data == b"".join(pages) and ids == tuple(n.node_id for n in top)
+    assert all(a is n.node_id for a, n in zip(ids, top, strict=True))  # the nodes' own id objects
+    assert not gc.is_tracked(nodes) and not gc.is_tracked(ids)  # nothing in them a collection could free
     tree.add_child(top[2], b"z" * 8, 9, 0)  # a second child ends the chain at top[2]
-    nodes, data = chain_below(tree.root)
-    assert nodes == top[:3] and data == b"".join(pages[:3])
-    assert chain_below(top[-1]) == ([], b"") and chain_below(PyNode(0, None, b"", 0, 0)) is None
+    nodes, data, ids = chain_below(tree.root)
+    assert nodes == tuple(top[:3]) and data == b"".join(pages[:3]) and ids == tuple(n.node_id for n in top[:3])
+    assert chain_below(top[-1]) == ((), b"", ()) and chain_below(PyNode(0, None, b"", 0, 0)) is None
 
 
 def test_nodes_made_after_others_went_are_fresh():

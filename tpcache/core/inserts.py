@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -135,7 +136,10 @@ class Inserter:
             return None
         # The pages the lock's match read stay the nodes' own while the lease pins them.
         ids = walk.matched_pages if walk.matched_pages is not None else walk.device_page_ids(k)
-        if ids.tolist() != pages[:k]:
+        try:  # compared as int32 arrays: no int object made per page
+            if ids != array(ids.typecode, pages[:k]):
+                return None
+        except (TypeError, OverflowError):  # a page that is no int32 is none of the nodes' pages
             return None
         new, held = pages[k:n], lease.pages
         fresh = None  # most hold just these: distinct, as every page has one owner (invariants.check)

@@ -48,12 +48,13 @@ enum { STACK_INPUT = 4096 }; /* pages of up to 1022 tokens hash from a buffer on
 /* hashing.page_hash: XXH3-64 of the parent page's hash (8 bytes, little-endian) and the page's
  * tokens, with the namespace's seed; in place of ``*h``. */
 static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed) {
-    uint8_t parent[8];
-    for (int b = 0; b < 8; b++)
-        parent[b] = (uint8_t)(*h >> (8 * b));
+    uint64_t le = *h; /* the parent's hash, little-endian */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    le = __builtin_bswap64(le);
+#endif
     if (step + 8 <= STACK_INPUT) {
         uint8_t buf[STACK_INPUT];
-        memcpy(buf, parent, 8);
+        memcpy(buf, &le, 8); /* one 8-byte store: bytes stored one by one and read back as a word stall */
         memcpy(buf + 8, page, (size_t)step);
         *h = XXH3_64bits_withSeed(buf, (size_t)step + 8, seed);
         return;
@@ -61,7 +62,7 @@ static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t s
     XXH3_state_t state; /* longer pages: the same hash, streamed */
     XXH3_INITSTATE(&state);
     XXH3_64bits_reset_withSeed(&state, seed);
-    XXH3_64bits_update(&state, parent, 8);
+    XXH3_64bits_update(&state, &le, 8);
     XXH3_64bits_update(&state, page, (size_t)step);
     *h = XXH3_64bits_digest(&state);
 }
@@ -228,9 +229,7 @@ static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject 
         PyList_SET_ITEM(ids, i, Py_NewRef(((Node *)PyList_GET_ITEM(nodes, i))->node_id));
     /* Holding exactly the n distinct pages, the lease holds nothing else: emptied, as the reference does. */
     int all = PyList_GET_SIZE(held) == n;
-    if (all && PyList_SetSlice(held, 0, n, NULL) == 0)
-        ((Holding *)held)->total = 0;
-    if ((all ? PyErr_Occurred() != NULL : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
+    if ((all ? holding_clear((Holding *)held) < 0 : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
         (extended = holding_extend((Holding *)pinned_nodes, ids)) == NULL)
         return -1;
     Py_DECREF(extended);
@@ -287,38 +286,43 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     return out;
 }
 
-/* chain_below(node) -> (nodes, tokens): the single-child chain below ``node`` (its only child, that
- * one's only child, ...) and their page tokens joined, as RadixTree._run gathers them; read from the
- * nodes' inline tokens, without a bytes object per page. None for a node of the reference type. */
+/* chain_below(node) -> (nodes, tokens, ids): the single-child chain below ``node`` (its only child,
+ * that one's only child, ...) as a tuple, their page tokens joined and their ids (a tuple of the
+ * nodes' own id objects), as RadixTree._run gathers them for a Run; read from the nodes' inline
+ * tokens, without a bytes object per page. None for a node of the reference type. */
 static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     if (!is_node(start))
         Py_RETURN_NONE;
     Py_ssize_t count = 0, size = 0;
     for (Node *cur = (Node *)start; cur->kids != NULL && Py_IS_TYPE(cur->kids, &NodeType); cur = (Node *)cur->kids)
         count++;
-    PyObject *nodes = PyList_New(count); /* filled below: no growth step by step */
-    if (nodes == NULL)
+    PyObject *nodes = PyTuple_New(count), *ids = PyTuple_New(count); /* filled below: no growth step by step */
+    if (nodes == NULL || ids == NULL) {
+        Py_XDECREF(nodes);
+        Py_XDECREF(ids);
         return NULL;
+    }
     Node *cur = (Node *)start;
     for (Py_ssize_t i = 0; i < count; i++, cur = (Node *)cur->kids) {
-        PyList_SET_ITEM(nodes, i, Py_NewRef(cur->kids));
+        PyTuple_SET_ITEM(nodes, i, Py_NewRef(cur->kids));
+        PyTuple_SET_ITEM(ids, i, Py_NewRef(((Node *)cur->kids)->node_id));
         size += Py_SIZE(cur->kids);
     }
     PyObject *data = PyBytes_FromStringAndSize(NULL, size);
     if (data == NULL) {
         Py_DECREF(nodes);
+        Py_DECREF(ids);
         return NULL;
     }
     char *dst = PyBytes_AS_STRING(data);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(nodes); i++) {
-        Node *n = (Node *)PyList_GET_ITEM(nodes, i);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Node *n = (Node *)PyTuple_GET_ITEM(nodes, i);
         memcpy(dst, n->tok, (size_t)Py_SIZE(n));
         dst += Py_SIZE(n);
     }
-    PyObject *out = PyTuple_Pack(2, nodes, data);
-    Py_DECREF(nodes);
-    Py_DECREF(data);
-    return out;
+    PyObject_GC_UnTrack(nodes); /* native nodes and ints: in no cycle, nothing for the collector to walk */
+    PyObject_GC_UnTrack(ids);
+    return Py_BuildValue("(NNN)", nodes, data, ids);
 }
 
 /* mark_run(run, node, chain) -> True, or False changing nothing for a node or chain (a list or tuple)
@@ -385,7 +389,7 @@ static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t n
 }
 
 PyMethodDef chain_methods[] = {
-    {"chain_below", (PyCFunction)py_chain_below, METH_O, "RadixTree._run's chain and its joined tokens (see _chain.c)."},
+    {"chain_below", (PyCFunction)py_chain_below, METH_O, "RadixTree._run's chain, its joined tokens and its ids (see _chain.c)."},
     {"mark_run", (PyCFunction)(void (*)(void))py_mark_run, METH_FASTCALL, "RadixTree._run's marks on its chain."},
     {"run_pages", (PyCFunction)(void (*)(void))py_run_pages, METH_FASTCALL, "Run.device_pages's loop (see _chain.c)."},
     {"token_bytes", (PyCFunction)py_token_bytes, METH_O, "hashing.as_token_bytes of a list or tuple of ints, or None."},

@@ -6,9 +6,10 @@
  * Entries are ints: node ids (a lease's pins) or pages. Nothing here calls Python code or reads an
  * attribute by name.
  *
- * Invariant: total == recount() after every method; a method that fails (an entry that is not an
- * int) changes nothing. holdings.py adds the refusals of list's other mutators, as it does for the
- * reference. */
+ * Invariant: total == recount() whenever it is read; a method that fails (an entry that is not an
+ * int) changes nothing. An entry the methods add is checked at once and its term summed when the
+ * total is read or an entry goes (``settle``; Holding in _node.h says which entries ``total`` covers).
+ * holdings.py adds the refusals of list's other mutators, as it does for the reference. */
 #include "_node.h"
 
 #include <stdlib.h>
@@ -31,18 +32,60 @@ static int sum_terms(Holding *self, PyObject *seq, uint64_t *out) {
     return 0;
 }
 
+/* Whether ``item`` can be an entry (what holding_term takes): 0, or -1 and its exception. */
+static int check_entry(PyObject *item) {
+    int64_t key;
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "a holding's entry is a node id or a page (an int), not %.100s",
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    return field(item, &key);
+}
+
+/* The terms of the entries added since the last settle into ``total``: 0, or -1 and an exception
+ * (none: every entry was checked when it was added). */
+static int settle(Holding *self) {
+    Py_ssize_t end = self->added < PyList_GET_SIZE(self) ? self->added : PyList_GET_SIZE(self);
+    if (self->hashed >= end)
+        return 0;
+    uint64_t total = self->total, term;
+    PyObject **items = ((PyListObject *)self)->ob_item;
+    for (Py_ssize_t i = self->hashed; i < end; i++) {
+        if (holding_term(self->lease_id, self->kind, items[i], &term) < 0)
+            return -1;
+        total += term;
+    }
+    self->total = total & MASK;
+    self->hashed = self->added = end;
+    return 0;
+}
+
+/* After a change that settled first and then adjusted ``total`` for the entries it dropped. */
+static void settled(Holding *self) { self->hashed = self->added = PyList_GET_SIZE(self); }
+
 PyObject *holding_extend(Holding *self, PyObject *items) {
     PyObject *seq = PySequence_Fast(items, "a holding extends with an iterable");
     if (seq == NULL)
         return NULL;
-    uint64_t terms;
-    Py_ssize_t end = PyList_GET_SIZE(self);
-    int bad = sum_terms(self, seq, &terms) < 0 || PyList_SetSlice((PyObject *)self, end, end, seq) < 0;
+    Py_ssize_t end = PyList_GET_SIZE(self), count = PySequence_Fast_GET_SIZE(seq);
+    int bad = 0;
+    for (Py_ssize_t i = 0; !bad && i < count; i++)
+        bad = check_entry(PySequence_Fast_GET_ITEM(seq, i)) < 0;
+    bad = bad || PyList_SetSlice((PyObject *)self, end, end, seq) < 0;
     Py_DECREF(seq);
     if (bad)
         return NULL;
-    self->total = (self->total + terms) & MASK;
+    self->added += count;
     Py_RETURN_NONE;
+}
+
+int holding_clear(Holding *self) {
+    if (PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), NULL) < 0)
+        return -1;
+    self->total = 0;
+    self->hashed = self->added = 0;
+    return 0;
 }
 
 static int holding_init(Holding *self, PyObject *args, PyObject *kwds) {
@@ -51,11 +94,10 @@ static int holding_init(Holding *self, PyObject *args, PyObject *kwds) {
     PyObject *items = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL|O:Holding", names, &lease_id, &kind, &items))
         return -1;
-    if (PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), NULL) < 0)
+    if (holding_clear(self) < 0)
         return -1;
     self->lease_id = lease_id;
     self->kind = kind;
-    self->total = 0;
     if (items != NULL) {
         PyObject *done = holding_extend(self, items);
         if (done == NULL)
@@ -66,18 +108,14 @@ static int holding_init(Holding *self, PyObject *args, PyObject *kwds) {
 }
 
 static PyObject *holding_append(Holding *self, PyObject *item) {
-    uint64_t term;
-    if (holding_term(self->lease_id, self->kind, item, &term) < 0 || PyList_Append((PyObject *)self, item) < 0)
+    if (check_entry(item) < 0 || PyList_Append((PyObject *)self, item) < 0)
         return NULL;
-    self->total = (self->total + term) & MASK;
+    self->added++;
     Py_RETURN_NONE;
 }
 
 static PyObject *holding_empty(Holding *self, PyObject *unused) {
-    if (PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), NULL) < 0)
-        return NULL;
-    self->total = 0;
-    Py_RETURN_NONE;
+    return holding_clear(self) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* An int entry's value: 1 with ``*out`` set, 0 for an int past int64 (equal to no page or id the
@@ -99,7 +137,7 @@ static int int_value(PyObject *item, int64_t *out) {
 static PyObject *holding_remove(Holding *self, PyObject *item) {
     int64_t want, have;
     int fits = int_value(item, &want);
-    if (fits < 0)
+    if (fits < 0 || settle(self) < 0)
         return NULL;
     for (Py_ssize_t i = 0; fits && i < PyList_GET_SIZE(self); i++) {
         PyObject *entry = PyList_GET_ITEM(self, i); /* an int: nothing below runs Python code */
@@ -110,6 +148,7 @@ static PyObject *holding_remove(Holding *self, PyObject *item) {
             PyList_SetSlice((PyObject *)self, i, i + 1, NULL) < 0)
             return NULL;
         self->total = (self->total - term) & MASK;
+        settled(self);
         Py_RETURN_NONE;
     }
     PyErr_Clear();
@@ -121,9 +160,11 @@ static PyObject *keep_only(Holding *self, PyObject *kept, PyObject *gone) {
     uint64_t terms;
     if (PyList_GET_SIZE(gone) == 0)
         Py_RETURN_NONE;
-    if (sum_terms(self, gone, &terms) < 0 || PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), kept) < 0)
+    if (settle(self) < 0 || sum_terms(self, gone, &terms) < 0 ||
+        PyList_SetSlice((PyObject *)self, 0, PyList_GET_SIZE(self), kept) < 0)
         return NULL;
     self->total = (self->total - terms) & MASK;
+    settled(self);
     Py_RETURN_NONE;
 }
 
@@ -208,6 +249,8 @@ static PyObject *holding_truncate(Holding *self, PyObject *arg) {
         length = length + size < 0 ? 0 : length + size;
     if (length >= size)
         Py_RETURN_NONE;
+    if (settle(self) < 0)
+        return NULL;
     PyObject *tail = PyList_GetSlice((PyObject *)self, length, size);
     uint64_t terms;
     int bad = tail == NULL || sum_terms(self, tail, &terms) < 0 || PyList_SetSlice((PyObject *)self, length, size, NULL) < 0;
@@ -215,6 +258,7 @@ static PyObject *holding_truncate(Holding *self, PyObject *arg) {
     if (bad)
         return NULL;
     self->total = (self->total - terms) & MASK;
+    settled(self);
     Py_RETURN_NONE;
 }
 
@@ -239,8 +283,16 @@ static PyMethodDef holding_methods[] = {
 static PyMemberDef holding_members[] = {
     {"lease_id", T_LONGLONG, offsetof(Holding, lease_id), READONLY, "The lease that holds these."},
     {"kind", T_LONGLONG, offsetof(Holding, kind), READONLY, "DEVICE_PINS, HOST_PINS or PAGES."},
-    {"total", T_ULONGLONG, offsetof(Holding, total), READONLY, "The sum of the entries' terms, mod 2**62."},
     {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *holding_total(Holding *self, void *unused) {
+    return settle(self) < 0 ? NULL : PyLong_FromUnsignedLongLong(self->total);
+}
+
+static PyGetSetDef holding_getset[] = {
+    {"total", (getter)holding_total, NULL, "The sum of the entries' terms, mod 2**62.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 PyTypeObject HoldingType = {
@@ -252,5 +304,6 @@ PyTypeObject HoldingType = {
     .tp_doc = "holdings._Holding in C: a list that keeps the sum of its entries' digest terms.",
     .tp_methods = holding_methods,
     .tp_members = holding_members,
+    .tp_getset = holding_getset,
     .tp_init = (initproc)holding_init,
 };

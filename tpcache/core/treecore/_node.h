@@ -115,16 +115,23 @@ extern PyTypeObject TokKeyType; /* a children dict's key (_kids.c) */
  * (lease, kind, key), key a page or a node's id, mod 2**62: 0, or -1 and an exception (_account.c). */
 int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out);
 extern PyTypeObject HoldingType; /* _holding.c */
+/* ``total`` covers the first ``hashed`` entries; those up to ``added``, put in by the methods since,
+ * are summed when the total is read or an entry goes: a lease's pages, allocated and then adopted by
+ * its insert, cost no terms unless a digest is read in between. (An entry put in behind the
+ * methods' back, past ``added``, is never summed: the invariant check finds the total stale.) */
 typedef struct {
     PyListObject list;
     int64_t lease_id, kind;
     uint64_t total;
+    Py_ssize_t hashed, added;
 } Holding;
 static inline int is_holding(PyObject *o) { return o != NULL && PyObject_TypeCheck(o, &HoldingType); }
 /* Holding.extend: None, or NULL and an exception. */
 PyObject *holding_extend(Holding *self, PyObject *items);
 /* Holding.discard of the int entries equal to one of ``drop``: 0, or -1 and an exception. */
 int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
+/* Holding.empty: 0, or -1 and an exception. */
+int holding_clear(Holding *self);
 
 
 /* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and

@@ -23,15 +23,16 @@ class Run:
     is self`` for every i; so a node's device page changes only after ``drop_pages`` on its run.
 
     ``nodes`` and ``ids`` are tuples: holding only native nodes (which the collector does not track)
-    and ints, they are untracked at their first collection, so a full collection does not walk the
-    cached pages one by one (lists would be, a page at a time, in every run)."""
+    and ints, they are untracked (made so by ``chain_below``, else at their first collection), so a
+    full collection does not walk the cached pages one by one (lists would be, a page at a time, in
+    every run)."""
 
     __slots__ = ("data", "nodes", "pages", "ids")
 
-    def __init__(self, data: bytes, nodes: list[Node]) -> None:
-        self.data, self.nodes = data, tuple(nodes)
+    def __init__(self, nodes: tuple[Node, ...], data: bytes, ids: tuple[int, ...]) -> None:
+        """``ids``: the nodes' ids, in order (a node's id never changes)."""
+        self.data, self.nodes, self.ids = data, nodes, ids
         self.pages: array | None = None
-        self.ids = tuple([n.node_id for n in nodes])  # (a node's id never changes)
 
     def device_pages(self) -> array:
         if self.pages is None:

@@ -308,7 +308,7 @@ class RadixTree:
     def _run(self, node: Node) -> tuple[Run, int]:
         """Build the run cache of the single-child chain below ``node``.
 
-        ``node.run = Run(tokens of c1..ck, [c1..ck])``, ``node.run_at = 0``, where c1 is node's only
+        ``node.run = Run((c1..ck), tokens of c1..ck, their ids)``, ``node.run_at = 0``, where c1 is node's only
         child and each next node is its predecessor's only child; every chain node ci except the last
         gets the same run with its own start (``run_at = i``). Invariant: a run never spans a node
         with two or more children; ``_invalidate`` keeps it so when a child is added or removed. A run
@@ -322,9 +322,8 @@ class RadixTree:
             while cur is not None:
                 chain.append(cur)
                 cur = cur.only_child
-            found = chain, b"".join(c.tokens for c in chain)
-        chain, data = found
-        run = Run(data, chain)
+            found = tuple(chain), b"".join(c.tokens for c in chain), tuple([c.node_id for c in chain])
+        run = Run(*found)
         mark(run, node)
         return run, 0
 
