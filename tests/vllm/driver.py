@@ -11,6 +11,7 @@ their ``__main__``): one ``import vllm`` serves them all. Steps:
     {"op": "generate", "name": N, "prompts": [[ids...]], "max_tokens": K}
     {"op": "conversation", "name": N, "users": [[[ids...] per turn] per conversation], "max_tokens": K}
                                             ("reset": true: reset_prefix_cache before each turn)
+                                            ("solo": true: each request alone, the same order)
     {"op": "reset_prefix_cache"}
     {"op": "arm", "spec": {...}}            faults on the workers (tpcache.integrations.vllm.faults)
     {"op": "abort", "name": N, "prompts": [...], "max_tokens": K, "steps": S}
@@ -65,22 +66,29 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, 
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "cached": [o.num_cached_tokens or 0 for o in outs]}
 
 
-def _conversation(llm: Any, users: list[list[list[int]]], max_tokens: int, reset: bool = False) -> dict[str, Any]:
+def _conversation(
+    llm: Any, users: list[list[list[int]]], max_tokens: int, reset: bool = False, solo: bool = False
+) -> dict[str, Any]:
     """Every conversation's turn t at once: prompt = history + the user's turn t (with ``reset``,
-    vLLM's own prefix cache emptied before each turn: every hit is the connector's)."""
+    vLLM's own prefix cache emptied before each turn: every hit is the connector's). With ``solo``,
+    each request runs alone (turn by turn, conversation by conversation), so its forward passes hold
+    only its own tokens whenever vLLM schedules it: batch-mates decided by when lookups and loads
+    land would change the low bits of a bfloat16 model's logits, and a near tie then flips a greedy
+    token that no cache served. The results are in the same order either way: turn by turn."""
     history: list[list[int]] = [[] for _ in users]
     tokens: list[list[int]] = []
     cached: list[int] = []
     for turn in range(max(len(u) for u in users)):
         live = [i for i, u in enumerate(users) if turn < len(u)]
-        if reset:
-            llm.reset_prefix_cache()
-        prompts = [history[i] + users[i][turn] for i in live]
-        out = _generate(llm, prompts, max_tokens)
-        for i, prompt, toks in zip(live, prompts, out["tokens"], strict=True):
-            history[i] = prompt + toks
-        tokens += out["tokens"]
-        cached += out["cached"]
+        for batch in [[i] for i in live] if solo else [live]:
+            if reset:
+                llm.reset_prefix_cache()
+            prompts = [history[i] + users[i][turn] for i in batch]
+            out = _generate(llm, prompts, max_tokens)
+            for i, prompt, toks in zip(batch, prompts, out["tokens"], strict=True):
+                history[i] = prompt + toks
+            tokens += out["tokens"]
+            cached += out["cached"]
     return {"tokens": tokens, "cached": cached}
 
 
@@ -323,7 +331,9 @@ def _run_engine(plan: dict[str, Any], engine: dict[str, Any], out: dict[str, Any
             if op == "generate":
                 out[name] = _generate(llm, step["prompts"], step["max_tokens"])
             elif op == "conversation":
-                out[name] = _conversation(llm, step["users"], step["max_tokens"], step.get("reset", False))
+                out[name] = _conversation(
+                    llm, step["users"], step["max_tokens"], step.get("reset", False), step.get("solo", False)
+                )
             elif op == "reset_prefix_cache":
                 out[name] = llm.reset_prefix_cache()
             elif op == "arm":
