@@ -12,6 +12,7 @@ from tpcache.core import CacheConfig
 from tpcache.engine import TPCache
 from tpcache.io.kv_pool import KVLayout
 from tpcache.io.storage import MemoryBackend
+from tpcache.testing.waits import HANG_GUARD_S, landed
 
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, heads_per_rank=2, head_dim=8, dtype="float16", page_size=PAGE)
@@ -28,13 +29,7 @@ def settle(tp: TPCache) -> None:
     """Wait until every copy and storage op this rank started has landed, so the next round sees
     them: the prefetch's round-paced retries and deferrals then count rounds, not the machine's
     speed (a starved storage thread cannot make it give up)."""
-    deadline = time.monotonic() + 120  # a hang guard only: a healthy run never gets near it
-    while True:
-        tp.shell.landed()
-        if tp.shell.drained():
-            return
-        assert time.monotonic() < deadline, "this rank's copies never landed"
-        time.sleep(0.001)
+    landed(tp, time.monotonic() + HANG_GUARD_S)
 
 
 def admit(tp: TPCache, rank: int, seen: list[int]) -> Any:
