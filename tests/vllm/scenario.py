@@ -248,10 +248,10 @@ def gemma_plan(workdir: Path, tp: int = 1) -> dict[str, Any]:
         ),
         "tp": tp,
         # KV in float32: a page a hit brings back was computed partly while decoding, and the engine
-        # alone computes it in one prefill. In bfloat16 the two differ in the last bit of some values
-        # (95 of a page's 8,192 on one rank, by 0.0625 at magnitudes near 4), and a near tie of this
-        # random model's greedy token then flips with no cache involved; in float32 they differ by
-        # about 2**-16 of that.
+        # alone computes it in one prefill. In bfloat16 the two differ by a rounding step in some
+        # values (95 of a page's 8,192 on one rank, by at most 0.0625), and a near tie of this random
+        # model's greedy token then flips with no cache involved; in float32 they differ by about
+        # 2**-16 of that.
         "dtype": "float32",
     }
 
