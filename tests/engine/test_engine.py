@@ -157,7 +157,7 @@ def run_mirror_scenario(mirror_release: bool) -> dict[str, int]:
             stepped_until(
                 tp,
                 lambda: not tp.core.backup_backlog and not any(tp.core.inflight.values()),
-                "backups and storage writes still pending",
+                "backups and storage writes did not finish",
             )
         else:  # it never settles (backups wait for host room that never comes): rounds, each landing
             deadline = time.monotonic() + HANG_GUARD_S
@@ -201,8 +201,7 @@ def test_restarted_cache_gets_storage_hits_for_durable_pages_only(tmp_path):
         lease, m = second.lock(tokens(1, 2, 3, 4))
         assert m.device_pages + m.host_pages == 0
         assert second.prefetch(lease)
-        prefetched(second, lease)
-        assert second.core.prefetch_status(lease) == ("done", 3)  # the durable pages, not page 4
+        assert prefetched(second, lease) == ("done", 3)  # the durable pages, not page 4
         m = second.match(tokens(1, 2, 3, 4))
         assert m.host_pages == 3
         assert check_hits(second, tokens(1, 2, 3)) == 3  # byte-exact from storage

@@ -16,8 +16,7 @@ def fetch(tp, toks) -> tuple[str, int]:
     try:
         if m.device_pages + m.host_pages < len(m.page_hashes):
             assert tp.prefetch(lease)
-            prefetched(tp, lease)
-            return tp.core.prefetch_status(lease)
+            return prefetched(tp, lease)
         return "resident", 0
     finally:
         tp.release(lease)

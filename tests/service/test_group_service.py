@@ -66,8 +66,7 @@ def test_a_tp2_service_stores_model_shards_that_a_tp1_group_reads(tmp_path: Path
     def lookup(tp):  # noqa: ANN001, ANN202
         lease, _ = tp.lock(toks)
         assert tp.prefetch(lease)
-        prefetched(tp, lease)
-        status = tp.core.prefetch_status(lease)
+        status = prefetched(tp, lease)
         tp.release(lease)
         tp.drain()
         return status, tp.storage.stats()["page_hits"]

@@ -113,8 +113,7 @@ def read(tp: TPCache, toks: list[int]) -> dict[str, Any]:
     lease, m = tp.lock(toks)
     assert m.device_pages + m.host_pages == 0
     assert tp.prefetch(lease)
-    prefetched(tp, lease)
-    status = tp.core.prefetch_status(lease)
+    status = prefetched(tp, lease)
     m = tp.match(toks)
     exact = all(
         torch.equal(tp.host_pool.read_page(node.host_slot), rank_slice(node.hash, tp.group, tp.rank))

@@ -262,10 +262,9 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             goto fail;
         n->record = rec;
         value += rec - old;
-        /* candidacy is 0 unless the node is an unpinned valid device page or an idle host-only one
-         * (the fields just read): a pinned path, a lock's, offers nothing and is not read again. */
-        int maybe = (f.ds == 2 && f.dp == 0) || (f.ds == 0 && f.hs == 2 && f.hp == 0);
-        if (maybe && lazy_offer(&heaps, item) < 0)
+        /* candidacy's own gate on the fields just read: a pinned path, a lock's, offers nothing
+         * and is not read again. */
+        if (may_be_candidate(f.ds, f.dp, f.hs, f.hp) && lazy_offer(&heaps, item) < 0)
             goto fail;
     }
     Py_DECREF(seq);

@@ -94,11 +94,11 @@ int candidacy(PyObject *obj) {
     if (field(n->device_state, &state) || field(n->device_pins, &pins) || field(n->host_state, &hs) ||
         field(n->host_pins, &hp))
         return -1;
-    if (n->parent == Py_None)
+    if (n->parent == Py_None || !may_be_candidate(state, pins, hs, hp))
         return 0;
     PyObject *child;
     Py_ssize_t pos = 0;
-    if (state == 2 && pins == 0) {
+    if (state == 2) { /* unpinned (may_be_candidate) */
         int host_children = 0;
         while (kids_next(n, &pos, &child)) {
             int64_t cd, ch;
@@ -114,9 +114,7 @@ int candidacy(PyObject *obj) {
             return 1;
         return subtree_droppable(n);
     }
-    if (state != 0 || hs != 2 || hp != 0)
-        return 0;
-    int idle = parts_idle(n);
+    int idle = parts_idle(n); /* host-only and idle (may_be_candidate) */
     if (idle <= 0)
         return idle;
     while (kids_next(n, &pos, &child)) {

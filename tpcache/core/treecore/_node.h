@@ -49,6 +49,11 @@ extern PyMethodDef bind_methods[];      /* _bind.c */
 /* Which eviction heaps a node is a candidate of: 1 device, 2 host, 0 neither, -1 an error
  * (TypeError for what is not a native node). */
 int candidacy(PyObject *node); /* _candidates.c */
+/* Whether a node with these device state and pins, host state and pins can be a candidate at all
+ * (candidacy then asks its children): an unpinned valid device page, or an idle host-only page. */
+static inline int may_be_candidate(int64_t ds, int64_t dp, int64_t hs, int64_t hp) {
+    return (ds == 2 && dp == 0) || (ds == 0 && hs == 2 && hp == 0);
+}
 /* The device and host candidate heaps of one tree (lists of ints laid out as heapq lays them), the
  * tree's nodes dict and the policy's key kind (0 LRU, 1 LFU, 2 FIFO): the ``Heaps`` object a
  * candidates.Candidates makes once and hands to the kernels. */
