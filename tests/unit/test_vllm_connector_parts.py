@@ -220,24 +220,58 @@ def test_an_unanswered_lookup_is_told_to_answer_once_its_seconds_are_up_and_a_ne
     side = SchedulerSide(B, Manager(r), lookup_timeout_s=2.0, clock=clock)
     side.num_new_matched_tokens(r, 0)
     assert side.build_meta(output()).ops == [(LOOKUP, "a", list(range(9)))]
+    clock.now = 150.0  # the step that carried it is slow: its seconds start at its report
+    side.update_from_output(WorkerReport(step=0), None)
     for _ in range(1000):  # any number of steps within the deadline: no answer op
         clock.now += 0.001
         assert side.build_meta(output()).ops == []
-    clock.now = 101.999
+    clock.now = 151.999
     assert side.build_meta(output()).ops == []
-    clock.now = 102.0
+    clock.now = 152.0
     assert side.build_meta(output()).ops == [(ANSWER, "a")]
-    clock.now = 110.0
+    clock.now = 160.0
     assert side.build_meta(output()).ops == []  # once a lookup
     r.num_preemptions = 1  # looked up again: a fresh start
     side.update_from_output(WorkerReport(hits={"a": (8, 0)}), None)
     assert side.num_new_matched_tokens(r, 0) == (None, False)
-    assert side.build_meta(output()).ops == [(LOOKUP, "a", list(range(9)))]
-    clock.now = 111.0
+    meta = side.build_meta(output())
+    assert meta.ops == [(LOOKUP, "a", list(range(9)))]
+    side.update_from_output(WorkerReport(step=meta.step - 1), None)  # an earlier step's round: not received yet
+    clock.now = 170.0
+    assert side.build_meta(output()).ops == []
+    side.update_from_output(WorkerReport(step=meta.step), None)
+    clock.now = 171.0
     assert side.build_meta(output()).ops == []
     side.update_from_output(WorkerReport(hits={"a": (8, 0)}), None)  # answered in time: no answer op
     clock.now = 200.0
     assert side.build_meta(output()).ops == []
+
+
+def test_the_engines_first_forward_pass_does_not_count_against_a_lookup() -> None:
+    a, b = Req("a", list(range(9))), Req("b", list(range(13)))
+    clock = Clock()
+    side = SchedulerSide(B, Manager(a, b), lookup_timeout_s=2.0, clock=clock)
+    side.num_new_matched_tokens(a, 0)
+    side.num_new_matched_tokens(b, 0)
+    side.update_from_output(WorkerReport(step=side.build_meta(output()).step), None)
+    side.update_from_output(WorkerReport(hits={"a": (8, 0)}, step=side.build_meta(output()).step), None)
+    first = side.build_meta(output(a=1))  # a runs the engine's first forward pass, b still waits
+    clock.now = 101.0
+    assert side.build_meta(output(a=1)).ops == []
+    clock.now = 112.0  # vLLM compiled in that pass: b's seconds start over at its report
+    side.update_from_output(WorkerReport(step=first.step), None)
+    clock.now = 113.9
+    assert side.build_meta(output(a=1)).ops == []
+    clock.now = 114.0
+    assert side.build_meta(output(a=1)).ops == [(ANSWER, "b")]
+    side.update_from_output(WorkerReport(hits={"b": (0, 0)}, step=first.step + 2), None)
+    side.num_new_matched_tokens(b, 0)
+    b.num_preemptions = 1  # a later forward pass counts: a lookup sent now waits 2 s in all
+    side.num_new_matched_tokens(b, 0)
+    meta = side.build_meta(output(a=1))
+    side.update_from_output(WorkerReport(step=meta.step), None)
+    clock.now = 130.0
+    assert side.build_meta(output(a=1)).ops == [(ANSWER, "b")]
 
 
 def test_lookup_timeouts_are_checked() -> None:

@@ -41,6 +41,7 @@ class StepOps(KVConnectorMetadata):
 class WorkerReport(KVConnectorWorkerMetadata):
     # req_id -> (hit tokens, of which read from storage): lookups agreed in this step's round
     hits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    step: int = -1  # the step (``StepOps.step``) whose round this reports; -1: not known
     closed: bool = False
     busy: bool = False  # a worker still has copies or releases to agree: vLLM should keep stepping
     sync_loads: dict[str, bool] = field(default_factory=dict)  # this step's sync loads: landed on every rank?
@@ -62,4 +63,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
             closed=self.closed or other.closed,
             busy=self.busy or other.busy,
             changes=self.changes or other.changes,
+            step=max(self.step, other.step),
         )

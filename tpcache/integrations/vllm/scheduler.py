@@ -29,9 +29,14 @@ whose hit another request's save has since extended (the page after its hit, by 
 is looked up again, at most ``MAX_REFRESHES`` times, before vLLM allocates for it.
 
 A lookup waits for its storage prefetch for at most ``lookup_timeout_s`` seconds, by this process's
-clock: a lookup still unanswered that long after it was sent gets an ``answer`` op in the next
-step, and every worker then reports what has landed in the same round (the ranks never decide by
-their own clocks). A lookup sent again (preemption, a stale hit) waits afresh.
+clock: a lookup still unanswered that long gets an ``answer`` op in the next step, and every worker
+then reports what has landed in the same round (the ranks never decide by their own clocks). Its
+seconds count from the report of the step that carried it (the workers applied it and ran a round
+by then; a step whose forward pass is long would otherwise spend them before any worker saw the
+lookup), and count again from the start once the engine's first forward pass is reported: vLLM may
+compile there, for seconds the ranks spend in one step and so one round, which say nothing about
+storage. The decision stays this process's alone, taken once, and travels in the step's ops. A
+lookup sent again (preemption, a stale hit) waits afresh.
 
 A Mamba group (``state_groups``) has one block per request, which holds the state after the tokens
 computed so far. A save names it for the page that ends where the step's tokens end (the state of
@@ -74,7 +79,7 @@ class _Request:
     computed: int = 0  # tokens computed by the end of the last step it was scheduled in
     before_preemption: int = 0  # tokens it had computed when vLLM last preempted it
     lookup_step: int = 0  # the step whose ops carried its last lookup
-    lookup_sent: float = 0.0  # when its last lookup was sent (the scheduler's clock)
+    waiting_since: float | None = None  # when its last lookup's seconds began (None: not yet reported received)
     answer_sent: bool = False  # the workers were told to answer its last lookup with what landed
     refreshes: int = 0  # lookups repeated because a later save made the hit stale
     load_failed: bool = False  # a load of it failed on some rank: its hit is not offered again
@@ -110,6 +115,8 @@ class SchedulerSide:
         self.step = 0
         self._waiting: list[str] = []  # requests waiting at the last stall check
         self.workers_busy = False  # the last report said some worker has copies or releases to agree
+        self.first_forward: int | None = None  # the step that ran the engine's first forward pass
+        self.warm = False  # that step's report came back
         # running totals for vLLM's stats (tpcache.integrations.vllm.stats)
         # vLLM block hash -> the step whose ops last named that page in a save (bounded: the oldest
         # go first, counted in saved_pages_forgotten)
@@ -211,6 +218,8 @@ class SchedulerSide:
             if waiting and waiting == self._waiting:
                 log.warning("tpcache: requests waiting on lookups or loads since step %d: %s", self.step, waiting)
             self._waiting = waiting
+        if self.first_forward is None and any(n > 0 for n in scheduled.values()):
+            self.first_forward = self.step
         self._answer_overdue()
         meta = StepOps(step=self.step, ops=self.sync_ops + self.ops)
         self.ops, self.sync_ops = [], []
@@ -237,6 +246,7 @@ class SchedulerSide:
                 if state is not None and not landed:
                     state.hit = 0
                     state.load_failed = True
+            self._start_clocks(report.step)
         for req_id in finished_recving or ():
             state = self.requests.get(req_id)
             if state is not None:
@@ -274,16 +284,31 @@ class SchedulerSide:
         state.sent_tokens = len(tokens)
         state.hit, state.storage_hit = None, 0
         state.lookup_step = self.step
-        state.lookup_sent, state.answer_sent = self.clock(), False
+        state.waiting_since, state.answer_sent = None, False
         self.counters["lookups"] += 1
         self.ops.append((LOOKUP, state.request.request_id, tokens))
+
+    def _start_clocks(self, step: int) -> None:
+        """The workers reported step ``step``'s round: the seconds of the lookups it or an earlier
+        step carried start now, and every unanswered lookup's start over if it is the report of
+        the engine's first forward pass."""
+        if step < 0:
+            return
+        now = self.clock()
+        warmed = not self.warm and self.first_forward is not None and step >= self.first_forward
+        self.warm = self.warm or warmed
+        for state in self.requests.values():
+            if state.hit is None and step >= state.lookup_step and (warmed or state.waiting_since is None):
+                state.waiting_since = now
 
     def _answer_overdue(self) -> None:
         """Tell the workers to answer every lookup unanswered for ``lookup_timeout_s`` with what
         has landed (once a lookup; after this step's other ops, so after any lookup they carry)."""
         now = self.clock()
         for req_id, state in self.requests.items():
-            if state.hit is None and not state.answer_sent and now - state.lookup_sent >= self.lookup_timeout_s:
+            if state.hit is not None or state.answer_sent or state.waiting_since is None:
+                continue
+            if now - state.waiting_since >= self.lookup_timeout_s:
                 state.answer_sent = True
                 self.ops.append((ANSWER, req_id))
 

@@ -106,6 +106,7 @@ class WorkerSide:
         self._was_closed = False  # the cache was closed after the last step
         self._ops: list[tuple] | None = None  # this step's operations, once its first were applied
         self._next = 0  # the first of them not applied yet
+        self._step = -1  # the scheduler's number of this step (``StepOps.step``), for the report
 
     # ------------------------------------------------------------------ one engine step
 
@@ -123,6 +124,7 @@ class WorkerSide:
                 self.faults.step = self.steps
             self.cache.transfer.begin_step()
             self._ops, self._next = (list(meta.ops) if meta is not None else []), 0
+            self._step = meta.step if meta is not None else -1
         ops, end = self._ops, len(self._ops)
         if sync_loads_only:
             end = self._next
@@ -150,7 +152,7 @@ class WorkerSide:
         run the step's one round and collect what it agreed."""
         if self._ops is not None and self._next < len(self._ops):
             self.begin_step(None)  # what the step's first hooks left (none where they applied all)
-        self._ops = None
+        self._ops, step, self._step = None, self._step, -1
         self.cache.transfer.end_step()
         if self.faults is not None and self.faults.diverges_now():
             log.warning("tpcache: injecting a divergence on rank %d at step %d", self.cache.rank, self.steps)
@@ -170,7 +172,7 @@ class WorkerSide:
             if self.reopen and not self._flush_asked:
                 self._flush_asked = True
                 self.cache.request_flush()
-        return self._collect(closed)
+        return self._collect(closed, step)
 
     def _announce(self, closed: bool) -> None:
         """A close is a warning that names its cause and what it means for vLLM, once per cause (the
@@ -249,9 +251,9 @@ class WorkerSide:
         else:
             raise ValueError(f"unknown connector op {kind!r}")
 
-    def _collect(self, closed: bool) -> StepResult:
+    def _collect(self, closed: bool, step: int) -> StepResult:
         cache = self.cache
-        out = StepResult(report=WorkerReport(closed=closed))
+        out = StepResult(report=WorkerReport(closed=closed, step=step))
         for req, state in self.requests.items():
             if state.reported:
                 continue
