@@ -351,9 +351,7 @@ def cross_tp_plan(workdir: Path) -> dict[str, Any]:
     to a rounding far below a token's; ``ref`` is plain vLLM at TP=1, its prefix caching off."""
     make_tiny_llama(workdir / "model", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=32)
     first, second = prompts()["batch"], prompts(seed=2)["batch"]
-    # The readers are fresh engines whose first lookup meets a cold store: given 30 s rather than the
-    # default 2 s, so the hit under test is not given up as a miss while a loaded machine starts it.
-    connector = {"host_pages": 256, "storage_dir": str(workdir / "store"), "lookup_timeout_s": 30.0}
+    connector = {"host_pages": 256, "storage_dir": str(workdir / "store")}
 
     def gen(name: str, batch: list[list[int]]) -> dict[str, Any]:
         return {"op": "generate", "name": name, "prompts": batch, "max_tokens": 8}
