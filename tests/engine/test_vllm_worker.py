@@ -50,6 +50,7 @@ def run_steps(
             out.append(
                 {
                     "hits": dict(result.report.hits),
+                    "step": result.report.step,
                     "sent": sorted(result.finished_sending),
                     "recv": sorted(result.finished_recving),
                     "invalid": sorted(result.invalid_blocks),
@@ -84,6 +85,7 @@ SAVE_THEN_LOAD = {
 def test_hits_are_reported_after_the_round_and_loads_land_on_every_rank() -> None:
     ranks = run_steps(SAVE_THEN_LOAD, 7)
     for steps in ranks:
+        assert [s["step"] for s in steps] == list(range(7))  # a lookup's seconds start at its step's report
         assert steps[0]["hits"] == {"a": (0, 0)}
         assert steps[2]["sent"] == ["a"]
         assert steps[3]["hits"] == {"b": (3 * PAGE, 0)}
