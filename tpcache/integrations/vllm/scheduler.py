@@ -32,10 +32,10 @@ A lookup waits for its storage prefetch for at most ``lookup_timeout_s`` seconds
 clock: a lookup still unanswered that long gets an ``answer`` op in the next step, and every worker
 then reports what has landed in the same round (the ranks never decide by their own clocks). Its
 seconds count from the report of the step that carried it (the workers applied it and ran a round
-by then; a step whose forward pass is long would otherwise spend them before any worker saw the
-lookup), and count again from the start once the engine's first forward pass is reported: vLLM may
-compile there, for seconds the ranks spend in one step and so one round, which say nothing about
-storage. The decision stays this process's alone, taken once, and travels in the step's ops. A
+by then; a step whose forward pass is long would otherwise spend them before the workers ran one
+round for it), and count again from the start once the engine's first forward pass is reported:
+vLLM may compile there, for seconds the ranks spend in one step and so one round, which say
+nothing about storage. The decision stays this process's alone, taken once, and travels in the step's ops. A
 lookup sent again (preemption, a stale hit) waits afresh.
 
 A Mamba group (``state_groups``) has one block per request, which holds the state after the tokens
