@@ -54,12 +54,52 @@ int candidacy(PyObject *node); /* _candidates.c */
 static inline int may_be_candidate(int64_t ds, int64_t dp, int64_t hs, int64_t hp) {
     return (ds == 2 && dp == 0) || (ds == 0 && hs == 2 && hp == 0);
 }
+/* The tree's nodes by id (tree.RadixTree.nodes under the native core; _table.c): ids index arrays.
+ * Slot ``id & (TABLE_CHUNK - 1)`` of chunk ``(id >> TABLE_BITS) - first`` of the directory holds the
+ * node of that id, NULL where there is none; a chunk is freed when its last node goes, and the
+ * directory drops the empty chunks at either end. Ids are made in increasing order and never reused,
+ * so the live nodes fill the chunks of recent ids densely: the table costs a pointer a node, its
+ * chunks' unused slots, and a directory entry per TABLE_CHUNK ids between the lowest and the highest
+ * live id. It holds native nodes only (the collector need not walk it). */
+enum { TABLE_BITS = 7, TABLE_CHUNK = 1 << TABLE_BITS };
+typedef struct {
+    Py_ssize_t live; /* the nodes in it: it is freed at 0 */
+    Node *slot[TABLE_CHUNK];
+} Chunk;
+typedef struct {
+    PyObject_HEAD
+    Chunk **dir;          /* dir[head .. end): chunks first + head .. first + end, NULL where empty */
+    int64_t first;        /* the chunk number of dir[0] (chunk number: id >> TABLE_BITS) */
+    Py_ssize_t head, end, room, len;
+} NodeTable;
+extern PyTypeObject NodeTableType;
+static inline int is_table(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeTableType); }
+/* ``o`` as a NodeTable, or NULL and a TypeError naming ``who``. */
+NodeTable *as_table(PyObject *o, const char *who);
+/* The node of ``id`` (borrowed), or NULL (no exception): the kernels' lookup. */
+static inline Node *table_get(const NodeTable *t, int64_t id) {
+    int64_t c = (id >> TABLE_BITS) - t->first;
+    if (c < t->head || c >= t->end || t->dir[c] == NULL)
+        return NULL;
+    return t->dir[c]->slot[id & (TABLE_CHUNK - 1)];
+}
+/* The node of the id ``key`` (borrowed), or NULL: then an exception is set only for what is not an
+ * int (TypeError); an int out of int64 range is simply absent. */
+Node *table_find(const NodeTable *t, PyObject *key);
+/* Put ``node`` in under ``id`` (replacing any node there): 0, or -1 and an exception. */
+int table_put(NodeTable *t, int64_t id, Node *node);
+/* Take the node of ``id`` out: 0, or -1 and a KeyError when there is none. */
+int table_del(NodeTable *t, int64_t id);
+/* The nodes by ascending id (a new list), or NULL and an exception. */
+PyObject *table_nodes(NodeTable *t);
+
 /* The device and host candidate heaps of one tree (lists of ints laid out as heapq lays them), the
- * tree's nodes dict and the policy's key kind (0 LRU, 1 LFU, 2 FIFO): the ``Heaps`` object a
+ * tree's node table and the policy's key kind (0 LRU, 1 LFU, 2 FIFO): the ``Heaps`` object a
  * candidates.Candidates makes once and hands to the kernels. */
 typedef struct {
     PyObject_HEAD
-    PyObject *dev, *host, *nodes;
+    PyObject *dev, *host;
+    NodeTable *nodes;
     long kind;
 } Heaps;
 extern PyTypeObject HeapsType;
@@ -162,6 +202,7 @@ Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t 
 #define INTERN(name) INTERN_AS(s_##name, #name)
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
+
 
 /* An int field's value: -1 and an exception if it is not an int64. Most fields hold small ints (a
  * state, a pin count, a stamp): those are read here, without a call into the interpreter. */
