@@ -1,7 +1,7 @@
 """The native core's nodes by id (``_node.NodeTable``, ``tpcache/core/treecore/_table.c``) held to the reference
 core's ``dict[int, Node]``: the same answers to every read the code makes, ids listed in ascending order (the
 dict's insertion order in a tree), KeyError for an id it does not hold, and memory that follows the live
-ids, not the ids ever made."""
+nodes, however their ids are spread over the ids ever made."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from tpcache.core.treecore.tree import NATIVE_NODES, Node, RadixTree
 
 pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
-CHUNK = 128  # ids a chunk of the table covers (TABLE_CHUNK in _node.h)
+CHUNK = 128  # a stretch of ids the schedules below use (the table has no unit of ids: it hashes them)
+SLOT = 16  # bytes a slot of the table takes: an int64 id and a node pointer (TableSlot in _node.h)
 
 
 def _node(node_id: int) -> Node:
@@ -41,7 +42,7 @@ def test_ids_in_order_removal_and_keyerror():
     for i in range(0, 3 * CHUNK + 5):
         table[i] = ref[i] = _node(i)
     _same(table, ref)
-    for i in list(ref)[1::3] + list(range(CHUNK, 2 * CHUNK)):  # a whole chunk goes, and a third of the rest
+    for i in list(ref)[1::3] + list(range(CHUNK, 2 * CHUNK)):  # a whole stretch goes, and a third of the rest
         if i in ref:
             del table[i], ref[i]
     _same(table, ref)
@@ -94,7 +95,7 @@ def test_random_schedule_matches_the_dict():
 
 def test_memory_follows_the_live_ids():
     """Ids made and dropped oldest first (an LRU cache's order): the table's size stays that of the
-    live window, not of every id made; emptied, it holds no chunk."""
+    live window, not of every id made; emptied, it holds a few slots."""
     table = NATIVE.NodeTable()
     window, made = 4 * CHUNK, 200 * CHUNK
     for i in range(made):
@@ -103,12 +104,69 @@ def test_memory_follows_the_live_ids():
             del table[i - window]
     live_bytes = sys.getsizeof(table)
     assert len(table) == window
-    assert live_bytes < 64 * window, live_bytes  # about a pointer a live id; 200 chunks of ids were made
+    assert live_bytes < 64 * window, live_bytes  # a slot a live id at a load of 0.35-0.7; 200 * window ids were made
     for i in list(table):
         del table[i]
     assert len(table) == 0 and list(table) == [] and sys.getsizeof(table) < 1024
     table[5] = _node(5)  # an emptied table starts again wherever the next id falls
     assert list(table) == [5]
+
+
+def test_memory_follows_the_live_nodes_when_their_ids_are_sparse():
+    """One live id in every 10,000 of 10**7 made, the root's (0) kept throughout, the ids between made and
+    dropped: the table's memory is a slot array for the 1,001 live nodes, where memory indexed by id would
+    follow the 10**7 ids between the lowest and the highest (a pointer each, at least)."""
+    table, node = NATIVE.NodeTable(), _node(0)
+    table[0] = node
+    for kept in range(10_000, 10**7 + 1, 10_000):
+        for i in range(kept - 20, kept):  # the ids before it come and go (a few of the 9,999 suffice)
+            table[i] = node
+        for i in range(kept - 20, kept):
+            del table[i]
+        table[kept] = node
+    assert len(table) == 1001 and list(table) == [0, *range(10_000, 10**7 + 1, 10_000)]
+    assert sys.getsizeof(table) < 3 * SLOT * len(table) + 256, sys.getsizeof(table)  # a load of 0.35-0.7
+
+
+def test_the_table_grows_and_shrinks_with_its_nodes():
+    """100,000 nodes in, then all but every 1,000th (and the root) out: the size comes down with them,
+    and the table still answers as the dict does; emptied but for the root, it is a handful of slots."""
+    table, ref = NATIVE.NodeTable(), {}
+    empty = sys.getsizeof(table)
+    for i in range(100_000):
+        table[i] = ref[i] = _node(i)
+    full = sys.getsizeof(table)
+    assert SLOT * len(table) < full - empty < 3 * SLOT * len(table), full  # a load of 0.35-0.7
+    for i in range(100_000):
+        if i % 1000:
+            del table[i], ref[i]
+    _same(table, ref)
+    kept = sys.getsizeof(table)
+    assert kept - empty < 7 * SLOT * len(table) and kept < full / 100, (kept, full)  # a load of at least 0.15
+    for i in list(ref)[1:]:
+        del table[i], ref[i]
+    assert list(table) == [0] and sys.getsizeof(table) - empty <= 8 * SLOT  # the fewest slots it keeps
+    for i in range(200_000, 203_000):  # and it grows again
+        table[i] = ref[i] = _node(i)
+    _same(table, ref)
+
+
+def test_any_int64_ids_in_any_order():
+    """Ids anywhere in int64, negative ones too, put and taken in random order, many in the same few home
+    slots of a small table (removal shifts them back across the array's end): listed in ascending order."""
+    rng = random.Random(11)
+    table, ref = NATIVE.NodeTable(), {}
+    pool = [rng.randint(-(2**63), 2**63 - 1) for _ in range(300)] + [k << 40 for k in range(-50, 50)]
+    pool += [2**63 - 1 - k for k in range(20)] + [-(2**63) + k for k in range(20)]
+    for step in range(20_000):
+        i = rng.choice(pool)
+        if i in ref and rng.random() < 0.6:
+            del table[i], ref[i]
+        elif i not in ref:
+            table[i] = ref[i] = _node(0)
+        if step % 499 == 0:
+            _same(table, dict(sorted(ref.items())))
+    _same(table, dict(sorted(ref.items())))
 
 
 # A replay with evictions, printing each request's listing of the tree's ids (the same on both cores).

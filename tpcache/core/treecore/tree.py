@@ -161,10 +161,10 @@ class PyNode:
 
 
 Node, _chain_below = (NATIVE.Node, NATIVE.chain_below) if NATIVE is not None else (PyNode, None)
-# The tree's nodes by id: under the native core a NodeTable (_table.c: ids index chunked arrays, no int
+# The tree's nodes by id: under the native core a NodeTable (_table.c: a hash table on int64 ids, no int
 # key or dict entry per node; the kernels find, add and drop nodes there by their int64 ids), under the
 # reference a dict. Both list ids in ascending order: the dict's insertion order, since a node goes in
-# when it is made, with the next id, and no id is ever made again.
+# when it is made, with the next id, and no id is ever made again (the table sorts its ids to list them).
 NodeTable = NATIVE.NodeTable if NATIVE is not None else dict
 
 NATIVE_NODES = Node is not PyNode
