@@ -153,15 +153,15 @@ static Py_ssize_t path_room = 0;
 /* The nodes of ``ids`` found by following parents up from the last one's (found in ``tree_nodes``)
  * for as long as each parent's id is the next id down (the same object: a lease holds its nodes'
  * own ids), into ``found``; the rest are left NULL (the caller looks those up, and reports what the
- * lookup finds wrong). A path costs one lookup in the tree's dict, not one a page. Pure. */
-static void path_up(PyObject *tree_nodes, PyObject *const *ids, Py_ssize_t n, Node **found) {
+ * lookup finds wrong). A path costs one lookup in the tree's table, not one a page. Pure. */
+static void path_up(NodeTable *tree_nodes, PyObject *const *ids, Py_ssize_t n, Node **found) {
     memset(found, 0, (size_t)n * sizeof(Node *));
-    PyObject *last = PyLong_CheckExact(ids[n - 1]) ? PyDict_GetItemWithError(tree_nodes, ids[n - 1]) : NULL;
-    if (!is_node(last)) {
+    Node *last = PyLong_CheckExact(ids[n - 1]) ? table_find(tree_nodes, ids[n - 1]) : NULL;
+    if (last == NULL) {
         PyErr_Clear();
         return;
     }
-    found[n - 1] = (Node *)last;
+    found[n - 1] = last;
     for (Py_ssize_t i = n - 2; i >= 0; i--) {
         PyObject *up = found[i + 1]->parent;
         if (!is_node(up) || ((Node *)up)->node_id != ids[i])
@@ -172,16 +172,16 @@ static void path_up(PyObject *tree_nodes, PyObject *const *ids, Py_ssize_t n, No
 
 /* touch(tree_nodes, ids, device_pins, stamp, hit, clock, digest, candidates) -> (digest, evictable
  * delta, protected delta, unresident): Ledger.touch's loop (see there) over the nodes ``ids`` name
- * in the tree's nodes dict (``tree_nodes`` None: ``ids`` holds the nodes themselves, a walk's), each
+ * in the tree's NodeTable (``tree_nodes`` None: ``ids`` holds the nodes themselves, a walk's), each
  * offered to ``candidates`` as Candidates.offer does (``lazy_offer``), its heaps loaded at the first
  * push; ``unresident``: the ids of those with no copy on device or host, in order (``unresident``'s
  * filter in the same pass). A KeyError names an id not in the tree. */
 static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8)
         return PyErr_Format(PyExc_TypeError, "touch takes 8 arguments, not %zd", nargs);
-    if (!PyDict_CheckExact(args[0]) && args[0] != Py_None)
-        return PyErr_Format(PyExc_TypeError, "touch takes the tree's nodes dict (or None)");
-    PyObject *tree_nodes = args[0];
+    if (!is_table(args[0]) && args[0] != Py_None)
+        return PyErr_Format(PyExc_TypeError, "touch takes the tree's NodeTable (or None)");
+    NodeTable *tree_nodes = args[0] == Py_None ? NULL : (NodeTable *)args[0];
     long long delta = PyLong_AsLongLong(args[2]);
     int stamp = PyObject_IsTrue(args[3]), hit = PyObject_IsTrue(args[4]);
     PyObject *clock = args[5];
@@ -202,7 +202,7 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     int stamped = 0; /* the clock's value read (at the first stamp) */
     /* A touch changes no parent and no entry of the tree's dict: the nodes found first stay theirs. */
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    int by_id = tree_nodes != Py_None && count > 0;
+    int by_id = tree_nodes != NULL && count > 0;
     if (by_id && count > path_room) {
         Node **grown = PyMem_Realloc(path_nodes, (size_t)count * sizeof(Node *));
         if (grown == NULL) {
@@ -219,10 +219,10 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         PyObject *key = PySequence_Fast_GET_ITEM(seq, i), *item = key;
         if (by_id && i < count && found[i] != NULL)
             item = (PyObject *)found[i];
-        else if (tree_nodes != Py_None && !PyLong_CheckExact(key)) {
+        else if (tree_nodes != NULL && !PyLong_CheckExact(key)) {
             PyErr_SetString(PyExc_TypeError, "touch: a node id (an int)");
             goto fail;
-        } else if (tree_nodes != Py_None && (item = PyDict_GetItemWithError(tree_nodes, key)) == NULL) { /* borrowed */
+        } else if (tree_nodes != NULL && (item = (PyObject *)table_find(tree_nodes, key)) == NULL) { /* borrowed */
             if (!PyErr_Occurred())
                 PyErr_SetObject(PyExc_KeyError, key);
             goto fail;
@@ -304,12 +304,12 @@ static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     return node_flags((Node *)node, &bits) < 0 ? NULL : PyLong_FromLong(bits);
 }
 
-/* unresident(tree_nodes, ids) -> those of ``ids`` whose node in the tree's nodes dict has no copy on
+/* unresident(tree_nodes, ids) -> those of ``ids`` whose node in the tree's NodeTable has no copy on
  * device or host (both states 0), in order; an id not in the tree is left out (it holds nothing):
  * the filter a release runs over its path and a completion over its op's pages (accounting.unresident). */
 static PyObject *py_unresident(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyDict_CheckExact(args[0]))
-        return PyErr_Format(PyExc_TypeError, "unresident takes the tree's nodes dict and a sequence of ids");
+    if (nargs != 2 || !is_table(args[0]))
+        return PyErr_Format(PyExc_TypeError, "unresident takes the tree's NodeTable and a sequence of ids");
     /* A list is read in place (as in touch), its length read again each turn. */
     PyObject *seq = PyList_Check(args[1]) ? Py_NewRef(args[1]) : PySequence_Fast(args[1], "unresident takes a sequence of node ids");
     if (seq == NULL)
@@ -321,7 +321,7 @@ static PyObject *py_unresident(PyObject *mod, PyObject *const *args, Py_ssize_t 
             PyErr_SetString(PyExc_TypeError, "unresident: a node id (an int)");
             goto fail;
         }
-        PyObject *item = PyDict_GetItemWithError(args[0], key); /* borrowed */
+        PyObject *item = (PyObject *)table_find((NodeTable *)args[0], key); /* borrowed */
         if (item == NULL && PyErr_Occurred())
             goto fail;
         if (item == NULL)

@@ -257,7 +257,7 @@ static int entry_cmp(PyObject *entry, const Key *key) {
 
 /* A push now would rebuild the heaps first (candidates.Candidates._push's test). */
 static int rebuild_due(Heaps *h) {
-    return PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * PyDict_GET_SIZE(h->nodes) + 64;
+    return PyList_GET_SIZE(h->dev) + PyList_GET_SIZE(h->host) > 4 * h->nodes->len + 64;
 }
 
 /* Exchange the items of two lists (their arrays, sizes and capacities). */
@@ -272,13 +272,14 @@ static void swap_items(PyListObject *a, PyListObject *b) {
     b->allocated = allocated;
 }
 
-/* candidates.Candidates.rebuild, in place: one entry per candidate, nodes in insertion order,
- * heapified: 0, or -1 and an exception. */
+/* candidates.Candidates.rebuild, in place: one entry per candidate, nodes by ascending id (the
+ * reference dict's insertion order), heapified: 0, or -1 and an exception. */
 static int heaps_rebuild(Heaps *h) {
-    PyObject *dev = PyList_New(0), *host = PyList_New(0), *node;
-    Py_ssize_t pos = 0;
-    int rc = dev == NULL || host == NULL ? -1 : 0;
-    while (rc == 0 && PyDict_Next(h->nodes, &pos, NULL, &node)) {
+    PyObject *dev = PyList_New(0), *host = PyList_New(0);
+    PyObject *nodes = dev == NULL || host == NULL ? NULL : table_nodes(h->nodes);
+    int rc = nodes == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < PyList_GET_SIZE(nodes); i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
         int which = candidacy(node);
         PyObject *entry = which > 0 ? heap_entry((Node *)node, h->kind) : NULL;
         if (which < 0 || (which > 0 && entry == NULL))
@@ -292,6 +293,7 @@ static int heaps_rebuild(Heaps *h) {
         swap_items((PyListObject *)h->host, (PyListObject *)host);
         rc = heap_order(h->dev) < 0 || heap_order(h->host) < 0 ? -1 : 0;
     }
+    Py_XDECREF(nodes);
     Py_XDECREF(dev);
     Py_XDECREF(host);
     return rc;
@@ -391,16 +393,17 @@ static PyObject *py_offer_around(PyObject *mod, PyObject *const *args, Py_ssize_
 /* Whether a popped (or top) entry is live: its node is a candidate of ``which`` with the key it was
  * pushed with (candidates.Candidates.live). 1 and the node (a new reference) in ``*out``, 0 stale,
  * -1 and an exception. */
-static int entry_node(PyObject *entry, long which, PyObject *nodes, long kind, PyObject **out) {
+static int entry_node(PyObject *entry, long which, NodeTable *nodes, long kind, PyObject **out) {
     if (!PyLong_Check(entry)) {
         PyErr_SetString(PyExc_TypeError, "a heap entry is an int (key << 64 | node id)");
         return -1;
     }
-    PyObject *id = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(entry));
-    PyObject *node = id == NULL ? NULL : PyDict_GetItemWithError(nodes, id); /* borrowed */
-    Py_XDECREF(id);
+    uint64_t id = PyLong_AsUnsignedLongLongMask(entry);
+    if (id == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    PyObject *node = id > INT64_MAX ? NULL : (PyObject *)table_get(nodes, (int64_t)id); /* borrowed */
     if (node == NULL)
-        return PyErr_Occurred() ? -1 : 0;
+        return 0;
     int c = candidacy(node), live = c < 0 ? -1 : 0;
     if (c > 0 && c & which) {
         Key key;

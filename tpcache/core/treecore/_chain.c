@@ -70,7 +70,7 @@ static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t s
 /* Add the chain's nodes below ``parent``; ``nodes`` receives them and ``ids`` (unless NULL) their
  * ids, the nodes' own id objects. 0, or -1 and an exception (the
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
-static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
+static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
                      uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, PyObject *ids, uint64_t *records) {
     if (DEVICE_VALID == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "pinned_chain: the tier states are not bound (tree.py binds them)");
@@ -113,7 +113,7 @@ static int add_chain(PyObject *tree_nodes, long long next_id, Node *parent, cons
         f.device_page = page;
         if (known)
             rec = record_fields(&f);
-        int bad = added != 0 || PyDict_SetItem(tree_nodes, id, (PyObject *)node) < 0 || (!known && record_native(node, &rec) < 0);
+        int bad = added != 0 || table_put(tree_nodes, next_id + i, node) < 0 || (!known && record_native(node, &rec) < 0);
         Py_DECREF(id);
         if (!bad) {
             node->record = rec;
@@ -135,11 +135,14 @@ done:
 
 /* The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes, each
  * below the one before, device VALID on its page, pinned once, recorded, their ids ``next_id`` on and
- * added to ``tree_nodes``: (nodes, sum of their records, their ids), or NULL and an exception. */
+ * added to ``tree_nodes`` (the tree's NodeTable): (nodes, sum of their records, their ids), or NULL and an exception. */
 static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step, uint64_t seed, PyObject *parent,
                         PyObject *data, Py_ssize_t offset, PyObject *pages, PyObject *clock) {
-    if (!PyDict_Check(tree_nodes) || step <= 0)
-        return PyErr_Format(PyExc_TypeError, "pinned_chain: the tree's nodes dict and a page of at least one token");
+    NodeTable *table = as_table(tree_nodes, "pinned_chain");
+    if (table == NULL)
+        return NULL;
+    if (step <= 0)
+        return PyErr_Format(PyExc_TypeError, "pinned_chain: a page of at least one token");
     Py_ssize_t count = PyList_GET_SIZE(pages);
     if (offset < 0 || offset + count * step > PyBytes_GET_SIZE(data))
         return PyErr_Format(PyExc_ValueError, "pinned_chain: fewer tokens than pages");
@@ -154,7 +157,7 @@ static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step
     PyObject *nodes = PyList_New(count), *ids = PyList_New(count), *out = NULL;
     uint64_t records = 0;
     if (nodes != NULL && ids != NULL &&
-        add_chain(tree_nodes, next_id, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages, clock,
+        add_chain(table, next_id, (Node *)parent, PyBytes_AS_STRING(data) + offset, step, seed, pages, clock,
                   nodes, ids, &records) == 0)
         out = Py_BuildValue("(OKO)", nodes, (unsigned long long)records, ids);
     Py_XDECREF(nodes);
@@ -257,8 +260,10 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
     unsigned long long seed = PyLong_AsUnsignedLongLong(args[3]);
     if (PyErr_Occurred())
         return NULL;
-    if (!PyDict_CheckExact(tree_nodes) || size <= 0)
-        return PyErr_Format(PyExc_TypeError, "append_chain takes the tree's nodes dict and its page size");
+    if (as_table(tree_nodes, "append_chain") == NULL)
+        return NULL;
+    if (size <= 0)
+        return PyErr_Format(PyExc_TypeError, "append_chain takes the tree's page size");
     int64_t stamp;
     if (!is_node(cursor) || !PyBytes_Check(data) || !PyList_Check(pages) || !is_holding(held) ||
         !is_holding(pinned_nodes) || field(clock, &stamp) < 0) {

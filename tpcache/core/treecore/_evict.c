@@ -159,7 +159,8 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     n->record = 0;
     Node *parent = (Node *)Py_NewRef(n->parent);
     int rc = -1;
-    if (kids_del(parent, n) < 0 || PyDict_DelItem(s->heaps->nodes, n->node_id) < 0)
+    int64_t id;
+    if (kids_del(parent, n) < 0 || field(n->node_id, &id) < 0 || table_del(s->heaps->nodes, id) < 0)
         goto done;
     set_field(&n->parent, Py_None);
     set_field(&n->run, Py_None);

@@ -105,14 +105,14 @@ static PyObject *heaps_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *nodes;
     long kind;
     static char *names[] = {"nodes", "kind", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!l:Heaps", names, &PyDict_Type, &nodes, &kind))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!l:Heaps", names, &NodeTableType, &nodes, &kind))
         return NULL;
     if (kind < 0 || kind > 2)
         return PyErr_Format(PyExc_ValueError, "Heaps: key kind %ld; 0 (lru), 1 (lfu) or 2 (fifo)", kind);
     Heaps *h = (Heaps *)type->tp_alloc(type, 0);
     if (h == NULL)
         return NULL;
-    h->nodes = Py_NewRef(nodes);
+    h->nodes = (NodeTable *)Py_NewRef(nodes);
     h->kind = kind;
     h->dev = PyList_New(0);
     h->host = PyList_New(0);
@@ -138,7 +138,7 @@ static void heaps_dealloc(Heaps *h) {
 static PyMemberDef heaps_members[] = {
     {"device", T_OBJECT_EX, offsetof(Heaps, dev), READONLY, "The device heap (a list, changed in place)."},
     {"host", T_OBJECT_EX, offsetof(Heaps, host), READONLY, "The host heap (a list, changed in place)."},
-    {"nodes", T_OBJECT_EX, offsetof(Heaps, nodes), READONLY, "The tree's nodes by id."},
+    {"nodes", T_OBJECT_EX, offsetof(Heaps, nodes), READONLY, "The tree's nodes by id (its NodeTable)."},
     {"kind", T_LONG, offsetof(Heaps, kind), READONLY, "The policy's key kind: 0 LRU, 1 LFU, 2 FIFO."},
     {NULL},
 };

@@ -295,7 +295,8 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__node(void) {
-    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&TokKeyType) < 0 || PyType_Ready(&HoldingType) < 0 || PyType_Ready(&HeapsType) < 0)
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&TokKeyType) < 0 || PyType_Ready(&HoldingType) < 0 || PyType_Ready(&HeapsType) < 0 ||
+        PyType_Ready(&NodeTableType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)
@@ -309,7 +310,8 @@ PyMODINIT_FUNC PyInit__node(void) {
     }
     if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 ||
         PyModule_AddObjectRef(m, "Holding", (PyObject *)&HoldingType) < 0 ||
-        PyModule_AddObjectRef(m, "Heaps", (PyObject *)&HeapsType) < 0) {
+        PyModule_AddObjectRef(m, "Heaps", (PyObject *)&HeapsType) < 0 ||
+        PyModule_AddObjectRef(m, "NodeTable", (PyObject *)&NodeTableType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -161,6 +161,11 @@ class PyNode:
 
 
 Node, _chain_below = (NATIVE.Node, NATIVE.chain_below) if NATIVE is not None else (PyNode, None)
+# The tree's nodes by id: under the native core a NodeTable (_table.c: a hash table on int64 ids, no int
+# key or dict entry per node; the kernels find, add and drop nodes there by their int64 ids), under the
+# reference a dict. Both list ids in ascending order: the dict's insertion order, since a node goes in
+# when it is made, with the next id, and no id is ever made again (the table sorts its ids to list them).
+NodeTable = NATIVE.NodeTable if NATIVE is not None else dict
 
 NATIVE_NODES = Node is not PyNode
 
@@ -254,7 +259,8 @@ class RadixTree:
         self.namespace = namespace
         self.seed = namespace_seed(namespace)
         self.root = Node(0, None, b"", root_hash(namespace), 0)
-        self.nodes: dict[int, Node] = {0: self.root}
+        self.nodes: dict[int, Node] = NodeTable()  # (a NodeTable reads as this dict)
+        self.nodes[0] = self.root
         self._next_id = 1
 
     def walk(self, token_bytes: bytes, start: Node | None = None) -> Walk:
@@ -385,7 +391,7 @@ class RadixTree:
         Called when the tree is dropped; the tree is empty afterwards."""
         for node in getattr(self, "nodes", {}).values():  # (a tree whose __init__ raised has none)
             node.parent = node.run = node.pages_run = None
-        self.nodes = {}
+        self.nodes = NodeTable()
 
     def __del__(self) -> None:
         self.dispose()
