@@ -19,7 +19,7 @@ from tpcache.core.treecore.tree import NATIVE_NODES, Node, RadixTree
 
 pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
-CHUNK = 128  # a stretch of ids the schedules below use (the table has no unit of ids: it hashes them)
+STRETCH = 128  # a stretch of ids the schedules below use (the table has no unit of ids: it hashes them)
 SLOT = 16  # bytes a slot of the table takes: an int64 id and a node pointer (TableSlot in _node.h)
 
 
@@ -39,14 +39,14 @@ def _same(table, ref: dict) -> None:
 
 def test_ids_in_order_removal_and_keyerror():
     table, ref = NATIVE.NodeTable(), {}
-    for i in range(0, 3 * CHUNK + 5):
+    for i in range(0, 3 * STRETCH + 5):
         table[i] = ref[i] = _node(i)
     _same(table, ref)
-    for i in list(ref)[1::3] + list(range(CHUNK, 2 * CHUNK)):  # a whole stretch goes, and a third of the rest
+    for i in list(ref)[1::3] + list(range(STRETCH, 2 * STRETCH)):  # a whole stretch goes, and a third of the rest
         if i in ref:
             del table[i], ref[i]
     _same(table, ref)
-    for missing in (1, CHUNK + 7, 10**6, -1, 2**63, -(2**70)):
+    for missing in (1, STRETCH + 7, 10**6, -1, 2**63, -(2**70)):
         assert missing not in table and table.get(missing) is None and table.get(missing, "d") == "d"
         with pytest.raises(KeyError) as e:
             table[missing]
@@ -81,11 +81,11 @@ def test_random_schedule_matches_the_dict():
             for i in rng.sample(live, min(len(live), rng.randint(1, 50))):
                 del table[i], ref[i]
         elif r < 0.99 and ref:
-            low = min(ref) - rng.randint(1, 3 * CHUNK)  # below the lowest live id (the reference sorts it in)
+            low = min(ref) - rng.randint(1, 3 * STRETCH)  # below the lowest live id (the reference sorts it in)
             table[low] = _node(low)
             ref = dict(sorted({**ref, low: table[low]}.items()))
         else:
-            far = next_id + rng.randint(CHUNK, 40 * CHUNK)
+            far = next_id + rng.randint(STRETCH, 40 * STRETCH)
             table[far] = ref[far] = _node(far)
             next_id = far + 1
         if step % 97 == 0:
@@ -97,7 +97,7 @@ def test_memory_follows_the_live_ids():
     """Ids made and dropped oldest first (an LRU cache's order): the table's size stays that of the
     live window, not of every id made; emptied, it holds a few slots."""
     table = NATIVE.NodeTable()
-    window, made = 4 * CHUNK, 200 * CHUNK
+    window, made = 4 * STRETCH, 200 * STRETCH
     for i in range(made):
         table[i] = _node(i)
         if i >= window:

@@ -200,7 +200,7 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     }
     int64_t evictable = 0, protected_ = 0, stamp_value = 0;
     int stamped = 0; /* the clock's value read (at the first stamp) */
-    /* A touch changes no parent and no entry of the tree's dict: the nodes found first stay theirs. */
+    /* A touch changes no parent and no entry of the tree's NodeTable: the nodes found first stay theirs. */
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     int by_id = tree_nodes != NULL && count > 0;
     if (by_id && count > path_room) {
