@@ -43,29 +43,24 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
 }
 
 
-enum { STACK_INPUT = 4096 }; /* pages of up to 1022 tokens hash from a buffer on the stack */
+static Seeded page_seeded; /* the pages' seed's secret (_hash.h) */
 
-/* hashing.page_hash: XXH3-64 of the parent page's hash (8 bytes, little-endian) and the page's
- * tokens, with the namespace's seed; in place of ``*h``. */
-static void page_hash(uint64_t *h, const char *page, Py_ssize_t step, uint64_t seed) {
-    uint64_t le = *h; /* the parent's hash, little-endian */
+/* hashing.page_hash of a new node's tokens below a page of hash ``up``: XXH3-64 of ``up`` (8 bytes,
+ * little-endian) and the tokens, with the namespace's seed. Hashed where the tokens lie: the 8 bytes
+ * before them, a field node_fill sets afterwards, hold ``up`` meanwhile (no copy of the page to hash). */
+static uint64_t page_hash(Node *node, uint64_t up, uint64_t seed) {
+    _Static_assert(offsetof(Node, tok) >= offsetof(Node, parent) + 8, "8 bytes of fields before the tokens");
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    le = __builtin_bswap64(le);
+    up = __builtin_bswap64(up);
 #endif
-    if (step + 8 <= STACK_INPUT) {
-        uint8_t buf[STACK_INPUT];
-        memcpy(buf, &le, 8); /* one 8-byte store: bytes stored one by one and read back as a word stall */
-        memcpy(buf + 8, page, (size_t)step);
-        *h = XXH3_64bits_withSeed(buf, (size_t)step + 8, seed);
-        return;
-    }
-    XXH3_state_t state; /* longer pages: the same hash, streamed */
-    XXH3_INITSTATE(&state);
-    XXH3_64bits_reset_withSeed(&state, seed);
-    XXH3_64bits_update(&state, &le, 8);
-    XXH3_64bits_update(&state, page, (size_t)step);
-    *h = XXH3_64bits_digest(&state);
+    char *at = node->tok - 8;
+    memcpy(at, &up, 8);
+    return seeded_hash(&page_seeded, at, (size_t)Py_SIZE(node) + 8, seed);
 }
+
+/* The device pages' int objects, freed long before, are most often out of the cache: each is
+ * fetched this many pages ahead of its read. */
+enum { PAGES_AHEAD = 4 };
 
 /* Add the chain's nodes below ``parent``; ``nodes`` receives them and ``ids`` (unless NULL) their
  * ids, the nodes' own id objects. 0, or -1 and an exception (the
@@ -88,17 +83,25 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
     PyObject *one = PyLong_FromLong(1);
     Node *up = (Node *)Py_NewRef(parent), *first = parent;
     int rc = -1;
+    for (Py_ssize_t i = 0; i < count && i < PAGES_AHEAD; i++)
+        __builtin_prefetch(PyList_GET_ITEM(pages, i));
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t page;
+        if (i + PAGES_AHEAD < count)
+            __builtin_prefetch(PyList_GET_ITEM(pages, i + PAGES_AHEAD));
         if (field(PyList_GET_ITEM(pages, i), &page) < 0)
             goto done;
-        page_hash(&h, data + i * step, step, seed);
         PyObject *id = PyLong_FromLongLong(next_id + i);
-        Node *node = id ? node_new(id, (PyObject *)up, data + i * step, step, h, clock) : NULL;
+        Node *node = id ? node_alloc(step) : NULL;
         if (node == NULL) {
             Py_XDECREF(id);
             goto done;
         }
+        if (i + 1 < count)
+            node_warm(step);
+        memcpy(node->tok, data + i * step, (size_t)step);
+        h = page_hash(node, h, seed);
+        node_fill(node, id, (PyObject *)up, h, clock); /* (``up`` is a node: it cannot fail) */
         Py_SETREF(node->device_state, Py_NewRef(DEVICE_VALID));
         node->device_page = page;
         Py_SETREF(node->device_pins, Py_NewRef(one));
@@ -147,6 +150,7 @@ static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step
     if (offset < 0 || offset + count * step > PyBytes_GET_SIZE(data))
         return PyErr_Format(PyExc_ValueError, "pinned_chain: fewer tokens than pages");
     if (count > 0) {
+        node_warm(step); /* (the first node's tokens, while the rest is checked and made) */
         int taken = kids_at((Node *)parent, PyBytes_AS_STRING(data) + offset, step) != NULL;
         taken = taken == 0 && PyErr_Occurred() ? -1 : taken;
         if (taken > 0)

@@ -46,8 +46,7 @@ static void node_dealloc(Node *self) {
     PyObject_Free(self);
 }
 
-/* Node(...)'s fields, on a node just allocated with room for its tokens. */
-static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char *tok, uint64_t hash, PyObject *clock) {
+int node_fill(Node *self, PyObject *node_id, PyObject *parent, uint64_t hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         memset(&self->parent, 0, offsetof(Node, tok) - offsetof(Node, parent)); /* nothing for dealloc to clear */
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
@@ -58,7 +57,6 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char
     SET(node_id, node_id);
     SET(parent, parent);
     self->kids = NULL;
-    memcpy(self->tok, tok, (size_t)Py_SIZE(self));
     self->hash = hash;
     self->depth = parent == Py_None ? 0 : ((Node *)parent)->depth + 1;
     self->device_page = -1;
@@ -80,10 +78,7 @@ static int node_fill(Node *self, PyObject *node_id, PyObject *parent, const char
     return 0;
 }
 
-/* A node with room for ``len`` token bytes, its fields left as they come: node_fill (or a copy)
- * sets every one, and copies the tokens over the token area (zeroing 2 KiB pages first was a tenth
- * of a replay). */
-static Node *node_alloc(Py_ssize_t len) {
+Node *node_alloc(Py_ssize_t len) {
     Node *n;
     if (free_count > 0 && len == free_len) {
         n = free_nodes;
@@ -97,11 +92,10 @@ static Node *node_alloc(Py_ssize_t len) {
     return n;
 }
 
-Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock) {
-    Node *n = node_alloc(len);
-    if (n != NULL && node_fill(n, node_id, parent, tok, hash, clock) < 0)
-        Py_CLEAR(n);
-    return n;
+void node_warm(Py_ssize_t len) {
+    if (free_count > 0 && len == free_len)
+        for (Py_ssize_t at = 0; at < len; at += 64)
+            __builtin_prefetch(free_nodes->tok + at, 1);
 }
 
 static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -112,7 +106,9 @@ static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     uint64_t h = PyLong_AsUnsignedLongLong(hash);
     Node *n = h == (uint64_t)-1 && PyErr_Occurred() ? NULL : node_alloc(tokens.len);
-    if (n != NULL && node_fill(n, node_id, parent, tokens.buf, h, clock) < 0)
+    if (n != NULL)
+        memcpy(n->tok, tokens.buf, (size_t)tokens.len);
+    if (n != NULL && node_fill(n, node_id, parent, h, clock) < 0)
         Py_CLEAR(n);
     PyBuffer_Release(&tokens);
     return (PyObject *)n;

@@ -211,9 +211,18 @@ uint64_t record_fields(const Fields *f);
 /* A native node's digest record, with its component record if it has one (accounting.record_of):
  * 0, or -1 and an exception (a TypeError for anything but a native node; _account.c). */
 int record_any(PyObject *node, uint64_t *out);
-/* A new node, as Node(node_id, parent, tokens, hash_, clock) makes it, its tokens the ``len`` bytes
- * at ``tok`` (_node.c). */
-Node *node_new(PyObject *node_id, PyObject *parent, const char *tok, Py_ssize_t len, uint64_t hash, PyObject *clock);
+/* A new node is made in two steps (_node.c), as Node(node_id, parent, tokens, hash_, clock) makes
+ * it: node_alloc, a node with room for ``len`` token bytes, its fields and tokens left as they come
+ * (zeroing 2 KiB pages first was a tenth of a replay), or NULL and an exception; the caller copies
+ * the tokens in; then node_fill sets every field: 0, or -1 and a TypeError for a parent that is
+ * neither a Node nor None (its fields then cleared). Until node_fill it must not be released. */
+Node *node_alloc(Py_ssize_t len);
+int node_fill(Node *self, PyObject *node_id, PyObject *parent, uint64_t hash, PyObject *clock);
+/* Fetch the token area of the node node_alloc(len) gives next, for writing, where it is known (a
+ * freed node's). A node's memory was most often freed long before and is out of the cache: a 2 KiB
+ * page copied into it would wait for each of its lines, which, fetched while the node before is
+ * made, are there in time. */
+void node_warm(Py_ssize_t len);
 
 /* Intern ``text`` into ``var`` (an attribute name a kernel looks up, made once): true on a failure,
  * so that a loader chains them with || and returns -1. INTERN(name): s_<name> for "name". */
