@@ -143,6 +143,11 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
     return {
         "model": str(workdir / "model"),
         "tp": tp,
+        # KV in float32, as the Gemma 2 plan's (see there): in bfloat16 a request's tokens depend on
+        # its batch-mates, which vary with when lookups land. On a loaded machine the first batch once
+        # differed from plain vLLM in two greedy tokens of one request (the tokens after them alike
+        # again), and a preempted request's decode in another: near ties of this random model.
+        "dtype": "float32",
         "block_size": BLOCK,
         "max_model_len": 512,
         "kv_space_gib": 1,
