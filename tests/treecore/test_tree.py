@@ -1,4 +1,5 @@
-"""The page walk with run caches gives exactly what a page-by-page walk gives, under any mutations."""
+"""The page walk with run caches gives exactly what a page-by-page walk gives, under any mutations;
+runs are built for small pages only."""
 
 import pytest
 from hypothesis import given, settings
@@ -188,3 +189,22 @@ def test_a_native_run_is_not_walked_by_the_collector(monkeypatch):
     gc.collect()
     assert not gc.is_tracked(run.nodes) and not gc.is_tracked(run.ids)
     assert not gc.is_tracked(run) and not gc.is_tracked(run.pages)  # in no cycle the tree does not break
+
+
+@pytest.mark.parametrize("page_size", [16, 47, 48, 512])
+def test_runs_are_built_for_pages_under_48_tokens_only_and_the_walk_is_the_same(page_size):
+    from tpcache.core.treecore.tree import RUN_PAGE_BYTES
+
+    assert RUN_PAGE_BYTES == 4 * 48
+    tree = RadixTree(page_size)
+    pages = [[i % 5 + 1] * page_size for i in range(12)]
+    parent = tree.root
+    for tokens, page_hash in zip(pages, hash_chain(as_token_bytes(sum(pages, [])), page_size, ""), strict=True):
+        parent = tree.add_child(parent, as_token_bytes(tokens), page_hash, 0)
+    ids = [n.node_id for n in tree.walk(as_token_bytes(sum(pages, []))).nodes]
+    # the whole chain, and a walk that parts from it inside (page 7 differs)
+    assert ids == list(range(1, 13))
+    other = sum(pages[:7], []) + [99] * page_size + sum(pages[8:], [])
+    assert [n.node_id for n in tree.walk(as_token_bytes(other)).nodes] == list(range(1, 8))
+    built = [n.node_id for n in tree.nodes.values() if n.run is not None]
+    assert (built != []) == (page_size < 48), built
