@@ -12,7 +12,8 @@ from tpcache.core.treecore.tree import NATIVE_NODES
 pytestmark = pytest.mark.skipif(not NATIVE_NODES, reason="tpcache.core.treecore._node was not built (no C compiler)")
 
 
-# Inputs of 8 + 4 x page_size bytes: 12 (4-8), 16 (9-16), 24-128, 132-240, longer, and past the stack buffer.
+# Inputs of 8 + 4 x page_size bytes: 12 (4-8), 16 (9-16), 24-128, 132-240, longer, and past 4 KiB
+# (several blocks of stripes).
 @pytest.mark.parametrize("page_size", [1, 2, 4, 30, 31, 58, 59, 512, 1022, 1023, 1030])
 @pytest.mark.parametrize("namespace", ["", "model-a"])
 def test_the_chain_hashes_pages_as_the_reference(page_size, namespace):

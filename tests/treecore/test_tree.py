@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcache.core.hashing import as_token_bytes, hash_chain
-from tpcache.core.treecore.tree import RadixTree
+from tpcache.core.treecore.tree import RUN_PAGE_BYTES, RadixTree
 
 PAGE = 2
 
@@ -193,18 +193,21 @@ def test_a_native_run_is_not_walked_by_the_collector(monkeypatch):
 
 @pytest.mark.parametrize("page_size", [16, 47, 48, 512])
 def test_runs_are_built_for_pages_under_48_tokens_only_and_the_walk_is_the_same(page_size):
-    from tpcache.core.treecore.tree import RUN_PAGE_BYTES
-
-    assert RUN_PAGE_BYTES == 4 * 48
     tree = RadixTree(page_size)
     pages = [[i % 5 + 1] * page_size for i in range(12)]
     parent = tree.root
     for tokens, page_hash in zip(pages, hash_chain(as_token_bytes(sum(pages, [])), page_size, ""), strict=True):
         parent = tree.add_child(parent, as_token_bytes(tokens), page_hash, 0)
-    ids = [n.node_id for n in tree.walk(as_token_bytes(sum(pages, []))).nodes]
-    # the whole chain, and a walk that parts from it inside (page 7 differs)
-    assert ids == list(range(1, 13))
+    for node in tree.nodes.values():
+        node.device_page = 10 + node.node_id
+    whole = tree.walk(as_token_bytes(sum(pages, [])))
+    assert [n.node_id for n in whole.nodes] == whole.ids == list(range(1, 13))
+    assert list(whole.device_page_ids(12)) == list(range(11, 23))
+    assert list(whole.device_page_ids(5)) == list(range(11, 16))
+    # a walk that parts from the chain inside it (page 7 differs), then one from the middle
     other = sum(pages[:7], []) + [99] * page_size + sum(pages[8:], [])
     assert [n.node_id for n in tree.walk(as_token_bytes(other)).nodes] == list(range(1, 8))
+    below = tree.walk(as_token_bytes(sum(pages[4:], [])), start=tree.nodes[4])
+    assert below.ids == list(range(5, 13)) and list(below.device_page_ids(8)) == list(range(15, 23))
     built = [n.node_id for n in tree.nodes.values() if n.run is not None]
-    assert (built != []) == (page_size < 48), built
+    assert (built != []) == (page_size * 4 < RUN_PAGE_BYTES), built

@@ -66,7 +66,7 @@ def prompts(seed: int = 1) -> dict[str, Any]:
     return {"batch": batch, "other": other, "users": users, "long": long}
 
 
-def plan(tp: int, workdir: Path) -> dict[str, Any]:
+def plan(tp: int, workdir: Path, dtype: str = "float32") -> dict[str, Any]:
     p = prompts()
     store = workdir / "store"
     last = tp - 1
@@ -143,11 +143,11 @@ def plan(tp: int, workdir: Path) -> dict[str, Any]:
     return {
         "model": str(workdir / "model"),
         "tp": tp,
-        # KV in float32, as the Gemma 2 plan's (see there): in bfloat16 a request's tokens depend on
-        # its batch-mates, which vary with when lookups land. On a loaded machine the first batch once
-        # differed from plain vLLM in two greedy tokens of one request (the tokens after them alike
-        # again), and a preempted request's decode in another: near ties of this random model.
-        "dtype": "float32",
+        # The model computes in float32 on CPU: in bfloat16 a request's greedy tokens depend on its
+        # batch-mates, which vary with when lookups land, and a near tie of this random model then
+        # flips a token that no cache served (the Gemma 2 plan's comment says more). The CUDA ring
+        # keeps bfloat16, which vLLM's FlashAttention path needs.
+        "dtype": dtype,
         "block_size": BLOCK,
         "max_model_len": 512,
         "kv_space_gib": 1,
@@ -343,10 +343,10 @@ def mistral_plan(workdir: Path) -> dict[str, Any]:
     )
 
 
-def llama_plan(tp: int, workdir: Path) -> dict[str, Any]:
-    """The Llama plan for ``tp``, its model made in ``workdir``."""
+def llama_plan(tp: int, workdir: Path, dtype: str = "float32") -> dict[str, Any]:
+    """The Llama plan for ``tp``, its model made in ``workdir``, computing in ``dtype``."""
     make_tiny_llama(workdir / "model", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
-    return plan(tp, workdir)
+    return plan(tp, workdir, dtype)
 
 
 def cross_tp_plan(workdir: Path) -> dict[str, Any]:
@@ -432,10 +432,10 @@ class Results(dict):
         return self._log[start:end].decode(errors="replace")
 
 
-def run(tp: int, workdir: Path, timeout_s: float = 840) -> Results:
+def run(tp: int, workdir: Path, timeout_s: float = 840, dtype: str = "float32") -> Results:
     """The Llama plan at ``tp`` alone in one driver run."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return run_suite({"llama": llama_plan(tp, workdir / "llama")}, workdir, timeout_s)["llama"]
+    return run_suite({"llama": llama_plan(tp, workdir / "llama", dtype)}, workdir, timeout_s)["llama"]
 
 
 def run_suite(plans: dict[str, dict[str, Any]], workdir: Path, timeout_s: float = 840) -> dict[str, Results]:

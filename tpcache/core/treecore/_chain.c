@@ -47,9 +47,12 @@ static Seeded page_seeded; /* the pages' seed's secret (_hash.h) */
 
 /* hashing.page_hash of a new node's tokens below a page of hash ``up``: XXH3-64 of ``up`` (8 bytes,
  * little-endian) and the tokens, with the namespace's seed. Hashed where the tokens lie: the 8 bytes
- * before them, a field node_fill sets afterwards, hold ``up`` meanwhile (no copy of the page to hash). */
+ * before them (``pages_run``, and on a 32-bit build ``run_at`` too: fields node_fill sets afterwards)
+ * hold ``up`` meanwhile (no copy of the page to hash). */
 static uint64_t page_hash(Node *node, uint64_t up, uint64_t seed) {
-    _Static_assert(offsetof(Node, tok) >= offsetof(Node, parent) + 8, "8 bytes of fields before the tokens");
+    _Static_assert(offsetof(Node, tok) == offsetof(Node, pages_run) + sizeof(PyObject *) &&
+                       offsetof(Node, tok) >= offsetof(Node, run_at) + 8,
+                   "the 8 bytes before the tokens are fields node_fill sets");
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     up = __builtin_bswap64(up);
 #endif

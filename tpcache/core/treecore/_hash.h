@@ -32,8 +32,8 @@
 #undef TPCACHE_ACC_AVX2
 #endif
 
-/* The secret XXH3 derives from a seed for inputs past 240 bytes, kept for the seed last used (each
- * file that hashes long inputs keeps its own, for its one seed). */
+/* The secret XXH3 derives from a seed for inputs past 240 bytes, kept for the seed last used: a
+ * call with another seed derives it again (each file that hashes long inputs keeps one). */
 typedef struct {
     XXH_ALIGN(64) unsigned char secret[XXH_SECRET_DEFAULT_SIZE];
     uint64_t seed;

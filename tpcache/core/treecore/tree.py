@@ -26,10 +26,8 @@ _U64 = struct.Struct("<Q")
 
 # A walk caches chains as runs (``_run``) only for pages of fewer than this many bytes of tokens.
 # A run saves the walk one Python step per page, which is most of a small page's cost; building
-# one copies the chain's tokens once more, which is most of a large page's. Measured on the
-# conversation trace (its first 400 requests served again, all hits, each prefix's run built and
-# then used once; native core, CPU per page of the whole lock-insert-release): with runs against
-# page by page, 0.78x at 16-token pages, 0.91x at 32, 1.0x at 48, 1.05x at 64, 1.6x at 512.
+# one copies the chain's tokens once more, which is most of a large page's. The two cost the same
+# near 48-token pages (docs/benchmarks.md has the measurement).
 RUN_PAGE_BYTES = 4 * 48
 
 
