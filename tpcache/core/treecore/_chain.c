@@ -43,7 +43,6 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
 }
 
 
-static Seeded page_seeded; /* the pages' seed's secret (_hash.h) */
 
 /* hashing.page_hash of a new node's tokens below a page of hash ``up``: XXH3-64 of ``up`` (8 bytes,
  * little-endian) and the tokens, with the namespace's seed. Hashed where the tokens lie: the 8 bytes
@@ -58,7 +57,7 @@ static uint64_t page_hash(Node *node, uint64_t up, uint64_t seed) {
 #endif
     char *at = node->tok - 8;
     memcpy(at, &up, 8);
-    return seeded_hash(&page_seeded, at, (size_t)Py_SIZE(node) + 8, seed);
+    return seeded_hash(at, (size_t)Py_SIZE(node) + 8, seed);
 }
 
 /* The device pages' int objects, freed long before, are most often out of the cache: each is

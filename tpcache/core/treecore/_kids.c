@@ -60,7 +60,6 @@ PyTypeObject TokKeyType = {
  * an order or a decision, and tokens a client chose cannot be made to collide without knowing it. */
 static uint64_t key_seed;
 static int key_seeded = 0;
-static Seeded key_secret; /* (_hash.h) */
 
 static int seed_keys(void) {
     PyObject *probe = PyBytes_FromString("tpcache children");
@@ -81,7 +80,7 @@ static PyObject *tok_key(const char *tok, Py_ssize_t len, PyObject *owner) {
     TokKey *k = PyObject_New(TokKey, &TokKeyType);
     if (k == NULL)
         return NULL;
-    Py_hash_t h = (Py_hash_t)seeded_hash(&key_secret, tok, (size_t)len, key_seed);
+    Py_hash_t h = (Py_hash_t)seeded_hash(tok, (size_t)len, key_seed);
     k->hash = h == -1 ? -2 : h; /* -1 means an error to the interpreter */
     k->owner = Py_XNewRef(owner);
     k->tok = tok;
