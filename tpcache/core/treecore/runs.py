@@ -1,8 +1,8 @@
 """The walk's run caches, for pages under 48 tokens (``tree.RUN_PAGE_BYTES``): a chain of
 single-child nodes cached as one run of pages (``tree.Run``), so that a lookup compares, and copies
-the device pages of, a whole run at once. The per-node marks
-and page copies are loops in C where built (``_chain.c``: ``mark_run``, ``run_pages``); the Python
-loops here are the reference, and tests hold the two equal."""
+the device pages of, a whole run at once. The per-node marks and page copies are loops in C where
+built (``_chain.c``: ``mark_run``, ``run_pages``); the Python loops here are the reference, and
+tests hold the two equal."""
 
 from __future__ import annotations
 
