@@ -5,10 +5,14 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__AVX2__)
 #pragma GCC target("avx2")
+#include <immintrin.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
 __attribute__((visibility("hidden"))) uint64_t tpcache_record_xxh3_avx2(const void *data, size_t len) {
-    return XXH3_64bits(data, len);
+    uint64_t h = XXH3_64bits(data, len);
+    _mm256_zeroupper(); /* GCC adds none to a function compiled for AVX2 by a pragma, and SSE code run
+                         * while the upper halves are dirty is slow */
+    return h;
 }
 #endif
