@@ -151,8 +151,7 @@ static Node **path_nodes = NULL;
 static Py_ssize_t path_room = 0;
 
 /* The nodes of ``ids`` found by following parents up from the last one's (found in ``tree_nodes``)
- * for as long as each parent's id is the next id down (the same object: a lease holds its nodes'
- * own ids), into ``found``; the rest are left NULL (the caller looks those up, and reports what the
+ * for as long as each parent's id is the next id down, into ``found``; the rest are left NULL (the caller looks those up, and reports what the
  * lookup finds wrong). A path costs one lookup in the tree's table, not one a page. Pure. */
 static void path_up(NodeTable *tree_nodes, PyObject *const *ids, Py_ssize_t n, Node **found) {
     memset(found, 0, (size_t)n * sizeof(Node *));
@@ -164,8 +163,11 @@ static void path_up(NodeTable *tree_nodes, PyObject *const *ids, Py_ssize_t n, N
     found[n - 1] = last;
     for (Py_ssize_t i = n - 2; i >= 0; i--) {
         PyObject *up = found[i + 1]->parent;
-        if (!is_node(up) || ((Node *)up)->node_id != ids[i])
+        int64_t id;
+        if (!is_node(up) || !PyLong_CheckExact(ids[i]) || field(ids[i], &id) < 0 || ((Node *)up)->node_id != id) {
+            PyErr_Clear();
             return;
+        }
         found[i] = (Node *)up;
     }
 }
@@ -237,7 +239,7 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         if (node_fields(n, &f) < 0)
             goto fail;
         int64_t pins = f.dp, state = f.ds;
-        if (state == 0 && f.hs == 0 && PyList_Append(gone, n->node_id) < 0)
+        if (state == 0 && f.hs == 0 && append_id(gone, n->node_id) < 0)
             goto fail;
         int64_t now = f.dp = pins + delta;
         if (set_int(&n->device_pins, now) < 0)

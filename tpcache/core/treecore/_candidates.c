@@ -135,12 +135,12 @@ int candidacy(PyObject *obj) {
 static int entry_words(Node *n, long kind, uint64_t w[5]) {
     int k = 0;
     PyObject *first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
-    PyObject *fields[5] = {n->node_id, NULL /* the hash */, NULL /* the depth */, n->last_access /* LFU only */, first};
+    PyObject *fields[5] = {NULL /* the id */, NULL /* the hash */, NULL /* the depth */, n->last_access /* LFU only */, first};
     for (int f = 0; f < 5; f++) {
         if (f == 3 && kind != 1)
             continue;
-        uint64_t v = f == 1 ? n->hash : (uint64_t)n->depth;
-        if (f != 1 && f != 2 && ufield(fields[f], &v) < 0)
+        uint64_t v = f == 0 ? (uint64_t)n->node_id : f == 1 ? n->hash : (uint64_t)n->depth;
+        if (f > 2 && ufield(fields[f], &v) < 0)
             return -1;
         w[k++] = f == 2 ? UINT64_MAX - v : v;
     }

@@ -65,7 +65,7 @@ static uint64_t page_hash(Node *node, uint64_t up, uint64_t seed) {
 enum { PAGES_AHEAD = 4 };
 
 /* Add the chain's nodes below ``parent``; ``nodes`` receives them and ``ids`` (unless NULL) their
- * ids, the nodes' own id objects. 0, or -1 and an exception (the
+ * ids (as ints). 0, or -1 and an exception (the
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
 static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
                      uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, PyObject *ids, uint64_t *records) {
@@ -93,8 +93,8 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
             __builtin_prefetch(PyList_GET_ITEM(pages, i + PAGES_AHEAD));
         if (field(PyList_GET_ITEM(pages, i), &page) < 0)
             goto done;
-        PyObject *id = PyLong_FromLongLong(next_id + i);
-        Node *node = id ? node_alloc(step) : NULL;
+        PyObject *id = ids != NULL ? PyLong_FromLongLong(next_id + i) : NULL;
+        Node *node = id != NULL || ids == NULL ? node_alloc(step) : NULL;
         if (node == NULL) {
             Py_XDECREF(id);
             goto done;
@@ -103,23 +103,22 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
             node_warm(step);
         memcpy(node->tok, data + i * step, (size_t)step);
         h = page_hash(node, h, seed);
-        node_fill(node, id, (PyObject *)up, h, clock); /* (``up`` is a node: it cannot fail) */
+        node_fill(node, next_id + i, (PyObject *)up, h, clock); /* (``up`` is a node: it cannot fail) */
         Py_SETREF(node->device_state, Py_NewRef(DEVICE_VALID));
         node->device_page = page;
         Py_SETREF(node->device_pins, Py_NewRef(one));
         uint64_t rec;
         int added = kids_add(up, node);
         if (added > 0)
-            PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", up->node_id);
+            PyErr_Format(PyExc_ValueError, "node %lld already has a child for this page", (long long)up->node_id);
         PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the lists are made with room for each) */
         if (ids != NULL)
-            PyList_SET_ITEM(ids, i, Py_NewRef(id));
+            PyList_SET_ITEM(ids, i, id); /* (the list takes it) */
         f.hash = h;
         f.device_page = page;
         if (known)
             rec = record_fields(&f);
         int bad = added != 0 || table_put(tree_nodes, next_id + i, node) < 0 || (!known && record_native(node, &rec) < 0);
-        Py_DECREF(id);
         if (!bad) {
             node->record = rec;
             *records += rec;
@@ -156,7 +155,7 @@ static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step
         int taken = kids_at((Node *)parent, PyBytes_AS_STRING(data) + offset, step) != NULL;
         taken = taken == 0 && PyErr_Occurred() ? -1 : taken;
         if (taken > 0)
-            PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", ((Node *)parent)->node_id);
+            PyErr_Format(PyExc_ValueError, "node %lld already has a child for this page", (long long)((Node *)parent)->node_id);
         if (taken != 0)
             return NULL;
     }
@@ -234,8 +233,12 @@ static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject 
     PyObject *extended = NULL, *ids = *out_ids = PyList_New(n);
     if (ids == NULL)
         return -1;
-    for (Py_ssize_t i = 0; i < n; i++)
-        PyList_SET_ITEM(ids, i, Py_NewRef(((Node *)PyList_GET_ITEM(nodes, i))->node_id));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyLong_FromLongLong(((Node *)PyList_GET_ITEM(nodes, i))->node_id);
+        if (id == NULL)
+            return -1;
+        PyList_SET_ITEM(ids, i, id);
+    }
     /* Holding exactly the n distinct pages, the lease holds nothing else: emptied, as the reference does. */
     int all = PyList_GET_SIZE(held) == n;
     if ((all ? holding_clear((Holding *)held) < 0 : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
@@ -298,8 +301,8 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
 }
 
 /* chain_below(node) -> (nodes, tokens, ids): the single-child chain below ``node`` (its only child,
- * that one's only child, ...) as a tuple, their page tokens joined and their ids (a tuple of the
- * nodes' own id objects), as RadixTree._run gathers them for a Run; read from the nodes' inline
+ * that one's only child, ...) as a tuple, their page tokens joined and their ids (a tuple of ints),
+ * as RadixTree._run gathers them for a Run; read from the nodes' inline
  * tokens, without a bytes object per page. None for a node of the reference type. */
 static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     if (!is_node(start))
@@ -316,7 +319,13 @@ static PyObject *py_chain_below(PyObject *mod, PyObject *start) {
     Node *cur = (Node *)start;
     for (Py_ssize_t i = 0; i < count; i++, cur = (Node *)cur->kids) {
         PyTuple_SET_ITEM(nodes, i, Py_NewRef(cur->kids));
-        PyTuple_SET_ITEM(ids, i, Py_NewRef(((Node *)cur->kids)->node_id));
+        PyObject *id = PyLong_FromLongLong(((Node *)cur->kids)->node_id);
+        if (id == NULL) {
+            Py_DECREF(nodes);
+            Py_DECREF(ids);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(ids, i, id);
         size += Py_SIZE(cur->kids);
     }
     PyObject *data = PyBytes_FromStringAndSize(NULL, size);

@@ -40,7 +40,6 @@ static int plain_leaf(Node *n, PyObject *backlog) {
          * reading it here (that read would wait for it). */
         for (size_t at = 0; at < offsetof(Node, tok) + 63; at += 64) /* each line its fields touch */
             __builtin_prefetch((char *)up + at);
-        __builtin_prefetch(parent->node_id); /* its id (an int object of its own), which its drop reads */
         int64_t pds;
         if (field(parent->device_state, &pds))
             return -1;
@@ -49,7 +48,9 @@ static int plain_leaf(Node *n, PyObject *backlog) {
     }
     if (PyDict_GET_SIZE(backlog) == 0) /* most often: no host tier, or no backup waits */
         return 1;
-    int in = PyDict_Contains(backlog, n->node_id);
+    PyObject *key = PyLong_FromLongLong(n->node_id);
+    int in = key == NULL ? -1 : PyDict_Contains(backlog, key);
+    Py_XDECREF(key);
     return in < 0 ? -1 : !in;
 }
 
@@ -159,8 +160,7 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     n->record = 0;
     Node *parent = (Node *)Py_NewRef(n->parent);
     int rc = -1;
-    int64_t id;
-    if (kids_del(parent, n) < 0 || field(n->node_id, &id) < 0 || table_del(s->heaps->nodes, id) < 0)
+    if (kids_del(parent, n) < 0 || table_del(s->heaps->nodes, n->node_id) < 0)
         goto done;
     set_field(&n->parent, Py_None);
     set_field(&n->run, Py_None);

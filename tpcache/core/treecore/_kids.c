@@ -174,7 +174,8 @@ int kids_del(Node *n, Node *child) {
     }
     if (key == NULL || PyDict_GetItemWithError(n->kids, key) != (PyObject *)child) {
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_KeyError, "node %S is not a child of node %S", child->node_id, n->node_id);
+            PyErr_Format(PyExc_KeyError, "node %lld is not a child of node %lld", (long long)child->node_id,
+                         (long long)n->node_id);
         Py_XDECREF(key);
         return -1;
     }

@@ -9,7 +9,7 @@
  * these objects, could not.
  *
  * It is also one allocation per page where it can be: the page's tokens are held inline, a single
- * child without a dict, and the hash, record, device page and host slot as C integers (about 256
+ * child without a dict, and the id, hash, record, device page and host slot as C integers (about 256
  * bytes for a page of 16 tokens, where fields of objects cost about 660).
  */
 #define PY_SSIZE_T_CLEAN
@@ -46,7 +46,7 @@ static void node_dealloc(Node *self) {
     PyObject_Free(self);
 }
 
-int node_fill(Node *self, PyObject *node_id, PyObject *parent, uint64_t hash, PyObject *clock) {
+int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, PyObject *clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         memset(&self->parent, 0, offsetof(Node, tok) - offsetof(Node, parent)); /* nothing for dealloc to clear */
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
@@ -54,7 +54,7 @@ int node_fill(Node *self, PyObject *node_id, PyObject *parent, uint64_t hash, Py
     }
     PyObject *zero = PyLong_FromLong(0); /* a cached small int */
 #define SET(name, value) self->name = Py_NewRef(value)
-    SET(node_id, node_id);
+    self->node_id = node_id;
     SET(parent, parent);
     self->kids = NULL;
     self->hash = hash;
@@ -99,10 +99,11 @@ void node_warm(Py_ssize_t len) {
 }
 
 static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *node_id, *parent, *hash, *clock;
+    long long node_id;
+    PyObject *parent, *hash, *clock;
     Py_buffer tokens;
     static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*OO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LOy*OO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
         return NULL;
     uint64_t h = PyLong_AsUnsignedLongLong(hash);
     Node *n = h == (uint64_t)-1 && PyErr_Occurred() ? NULL : node_alloc(tokens.len);
@@ -159,7 +160,7 @@ static PyObject *node_link(Node *self, PyObject *child) {
         return PyErr_Format(PyExc_TypeError, "a node's child is a Node");
     int rc = kids_add(self, (Node *)child);
     if (rc > 0)
-        PyErr_Format(PyExc_ValueError, "node %S already has a child for this page", self->node_id);
+        PyErr_Format(PyExc_ValueError, "node %lld already has a child for this page", (long long)self->node_id);
     return rc == 0 ? Py_NewRef(Py_None) : NULL;
 }
 
@@ -172,6 +173,7 @@ static PyObject *node_unlink(Node *self, PyObject *child) {
 #define MEMBER(name) {#name, T_OBJECT_EX, offsetof(Node, name), 0, NULL},
 static PyMemberDef node_members[] = {
     FIELDS(MEMBER)
+    {"node_id", T_LONGLONG, offsetof(Node, node_id), READONLY, "The node's id (the root's is 0)."},
     {"hash", T_ULONGLONG, offsetof(Node, hash), 0, "The page's chain hash."},
     {"record", T_ULONGLONG, offsetof(Node, record), 0, "The node's current contribution to the state digest."},
     {"device_page", T_LONGLONG, offsetof(Node, device_page), 0, "The device page, -1 with none."},
@@ -236,6 +238,7 @@ static PyObject *node_copy(Node *self, PyObject *unused) {
     other->name = self->name;
     FIELDS(COPY)
     other->kids = Py_XNewRef(self->kids);
+    other->node_id = self->node_id;
     other->hash = self->hash;
     other->record = self->record;
     other->device_page = self->device_page;
@@ -264,7 +267,7 @@ static const char *state_name(int kind, PyObject *v) {
 }
 
 static PyObject *node_repr(Node *self) {
-    return PyUnicode_FromFormat("Node(id=%S, depth=%lld, dev=%s:%lld, host=%s:%lld, storage=%s)", self->node_id,
+    return PyUnicode_FromFormat("Node(id=%lld, depth=%lld, dev=%s:%lld, host=%s:%lld, storage=%s)", (long long)self->node_id,
                                 (long long)self->depth, state_name(0, self->device_state), (long long)self->device_page,
                                 state_name(1, self->host_state), (long long)self->host_slot,
                                 state_name(2, self->storage_state));

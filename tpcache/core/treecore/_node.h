@@ -6,13 +6,15 @@
 #include <stdint.h>
 
 /* The fields Python code reads most are object pointers (T_OBJECT_EX): the interpreter specializes
- * those attribute accesses as it does __slots__. The page's hash, its digest record, its device
- * page and host slot and its depth are C integers instead: each would otherwise be an int object of
- * its own per page (32-40 bytes), and Python reads them rarely (the kernels read them directly).
+ * those attribute accesses as it does __slots__. The node's id, the page's hash, its digest record,
+ * its device page and host slot and its depth are C integers instead: each would otherwise be an
+ * int object of its own per page (32-40 bytes; for the id also an allocation per new page and a
+ * read of cold memory per evicted one). Python reads them as ints made when read; the kernels read
+ * them directly.
  * Each object field is declared in Node below and listed in FIELDS once: dealloc clears, a copy
  * copies, and Python reads and writes, each one listed. */
 #define FIELDS(X)                                                                                     \
-    X(node_id) X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
+    X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
     X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
 
 typedef struct {
@@ -29,7 +31,7 @@ typedef struct {
     PyObject *last_access, *created_at, *hits, *comp;
     uint64_t hash, record;
     int64_t device_page, host_slot;
-    PyObject *node_id;
+    int64_t node_id; /* fixed when the node is made; Python reads it as an int made when read */
     int64_t depth; /* pages above it to the root (the root's is 0); fixed when the node is made */
     PyObject *run, *run_at, *pages_run;
     char tok[];
@@ -217,7 +219,7 @@ int record_any(PyObject *node, uint64_t *out);
  * the tokens in; then node_fill sets every field: 0, or -1 and a TypeError for a parent that is
  * neither a Node nor None (its fields then cleared). Until node_fill it must not be released. */
 Node *node_alloc(Py_ssize_t len);
-int node_fill(Node *self, PyObject *node_id, PyObject *parent, uint64_t hash, PyObject *clock);
+int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, PyObject *clock);
 /* Fetch the token area of the node node_alloc(len) gives next, for writing, where it is known (a
  * freed node's). A node's memory was most often freed long before and is out of the cache: a 2 KiB
  * page copied into it would wait for each of its lines, which, fetched while the node before is
@@ -278,6 +280,14 @@ static inline int ufield(PyObject *v, uint64_t *out) {
         return -1;
     *out = u;
     return 0;
+}
+
+/* Append ``id`` to ``list`` as an int: 0, or -1 and an exception. */
+static inline int append_id(PyObject *list, int64_t id) {
+    PyObject *v = PyLong_FromLongLong(id);
+    int rc = v == NULL ? -1 : PyList_Append(list, v);
+    Py_XDECREF(v);
+    return rc;
 }
 
 #define DIGEST_MASK ((UINT64_C(1) << 62) - 1) /* digest.DIGEST_MASK */

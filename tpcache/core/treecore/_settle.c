@@ -87,7 +87,9 @@ static PyObject *py_settle(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         evictable += (now & 1) - (was & 1);
         protected_ += (now >> 1 & 1) - (was >> 1 & 1);
         if ((now ^ was) & 4) {
-            int rc = now & 4 ? PyDict_SetItem(mirrors, n->node_id, item) : PyDict_DelItem(mirrors, n->node_id);
+            PyObject *key = PyLong_FromLongLong(n->node_id);
+            int rc = key == NULL ? -1 : now & 4 ? PyDict_SetItem(mirrors, key, item) : PyDict_DelItem(mirrors, key);
+            Py_XDECREF(key);
             if (rc < 0)
                 goto fail;
         }

@@ -187,16 +187,6 @@ static int table_contains(NodeTable *t, PyObject *key) {
     return n != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
 }
 
-/* The id ``id`` of ``node`` as an int: the node's own id object when it is that id (a tree's always
- * is), else a new one. */
-static PyObject *key_of(int64_t id, Node *node) {
-    int64_t own;
-    PyObject *nid = node->node_id;
-    if (nid != NULL && PyLong_CheckExact(nid) && field(nid, &own) == 0 && own == id)
-        return Py_NewRef(nid);
-    PyErr_Clear();
-    return PyLong_FromLongLong(id);
-}
 
 /* Sort ``n`` slots by ascending id: a least-significant-digit radix sort of ``id - lowest``, 11 bits
  * a pass, as many passes as the span of the ids needs (two for a span under 4 million ids), with
@@ -239,7 +229,7 @@ static PyObject *listing(NodeTable *t, int what) {
         if (what == 1)
             item = Py_NewRef(node);
         else {
-            PyObject *key = key_of(sorted[k].id, sorted[k].node);
+            PyObject *key = PyLong_FromLongLong(sorted[k].id);
             item = what == 0 || key == NULL ? key : PyTuple_Pack(2, key, node);
             if (what == 2)
                 Py_XDECREF(key);

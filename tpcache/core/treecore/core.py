@@ -307,7 +307,7 @@ class TreeCore(BulkReads):
             at = tree.nodes, tree._next_id, self.page_size, tree.seed  # (ids from the tree's next on)
             made = _native.pinned_chain(*at, tree.nodes[parent], data, offset, pages, led.clock)
             if made is not None:
-                nodes, records, ids = made  # (ids: the nodes' own id objects)
+                nodes, records, ids = made
                 led.count_chain(nodes, records)
                 return ids
         return led.add_pinned_chain(tree.nodes[parent], data, offset, pages)
