@@ -46,11 +46,11 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
 
 /* hashing.page_hash of a new node's tokens below a page of hash ``up``: XXH3-64 of ``up`` (8 bytes,
  * little-endian) and the tokens, with the namespace's seed. Hashed where the tokens lie: the 8 bytes
- * before them (``pages_run``, and on a 32-bit build ``run_at`` too: fields node_fill sets afterwards)
+ * before them (``pages_run``, and on a 32-bit build ``run`` too: fields node_fill sets afterwards)
  * hold ``up`` meanwhile (no copy of the page to hash). */
 static uint64_t page_hash(Node *node, uint64_t up, uint64_t seed) {
     _Static_assert(offsetof(Node, tok) == offsetof(Node, pages_run) + sizeof(PyObject *) &&
-                       offsetof(Node, tok) >= offsetof(Node, run_at) + 8,
+                       offsetof(Node, tok) >= offsetof(Node, run) + 8,
                    "the 8 bytes before the tokens are fields node_fill sets");
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     up = __builtin_bswap64(up);
@@ -361,13 +361,11 @@ static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Node *node = (Node *)args[1];
     run_untrack(run); /* (its nodes are native: nothing the collector could free goes through it) */
     Py_SETREF(node->run, Py_NewRef(run));
-    if (set_int(&node->run_at, 0) < 0)
-        return NULL;
+    node->run_at = 0;
     for (Py_ssize_t i = 0; i + 1 < n; i++) {
         Node *c = (Node *)PySequence_Fast_GET_ITEM(chain, i);
         Py_SETREF(c->run, Py_NewRef(run));
-        if (set_int(&c->run_at, i + 1) < 0)
-            return NULL;
+        c->run_at = (int32_t)(i + 1); /* (a chain of 2**31 nodes would not fit in memory) */
     }
     Py_RETURN_TRUE;
 }

@@ -72,7 +72,7 @@ int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, PyOb
     SET(comp, Py_None);
     self->record = 0;
     SET(run, Py_None);
-    SET(run_at, zero);
+    self->run_at = 0;
     SET(pages_run, Py_None);
     Py_DECREF(zero);
     return 0;
@@ -178,7 +178,8 @@ static PyMemberDef node_members[] = {
     {"record", T_ULONGLONG, offsetof(Node, record), 0, "The node's current contribution to the state digest."},
     {"device_page", T_LONGLONG, offsetof(Node, device_page), 0, "The device page, -1 with none."},
     {"host_slot", T_LONGLONG, offsetof(Node, host_slot), 0, "The host slot, -1 with none."},
-    {"depth", T_LONGLONG, offsetof(Node, depth), READONLY, "Pages above it to the root (the root's is 0)."},
+    {"depth", T_INT, offsetof(Node, depth), READONLY, "Pages above it to the root (the root's is 0)."},
+    {"run_at", T_INT, offsetof(Node, run_at), 0, "Its place in its run cache (tree.py's walk)."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -244,6 +245,7 @@ static PyObject *node_copy(Node *self, PyObject *unused) {
     other->device_page = self->device_page;
     other->host_slot = self->host_slot;
     other->depth = self->depth;
+    other->run_at = self->run_at;
     return (PyObject *)other;
 }
 

@@ -15,13 +15,13 @@
  * copies, and Python reads and writes, each one listed. */
 #define FIELDS(X)                                                                                     \
     X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
-    X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(run_at) X(pages_run)
+    X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(pages_run)
 
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
     /* The fields in the order the kernels read them (a touch, a candidacy, a drop), so that those
-     * reads span as few cache lines as they can: a node of 16-token pages is a 256-byte block of
-     * pymalloc that starts 48 bytes into a line, and a touch reads the lines up to ``host_slot``. */
+     * reads span as few cache lines as they can: a node of 16-token pages is a 240-byte block of
+     * pymalloc, and a touch reads the lines up to ``host_slot``. */
     PyObject *parent;
     /* The children: NULL when there is none, the child itself when there is one (most nodes: a chain
      * costs no dict), a dict of two or more keyed by their tokens (_kids.c). Changed only by kids_add
@@ -32,8 +32,11 @@ typedef struct {
     uint64_t hash, record;
     int64_t device_page, host_slot;
     int64_t node_id; /* fixed when the node is made; Python reads it as an int made when read */
-    int64_t depth; /* pages above it to the root (the root's is 0); fixed when the node is made */
-    PyObject *run, *run_at, *pages_run;
+    /* Pages above it to the root (the root's is 0; fixed when the node is made), and its place in
+     * its run cache (tree.py's walk): 32 bits each, so that a node of 16-token pages fits pymalloc's
+     * 240-byte blocks rather than its 256-byte ones. */
+    int32_t depth, run_at;
+    PyObject *run, *pages_run;
     char tok[];
 } Node;
 
