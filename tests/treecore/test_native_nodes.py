@@ -240,6 +240,24 @@ def test_a_native_node_has_the_reference_nodes_fields_and_behaviour():
         Node(9, "not a node", b"", 0, 0)
 
 
+def test_a_native_node_of_a_16_token_page_is_one_240_byte_block_and_reads_its_integers_as_ints():
+    # Its id, hash, record, pages, depth and run position are C integers, not int objects of their
+    # own: a node of 16-token pages takes one of pymalloc's 240-byte blocks and no more.
+    node = Node(2**63 - 1, None, bytes(64), 2**64 - 1, 5)
+    assert sys.getsizeof(node) <= 240
+    assert (node.node_id, node.hash, node.depth, node.run_at) == (2**63 - 1, 2**64 - 1, 0, 0)
+    assert type(node.node_id) is int and type(node.depth) is int
+    node.run_at = 300
+    assert node.run_at == 300 and copy.copy(node).run_at == 300
+    for name in ("node_id", "depth"):  # fixed when the node is made
+        with pytest.raises(AttributeError):
+            setattr(node, name, 1)
+    with pytest.raises(OverflowError):
+        Node(2**63, None, b"", 0, 0)
+    child = Node(7, node, bytes(64), 1, 5)
+    assert child.depth == 1 and repr(child).startswith("Node(id=7, depth=1,")
+
+
 def _pair(count: int, size: int = 8) -> tuple[Node, PyNode, list[bytes]]:
     """A native node and a reference node, each with ``count`` children of ``size``-byte pages."""
     tree = RadixTree(size // 4)
