@@ -60,7 +60,7 @@ def random_tree(seed: int, n: int = 60) -> RadixTree:
         node.device_state = rng.choice([0, 0, 1, 2, 2])
         node.host_state, node.storage_state = rng.choice([0, 1, 2, 2]), rng.randrange(3)
         node.device_pins, node.host_pins = rng.choice([0, 0, 1, 3]), rng.choice([0, 0, 2])
-        node.device_page, node.host_slot = rng.randrange(-1, 1 << 40), rng.randrange(-1, 1 << 20)
+        node.device_page, node.host_slot = rng.randrange(-1, 1 << 31), rng.randrange(-1, 1 << 20)
         node.last_access, node.hits = rng.randrange(1 << 40), rng.randrange(50)
         nodes.append(node)
     return tree

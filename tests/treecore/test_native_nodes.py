@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tpcache.core import CacheConfig, CacheCore
+from tpcache.core.tiers import DeviceState
 from tpcache.core.treecore.tree import NATIVE_NODES, Node, PyNode, RadixTree, Run
 from tpcache.replay import drain
 
@@ -240,22 +241,36 @@ def test_a_native_node_has_the_reference_nodes_fields_and_behaviour():
         Node(9, "not a node", b"", 0, 0)
 
 
-def test_a_native_node_of_a_16_token_page_is_one_240_byte_block_and_reads_its_integers_as_ints():
-    # Its id, hash, record, pages, depth and run position are C integers, not int objects of their
-    # own: a node of 16-token pages takes one of pymalloc's 240-byte blocks and no more.
-    node = Node(2**63 - 1, None, bytes(64), 2**64 - 1, 5)
-    assert sys.getsizeof(node) <= 240
+def test_a_native_node_of_a_16_token_page_is_one_208_byte_block_of_c_integers():
+    # Every number a node holds is a C integer as wide as its values need, not an int object of its
+    # own: a node of 16-token pages takes one of pymalloc's 208-byte blocks and no more.
+    node = Node(2**63 - 1, None, bytes(64), 2**64 - 1, 2**63 - 1)
+    assert sys.getsizeof(node) <= 208
     assert (node.node_id, node.hash, node.depth, node.run_at) == (2**63 - 1, 2**64 - 1, 0, 0)
-    assert type(node.node_id) is int and type(node.depth) is int
-    node.run_at = 300
-    assert node.run_at == 300 and copy.copy(node).run_at == 300
+    assert (node.last_access, node.created_at, node.hits) == (2**63 - 1, 2**63 - 1, 0)
+    widths = {"device_state": 8, "host_state": 8, "storage_state": 8, "device_pins": 32, "host_pins": 32}
+    widths |= {"device_page": 32, "host_slot": 32, "run_at": 32, "last_access": 64, "created_at": 64, "hits": 64}
+    for name, bits in widths.items():
+        for value in (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1):  # the field's whole range, read back as ints
+            setattr(node, name, value)
+            assert getattr(node, name) == value and type(getattr(node, name)) is int, name
+        for value in (-(2 ** (bits - 1)) - 1, 2 ** (bits - 1)):  # never a value cut short
+            with pytest.raises(OverflowError, match=name):
+                setattr(node, name, value)
+        with pytest.raises(TypeError):
+            setattr(node, name, 1.5)
+        setattr(node, name, 1)
+    node.device_state = DeviceState.VALID  # a tier state is an IntEnum member, read back as its int
+    assert node.device_state == DeviceState.VALID and node.device_valid and copy.copy(node).device_state == 2
     for name in ("node_id", "depth"):  # fixed when the node is made
         with pytest.raises(AttributeError):
             setattr(node, name, 1)
+    with pytest.raises(AttributeError, match="device_pins"):
+        del node.device_pins
     with pytest.raises(OverflowError):
         Node(2**63, None, b"", 0, 0)
     child = Node(7, node, bytes(64), 1, 5)
-    assert child.depth == 1 and repr(child).startswith("Node(id=7, depth=1,")
+    assert child.depth == 1 and repr(child).startswith("Node(id=7, depth=1, dev=NONE:-1,")
 
 
 def _pair(count: int, size: int = 8) -> tuple[Node, PyNode, list[bytes]]:

@@ -41,23 +41,16 @@ uint64_t record_fields(const Fields *f) {
     return XXH3_64bits(buf, 64) & DIGEST_MASK;
 }
 
-/* A native node's fields as its record packs them: 0, or -1 and an exception on a field that is not
- * an int64. */
-static int node_fields(Node *n, Fields *f) {
-    f->hash = n->hash;
-    f->device_page = n->device_page;
-    f->host_slot = n->host_slot;
-    return field(n->device_state, &f->ds) || field(n->host_state, &f->hs) || field(n->storage_state, &f->ss) ||
-                   field(n->device_pins, &f->dp) || field(n->host_pins, &f->hp) || field(n->last_access, &f->last) ||
-                   field(n->hits, &f->hits) || field(n->created_at, &f->created)
-               ? -1
-               : 0;
+/* A native node's fields as its record packs them. */
+static void node_fields(const Node *n, Fields *f) {
+    *f = (Fields){.hash = n->hash, .ds = n->device_state, .hs = n->host_state, .ss = n->storage_state,
+                  .device_page = n->device_page, .host_slot = n->host_slot, .dp = n->device_pins,
+                  .hp = n->host_pins, .last = n->last_access, .hits = n->hits, .created = n->created_at};
 }
 
 int record_native(Node *n, uint64_t *out) {
     Fields f;
-    if (node_fields(n, &f) < 0)
-        return -1;
+    node_fields(n, &f);
     *out = record_fields(&f);
     return 0;
 }
@@ -79,9 +72,9 @@ static int record_with_parts(Node *n, uint64_t *out) {
         return -1;
     }
     Fields f;
-    int rc = node_fields(n, &f);
-    if (rc == 0)
-        pack_fields(&f, buf);
+    int rc = 0;
+    node_fields(n, &f);
+    pack_fields(&f, buf);
     for (Py_ssize_t i = 0; rc == 0 && i < count; i++) {
         PyObject *v = PyList_GET_ITEM(rec, i);
         int overflow = 0;
@@ -236,28 +229,25 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         Node *n = (Node *)item;
         Fields f; /* read once: the record is made from them as they change */
         uint64_t rec, old = n->record;
-        if (node_fields(n, &f) < 0)
-            goto fail;
+        node_fields(n, &f);
         int64_t pins = f.dp, state = f.ds;
         if (state == 0 && f.hs == 0 && append_id(gone, n->node_id) < 0)
             goto fail;
         int64_t now = f.dp = pins + delta;
-        if (set_int(&n->device_pins, now) < 0)
+        if (set_pins(&n->device_pins, now) < 0)
             goto fail;
         if (state == 2)
             evictable += (now == 0) - (pins == 0);
         if (state != 0)
             protected_ += (now > 0) - (pins > 0);
         if (stamp) {
-            Py_INCREF(clock);
-            Py_SETREF(n->last_access, clock);
             if (!stamped && field(clock, &stamp_value) < 0)
                 goto fail;
             stamped = 1;
-            f.last = stamp_value;
+            n->last_access = f.last = stamp_value;
         }
-        if (hit && set_int(&n->hits, ++f.hits) < 0)
-            goto fail;
+        if (hit)
+            n->hits = ++f.hits;
         if (n->comp == Py_None)
             rec = record_fields(&f);
         else if (record_any(item, &rec) < 0)
@@ -302,8 +292,7 @@ int holding_term(int64_t lease, int64_t kind, PyObject *item, uint64_t *out) {
 static PyObject *py_flags_of(PyObject *mod, PyObject *node) {
     if (!is_node(node))
         return PyErr_Format(PyExc_TypeError, "flags_of takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
-    int bits;
-    return node_flags((Node *)node, &bits) < 0 ? NULL : PyLong_FromLong(bits);
+    return PyLong_FromLong(node_flags((Node *)node));
 }
 
 /* unresident(tree_nodes, ids) -> those of ``ids`` whose node in the tree's NodeTable has no copy on
@@ -332,10 +321,7 @@ static PyObject *py_unresident(PyObject *mod, PyObject *const *args, Py_ssize_t 
             PyErr_SetString(PyExc_TypeError, "unresident: a native Node");
             goto fail;
         }
-        int64_t ds, hs;
-        if (field(((Node *)item)->device_state, &ds) || field(((Node *)item)->host_state, &hs))
-            goto fail;
-        if (ds == 0 && hs == 0 && PyList_Append(out, key) < 0)
+        if (((Node *)item)->device_state == 0 && ((Node *)item)->host_state == 0 && PyList_Append(out, key) < 0)
             goto fail;
     }
     Py_DECREF(seq);

@@ -1,6 +1,6 @@
-/* What the kernels take from Python once, at import (tree.py calls ``bind``): the tier states'
- * objects a node holds, tree.Run's ``pages`` slot (cleared when a page's device copy goes) and the
- * one-item arrays that new arrays are copied from; nothing here calls Python code. */
+/* What the kernels take from Python once, at import (tree.py calls ``bind``): tree.Run's ``pages``
+ * slot (cleared when a page's device copy goes) and the one-item arrays that new arrays are copied
+ * from; nothing here calls Python code. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
@@ -8,40 +8,38 @@
 
 #include "_node.h"
 
-/* What ``bind`` (below) was given, once: the tier states' objects, tree.Run's ``pages`` slot, and
- * one-item arrays of int32 and int64 that new arrays are made from. */
-PyObject *DEVICE_NONE, *DEVICE_VALID;
+/* What ``bind`` (below) was given, once: tree.Run's ``pages`` slot, and one-item arrays of int32
+ * and int64 that new arrays are made from. */
 static PyTypeObject *run_type;
 static Py_ssize_t run_pages_offset;
 static PyObject *array_i, *array_q;
 
-/* bind(device_none, device_valid, run_pages, array_i, array_q): DeviceState.NONE and .VALID (the
- * objects the reference stores in a node), tree.Run.__dict__["pages"] (the member descriptor of
- * its ``pages`` slot) and array("i", [0]), array("q", [0]). tree.py binds them once at import. */
+/* bind(run_pages, array_i, array_q): tree.Run.__dict__["pages"] (the member descriptor of its
+ * ``pages`` slot) and array("i", [0]), array("q", [0]). tree.py binds them once at import. */
 static PyObject *py_bind(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5)
-        return PyErr_Format(PyExc_TypeError, "bind takes 5 arguments, not %zd", nargs);
-    PyObject *slot = args[2];
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "bind takes 3 arguments, not %zd", nargs);
+    PyObject *slot = args[0];
     if (!Py_IS_TYPE(slot, &PyMemberDescr_Type) || ((PyMemberDescrObject *)slot)->d_member->type != T_OBJECT_EX)
         return PyErr_Format(PyExc_TypeError, "bind: Run's pages slot is a member descriptor");
-    for (int i = 3; i < 5; i++) {
+    for (int i = 1; i < 3; i++) {
         Py_buffer view;
         if (PyObject_GetBuffer(args[i], &view, PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
             return NULL;
-        int ok = view.len == view.itemsize && view.format != NULL && view.format[0] == "iq"[i - 3] &&
+        int ok = view.len == view.itemsize && view.format != NULL && view.format[0] == "iq"[i - 1] &&
                  view.format[1] == 0;
         PyBuffer_Release(&view);
         if (!ok)
-            return PyErr_Format(PyExc_TypeError, "bind: array('%c', [0])", "iq"[i - 3]);
+            return PyErr_Format(PyExc_TypeError, "bind: array('%c', [0])", "iq"[i - 1]);
     }
-    Py_XSETREF(DEVICE_NONE, Py_NewRef(args[0]));
-    Py_XSETREF(DEVICE_VALID, Py_NewRef(args[1]));
     Py_XSETREF(run_type, (PyTypeObject *)Py_NewRef((PyObject *)PyDescr_TYPE(slot)));
     run_pages_offset = ((PyMemberDescrObject *)slot)->d_member->offset;
-    Py_XSETREF(array_i, Py_NewRef(args[3]));
-    Py_XSETREF(array_q, Py_NewRef(args[4]));
+    Py_XSETREF(array_i, Py_NewRef(args[1]));
+    Py_XSETREF(array_q, Py_NewRef(args[2]));
     Py_RETURN_NONE;
 }
+
+int kernels_bound(void) { return run_type != NULL; }
 
 void run_untrack(PyObject *run) {
     if (run_type != NULL && Py_IS_TYPE(run, run_type))

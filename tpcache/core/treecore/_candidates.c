@@ -47,12 +47,9 @@ static int push_host_children(Node *n, PyObject *stack) {
     PyObject *child;
     Py_ssize_t pos = 0;
     while (kids_next(n, &pos, &child)) {
-        int64_t hs;
         if (!is_node(child))
             return not_native(child);
-        if (field(((Node *)child)->host_state, &hs))
-            return -1;
-        if (hs != 0 && PyList_Append(stack, child) < 0)
+        if (((Node *)child)->host_state != 0 && PyList_Append(stack, child) < 0)
             return -1;
     }
     return 0;
@@ -70,11 +67,9 @@ static int subtree_droppable(Node *n) {
     while (rc == 1 && PyList_GET_SIZE(stack) > 0) {
         Py_ssize_t last = PyList_GET_SIZE(stack) - 1;
         Node *child = (Node *)Py_NewRef(PyList_GET_ITEM(stack, last));
-        int64_t hs, hp, ds;
-        if (PyList_SetSlice(stack, last, last + 1, NULL) < 0 || field(child->host_state, &hs) ||
-            field(child->host_pins, &hp) || field(child->device_state, &ds))
+        if (PyList_SetSlice(stack, last, last + 1, NULL) < 0)
             rc = -1;
-        else if (hs != 2 || hp != 0 || ds != 0)
+        else if (child->host_state != 2 || child->host_pins != 0 || child->device_state != 0)
             rc = 0;
         else if ((rc = parts_idle(child)) == 1 && push_host_children(child, stack) < 0)
             rc = -1;
@@ -90,10 +85,7 @@ int candidacy(PyObject *obj) {
     if (!is_node(obj))
         return not_native(obj);
     Node *n = (Node *)obj;
-    int64_t state, pins, hs, hp;
-    if (field(n->device_state, &state) || field(n->device_pins, &pins) || field(n->host_state, &hs) ||
-        field(n->host_pins, &hp))
-        return -1;
+    int64_t state = n->device_state, pins = n->device_pins, hs = n->host_state, hp = n->host_pins;
     if (n->parent == Py_None || !may_be_candidate(state, pins, hs, hp))
         return 0;
     PyObject *child;
@@ -101,11 +93,9 @@ int candidacy(PyObject *obj) {
     if (state == 2) { /* unpinned (may_be_candidate) */
         int host_children = 0;
         while (kids_next(n, &pos, &child)) {
-            int64_t cd, ch;
             if (!is_node(child))
                 return not_native(child);
-            if (field(((Node *)child)->device_state, &cd) || field(((Node *)child)->host_state, &ch))
-                return -1;
+            int cd = ((Node *)child)->device_state, ch = ((Node *)child)->host_state;
             if (cd != 0)
                 return 0;
             host_children |= ch != 0;
@@ -118,12 +108,9 @@ int candidacy(PyObject *obj) {
     if (idle <= 0)
         return idle;
     while (kids_next(n, &pos, &child)) {
-        int64_t ch;
         if (!is_node(child))
             return not_native(child);
-        if (field(((Node *)child)->host_state, &ch))
-            return -1;
-        if (ch != 0)
+        if (((Node *)child)->host_state != 0)
             return 0;
     }
     return 2;
@@ -134,15 +121,17 @@ int candidacy(PyObject *obj) {
  * outside 0..2**64-1. */
 static int entry_words(Node *n, long kind, uint64_t w[5]) {
     int k = 0;
-    PyObject *first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
-    PyObject *fields[5] = {NULL /* the id */, NULL /* the hash */, NULL /* the depth */, n->last_access /* LFU only */, first};
+    int64_t first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
+    int64_t v[5] = {n->node_id, 0 /* the hash */, n->depth, n->last_access /* LFU only */, first};
+    if (v[0] < 0 || v[4] < 0 || (kind == 1 && v[3] < 0)) {
+        PyErr_SetString(PyExc_OverflowError, "a heap entry takes no negative id, stamp or hit count");
+        return -1;
+    }
     for (int f = 0; f < 5; f++) {
         if (f == 3 && kind != 1)
             continue;
-        uint64_t v = f == 0 ? (uint64_t)n->node_id : f == 1 ? n->hash : (uint64_t)n->depth;
-        if (f > 2 && ufield(fields[f], &v) < 0)
-            return -1;
-        w[k++] = f == 2 ? UINT64_MAX - v : v;
+        uint64_t x = f == 1 ? n->hash : (uint64_t)v[f];
+        w[k++] = f == 2 ? UINT64_MAX - x : x;
     }
     return k;
 }
@@ -335,7 +324,8 @@ static PyObject *py_offer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
 }
 
 static int state_field(PyObject *node, int device, int64_t *out) {
-    return field(device ? ((Node *)node)->device_state : ((Node *)node)->host_state, out);
+    *out = device ? ((Node *)node)->device_state : ((Node *)node)->host_state;
+    return 0;
 }
 
 int lazy_offer(LazyHeaps *h, PyObject *node) {

@@ -69,20 +69,13 @@ enum { PAGES_AHEAD = 4 };
  * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
 static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
                      uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, PyObject *ids, uint64_t *records) {
-    if (DEVICE_VALID == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "pinned_chain: the tier states are not bound (tree.py binds them)");
-        return -1;
-    }
     uint64_t h = parent->hash;
     Py_ssize_t count = PyList_GET_SIZE(pages);
-    /* Every new node's record packs the same fields but its hash and page: read once. A clock or
-     * state past int64 leaves each record to record_native (and its error). */
-    Fields f = {.host_slot = -1, .dp = 1};
-    int known = field(clock, &f.last) == 0 && field(DEVICE_VALID, &f.ds) == 0;
-    if (!known)
-        PyErr_Clear();
+    /* Every new node's record packs the same fields but its hash and page. */
+    Fields f = {.host_slot = -1, .dp = 1, .ds = STATE_VALID};
+    if (field(clock, &f.last) < 0)
+        return -1; /* (a clock past int64: nothing made) */
     f.created = f.last;
-    PyObject *one = PyLong_FromLong(1);
     Node *up = (Node *)Py_NewRef(parent), *first = parent;
     int rc = -1;
     for (Py_ssize_t i = 0; i < count && i < PAGES_AHEAD; i++)
@@ -93,6 +86,10 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
             __builtin_prefetch(PyList_GET_ITEM(pages, i + PAGES_AHEAD));
         if (field(PyList_GET_ITEM(pages, i), &page) < 0)
             goto done;
+        if (page < INT32_MIN || page > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "a device page past int32");
+            goto done;
+        }
         PyObject *id = ids != NULL ? PyLong_FromLongLong(next_id + i) : NULL;
         Node *node = id != NULL || ids == NULL ? node_alloc(step) : NULL;
         if (node == NULL) {
@@ -103,11 +100,10 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
             node_warm(step);
         memcpy(node->tok, data + i * step, (size_t)step);
         h = page_hash(node, h, seed);
-        node_fill(node, next_id + i, (PyObject *)up, h, clock); /* (``up`` is a node: it cannot fail) */
-        Py_SETREF(node->device_state, Py_NewRef(DEVICE_VALID));
-        node->device_page = page;
-        Py_SETREF(node->device_pins, Py_NewRef(one));
-        uint64_t rec;
+        node_fill(node, next_id + i, (PyObject *)up, h, f.last); /* (``up`` is a node: it cannot fail) */
+        node->device_state = STATE_VALID;
+        node->device_page = (int32_t)page;
+        node->device_pins = 1;
         int added = kids_add(up, node);
         if (added > 0)
             PyErr_Format(PyExc_ValueError, "node %lld already has a child for this page", (long long)up->node_id);
@@ -116,9 +112,8 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
             PyList_SET_ITEM(ids, i, id); /* (the list takes it) */
         f.hash = h;
         f.device_page = page;
-        if (known)
-            rec = record_fields(&f);
-        int bad = added != 0 || table_put(tree_nodes, next_id + i, node) < 0 || (!known && record_native(node, &rec) < 0);
+        uint64_t rec = record_fields(&f);
+        int bad = added != 0 || table_put(tree_nodes, next_id + i, node) < 0;
         if (!bad) {
             node->record = rec;
             *records += rec;
@@ -133,7 +128,6 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
         invalidate_runs((PyObject *)first);
 done:
     Py_DECREF(up);
-    Py_DECREF(one);
     return rc;
 }
 

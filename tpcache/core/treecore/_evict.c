@@ -26,11 +26,7 @@ int heaps_next_pop(Heaps *h, Node *node); /* _candidates.c */
 static int plain_leaf(Node *n, PyObject *backlog) {
     if (kids_count(n) != 0 || n->comp != Py_None || !is_node(n->parent))
         return 0;
-    int64_t ds, dp, hs, hp;
-    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
-        field(n->host_pins, &hp))
-        return -1;
-    if (ds != 2 || dp != 0 || hs != 0 || hp != 0)
+    if (n->device_state != 2 || n->device_pins != 0 || n->host_state != 0 || n->host_pins != 0)
         return 0;
     Node *parent = (Node *)n->parent;
     PyObject *up = parent->parent;
@@ -40,10 +36,7 @@ static int plain_leaf(Node *n, PyObject *backlog) {
          * reading it here (that read would wait for it). */
         for (size_t at = 0; at < offsetof(Node, tok) + 63; at += 64) /* each line its fields touch */
             __builtin_prefetch((char *)up + at);
-        int64_t pds;
-        if (field(parent->device_state, &pds))
-            return -1;
-        if (pds != 2)
+        if (parent->device_state != 2)
             return 0;
     }
     if (PyDict_GET_SIZE(backlog) == 0) /* most often: no host tier, or no backup waits */
@@ -153,7 +146,7 @@ static int drop(Pool *s, Node *n, int take, PyObject **next) {
     int bad = freed == NULL || batch_page(s, freed, s->left) < 0 || drop_pages(n) < 0; /* listed at a flush */
     if (bad || (s->dropped != NULL && PyList_Append(s->dropped, (PyObject *)n) < 0))
         return -1;
-    set_field(&n->device_state, DEVICE_NONE);
+    n->device_state = STATE_NONE;
     n->device_page = -1;
     s->evictable -= 1;
     s->value = (s->value - n->record) & DIGEST_MASK;
@@ -198,8 +191,8 @@ static PyObject *py_drop_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t
     Py_ssize_t want = PyLong_AsSsize_t(args[5]);
     if (want == -1 && PyErr_Occurred())
         return NULL;
-    if (DEVICE_NONE == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "drop_leaves: the tier states are not bound (tree.py binds them)");
+    if (!kernels_bound()) {
+        PyErr_SetString(PyExc_RuntimeError, "drop_leaves: the kernels are not bound (tree.py binds them)");
         return NULL;
     }
     s.dropped = nargs == 7 && args[6] != Py_None ? args[6] : NULL; /* borrowed: the caller holds it */

@@ -7,21 +7,6 @@
 
 #include "_node.h"
 
-enum { STATE_NONE = 0, STATE_VALID = 2 }; /* tiers.DeviceState and HostState */
-
-/* A node's tier state (an IntEnum member) into ``*out``: 0, or -1 and an exception. */
-static int state(PyObject *v, long *out) {
-    if (v != NULL && v == DEVICE_VALID) { /* the object most nodes on a hit hold */
-        *out = STATE_VALID;
-        return 0;
-    }
-    if (v == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "a node's tier state was deleted");
-        return -1;
-    }
-    *out = PyLong_AsLong(v);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
-}
 
 /* lookup(root, data, step, host_hits) -> (device pages, host pages, array('i') of the device pages):
  * the longest prefix of ``data``'s full pages (``step`` bytes each) whose nodes are device VALID,
@@ -55,19 +40,11 @@ static PyObject *py_lookup(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             break;
         }
         node = (Node *)child; /* children are nodes: kids_add is the only way in */
-        long ds, hs = STATE_NONE;
-        if (state(node->device_state, &ds) < 0)
-            goto fail;
+        int ds = node->device_state, hs = host_hits ? node->host_state : STATE_NONE;
         if (host == 0 && ds == STATE_VALID) { /* still in the device prefix */
-            if (node->device_page < INT32_MIN || node->device_page > INT32_MAX) {
-                PyErr_SetString(PyExc_OverflowError, "a device page past int32");
-                goto fail;
-            }
-            out[dev++] = (int32_t)node->device_page;
+            out[dev++] = node->device_page;
             continue;
         }
-        if (host_hits && state(node->host_state, &hs) < 0)
-            goto fail;
         if (hs != STATE_VALID || ds != STATE_NONE)
             break;
         host++;

@@ -46,35 +46,28 @@ static void node_dealloc(Node *self) {
     PyObject_Free(self);
 }
 
-int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, PyObject *clock) {
+int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, int64_t clock) {
     if (parent != Py_None && !PyObject_TypeCheck(parent, &NodeType)) {
         memset(&self->parent, 0, offsetof(Node, tok) - offsetof(Node, parent)); /* nothing for dealloc to clear */
         PyErr_SetString(PyExc_TypeError, "a node's parent is a Node or None");
         return -1;
     }
-    PyObject *zero = PyLong_FromLong(0); /* a cached small int */
 #define SET(name, value) self->name = Py_NewRef(value)
     self->node_id = node_id;
     SET(parent, parent);
     self->kids = NULL;
     self->hash = hash;
     self->depth = parent == Py_None ? 0 : ((Node *)parent)->depth + 1;
-    self->device_page = -1;
-    SET(device_state, zero);
-    SET(device_pins, zero);
-    self->host_slot = -1;
-    SET(host_state, zero);
-    SET(host_pins, zero);
-    SET(storage_state, zero);
-    SET(last_access, clock);
-    SET(created_at, clock);
-    SET(hits, zero);
+    self->device_page = self->host_slot = -1;
+    self->device_state = self->host_state = self->storage_state = 0;
+    self->device_pins = self->host_pins = 0;
+    self->last_access = self->created_at = clock;
+    self->hits = 0;
     SET(comp, Py_None);
     self->record = 0;
     SET(run, Py_None);
     self->run_at = 0;
     SET(pages_run, Py_None);
-    Py_DECREF(zero);
     return 0;
 }
 
@@ -99,11 +92,11 @@ void node_warm(Py_ssize_t len) {
 }
 
 static PyObject *node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    long long node_id;
-    PyObject *parent, *hash, *clock;
+    long long node_id, clock;
+    PyObject *parent, *hash;
     Py_buffer tokens;
     static char *kwlist[] = {"node_id", "parent", "tokens", "hash_", "clock", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LOy*OO", kwlist, &node_id, &parent, &tokens, &hash, &clock))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LOy*OL", kwlist, &node_id, &parent, &tokens, &hash, &clock))
         return NULL;
     uint64_t h = PyLong_AsUnsignedLongLong(hash);
     Node *n = h == (uint64_t)-1 && PyErr_Occurred() ? NULL : node_alloc(tokens.len);
@@ -176,29 +169,75 @@ static PyMemberDef node_members[] = {
     {"node_id", T_LONGLONG, offsetof(Node, node_id), READONLY, "The node's id (the root's is 0)."},
     {"hash", T_ULONGLONG, offsetof(Node, hash), 0, "The page's chain hash."},
     {"record", T_ULONGLONG, offsetof(Node, record), 0, "The node's current contribution to the state digest."},
-    {"device_page", T_LONGLONG, offsetof(Node, device_page), 0, "The device page, -1 with none."},
-    {"host_slot", T_LONGLONG, offsetof(Node, host_slot), 0, "The host slot, -1 with none."},
     {"depth", T_INT, offsetof(Node, depth), READONLY, "Pages above it to the root (the root's is 0)."},
-    {"run_at", T_INT, offsetof(Node, run_at), 0, "Its place in its run cache (tree.py's walk)."},
     {NULL, 0, 0, 0, NULL},
 };
 
-/* Tier states: NONE 0, then LOADING/WRITING 1, VALID/DURABLE 2 (tpcache/core/tiers.py). */
-static int state_of(PyObject *v) {
-    long s = v == NULL ? -1 : PyLong_AsLong(v);
-    if (s == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    return (int)s;
+/* The narrow integer fields as Python attributes: read as ints; written as ints (an IntEnum state
+ * is one) in the field's range, else an OverflowError naming the field, never a value cut short. */
+typedef struct {
+    const char *name;
+    Py_ssize_t offset;
+    int bits; /* 8, 32 or 64, signed */
+} IntField;
+#define INT_FIELD(name, bits) static const IntField F_##name = {#name, offsetof(Node, name), bits};
+INT_FIELD(device_state, 8) INT_FIELD(host_state, 8) INT_FIELD(storage_state, 8) INT_FIELD(device_pins, 32)
+INT_FIELD(host_pins, 32) INT_FIELD(device_page, 32) INT_FIELD(host_slot, 32) INT_FIELD(run_at, 32)
+INT_FIELD(last_access, 64) INT_FIELD(created_at, 64) INT_FIELD(hits, 64)
+
+static PyObject *int_get(Node *self, const IntField *f) {
+    const char *at = (const char *)self + f->offset;
+    return f->bits == 8 ? PyLong_FromLong(*(const int8_t *)at)
+           : f->bits == 32 ? PyLong_FromLong(*(const int32_t *)at)
+                           : PyLong_FromLongLong(*(const int64_t *)at);
 }
 
-static PyObject *node_on_device(Node *self, void *c) { return PyBool_FromLong(state_of(self->device_state) != 0); }
-static PyObject *node_device_valid(Node *self, void *c) { return PyBool_FromLong(state_of(self->device_state) == 2); }
-static PyObject *node_on_host(Node *self, void *c) { return PyBool_FromLong(state_of(self->host_state) != 0); }
+static int int_set(Node *self, PyObject *value, const IntField *f) {
+    if (value == NULL) {
+        PyErr_Format(PyExc_AttributeError, "a node's %s cannot be deleted", f->name);
+        return -1;
+    }
+    int past = 0;
+    PyObject *num = PyNumber_Index(value); /* (an int, or TypeError) */
+    long long v = num == NULL ? -1 : PyLong_AsLongLongAndOverflow(num, &past);
+    Py_XDECREF(num);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    long long lim = f->bits == 64 ? 0 : 1LL << (f->bits - 1);
+    if (past || (lim && (v < -lim || v >= lim))) {
+        PyErr_Format(PyExc_OverflowError, "a node's %s takes a %d-bit int, not %S", f->name, f->bits, value);
+        return -1;
+    }
+    char *at = (char *)self + f->offset;
+    if (f->bits == 8)
+        *(int8_t *)at = (int8_t)v;
+    else if (f->bits == 32)
+        *(int32_t *)at = (int32_t)v;
+    else
+        *(int64_t *)at = (int64_t)v;
+    return 0;
+}
+
+static PyObject *node_on_device(Node *self, void *c) { return PyBool_FromLong(self->device_state != 0); }
+static PyObject *node_device_valid(Node *self, void *c) { return PyBool_FromLong(self->device_state == 2); }
+static PyObject *node_on_host(Node *self, void *c) { return PyBool_FromLong(self->host_state != 0); }
 static PyObject *node_resident(Node *self, void *c) {
-    return PyBool_FromLong(state_of(self->device_state) != 0 || state_of(self->host_state) != 0);
+    return PyBool_FromLong(self->device_state != 0 || self->host_state != 0);
 }
 
+#define INT_GETSET(name, doc) {#name, (getter)int_get, (setter)int_set, doc, (void *)&F_##name},
 static PyGetSetDef node_getset[] = {
+    INT_GETSET(device_state, "Its device tier state (tiers.DeviceState).")
+    INT_GETSET(host_state, "Its host tier state (tiers.HostState).")
+    INT_GETSET(storage_state, "Its storage tier state (tiers.StorageState).")
+    INT_GETSET(device_pins, "Pins of its device page.")
+    INT_GETSET(host_pins, "Pins of its host slot.")
+    INT_GETSET(device_page, "The device page, -1 with none.")
+    INT_GETSET(host_slot, "The host slot, -1 with none.")
+    INT_GETSET(run_at, "Its place in its run cache (tree.py's walk).")
+    INT_GETSET(last_access, "The clock of its last use.")
+    INT_GETSET(created_at, "The clock it was made at.")
+    INT_GETSET(hits, "How often a lookup hit it.")
     {"on_device", (getter)node_on_device, NULL, "Holds a device page (valid or loading).", NULL},
     {"device_valid", (getter)node_device_valid, NULL, "Holds a valid device page.", NULL},
     {"on_host", (getter)node_on_host, NULL, "Holds a host slot (valid or being written).", NULL},
@@ -246,6 +285,14 @@ static PyObject *node_copy(Node *self, PyObject *unused) {
     other->host_slot = self->host_slot;
     other->depth = self->depth;
     other->run_at = self->run_at;
+    other->device_state = self->device_state;
+    other->host_state = self->host_state;
+    other->storage_state = self->storage_state;
+    other->device_pins = self->device_pins;
+    other->host_pins = self->host_pins;
+    other->last_access = self->last_access;
+    other->created_at = self->created_at;
+    other->hits = self->hits;
     return (PyObject *)other;
 }
 
@@ -263,10 +310,7 @@ static PyMethodDef node_methods[] = {
 
 static const char *STATES[3][3] = {{"NONE", "LOADING", "VALID"}, {"NONE", "WRITING", "VALID"}, {"NONE", "WRITING", "DURABLE"}};
 
-static const char *state_name(int kind, PyObject *v) {
-    int s = state_of(v);
-    return s >= 0 && s < 3 ? STATES[kind][s] : "?";
-}
+static const char *state_name(int kind, int s) { return s >= 0 && s < 3 ? STATES[kind][s] : "?"; }
 
 static PyObject *node_repr(Node *self) {
     return PyUnicode_FromFormat("Node(id=%lld, depth=%lld, dev=%s:%lld, host=%s:%lld, storage=%s)", (long long)self->node_id,

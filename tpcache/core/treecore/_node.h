@@ -5,17 +5,14 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* The fields Python code reads most are object pointers (T_OBJECT_EX): the interpreter specializes
- * those attribute accesses as it does __slots__. The node's id, the page's hash, its digest record,
- * its device page and host slot and its depth are C integers instead: each would otherwise be an
- * int object of its own per page (32-40 bytes; for the id also an allocation per new page and a
- * read of cold memory per evicted one). Python reads them as ints made when read; the kernels read
- * them directly.
- * Each object field is declared in Node below and listed in FIELDS once: dealloc clears, a copy
- * copies, and Python reads and writes, each one listed. */
-#define FIELDS(X)                                                                                     \
-    X(parent) X(device_state) X(device_pins) X(host_state) X(host_pins) \
-    X(storage_state) X(last_access) X(created_at) X(hits) X(comp) X(run) X(pages_run)
+/* A node's numbers (its id, tier states, pins, stamps, hits, hash, record, device page, host slot,
+ * depth) are C integers, each as wide as its values need: the kernels read and write them without
+ * an int object between, and a node of 16-token pages is one 208-byte block of pymalloc. Python
+ * reads each as an int made when read (small ones are the interpreter's cached ints) and writes it
+ * through the member's setter. The object fields (the parent, the component record, the run caches)
+ * are declared in Node below and listed in FIELDS once: dealloc clears, a copy copies, and Python
+ * reads and writes, each one listed. */
+#define FIELDS(X) X(parent) X(comp) X(run) X(pages_run)
 
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
@@ -27,14 +24,17 @@ typedef struct {
      * costs no dict), a dict of two or more keyed by their tokens (_kids.c). Changed only by kids_add
      * and kids_del, which keep that shape. */
     PyObject *kids;
-    PyObject *device_state, *device_pins, *host_state, *host_pins, *storage_state;
-    PyObject *last_access, *created_at, *hits, *comp;
+    int8_t device_state, host_state, storage_state; /* tiers.DeviceState, HostState, StorageState */
+    int32_t device_pins, host_pins;                 /* (a record packs each in 32 bits) */
+    int64_t last_access, created_at, hits;
+    PyObject *comp;
     uint64_t hash, record;
-    int64_t device_page, host_slot;
-    int64_t node_id; /* fixed when the node is made; Python reads it as an int made when read */
+    /* A device page and a host slot (-1: none) in 32 bits, as the walk's and the holdings' int32
+     * arrays hold them; the id, fixed when the node is made. */
+    int32_t device_page, host_slot;
+    int64_t node_id;
     /* Pages above it to the root (the root's is 0; fixed when the node is made), and its place in
-     * its run cache (tree.py's walk): 32 bits each, so that a node of 16-token pages fits pymalloc's
-     * 240-byte blocks rather than its 256-byte ones. */
+     * its run cache (tree.py's walk). */
     int32_t depth, run_at;
     PyObject *run, *pages_run;
     char tok[];
@@ -222,7 +222,7 @@ int record_any(PyObject *node, uint64_t *out);
  * the tokens in; then node_fill sets every field: 0, or -1 and a TypeError for a parent that is
  * neither a Node nor None (its fields then cleared). Until node_fill it must not be released. */
 Node *node_alloc(Py_ssize_t len);
-int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, PyObject *clock);
+int node_fill(Node *self, int64_t node_id, PyObject *parent, uint64_t hash, int64_t clock);
 /* Fetch the token area of the node node_alloc(len) gives next, for writing, where it is known (a
  * freed node's). A node's memory was most often freed long before and is out of the cache: a 2 KiB
  * page copied into it would wait for each of its lines, which, fetched while the node before is
@@ -236,8 +236,8 @@ void node_warm(Py_ssize_t len);
 
 static inline int is_node(PyObject *o) { return o != NULL && Py_IS_TYPE(o, &NodeType); }
 
-/* An int field's value: -1 and an exception if it is not an int64. Most fields hold small ints (a
- * state, a pin count, a stamp): those are read here, without a call into the interpreter. */
+/* An int's value (a page, a clock, an argument): -1 and an exception if it is not an int64. Most
+ * are small: those are read here, without a call into the interpreter. */
 static inline int field(PyObject *v, int64_t *out) {
 #if PY_VERSION_HEX >= 0x030C0000
     if (PyLong_Check(v) && PyUnstable_Long_IsCompact((PyLongObject *)v)) {
@@ -265,25 +265,7 @@ static inline int field(PyObject *v, int64_t *out) {
     return 0;
 }
 
-/* An unsigned 64-bit field's value (``field``'s fast read for the non-negative small ones): -1 and
- * an exception if it is not an int in 0..2**64-1. */
-static inline int ufield(PyObject *v, uint64_t *out) {
-#if PY_VERSION_HEX >= 0x030C0000
-    int small = PyLong_Check(v) && PyUnstable_Long_IsCompact((PyLongObject *)v);
-#else
-    int small = PyLong_Check(v) && Py_SIZE(v) >= 0 && Py_SIZE(v) <= 2;
-#endif
-    int64_t x;
-    if (small && field(v, &x) == 0 && x >= 0) {
-        *out = (uint64_t)x;
-        return 0;
-    }
-    unsigned long long u = PyLong_AsUnsignedLongLong(v);
-    if (u == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
-    *out = u;
-    return 0;
-}
+enum { STATE_NONE = 0, STATE_VALID = 2 }; /* tiers' NONE, and DeviceState/HostState VALID */
 
 /* Append ``id`` to ``list`` as an int: 0, or -1 and an exception. */
 static inline int append_id(PyObject *list, int64_t id) {
@@ -295,29 +277,25 @@ static inline int append_id(PyObject *list, int64_t id) {
 
 #define DIGEST_MASK ((UINT64_C(1) << 62) - 1) /* digest.DIGEST_MASK */
 
-/* accounting.reference_flags_of of a native node, evictable | protected << 1 | mirror << 2: 0, or
- * -1 and an exception on a field that is not an int. */
-static inline int node_flags(Node *n, int *out) {
-    int64_t ds, dp, hs, ss;
-    if (field(n->device_state, &ds) || field(n->device_pins, &dp) || field(n->host_state, &hs) ||
-        field(n->storage_state, &ss))
+/* accounting.reference_flags_of of a native node, evictable | protected << 1 | mirror << 2. */
+static inline int node_flags(const Node *n) {
+    int ds = n->device_state, dp = n->device_pins, hs = n->host_state, ss = n->storage_state;
+    return (ds == 2 && dp == 0) | (ds != 0 && dp > 0) << 1 | (ds == 2 && hs == 2 && ss == 2) << 2;
+}
+
+/* Set a pin count: 0, or -1 and an OverflowError past int32 (a record packs it in 32 bits). */
+static inline int set_pins(int32_t *slot, int64_t v) {
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a pin count past int32");
         return -1;
-    *out = (ds == 2 && dp == 0) | (ds != 0 && dp > 0) << 1 | (ds == 2 && hs == 2 && ss == 2) << 2;
+    }
+    *slot = (int32_t)v;
     return 0;
 }
 
-/* Set an int field: 0, or -1 and an exception. */
-static inline int set_int(PyObject **slot, int64_t v) {
-    PyObject *o = PyLong_FromLongLong(v);
-    if (o == NULL)
-        return -1;
-    Py_SETREF(*slot, o);
-    return 0;
-}
-
-/* tiers.DeviceState.NONE and .VALID, the values the reference stores in a node, and tree.Run's
- * ``pages`` slot (its class and offset): bound once by tree.py (``bind``, _bind.c); NULL before. */
-extern PyObject *DEVICE_NONE, *DEVICE_VALID;
+/* Whether tree.py bound tree.Run's ``pages`` slot and the arrays new arrays are copied from
+ * (``bind``, _bind.c): 1 once it has. */
+int kernels_bound(void);
 /* run.pages = None for a tree.Run (tree.drop_pages's first half): 0, or -1 and an exception. */
 int run_forget_pages(PyObject *run);
 /* Stop the collector tracking a tree.Run (anything else is left alone). A run of native nodes is in

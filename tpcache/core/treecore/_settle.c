@@ -58,30 +58,25 @@ static PyObject *py_settle(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             break;
         }
         Node *n = (Node *)item;
-        PyObject **slots[3] = {&n->device_state, &n->host_state, &n->storage_state};
+        int8_t *slots[3] = {&n->device_state, &n->host_state, &n->storage_state};
         int ok = 1, was, now;
-        for (int t = 0; t < 3 && ok; t++) {
-            int64_t old;
-            if (want[t] >= 0 && field(*slots[t], &old))
-                goto fail;
-            ok = want[t] < 0 || allowed_move(allowed.buf, t, old, want[t]);
-        }
+        for (int t = 0; t < 3 && ok; t++)
+            ok = want[t] < 0 || allowed_move(allowed.buf, t, *slots[t], want[t]);
         if (!ok) {
             stopped = i;
             break;
         }
-        if (node_flags(n, &was) < 0)
-            goto fail;
+        was = node_flags(n);
         for (int t = 0; t < 3; t++) {
             if (want[t] >= 0)
-                Py_SETREF(*slots[t], Py_NewRef(states[t]));
+                *slots[t] = (int8_t)want[t]; /* (0-2: allowed_move) */
         }
-        int64_t pins;
-        if (hpins && (field(n->host_pins, &pins) || set_int(&n->host_pins, pins + hpins) < 0))
+        if (hpins && set_pins(&n->host_pins, n->host_pins + hpins) < 0)
             goto fail;
         uint64_t rec, old = n->record;
-        if (record_any(item, &rec) < 0 || node_flags(n, &now) < 0)
+        if (record_any(item, &rec) < 0)
             goto fail;
+        now = node_flags(n);
         n->record = rec;
         value += rec - old;
         evictable += (now & 1) - (was & 1);

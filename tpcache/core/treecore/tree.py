@@ -177,7 +177,7 @@ NATIVE_NODES = Node is not PyNode
 
 
 if NATIVE is not None:  # what the C kernels store, clear and copy, bound once (_node.c's bind)
-    NATIVE.bind(DeviceState.NONE, DeviceState.VALID, Run.__dict__["pages"], array("i", [0]), array("q", [0]))
+    NATIVE.bind(Run.__dict__["pages"], array("i", [0]), array("q", [0]))
 
 
 class Walk:
