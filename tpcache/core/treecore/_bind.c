@@ -83,6 +83,6 @@ PyObject *array_from_bytes(const char *typecode, PyObject *raw) {
 
 PyMethodDef bind_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))py_bind, METH_FASTCALL,
-     "The tier states' objects, tree.Run's pages slot and the arrays new arrays copy (tree.py, once)."},
+     "tree.Run's pages slot and the arrays new arrays copy (tree.py, once)."},
     {NULL, NULL, 0, NULL},
 };
