@@ -176,7 +176,7 @@ NodeTable = NATIVE.NodeTable if NATIVE is not None else dict
 NATIVE_NODES = Node is not PyNode
 
 
-if NATIVE is not None:  # what the C kernels store, clear and copy, bound once (_node.c's bind)
+if NATIVE is not None:  # what the C kernels clear and copy, bound once (_bind.c)
     NATIVE.bind(Run.__dict__["pages"], array("i", [0]), array("q", [0]))
 
 
