@@ -17,7 +17,7 @@ from tpcache.core import CacheConfig, CacheCore, check, hashing
 from tpcache.core.digest import mix, reference_mix
 from tpcache.core.hashing import as_token_bytes
 from tpcache.core.inserts import Inserter
-from tpcache.core.tiers import DeviceState, HostState, IllegalTransition, StorageState
+from tpcache.core.tiers import TRANSITIONS, DeviceState, HostState, IllegalTransition, StorageState
 from tpcache.core.treecore import allocator, eviction
 from tpcache.core.treecore import core as treecore_core
 from tpcache.core.treecore import ledger as ledger_module
@@ -487,3 +487,33 @@ def test_append_chain_takes_only_new_pages_the_lease_holds_and_otherwise_changes
     assert [core.tree.nodes[i].device_page for i in ids] == fresh and lease.cursor == ids[-1] and lease.pages == []
     assert led.clock == before[2] + 1 and list(lease.device_nodes) == before[4] + ids
     check(core)
+
+
+def test_a_kernel_refusing_a_value_past_its_field_changes_nothing():
+    """A page past int32, a clock past int64 or a pin count past int32 raises before any node changes:
+    a node's numbers are C integers, and a kernel checks what it would store before it stores it."""
+    core = CacheCore(CacheConfig(page_size=4, device_pages=32, host_pages=8))
+    tokens = list(range(8))
+    lease_id, _ = core.lock(tokens)
+    core.insert(lease_id, tokens, core.alloc(lease_id, 2))
+    lease, led = core.lease(lease_id), core.ledger
+    tree, fresh = led.tree, core.alloc(lease_id, 2)
+    cursor = tree.nodes[lease.cursor]
+    numbers = lambda: [(n.device_pins, n.host_pins, n.last_access, n.storage_state) for n in tree.nodes.values()]  # noqa: E731
+    state = lambda: (snapshot(core), led.digest.value, numbers())  # noqa: E731
+    before = state()
+    data = as_token_bytes(list(range(8, 16)))
+    with pytest.raises(OverflowError, match="past int32"):  # the second page: nothing made for the first
+        _node.pinned_chain(tree.nodes, tree._next_id, 4, tree.seed, cursor, data, 0, [fresh[0], 2**31], led.clock)
+    assert state() == before and len(tree.nodes) == 3
+    path = list(lease.device_nodes)
+    with pytest.raises(OverflowError):  # a clock past int64: no pin taken on the way
+        _node.touch(tree.nodes, path, 1, True, False, 2**63, led.digest.value, led.candidates.native)
+    assert state() == before
+    nodes = [tree.nodes[i] for i in path]
+    nodes[-1].host_pins = 2**31 - 1  # (a count no cache reaches: the last node's next pin overflows)
+    before = state()
+    with pytest.raises(OverflowError, match="pin count"):  # nor its storage state changed
+        args = (None, None, StorageState.WRITING, 1, led.digest.value, led.candidates.native, led.mirrors, TRANSITIONS)
+        _node.settle(nodes[1:], *args)
+    assert state() == before and nodes[-1].storage_state == StorageState.NONE

@@ -270,3 +270,10 @@ def test_digest_tracks_structure_and_tier_state():
     put(c, toks(1, 3))
     put(c, toks(1, 2))
     assert c.digest.value != a.digest.value  # different order, different pages and stamps
+
+
+def test_a_pool_of_more_pages_than_int32_ids_is_refused_naming_the_setting():
+    for name in ("device_pages", "host_pages"):  # page ids and host slots are int32 wherever they are held
+        with pytest.raises(ValueError, match=f"^{name} must be at most 2147483647 "):
+            CacheCore(CacheConfig(**{name: 2**31}))
+    CacheConfig(device_pages=2**31 - 1, host_pages=2**31 - 1).validate()

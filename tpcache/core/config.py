@@ -16,6 +16,9 @@ WRITE_POLICIES = ("none", "write_through", "write_through_selective", "write_bac
 # "cache": the host pool is a cached tier (L2). "buffer": host slots only stage storage reads on their
 # way to device and backups on their way to storage; nothing is served from host (``staging.py``).
 HOST_MODES = ("cache", "buffer")
+# The most pages a device or host pool may hold: page ids and host slots are int32 wherever they are
+# held (a walk's and a holding's arrays, a native node's fields).
+POOL_PAGES_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class CacheConfig:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         if self.device_pages < 0 or self.host_pages < 0:
             raise ValueError("pool sizes must be >= 0")
+        for name, pages in (("device_pages", self.device_pages), ("host_pages", self.host_pages)):
+            if pages > POOL_PAGES_MAX:  # page ids are int32 wherever they are held
+                raise ValueError(f"{name} must be at most {POOL_PAGES_MAX} (page ids are int32), got {pages}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {self.write_policy!r}; choose one of {WRITE_POLICIES}")
         if self.write_through_threshold < 1:

@@ -48,11 +48,10 @@ static void node_fields(const Node *n, Fields *f) {
                   .hp = n->host_pins, .last = n->last_access, .hits = n->hits, .created = n->created_at};
 }
 
-int record_native(Node *n, uint64_t *out) {
+uint64_t record_native(const Node *n) {
     Fields f;
     node_fields(n, &f);
-    *out = record_fields(&f);
-    return 0;
+    return record_fields(&f);
 }
 
 enum { COMP_ON_STACK = 64 }; /* component fields packed on the stack (8 components); more: the heap */
@@ -98,8 +97,10 @@ int record_any(PyObject *node, uint64_t *out) {
         PyErr_Format(PyExc_TypeError, "record_of takes a native Node, not %.100s", Py_TYPE(node)->tp_name);
         return -1;
     }
-    if (((Node *)node)->comp == Py_None)
-        return record_native((Node *)node, out);
+    if (((Node *)node)->comp == Py_None) {
+        *out = record_native((Node *)node);
+        return 0;
+    }
     return record_with_parts((Node *)node, out);
 }
 
@@ -144,8 +145,9 @@ static Node **path_nodes = NULL;
 static Py_ssize_t path_room = 0;
 
 /* The nodes of ``ids`` found by following parents up from the last one's (found in ``tree_nodes``)
- * for as long as each parent's id is the next id down, into ``found``; the rest are left NULL (the caller looks those up, and reports what the
- * lookup finds wrong). A path costs one lookup in the tree's table, not one a page. Pure. */
+ * for as long as each parent's id is the next id down, into ``found``; the rest are left NULL (the
+ * caller looks those up, and reports what the lookup finds wrong). A path costs one lookup in the
+ * tree's table, not one a page. Pure. */
 static void path_up(NodeTable *tree_nodes, PyObject *const *ids, Py_ssize_t n, Node **found) {
     memset(found, 0, (size_t)n * sizeof(Node *));
     Node *last = PyLong_CheckExact(ids[n - 1]) ? table_find(tree_nodes, ids[n - 1]) : NULL;
@@ -158,7 +160,7 @@ static void path_up(NodeTable *tree_nodes, PyObject *const *ids, Py_ssize_t n, N
         PyObject *up = found[i + 1]->parent;
         int64_t id;
         if (!is_node(up) || !PyLong_CheckExact(ids[i]) || field(ids[i], &id) < 0 || ((Node *)up)->node_id != id) {
-            PyErr_Clear();
+            PyErr_Clear(); /* (an id past int64 is no node's: the caller reports it) */
             return;
         }
         found[i] = (Node *)up;
@@ -194,7 +196,8 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     int64_t evictable = 0, protected_ = 0, stamp_value = 0;
-    int stamped = 0; /* the clock's value read (at the first stamp) */
+    if (stamp && field(clock, &stamp_value) < 0) /* (read before any node changes) */
+        goto fail;
     /* A touch changes no parent and no entry of the tree's NodeTable: the nodes found first stay theirs. */
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     int by_id = tree_nodes != NULL && count > 0;
@@ -240,12 +243,8 @@ static PyObject *py_touch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             evictable += (now == 0) - (pins == 0);
         if (state != 0)
             protected_ += (now > 0) - (pins > 0);
-        if (stamp) {
-            if (!stamped && field(clock, &stamp_value) < 0)
-                goto fail;
-            stamped = 1;
+        if (stamp)
             n->last_access = f.last = stamp_value;
-        }
         if (hit)
             n->hits = ++f.hits;
         if (n->comp == Py_None)

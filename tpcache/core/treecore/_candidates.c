@@ -117,8 +117,8 @@ int candidacy(PyObject *obj) {
 }
 /* A node's heap entry, ``key << 64 | node_id`` with candidates.LRU/LFU/FIFO.key: kind 0 LRU, 1 LFU,
  * 2 FIFO. The key's fields are 64-bit words, most significant first: ``entry_words`` gives them
- * little-endian (node id first), how many (4, or 5 for LFU), or -1 and an exception for a field
- * outside 0..2**64-1. */
+ * little-endian (node id first), how many (4, or 5 for LFU), or -1 and an OverflowError for a
+ * negative id, stamp or hit count. */
 static int entry_words(Node *n, long kind, uint64_t w[5]) {
     int k = 0;
     int64_t first = kind == 1 ? n->hits : kind == 0 ? n->last_access : n->created_at;
@@ -136,8 +136,8 @@ static int entry_words(Node *n, long kind, uint64_t w[5]) {
     return k;
 }
 
-/* The heap entry itself, an int built from ``entry_words`` in one call: NULL and an exception for a
- * field outside 0..2**64-1. */
+/* The heap entry itself, an int built from ``entry_words`` in one call: NULL and an exception where
+ * ``entry_words`` refuses the node. */
 static PyObject *heap_entry(Node *n, long kind) {
     uint64_t w[5];
     int k = entry_words(n, kind, w);
@@ -323,11 +323,6 @@ static PyObject *py_offer(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     return offer1(args[0], args[1]) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-static int state_field(PyObject *node, int device, int64_t *out) {
-    *out = device ? ((Node *)node)->device_state : ((Node *)node)->host_state;
-    return 0;
-}
-
 int lazy_offer(LazyHeaps *h, PyObject *node) {
     int which = candidacy(node); /* most offers push nothing */
     if (which <= 0)
@@ -352,20 +347,14 @@ int lazy_offer_around(LazyHeaps *h, PyObject *node) {
         return -1;
     PyObject *parent = first; /* offers change no tree: the walk's nodes stay where they are */
     for (;;) {
-        int64_t ds, hs;
-        if (state_field(parent, 1, &ds) || state_field(parent, 0, &hs))
-            return -1;
-        if (!(ds == 0 && hs != 0))
+        if (!(((Node *)parent)->device_state == 0 && ((Node *)parent)->host_state != 0))
             break;
         PyObject *up = ((Node *)parent)->parent;
         if (!is_node(up) || !is_node(((Node *)up)->parent))
             return 0;
         parent = up;
     }
-    int64_t ds;
-    if (state_field(parent, 1, &ds))
-        return -1;
-    return parent != first && ds == 2 ? (lazy_offer(h, parent) < 0 ? -1 : 0) : 0;
+    return parent != first && ((Node *)parent)->device_state == 2 ? (lazy_offer(h, parent) < 0 ? -1 : 0) : 0;
 }
 
 /* offer_around(heaps, node): candidates.Candidates.offer_around (see there). */

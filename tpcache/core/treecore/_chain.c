@@ -42,8 +42,6 @@ static PyObject *py_token_bytes(PyObject *mod, PyObject *seq) {
     return out;
 }
 
-
-
 /* hashing.page_hash of a new node's tokens below a page of hash ``up``: XXH3-64 of ``up`` (8 bytes,
  * little-endian) and the tokens, with the namespace's seed. Hashed where the tokens lie: the 8 bytes
  * before them (``pages_run``, and on a 32-bit build ``run`` too: fields node_fill sets afterwards)
@@ -84,12 +82,8 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
         int64_t page;
         if (i + PAGES_AHEAD < count)
             __builtin_prefetch(PyList_GET_ITEM(pages, i + PAGES_AHEAD));
-        if (field(PyList_GET_ITEM(pages, i), &page) < 0)
+        if (field(PyList_GET_ITEM(pages, i), &page) < 0) /* (int32: pinned checked them) */
             goto done;
-        if (page < INT32_MIN || page > INT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "a device page past int32");
-            goto done;
-        }
         PyObject *id = ids != NULL ? PyLong_FromLongLong(next_id + i) : NULL;
         Node *node = id != NULL || ids == NULL ? node_alloc(step) : NULL;
         if (node == NULL) {
@@ -153,6 +147,13 @@ static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step
         if (taken != 0)
             return NULL;
     }
+    for (Py_ssize_t i = 0; i < count; i++) { /* every page checked before the first node is made */
+        int64_t page;
+        if (field(PyList_GET_ITEM(pages, i), &page) < 0)
+            return NULL;
+        if (page < INT32_MIN || page > INT32_MAX)
+            return PyErr_Format(PyExc_OverflowError, "pinned_chain: device page %lld is past int32", (long long)page);
+    }
     PyObject *nodes = PyList_New(count), *ids = PyList_New(count), *out = NULL;
     uint64_t records = 0;
     if (nodes != NULL && ids != NULL &&
@@ -199,12 +200,12 @@ static int holds(PyObject *held, int64_t p) {
     return 0;
 }
 
-/* The first ``n`` of ``pages`` into ``out`` when they are distinct int64 pages the lease holds: 1, else 0. */
+/* The first ``n`` of ``pages`` into ``out`` when they are distinct int32 pages the lease holds: 1, else 0. */
 static int fresh_pages(PyObject *pages, Py_ssize_t n, PyObject *held, int64_t *out) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(pages, i);
         long long v = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
-        if (!PyLong_Check(item) || (v == -1 && PyErr_Occurred())) {
+        if (!PyLong_Check(item) || (v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
             PyErr_Clear();
             return 0;
         }
@@ -366,7 +367,7 @@ static PyObject *py_mark_run(PyObject *mod, PyObject *const *args, Py_ssize_t na
 
 /* run_pages(run, nodes) -> array('i') of the nodes' device pages (``nodes`` a list or tuple), each node's ``pages_run`` set to
  * ``run`` (another run caching a node's page forgets its pages): Run.device_pages's loop. None,
- * changing nothing, for nodes of the reference type or a page past int32 (the reference's). */
+ * changing nothing, for nodes of the reference type (the reference's). */
 static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "run_pages takes 2 arguments, not %zd", nargs);
@@ -376,7 +377,7 @@ static PyObject *py_run_pages(PyObject *mod, PyObject *const *args, Py_ssize_t n
     Py_ssize_t n = PySequence_Fast_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(nodes, i);
-        if (!is_node(item) || ((Node *)item)->device_page < INT32_MIN || ((Node *)item)->device_page > INT32_MAX)
+        if (!is_node(item))
             Py_RETURN_NONE;
     }
     PyObject *raw = PyBytes_FromStringAndSize(NULL, n * 4);

@@ -7,7 +7,6 @@
 
 #include "_node.h"
 
-
 /* lookup(root, data, step, host_hits) -> (device pages, host pages, array('i') of the device pages):
  * the longest prefix of ``data``'s full pages (``step`` bytes each) whose nodes are device VALID,
  * then (with ``host_hits``) the nodes after it that are host VALID and on no device page, as

@@ -9,7 +9,7 @@
  * depth) are C integers, each as wide as its values need: the kernels read and write them without
  * an int object between, and a node of 16-token pages is one 208-byte block of pymalloc. Python
  * reads each as an int made when read (small ones are the interpreter's cached ints) and writes it
- * through the member's setter. The object fields (the parent, the component record, the run caches)
+ * through ``int_set`` (_node.c), which refuses a value out of the field's range. The object fields (the parent, the component record, the run caches)
  * are declared in Node below and listed in FIELDS once: dealloc clears, a copy copies, and Python
  * reads and writes, each one listed. */
 #define FIELDS(X) X(parent) X(comp) X(run) X(pages_run)
@@ -17,7 +17,7 @@
 typedef struct {
     PyObject_VAR_HEAD /* ob_size: how many bytes of token ids ``tok`` holds (the page's key, inline) */
     /* The fields in the order the kernels read them (a touch, a candidacy, a drop), so that those
-     * reads span as few cache lines as they can: a node of 16-token pages is a 240-byte block of
+     * reads span as few cache lines as they can: a node of 16-token pages is a 208-byte block of
      * pymalloc, and a touch reads the lines up to ``host_slot``. */
     PyObject *parent;
     /* The children: NULL when there is none, the child itself when there is one (most nodes: a chain
@@ -202,11 +202,9 @@ int holding_drop_ints(Holding *self, const int64_t *drop, Py_ssize_t count);
 /* Holding.empty: 0, or -1 and an exception. */
 int holding_clear(Holding *self);
 
-
-/* A native node's digest record (accounting.record_of) for a node without components: 0, or -1 and
- * an exception (_account.c). */
-int record_native(Node *n, uint64_t *out);
-/* The fields a record hashes, read (or known) once: the tier states, pins, stamps and hits as ints. */
+/* A native node's digest record (accounting.record_of) for a node without components (_account.c). */
+uint64_t record_native(const Node *n);
+/* The fields a record hashes, read (or known) once, each widened to 64 bits as the record packs it. */
 typedef struct {
     uint64_t hash;
     int64_t ds, hs, ss, device_page, host_slot, dp, hp, last, hits, created;

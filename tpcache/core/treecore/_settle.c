@@ -66,13 +66,15 @@ static PyObject *py_settle(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             stopped = i;
             break;
         }
+        int32_t pins = n->host_pins;
+        if (set_pins(&pins, pins + hpins) < 0) /* (checked before the node changes) */
+            goto fail;
         was = node_flags(n);
         for (int t = 0; t < 3; t++) {
             if (want[t] >= 0)
                 *slots[t] = (int8_t)want[t]; /* (0-2: allowed_move) */
         }
-        if (hpins && set_pins(&n->host_pins, n->host_pins + hpins) < 0)
-            goto fail;
+        n->host_pins = pins;
         uint64_t rec, old = n->record;
         if (record_any(item, &rec) < 0)
             goto fail;

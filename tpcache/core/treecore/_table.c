@@ -187,7 +187,6 @@ static int table_contains(NodeTable *t, PyObject *key) {
     return n != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
 }
 
-
 /* Sort ``n`` slots by ascending id: a least-significant-digit radix sort of ``id - lowest``, 11 bits
  * a pass, as many passes as the span of the ids needs (two for a span under 4 million ids), with
  * ``spare`` as room for n more: the sorted slots, ``a`` or ``spare``. */
