@@ -127,7 +127,8 @@ done:
 
 /* The pages of token_bytes from byte ``offset`` on, one per device page of ``pages``: new nodes, each
  * below the one before, device VALID on its page, pinned once, recorded, their ids ``next_id`` on and
- * added to ``tree_nodes`` (the tree's NodeTable): (nodes, sum of their records, their ids), or NULL and an exception. */
+ * added to ``tree_nodes`` (the tree's NodeTable): (nodes, sum of their records, their ids), or NULL and an
+ * exception; a page that is no int32, or a clock that is no int64, raises before any node is made. */
 static PyObject *pinned(PyObject *tree_nodes, long long next_id, Py_ssize_t step, uint64_t seed, PyObject *parent,
                         PyObject *data, Py_ssize_t offset, PyObject *pages, PyObject *clock) {
     NodeTable *table = as_table(tree_nodes, "pinned_chain");
