@@ -62,9 +62,9 @@ static uint64_t page_hash(Node *node, uint64_t up, uint64_t seed) {
  * fetched this many pages ahead of its read. */
 enum { PAGES_AHEAD = 4 };
 
-/* Add the chain's nodes below ``parent``; ``nodes`` receives them and ``ids`` (unless NULL) their
- * ids (as ints). 0, or -1 and an exception (the
- * nodes added so far stay: the caller's state is then as broken as after any failed reference call). */
+/* Add the chain's nodes below ``parent``; ``nodes`` receives them and ``ids`` their ids (as ints).
+ * 0, or -1 and an exception (the nodes added so far stay: the caller's state is then as broken as
+ * after any failed reference call). */
 static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, const char *data, Py_ssize_t step,
                      uint64_t seed, PyObject *pages, PyObject *clock, PyObject *nodes, PyObject *ids, uint64_t *records) {
     uint64_t h = parent->hash;
@@ -84,8 +84,8 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
             __builtin_prefetch(PyList_GET_ITEM(pages, i + PAGES_AHEAD));
         if (field(PyList_GET_ITEM(pages, i), &page) < 0) /* (int32: pinned checked them) */
             goto done;
-        PyObject *id = ids != NULL ? PyLong_FromLongLong(next_id + i) : NULL;
-        Node *node = id != NULL || ids == NULL ? node_alloc(step) : NULL;
+        PyObject *id = PyLong_FromLongLong(next_id + i);
+        Node *node = id != NULL ? node_alloc(step) : NULL;
         if (node == NULL) {
             Py_XDECREF(id);
             goto done;
@@ -102,8 +102,7 @@ static int add_chain(NodeTable *tree_nodes, long long next_id, Node *parent, con
         if (added > 0)
             PyErr_Format(PyExc_ValueError, "node %lld already has a child for this page", (long long)up->node_id);
         PyList_SET_ITEM(nodes, i, Py_NewRef(node)); /* (the lists are made with room for each) */
-        if (ids != NULL)
-            PyList_SET_ITEM(ids, i, id); /* (the list takes it) */
+        PyList_SET_ITEM(ids, i, id); /* (the list takes it) */
         f.hash = h;
         f.device_page = page;
         uint64_t rec = record_fields(&f);
@@ -220,21 +219,13 @@ static int fresh_pages(PyObject *pages, Py_ssize_t n, PyObject *held, int64_t *o
     return 1;
 }
 
-/* The lease's side of the chain: its pages leave ``held`` (lease.pages), its nodes' ids join
- * ``pinned_nodes`` (lease.device_nodes). ``*whole``: whether the lease then pins exactly the path to
- * the last node (the caller moves its cursor there, or clears it). */
-static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *nodes, const int64_t *fresh,
-                 Py_ssize_t n, PyObject **out_ids, int *whole) {
+/* The lease's side of the chain: its pages leave ``held`` (lease.pages), the ``n`` new nodes' ``ids``
+ * (pinned's) join ``pinned_nodes`` (lease.device_nodes). ``*whole``: whether the lease then pins
+ * exactly the path to the last node (the caller moves its cursor there, or clears it). */
+static int adopt(PyObject *held, PyObject *pinned_nodes, Node *cursor, PyObject *ids, const int64_t *fresh,
+                 Py_ssize_t n, int *whole) {
     int64_t depth = cursor->depth;
-    PyObject *extended = NULL, *ids = *out_ids = PyList_New(n);
-    if (ids == NULL)
-        return -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id = PyLong_FromLongLong(((Node *)PyList_GET_ITEM(nodes, i))->node_id);
-        if (id == NULL)
-            return -1;
-        PyList_SET_ITEM(ids, i, id);
-    }
+    PyObject *extended = NULL;
     /* Holding exactly the n distinct pages, the lease holds nothing else: emptied, as the reference does. */
     int all = PyList_GET_SIZE(held) == n;
     if ((all ? holding_clear((Holding *)held) < 0 : holding_drop_ints((Holding *)held, fresh, n) < 0) ||
@@ -285,12 +276,12 @@ static PyObject *py_append_chain(PyObject *mod, PyObject *const *args, Py_ssize_
             return NULL;
         Py_RETURN_NONE; /* a page already below the cursor: _adopt's */
     }
-    PyObject *taken = PyList_GetSlice(pages, 0, n), *out = NULL, *ids = NULL;
+    PyObject *taken = PyList_GetSlice(pages, 0, n), *out = NULL;
     PyObject *made = taken ? pinned(tree_nodes, next_id, step, seed, cursor, data, 0, taken, clock) : NULL;
     int whole = 0;
-    if (made != NULL && adopt(held, pinned_nodes, (Node *)cursor, PyTuple_GET_ITEM(made, 0), fresh, n, &ids, &whole) == 0)
-        out = Py_BuildValue("(OOOO)", ids, PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False, PyTuple_GET_ITEM(made, 0));
-    Py_XDECREF(ids);
+    if (made != NULL && adopt(held, pinned_nodes, (Node *)cursor, PyTuple_GET_ITEM(made, 2), fresh, n, &whole) == 0)
+        out = Py_BuildValue("(OOOO)", PyTuple_GET_ITEM(made, 2), PyTuple_GET_ITEM(made, 1), whole ? Py_True : Py_False,
+                            PyTuple_GET_ITEM(made, 0));
     Py_XDECREF(made);
     Py_XDECREF(taken);
     return out;

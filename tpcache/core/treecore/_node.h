@@ -9,9 +9,9 @@
  * depth) are C integers, each as wide as its values need: the kernels read and write them without
  * an int object between, and a node of 16-token pages is one 208-byte block of pymalloc. Python
  * reads each as an int made when read (small ones are the interpreter's cached ints) and writes it
- * through ``int_set`` (_node.c), which refuses a value out of the field's range. The object fields (the parent, the component record, the run caches)
- * are declared in Node below and listed in FIELDS once: dealloc clears, a copy copies, and Python
- * reads and writes, each one listed. */
+ * through ``int_set`` (_node.c), which refuses a value out of the field's range. The object fields
+ * (the parent, the component record, the run caches) are declared in Node below and listed in
+ * FIELDS once: dealloc clears, a copy copies, and Python reads and writes, each one listed. */
 #define FIELDS(X) X(parent) X(comp) X(run) X(pages_run)
 
 typedef struct {
